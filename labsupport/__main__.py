@@ -1,0 +1,74 @@
+"""Course commands: ``python -m labsupport release`` and ``python -m labsupport grade``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _root() -> Path:
+    """The course repository: the current folder or one above it that has solutions/ and labs/."""
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents):
+        if (folder / "solutions").is_dir() and (folder / "_toc.yml").exists():
+            return folder
+    raise SystemExit("release: run this inside the course repository (no solutions/ and _toc.yml found)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labsupport")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    rel = sub.add_parser("release", help="write labs/*.ipynb (learners) and solutions/*.ipynb from solutions/*.py")
+    rel.add_argument("--check", action="store_true", help="write nothing; exit 1 if any notebook is out of date")
+    rel.add_argument("--force", action="store_true", help="replace edited notebooks (a .bak copy is kept)")
+
+    gr = sub.add_parser("grade", help="run notebooks headlessly and score their checks")
+    gr.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
+    gr.add_argument("--csv", default="grades.csv", help="where to write the scores (default: grades.csv)")
+    gr.add_argument("--timeout", type=int, default=600, help="seconds a single cell may run (default: 600)")
+
+    args = parser.parse_args(argv)
+    if args.command == "release":
+        from .release import ReleaseError, plan, release
+
+        root = _root()
+        try:
+            if args.check:
+                stale = [p for p in plan(root) if p.status != "unchanged"]
+                for p in stale:
+                    print(f"out of date: {p.target.relative_to(root)} ({p.status})")
+                if stale:
+                    print("run `python -m labsupport release` to regenerate them")
+                    return 1
+                print("all released notebooks match their sources")
+                return 0
+            release(root, force=args.force)
+        except ReleaseError as exc:
+            print(f"release: {exc}", file=sys.stderr)
+            return 2
+        return 0
+
+    from .grade import expand, format_table, grade_notebook, write_csv
+
+    rows = []
+    notebooks = expand(args.paths)
+    if not notebooks:
+        print("grade: no notebooks found in " + ", ".join(args.paths), file=sys.stderr)
+        return 2
+    for path in notebooks:
+        print(f"grading {path} ...", file=sys.stderr, flush=True)
+        rows.extend(grade_notebook(path, timeout=args.timeout))
+    print(format_table(rows))
+    try:
+        write_csv(rows, Path(args.csv))
+        print(f"\nscores written to {args.csv}")
+    except FileExistsError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

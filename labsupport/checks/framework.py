@@ -1,0 +1,301 @@
+"""The machinery behind every graded check.
+
+A check is a function ``check_something(fn)`` decorated with :func:`graded`. It runs the
+learner's ``fn`` on chosen cases through :meth:`Checker.call`, compares what comes back with
+:meth:`Checker.expect_tensor` or :meth:`Checker.expect_number`, and either
+
+* raises :class:`CheckFailed` (an ``AssertionError``) whose message names the case, the largest
+  error and where it is, and a hint; or
+* prints one short pass line.
+
+Either way the result (points earned out of points possible) is recorded in
+:data:`RESULTS`, and appended as one JSON line to the file named by ``LABSUPPORT_RESULTS``
+when that variable is set: that is how ``python -m labsupport grade`` collects scores.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+RESULTS_ENV = "LABSUPPORT_RESULTS"
+
+
+class CheckFailed(AssertionError):
+    """A graded check found a problem with the learner's code. The message says what to fix."""
+
+
+class ForbiddenCall(RuntimeError):
+    """Raised inside the learner's function when it calls a library function the exercise replaces."""
+
+
+@dataclass
+class CheckResult:
+    check: str
+    passed: bool
+    points: float
+    max_points: float
+    cases: int
+    message: str = ""
+
+
+RESULTS: list[CheckResult] = []
+REGISTRY: dict[str, Callable] = {}
+
+
+def _record(result: CheckResult) -> None:
+    RESULTS.append(result)
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(result)) + "\n")
+
+
+class Case:
+    """A named test case; ``str(case)`` is what failure messages print."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def __str__(self) -> str:
+        parts = []
+        for key, value in self.fields.items():
+            if hasattr(value, "is_floating_point") or type(value).__module__ == "torch":
+                value = str(value).replace("torch.", "")
+            parts.append(f"{key}={value}")
+        return ", ".join(parts)
+
+    def __getitem__(self, key):
+        return self.fields[key]
+
+
+def _describe_call_site(exc: BaseException) -> str:
+    """Where in the learner's code an exception was raised (last frame outside labsupport)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "labsupport" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    where = f"line {f.lineno}" if f.filename.startswith("<") else f"{os.path.basename(f.filename)}:{f.lineno}"
+    code = f"  `{f.line.strip()}`" if f.line else ""
+    return f" (at {where}{code})"
+
+
+class Checker:
+    """Helpers a check body uses; one per check run."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.cases = 0
+
+    # -- running the learner's function -------------------------------------------------------
+    def call(self, fn: Callable, *args, case: Case, forbid: Sequence[str] = (), **kwargs):
+        """Call ``fn(*args, **kwargs)``, turning every way it can go wrong into a clear failure."""
+        from ..device import explain_error
+
+        self.cases += 1
+        fname = getattr(fn, "__name__", "your function")
+        try:
+            if forbid:
+                with _forbid(forbid):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        except NotImplementedError as exc:
+            raise CheckFailed(
+                f"{self.name}: `{fname}` still raises NotImplementedError. Replace the "
+                f"`raise NotImplementedError(...)` line in the exercise cell with your code, run that "
+                f"cell, then run this check again."
+            ) from exc
+        except ForbiddenCall as exc:
+            raise CheckFailed(f"{self.name}: on case [{case}] {exc}") from exc
+        except CheckFailed:
+            raise
+        except Exception as exc:
+            advice = explain_error(exc)
+            message = (
+                f"{self.name}: `{fname}` raised {type(exc).__name__}: {str(exc).strip()[:500]}"
+                f"{_describe_call_site(exc)} on case [{case}]."
+            )
+            message += f"\nWhat to do: {advice}" if advice else (
+                "\nHint: run your function on that case yourself to see the full traceback."
+            )
+            raise CheckFailed(message) from exc
+
+    # -- comparing results --------------------------------------------------------------------
+    def fail(self, case: Case, problem: str, hint: str = "") -> None:
+        message = f"{self.name}: case [{case}]: {problem}"
+        if hint:
+            message += f"\nHint: {hint}"
+        raise CheckFailed(message)
+
+    def expect_tensor(
+        self,
+        actual,
+        expected,
+        *,
+        case: Case,
+        atol: float,
+        rtol: float,
+        what: str = "output",
+        hint: str = "",
+        mistakes: dict[str, object] | None = None,
+        check_dtype: bool = True,
+    ) -> None:
+        """Fail unless ``actual`` is a tensor like ``expected`` and close to it.
+
+        ``mistakes`` maps a description of a common mistake to the tensor that mistake produces;
+        when the learner's output matches one, the message names it.
+        """
+        import torch
+
+        if not isinstance(actual, torch.Tensor):
+            self.fail(
+                case,
+                f"the {what} is a {type(actual).__name__}, expected a torch.Tensor of shape "
+                f"{tuple(expected.shape)}.",
+                "return the tensor itself (not a tuple, list or number).",
+            )
+        if tuple(actual.shape) != tuple(expected.shape):
+            self.fail(
+                case,
+                f"the {what} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}.",
+                hint or "check which dimensions you reduce over and that you did not drop or transpose one.",
+            )
+        if check_dtype and actual.dtype != expected.dtype:
+            self.fail(
+                case,
+                f"the {what} has dtype {str(actual.dtype).replace('torch.', '')}, expected "
+                f"{str(expected.dtype).replace('torch.', '')} (the dtype of the inputs).",
+                "compute in whatever precision you like, but return the inputs' dtype (`.to(q.dtype)`).",
+            )
+        if actual.device != expected.device:
+            self.fail(case, f"the {what} is on {actual.device}, expected {expected.device}.",
+                      "allocate outputs on the inputs' device (`device=x.device`).")
+        got = actual.detach().to(torch.float64)
+        want = expected.detach().to(torch.float64)
+        bad_values = ~torch.isfinite(got) & torch.isfinite(want)
+        if bool(bad_values.any()):
+            idx = tuple(int(i) for i in bad_values.nonzero()[0])
+            self.fail(
+                case,
+                f"the {what} has {int(bad_values.sum())} non-finite value(s) (NaN or inf) where the "
+                f"reference is finite, first at index {idx}: got {got[idx].item()}, expected "
+                f"{want[idx].item():.6g}.",
+                hint or "NaN or inf usually means an overflow (exp of a large number: subtract the "
+                "maximum first), a division by zero, or reading memory outside the tensor (a missing mask).",
+            )
+        diff = (got - want).abs()
+        allowed = atol + rtol * want.abs()
+        outside = diff > allowed
+        if bool(outside.any()):
+            flat = int(torch.argmax(torch.where(torch.isfinite(diff), diff, torch.zeros_like(diff))))
+            idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+            problem = (
+                f"the {what} is wrong at {int(outside.sum())} of {diff.numel()} elements. Largest "
+                f"error {diff[idx].item():.4g} at index {idx}: got {got[idx].item():.6g}, expected "
+                f"{want[idx].item():.6g} (tolerance atol={atol:g}, rtol={rtol:g})."
+            )
+            matched = self._match_mistake(got, mistakes, atol, rtol)
+            if matched:
+                problem += f"\nYour {what} matches what we get when {matched}."
+            self.fail(case, problem, hint)
+
+    @staticmethod
+    def _match_mistake(got, mistakes, atol, rtol) -> str | None:
+        import torch
+
+        for description, wrong in (mistakes or {}).items():
+            wrong = wrong.detach().to(torch.float64)
+            if wrong.shape == got.shape and torch.allclose(got, wrong, atol=atol, rtol=rtol, equal_nan=True):
+                return description
+        return None
+
+    def expect_number(self, actual, expected: float, *, case: Case, rel: float = 1e-6, what: str = "result",
+                      hint: str = "", mistakes: dict[str, float] | None = None) -> None:
+        """Fail unless ``actual`` is a real number within ``rel`` (relative) of ``expected``."""
+        if hasattr(actual, "item") and getattr(actual, "numel", lambda: 1)() == 1:
+            actual = actual.item()
+        if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+            self.fail(case, f"the {what} is a {type(actual).__name__}, expected a number.",
+                      "return a plain int or float.")
+        if not math.isfinite(actual):
+            self.fail(case, f"the {what} is {actual}, expected {expected:.6g}.", hint)
+        if not math.isclose(actual, expected, rel_tol=rel, abs_tol=0.0 if expected else 1e-12):
+            problem = f"the {what} is {actual:.6g}, expected {expected:.6g} (ratio {actual / expected:.4g})." \
+                if expected else f"the {what} is {actual:.6g}, expected 0."
+            for description, wrong in (mistakes or {}).items():
+                if math.isclose(actual, wrong, rel_tol=rel):
+                    problem += f"\nYour {what} matches what we get when {description}."
+                    break
+            self.fail(case, problem, hint)
+
+
+class _forbid:
+    """Context manager: calling any torch function named in ``names`` raises ForbiddenCall.
+
+    It works through ``TorchFunctionMode``, so it catches the call however the function was
+    imported (``F.scaled_dot_product_attention`` or a name imported from the module).
+    """
+
+    def __init__(self, names: Sequence[str]):
+        from torch.overrides import TorchFunctionMode
+
+        forbidden = set(names)
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in forbidden:
+                    raise ForbiddenCall(
+                        f"your function called `{name}`, which this exercise asks you to replace. "
+                        f"Write it yourself from matmuls, elementwise operations and reductions."
+                    )
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def graded(points: float, name: str | None = None):
+    """Register a check worth ``points``; the decorated body is ``body(fn, checker, *args)``."""
+
+    def decorate(body: Callable) -> Callable:
+        check_name = name or body.__name__
+
+        @functools.wraps(body)
+        def check(fn, *args, **kwargs):
+            checker = Checker(check_name)
+            if not callable(fn):
+                message = (
+                    f"{check_name} takes your function itself, got a {type(fn).__name__}. "
+                    f"Pass the function without calling it: {check_name}(my_function)."
+                )
+                _record(CheckResult(check_name, False, 0, points, 0, message))
+                raise CheckFailed(message)
+            try:
+                body(fn, checker, *args, **kwargs)
+            except CheckFailed as exc:
+                _record(CheckResult(check_name, False, 0, points, checker.cases, str(exc)))
+                raise
+            except Exception as exc:
+                message = f"{check_name} itself failed with {type(exc).__name__}: {exc}"
+                _record(CheckResult(check_name, False, 0, points, checker.cases, message))
+                raise
+            _record(CheckResult(check_name, True, points, points, checker.cases))
+            print(f"PASSED {check_name}: {checker.cases} cases, {points:g}/{points:g} points")
+
+        check.points = points
+        check.check_name = check_name
+        REGISTRY[check_name] = check
+        return check
+
+    return decorate

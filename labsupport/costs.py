@@ -1,0 +1,141 @@
+"""The runbook's arithmetic as plain functions.
+
+Conventions (stated once, used everywhere):
+
+* ``N`` is :func:`param_count`: every weight, embeddings included, as the runbook counts it.
+* A matmul of an ``(m, k)`` by a ``(k, n)`` matrix costs ``2*m*k*n`` FLOPs (a multiply and an add).
+* Prefill attention costs ``4*L*P**2*d``: ``2*L*P**2*d`` to score every query against every key,
+  the same again to blend the values. The runbook counts it *without* the causal mask;
+  ``causal=True`` halves it, since a causal model scores each query only against earlier keys.
+* A decode step reads every weight once and the whole KV cache of every sequence in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._validate import positive_int, positive_number
+from .models import ModelConfig
+
+
+def _model(cfg) -> ModelConfig:
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(
+            f"cfg must be a ModelConfig (for example labsupport.models.get_model('llama-3.1-8b')), "
+            f"got {type(cfg).__name__}"
+        )
+    return cfg
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of weights in a Llama-style decoder, embeddings and output head included.
+
+    Per layer: the query and output projections (``d*d`` each), the key and value projections
+    (``d * n_kv_heads * head_dim`` each), the SwiGLU feed-forward (``3*d*d_ff``) and two RMSNorm
+    weight vectors. Then the embedding table, a final norm and, unless tied, the output head.
+    """
+    cfg = _model(cfg)
+    d, kv_width = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    attention = 2 * d * d + 2 * d * kv_width
+    feed_forward = 3 * d * cfg.d_ff
+    norms = 2 * d
+    per_layer = attention + feed_forward + norms
+    embeddings = cfg.vocab_size * d * (1 if cfg.tied_embeddings else 2)
+    return cfg.n_layers * per_layer + embeddings + d
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2) -> float:
+    """Bytes of KV cache one token adds: keys and values, every layer, every KV head."""
+    cfg = _model(cfg)
+    dtype_bytes = positive_number("dtype_bytes", dtype_bytes)
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    return int(per_token) if per_token == int(per_token) else per_token
+
+
+def prefill_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
+    """FLOPs to prefill ``prompt_tokens`` positions: ``2*N*P + 4*L*P**2*d`` (attention halved if causal)."""
+    cfg = _model(cfg)
+    p = positive_int("prompt_tokens", prompt_tokens)
+    linear = 2 * param_count(cfg) * p
+    return float(linear + prefill_attention_flops(cfg, p, causal=causal))
+
+
+def prefill_attention_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
+    """The quadratic part of :func:`prefill_flops`: ``4*L*P**2*d``, halved when ``causal``."""
+    cfg = _model(cfg)
+    p = positive_int("prompt_tokens", prompt_tokens)
+    attention = 4 * cfg.n_layers * p * p * cfg.d_model
+    return float(attention / 2 if causal else attention)
+
+
+def attention_share(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
+    """Fraction of prefill FLOPs spent in attention's quadratic term."""
+    return prefill_attention_flops(cfg, prompt_tokens, causal) / prefill_flops(cfg, prompt_tokens, causal)
+
+
+def quadratic_crossover(cfg: ModelConfig, causal: bool = False) -> float:
+    """Prompt length where attention FLOPs equal the linear FLOPs: ``N / (2*L*d)``.
+
+    With the causal halving the attention term is half as large, so the crossover doubles.
+    """
+    cfg = _model(cfg)
+    crossover = param_count(cfg) / (2 * cfg.n_layers * cfg.d_model)
+    return crossover * 2 if causal else crossover
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """Bytes one decode step reads from memory, split by what they are."""
+
+    weights: float
+    cache: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.cache
+
+    @property
+    def cache_share(self) -> float:
+        """Fraction of the read that is KV cache."""
+        return self.cache / self.total
+
+
+def decode_step_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    context: int,
+    weight_bytes: float = 2,
+    kv_dtype_bytes: float = 2,
+) -> DecodeBytes:
+    """Bytes read by one decode step: all weights once, plus ``batch`` caches of ``context`` tokens."""
+    cfg = _model(cfg)
+    batch = positive_int("batch", batch)
+    context = positive_int("context", context, allow_zero=True)
+    weight_bytes = positive_number("weight_bytes", weight_bytes)
+    weights = param_count(cfg) * weight_bytes
+    cache = kv_bytes_per_token(cfg, kv_dtype_bytes) * context * batch
+    return DecodeBytes(weights=float(weights), cache=float(cache))
+
+
+def decode_step_flops(cfg: ModelConfig, batch: int, context: int = 0) -> float:
+    """FLOPs of one decode step: ``2*N`` per sequence plus attention over its ``context``."""
+    cfg = _model(cfg)
+    batch = positive_int("batch", batch)
+    context = positive_int("context", context, allow_zero=True)
+    return float(batch * (2 * param_count(cfg) + 4 * cfg.n_layers * context * cfg.d_model))
+
+
+def matmul_flops(m: int, k: int, n: int) -> float:
+    """FLOPs of an ``(m, k) @ (k, n)`` matmul: ``2*m*k*n``."""
+    m, k, n = (positive_int(name, v) for name, v in (("m", m), ("k", k), ("n", n)))
+    return float(2 * m * k * n)
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool = False) -> float:
+    """FLOPs of an attention forward pass, ``4*B*H*S**2*D``, halved when ``causal``."""
+    b, h, s, d = (
+        positive_int(name, v)
+        for name, v in (("batch", batch), ("heads", heads), ("seq_len", seq_len), ("head_dim", head_dim))
+    )
+    flops = 4 * b * h * s * s * d
+    return float(flops / 2 if causal else flops)

@@ -1,0 +1,165 @@
+"""Where kernels run: a CUDA GPU, or Triton's interpreter on the CPU.
+
+Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so the choice must
+be made before any kernel is defined. ``import labsupport`` makes it (see ``__init__``):
+with no CUDA device it sets ``TRITON_INTERPRET=1`` unless you set the variable yourself.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+INTERPRET_VAR = "TRITON_INTERPRET"
+PRESET_VAR = "LABSUPPORT_PRESET"
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def interpreter_mode() -> bool:
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get(INTERPRET_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def configure_triton() -> bool:
+    """Turn the interpreter on when there is no CUDA device; return whether it is on.
+
+    An explicit ``TRITON_INTERPRET`` set by the user is respected either way.
+    """
+    if INTERPRET_VAR not in os.environ and not cuda_available():
+        os.environ[INTERPRET_VAR] = "1"
+    return interpreter_mode()
+
+
+def device() -> "torch.device":  # noqa: F821
+    """The device labs put tensors on: ``cuda`` when available, else ``cpu``."""
+    import torch
+
+    return torch.device("cuda" if cuda_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class LabSettings:
+    """What a lab needs to know about where it runs."""
+
+    device: str  # "cuda" or "cpu"
+    device_name: str
+    interpreter: bool  # Triton kernels run in the interpreter
+    preset: str  # "small" (CPU / interpreter) or "full" (GPU)
+    torch_version: str
+    triton_version: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def timings_meaningful(self) -> bool:
+        """Whether a Triton kernel's timing says anything about performance here."""
+        return self.on_gpu and not self.interpreter
+
+    def pick(self, small, full):
+        """Return ``small`` under the small preset and ``full`` under the full one."""
+        return small if self.preset == "small" else full
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except Exception as exc:  # a broken triton install should not hide the rest of the banner
+        return f"not importable ({type(exc).__name__}: {exc})"
+    return triton.__version__
+
+
+def settings() -> LabSettings:
+    """Describe the current machine without printing anything."""
+    import torch
+
+    interp = configure_triton()
+    on_gpu = cuda_available()
+    if on_gpu:
+        name = torch.cuda.get_device_name(0)
+    else:
+        name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    preset = os.environ.get(PRESET_VAR, "").strip().lower()
+    if preset not in ("small", "full"):
+        preset = "full" if on_gpu and not interp else "small"
+    return LabSettings(
+        device="cuda" if on_gpu else "cpu",
+        device_name=name,
+        interpreter=interp,
+        preset=preset,
+        torch_version=torch.__version__,
+        triton_version=_triton_version(),
+    )
+
+
+def banner(s: LabSettings) -> str:
+    mode = "Triton interpreter (correctness only: timings are not meaningful)" if s.interpreter else "GPU"
+    lines = [
+        f"device : {s.device} - {s.device_name}",
+        f"torch  : {s.torch_version}    triton: {s.triton_version}",
+        f"kernels: {mode}",
+        f"sizes  : {s.preset} preset ({'small problems sized for a CPU' if s.preset == 'small' else 'real sizes'})",
+    ]
+    if s.interpreter and s.on_gpu:
+        lines.append("note   : TRITON_INTERPRET is set although a GPU is present; unset it to run kernels on the GPU")
+    return "\n".join(lines)
+
+
+def setup(verbose: bool = True) -> LabSettings:
+    """Start of every lab: choose where kernels run, print one banner, return the settings."""
+    s = settings()
+    if verbose:
+        print(banner(s))
+    _install_error_explainer()
+    return s
+
+
+# --- turning raw launch errors into advice -------------------------------------------------
+
+NO_DRIVER_ADVICE = (
+    "Triton found no GPU driver, and the interpreter is off. Either run on a machine with a CUDA "
+    "GPU, or use the interpreter: restart the kernel and run `import labsupport` (or set the "
+    "environment variable TRITON_INTERPRET=1) before any @triton.jit kernel is defined."
+)
+CPU_TENSOR_ADVICE = (
+    "A CPU tensor was passed to a Triton kernel running on the GPU. Move inputs to the GPU with "
+    "`.to('cuda')` (labsupport.device.device() gives the right device) before launching."
+)
+
+
+def explain_error(exc: BaseException) -> str | None:
+    """Return advice for a known Triton/torch launch failure, or None if it is not one."""
+    text = str(exc)
+    if "active drivers" in text and "There should only be one" in text:
+        return NO_DRIVER_ADVICE
+    if "Pointer argument cannot be accessed from Triton" in text or "cpu tensor?" in text:
+        return CPU_TENSOR_ADVICE
+    return None
+
+
+def _install_error_explainer() -> None:
+    """In IPython, print advice under the traceback of a known launch failure."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None or getattr(ip, "_labsupport_explainer", False):
+        return
+
+    def handler(shell, etype, value, tb, tb_offset=None):
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        advice = explain_error(value)
+        if advice:
+            print(f"\nWhat to do: {advice}")
+        return None
+
+    ip.set_custom_exc((RuntimeError, ValueError), handler)
+    ip._labsupport_explainer = True

@@ -1,0 +1,111 @@
+"""Published peak numbers for the GPUs learners are likely to meet.
+
+``peak_flops`` is the dense (no sparsity) bf16 tensor-core peak in FLOP/s, except where a card has
+no bf16 tensor cores (T4): there it is the fp16 peak, and ``notes`` says so. ``hbm_bandwidth`` is
+the memory bandwidth in bytes/s and ``memory_bytes`` the memory size, both in decimal units as the
+datasheets give them. Each row names its source. Published peaks are ceilings, never measurements:
+the labs measure your own device and show both side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._validate import positive_int
+
+TERA = 1e12
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    memory_bytes: float
+    source: str
+    notes: str = ""
+
+    @property
+    def ridge_point(self) -> float:
+        """Arithmetic intensity (FLOP per byte) where the compute and bandwidth limits meet."""
+        return self.peak_flops / self.hbm_bandwidth
+
+    def times(self, count: int) -> "GPU":
+        """``count`` of these cards treated as one device (peak, bandwidth and memory all scale)."""
+        count = positive_int("count", count)
+        return GPU(
+            name=f"{count}x {self.name}",
+            peak_flops=self.peak_flops * count,
+            hbm_bandwidth=self.hbm_bandwidth * count,
+            memory_bytes=self.memory_bytes * count,
+            source=self.source,
+            notes=self.notes,
+        )
+
+
+GPUS: dict[str, GPU] = {
+    gpu.name: gpu
+    for gpu in (
+        GPU("H100 SXM", 989.4 * TERA, 3.35e12, 80 * GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+        GPU("H200", 989.4 * TERA, 4.8e12, 141 * GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+        GPU("A100 40GB", 312 * TERA, 1.555e12, 40 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)"),
+        GPU("A100 80GB", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
+        GPU("L4", 121 * TERA, 300e9, 24 * GB, "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOP/s is with sparsity)"),
+        GPU(
+            "T4",
+            65 * TERA,
+            320e9,
+            16 * GB,
+            "NVIDIA T4 Tensor Core GPU datasheet",
+            notes="no bf16 tensor cores: peak is fp16 with fp32 accumulation",
+        ),
+    )
+}
+
+_ALIASES = {
+    "h100": "H100 SXM",
+    "h100-sxm": "H100 SXM",
+    "h100 sxm": "H100 SXM",
+    "h200": "H200",
+    "a100": "A100 80GB",
+    "a100-40gb": "A100 40GB",
+    "a100 40gb": "A100 40GB",
+    "a100-80gb": "A100 80GB",
+    "a100 80gb": "A100 80GB",
+    "l4": "L4",
+    "t4": "T4",
+}
+
+
+def get_gpu(name: str) -> GPU:
+    """Look up a GPU by name ("H100 SXM", "h100", "A100 40GB", "a100-40gb", ...)."""
+    if not isinstance(name, str):
+        raise ValueError(f"GPU name must be a string, got {type(name).__name__}")
+    key = name.strip()
+    if key in GPUS:
+        return GPUS[key]
+    alias = _ALIASES.get(key.lower())
+    if alias is None:
+        raise ValueError(f"unknown GPU {name!r}; accepted names: {', '.join(GPUS)}")
+    return GPUS[alias]
+
+
+def list_gpus() -> list[str]:
+    return list(GPUS)
+
+
+def match_device_name(device_name: str) -> GPU | None:
+    """Best-effort match of ``torch.cuda.get_device_name()`` to a table row, or None."""
+    text = device_name.lower()
+    if "h200" in text:
+        return GPUS["H200"]
+    if "h100" in text:
+        return GPUS["H100 SXM"]
+    if "a100" in text:
+        return GPUS["A100 40GB"] if "40" in text else GPUS["A100 80GB"]
+    if " l4" in f" {text}":
+        return GPUS["L4"]
+    if "t4" in text:
+        return GPUS["T4"]
+    return None

@@ -1,0 +1,228 @@
+"""One source of truth per lab, two notebooks out.
+
+Each lab is written once, as a percent-format Python file in ``solutions/`` (cells start with
+``# %%`` for code or ``# %% [markdown]`` for prose; markdown lines start with ``# ``). Solution
+regions are marked inside code cells::
+
+    def vector_add(x, y):
+        # BEGIN SOLUTION
+        out = torch.empty_like(x)
+        ...
+        # END SOLUTION
+
+``release`` writes two notebooks from it, both committed:
+
+* ``solutions/NAME.ipynb``: the markers removed, everything kept (for instructors and CI);
+* ``labs/NAME.ipynb``: each region replaced by ``raise NotImplementedError(...)`` at the
+  marker's indentation (for learners). In markdown, ``<!-- BEGIN SOLUTION -->`` ...
+  ``<!-- END SOLUTION -->`` is dropped from the learner's copy.
+
+A learner's edits are never overwritten: every released notebook records a digest of its cells,
+and ``release`` refuses to replace a notebook whose cells no longer match it (unless ``force``,
+which first saves a timestamped backup).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+CELL_MARKER = re.compile(r"^# %%(?P<rest>.*)$")
+BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?::\s*(?P<what>.*))?\s*$")
+END = re.compile(r"^\s*# END SOLUTION\s*$")
+MD_BEGIN = "<!-- BEGIN SOLUTION -->"
+MD_END = "<!-- END SOLUTION -->"
+
+
+class ReleaseError(Exception):
+    """A source file is malformed, or a release would overwrite a learner's work."""
+
+
+@dataclass
+class SourceCell:
+    kind: str  # "code" or "markdown"
+    lines: list[str]
+    line_no: int  # where the cell starts in the source, for error messages
+
+
+def parse_source(path: Path) -> list[SourceCell]:
+    """Split a percent-format file into cells."""
+    cells: list[SourceCell] = []
+    current: SourceCell | None = None
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        marker = CELL_MARKER.match(raw)
+        if marker:
+            rest = marker.group("rest").strip()
+            kind = "markdown" if rest.startswith("[markdown]") else "code"
+            current = SourceCell(kind, [], number)
+            cells.append(current)
+            continue
+        if current is None:
+            continue  # header comment before the first cell
+        if current.kind == "markdown":
+            if raw.strip() and not raw.startswith("#"):
+                raise ReleaseError(f"{path}:{number}: markdown lines must start with '#', got {raw!r}")
+            raw = raw[2:] if raw.startswith("# ") else raw[1:]
+        current.lines.append(raw)
+    for cell in cells:
+        while cell.lines and not cell.lines[0].strip():
+            cell.lines.pop(0)
+        while cell.lines and not cell.lines[-1].strip():
+            cell.lines.pop()
+    if not cells:
+        raise ReleaseError(f"{path}: no cells found (cells start with a line '# %%')")
+    return [c for c in cells if c.lines]
+
+
+def _strip_code(cell: SourceCell, path: Path, student: bool) -> list[str]:
+    out: list[str] = []
+    inside: re.Match | None = None
+    begin_line = 0
+    for offset, line in enumerate(cell.lines):
+        begin = BEGIN.match(line)
+        if begin:
+            if inside:
+                raise ReleaseError(f"{path}:{cell.line_no + offset + 1}: nested '# BEGIN SOLUTION'")
+            inside, begin_line = begin, cell.line_no + offset + 1
+            if student:
+                what = begin.group("what") or "replace this line with your code"
+                out.append(f'{begin.group("indent")}raise NotImplementedError("Exercise: {what}")')
+            continue
+        if END.match(line):
+            if not inside:
+                raise ReleaseError(f"{path}:{cell.line_no + offset + 1}: '# END SOLUTION' without a BEGIN")
+            inside = None
+            continue
+        if not (student and inside):
+            out.append(line)
+    if inside:
+        raise ReleaseError(f"{path}:{begin_line}: '# BEGIN SOLUTION' is never closed")
+    return out
+
+
+def _strip_markdown(cell: SourceCell, path: Path, student: bool) -> list[str]:
+    out, inside = [], False
+    for offset, line in enumerate(cell.lines):
+        if line.strip() == MD_BEGIN:
+            inside = True
+            continue
+        if line.strip() == MD_END:
+            if not inside:
+                raise ReleaseError(f"{path}:{cell.line_no + offset + 1}: {MD_END} without a BEGIN")
+            inside = False
+            continue
+        if not (student and inside):
+            out.append(line)
+    if inside:
+        raise ReleaseError(f"{path}:{cell.line_no}: {MD_BEGIN} is never closed")
+    return out
+
+
+def build_notebook(source: Path, student: bool) -> nbformat.NotebookNode:
+    """The learner's (``student=True``) or the instructor's notebook for one source file."""
+    nb = nbformat.v4.new_notebook()
+    for index, cell in enumerate(parse_source(source)):
+        if cell.kind == "code":
+            text = "\n".join(_strip_code(cell, source, student))
+            new = nbformat.v4.new_code_cell(text)
+        else:
+            text = "\n".join(_strip_markdown(cell, source, student))
+            new = nbformat.v4.new_markdown_cell(text)
+        new["id"] = f"{source.stem[:40]}-{index:03d}".replace("_", "-")
+        nb.cells.append(new)
+    nb.metadata = {
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+        "accelerator": "GPU",  # Colab opens the notebook on a GPU runtime
+        "labsupport": {
+            "source": f"solutions/{source.name}",
+            "version": "student" if student else "solution",
+            "digest": cells_digest(nb),
+        },
+    }
+    return nb
+
+
+def cells_digest(nb) -> str:
+    """A digest of the cells' types and sources: what a learner changes when they work."""
+    payload = json.dumps([[c["cell_type"], c["source"]] for c in nb["cells"]])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def render(nb) -> str:
+    return nbformat.writes(nb, version=4) + "\n"
+
+
+@dataclass
+class Planned:
+    target: Path
+    text: str
+    status: str  # "unchanged", "new", "update", "learner-edited"
+
+
+def plan(root: Path) -> list[Planned]:
+    """What ``release`` would write, without writing anything."""
+    sources = sorted((root / "solutions").glob("[0-9]*.py"))
+    if not sources:
+        raise ReleaseError(f"no lab sources found in {root / 'solutions'} (expected files like 00_name.py)")
+    planned = []
+    for source in sources:
+        for student, folder in ((True, "labs"), (False, "solutions")):
+            target = root / folder / f"{source.stem}.ipynb"
+            text = render(build_notebook(source, student))
+            planned.append(Planned(target, text, _status(target, text)))
+    return planned
+
+
+def _status(target: Path, text: str) -> str:
+    if not target.exists():
+        return "new"
+    current = target.read_text(encoding="utf-8")
+    if current == text:
+        return "unchanged"
+    try:
+        nb = nbformat.reads(current, as_version=4)
+        recorded = nb.metadata.get("labsupport", {}).get("digest")
+    except Exception:
+        return "learner-edited"
+    if recorded is None or recorded != cells_digest(nb):
+        return "learner-edited"
+    has_outputs = any(c.get("outputs") for c in nb.cells if c.cell_type == "code")
+    return "learner-edited" if has_outputs else "update"
+
+
+def release(root: Path, force: bool = False, log=print) -> list[Planned]:
+    """Write every notebook that changed. Refuses (ReleaseError) to replace edited notebooks."""
+    planned = plan(root)
+    edited = [p for p in planned if p.status == "learner-edited"]
+    if edited and not force:
+        names = "\n  ".join(str(p.target.relative_to(root)) for p in edited)
+        raise ReleaseError(
+            "these notebooks were changed since they were released (someone's work may be in them), "
+            f"so release will not overwrite them:\n  {names}\nMove them somewhere safe, or run "
+            "`python -m labsupport release --force`, which saves a .bak copy of each first."
+        )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for p in planned:
+        if p.status == "unchanged":
+            continue
+        if p.status == "learner-edited":
+            backup = p.target.with_name(f"{p.target.name}.{stamp}.bak")
+            shutil.copy2(p.target, backup)
+            log(f"saved {backup.relative_to(root)}")
+        p.target.parent.mkdir(parents=True, exist_ok=True)
+        p.target.write_text(p.text, encoding="utf-8")
+        log(f"wrote {p.target.relative_to(root)} ({p.status})")
+    return planned
+
+
+def stale(root: Path) -> list[Path]:
+    """Notebooks that differ from what their source would produce (the drift test uses this)."""
+    return [p.target for p in plan(root) if p.status != "unchanged"]

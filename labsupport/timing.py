@@ -1,0 +1,95 @@
+"""One timing helper for every lab, on a GPU or a CPU.
+
+On a GPU it uses ``triton.testing.do_bench``: warm-up, CUDA synchronisation and an L2 flush
+before every repetition. On a CPU (where ``do_bench`` cannot run) it uses ``time.perf_counter``
+with a warm-up call. Either way it reports the median and the 20th/80th percentiles.
+
+A Triton kernel timed in the interpreter measures Python, not the kernel: pass
+``uses_triton=True`` and the result says so wherever it is printed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .device import cuda_available, interpreter_mode
+
+NOT_MEANINGFUL = "Triton interpreter: not meaningful for performance"
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_s: float
+    p20_s: float
+    p80_s: float
+    repeats: int
+    method: str  # "cuda (do_bench)" or "cpu (perf_counter)"
+    meaningful: bool = True
+
+    @property
+    def median_ms(self) -> float:
+        return self.median_s * 1e3
+
+    def label(self) -> str:
+        return "" if self.meaningful else f" [{NOT_MEANINGFUL}]"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.median_ms:.3f} ms median (p20 {self.p20_s * 1e3:.3f}, p80 {self.p80_s * 1e3:.3f}; "
+            f"{self.repeats} runs, {self.method}){self.label()}"
+        )
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def benchmark(
+    fn: Callable[[], object],
+    *,
+    uses_triton: bool = False,
+    repeats: int | None = None,
+    warmup: int = 1,
+    min_time_s: float = 0.05,
+    max_time_s: float = 2.0,
+    gpu: bool | None = None,
+) -> Timing:
+    """Time ``fn()`` and return its median and p20/p80 in seconds.
+
+    ``repeats`` fixes the number of timed calls; by default the CPU path repeats until
+    ``min_time_s`` has passed (at least 3 calls, at most ``max_time_s`` in total).
+    """
+    if not callable(fn):
+        raise ValueError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
+    meaningful = not (uses_triton and interpreter_mode())
+    use_gpu = cuda_available() if gpu is None else gpu
+    if use_gpu and not interpreter_mode():
+        import triton.testing
+
+        # do_bench picks its own repetition count from a time budget; ``repeats`` is CPU-only.
+        median, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        return Timing(median / 1e3, p20 / 1e3, p80 / 1e3, -1, "cuda (do_bench)", meaningful)
+
+    for _ in range(max(0, warmup)):
+        fn()
+    times: list[float] = []
+    start_all = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start_all
+        if repeats is not None:
+            if len(times) >= repeats:
+                break
+        elif (len(times) >= 3 and elapsed >= min_time_s) or elapsed >= max_time_s:
+            break
+    times.sort()
+    return Timing(
+        statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times), "cpu (perf_counter)", meaningful
+    )
