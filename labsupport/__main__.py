@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     rel = sub.add_parser("release", help="write labs/*.ipynb (learners) and solutions/*.ipynb from solutions/*.py")
+    rel.add_argument("labs", nargs="*", help="lab names such as 00_first_kernel (default: all)")
     rel.add_argument("--check", action="store_true", help="write nothing; exit 1 if any notebook is out of date")
     rel.add_argument("--force", action="store_true", help="replace edited notebooks (a .bak copy is kept)")
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         root = _root()
         try:
             if args.check:
-                stale = [p for p in plan(root) if p.status != "unchanged"]
+                stale = [p for p in plan(root, args.labs) if p.status != "unchanged"]
                 for p in stale:
                     print(f"out of date: {p.target.relative_to(root)} ({p.status})")
                 if stale:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 print("all released notebooks match their sources")
                 return 0
-            release(root, force=args.force)
+            release(root, force=args.force, names=args.labs)
         except ReleaseError as exc:
             print(f"release: {exc}", file=sys.stderr)
             return 2

@@ -167,11 +167,16 @@ class Planned:
     status: str  # "unchanged", "new", "update", "learner-edited"
 
 
-def plan(root: Path) -> list[Planned]:
-    """What ``release`` would write, without writing anything."""
+def plan(root: Path, names: list[str] | None = None) -> list[Planned]:
+    """What ``release`` would write, without writing anything (only labs in ``names``, if given)."""
     sources = sorted((root / "solutions").glob("[0-9]*.py"))
     if not sources:
         raise ReleaseError(f"no lab sources found in {root / 'solutions'} (expected files like 00_name.py)")
+    if names:
+        unknown = [n for n in names if n not in {s.stem for s in sources}]
+        if unknown:
+            raise ReleaseError(f"no source for {', '.join(unknown)}; labs: {', '.join(s.stem for s in sources)}")
+        sources = [s for s in sources if s.stem in names]
     planned = []
     for source in sources:
         for student, folder in ((True, "labs"), (False, "solutions")):
@@ -198,9 +203,9 @@ def _status(target: Path, text: str) -> str:
     return "learner-edited" if has_outputs else "update"
 
 
-def release(root: Path, force: bool = False, log=print) -> list[Planned]:
+def release(root: Path, force: bool = False, log=print, names: list[str] | None = None) -> list[Planned]:
     """Write every notebook that changed. Refuses (ReleaseError) to replace edited notebooks."""
-    planned = plan(root)
+    planned = plan(root, names)
     edited = [p for p in planned if p.status == "learner-edited"]
     if edited and not force:
         names = "\n  ".join(str(p.target.relative_to(root)) for p in edited)
