@@ -6,3 +6,76 @@ import os
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import labsupport  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no CUDA device)
+
+import functools  # noqa: E402
+import http.server  # noqa: E402
+import shutil  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILT_BOOK = ROOT / "_build" / "html"
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _missing(reason: str):
+    """In CI a missing prerequisite is a failure; on a learner's machine, a skip."""
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def book_url():
+    """The built book (``make book``) served on 127.0.0.1; yields the base URL."""
+    if not (BUILT_BOOK / "index.html").exists():
+        _missing(f"the book is not built ({BUILT_BOOK} missing): run `make book` first")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(BUILT_BOOK))
+
+    class Quiet(handler.func):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(BUILT_BOOK)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory):
+    """Headless Chromium (the system one; Playwright never downloads a browser here)."""
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not executable:
+        _missing("Chromium is not installed (apt-get install chromium); .ci/run installs it")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("playwright is not installed: run `make setup`")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh page that records console errors and uncaught exceptions in ``page.js_errors``."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    pg.js_errors = []
+    pg.on("pageerror", lambda exc: pg.js_errors.append(f"uncaught: {exc}"))
+    pg.on("console", lambda msg: pg.js_errors.append(f"console.error: {msg.text}") if msg.type == "error" else None)
+    yield pg
+    context.close()
