@@ -76,6 +76,13 @@ def page(browser):
     pg = context.new_page()
     pg.js_errors = []
     pg.on("pageerror", lambda exc: pg.js_errors.append(f"uncaught: {exc}"))
-    pg.on("console", lambda msg: pg.js_errors.append(f"console.error: {msg.text}") if msg.type == "error" else None)
+    pg.on(
+        "console",
+        lambda msg: pg.js_errors.append(f"console.error: {msg.text} ({msg.location.get('url', '')})")
+        if msg.type == "error" and "Failed to load resource" not in msg.text
+        else None,
+    )
+    # a missing file is reported by URL (the console message above does not say which)
+    pg.on("response", lambda r: pg.js_errors.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
     yield pg
     context.close()

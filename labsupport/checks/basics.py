@@ -36,12 +36,17 @@ def check_vector_add(fn, checker):
             expected = x_before + y_before
             hint = ""
             if isinstance(out, torch.Tensor) and out.shape == expected.shape:
-                wrong = ((out.double() - expected.double()).abs() > 1e-3).nonzero()
-                if len(wrong) and int(wrong[0]) > 0:
+                wrong = ((out.double() - expected.double()).abs() > 1e-3).cpu()
+                first = int(wrong.nonzero()[0]) if bool(wrong.any()) else -1
+                if first >= 0 and bool(wrong[first:].all()):
                     hint = (
-                        f"the first {int(wrong[0])} elements are right and the rest are not: the last, "
-                        f"partial block is probably missing. Launch triton.cdiv(n, BLOCK_SIZE) programs "
-                        f"and mask loads and stores with `offsets < n`."
+                        f"elements 0..{first - 1} are right and every element from index {first} to the "
+                        f"end is wrong: the last, partial block is probably missing. Launch "
+                        f"triton.cdiv(n, BLOCK_SIZE) programs and mask loads and stores with `offsets < n`."
+                        if first
+                        else "every element is wrong. If n is smaller than your block, the only block is "
+                        "partial: launch triton.cdiv(n, BLOCK_SIZE) programs (rounding up) and mask loads "
+                        "and stores with `offsets < n`."
                     )
             atol = 1e-6 if dtype == torch.float32 else 1e-3
             checker.expect_tensor(out, expected, case=case, atol=atol, rtol=1e-3, hint=hint,

@@ -1,0 +1,139 @@
+"""The check framework and check_vector_add: right answers pass, planted wrong ones fail clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from labsupport.checks import REGISTRY, RESULTS, CheckFailed, check_vector_add
+from labsupport.checks.framework import RESULTS_ENV, Case, Checker, graded
+
+
+@triton.jit
+def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+
+
+def triton_add(x, y, block=128):
+    out = torch.empty_like(x)
+    _add_kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
+    return out
+
+
+def triton_add_floor_grid(x, y, block=128):
+    """Mutation: the grid rounds down, so the last partial block is never computed."""
+    out = torch.zeros_like(x)
+    if x.numel() // block:
+        _add_kernel[(x.numel() // block,)](x, y, out, x.numel(), BLOCK=block)
+    return out
+
+
+def test_reference_triton_kernel_passes(capsys):
+    check_vector_add(triton_add)
+    assert "PASSED check_vector_add" in capsys.readouterr().out
+
+
+def test_any_correct_implementation_passes():
+    check_vector_add(lambda x, y: torch.add(x, y))
+    check_vector_add(lambda x, y: triton_add(x, y, block=1024))
+
+
+def _stub(x, y):
+    raise NotImplementedError("Exercise: write it")
+
+
+MUTANTS = {
+    "floor_grid_drops_tail": (triton_add_floor_grid, "(?s)every element is wrong.*cdiv"),
+    "subtracts": (lambda x, y: x - y, "x - y is computed"),
+    "returns_x": (lambda x, y: x.clone(), "x is returned"),
+    "in_place": (lambda x, y: x.add_(y), "changed its inputs"),
+    "wrong_dtype": (lambda x, y: (x.float() + y.float()), "dtype float32, expected float16"),
+    "returns_list": (lambda x, y: (x + y).tolist(), "expected a torch.Tensor"),
+    "drops_last_element": (lambda x, y: (x + y)[:-1] if x.numel() > 1 else x + y, "shape"),
+    "nan_output": (lambda x, y: (x + y) * float("nan"), "non-finite"),
+    "stub": (_stub, "still raises NotImplementedError"),
+    "crashes": (lambda x, y: x + y[:2] if x.numel() > 2 else x + y, "raised RuntimeError.*n=17"),
+    "fp16_precision_loss": (lambda x, y: (x + y).to(torch.bfloat16).to(x.dtype), "wrong at"),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_check_vector_add_rejects(name):
+    fn, message = MUTANTS[name]
+    with pytest.raises(CheckFailed, match=message):
+        check_vector_add(fn)
+
+
+def test_tail_hint_names_the_first_wrong_element():
+    def tail_dropped(x, y):
+        out = x + y
+        if x.numel() >= 8:
+            out[(x.numel() // 8) * 8 :] = 0  # blocks of 8; the partial last block is skipped
+        return out
+
+    with pytest.raises(CheckFailed, match="(?s)n=17.*every element from index 16.*partial block"):
+        check_vector_add(tail_dropped)
+
+
+def test_failure_names_the_case():
+    with pytest.raises(CheckFailed, match=r"case \[n=1, dtype=float32, seed=0\].*Largest error"):
+        check_vector_add(lambda x, y: x - y)
+
+
+def test_passing_something_that_is_not_a_function():
+    with pytest.raises(CheckFailed, match="Pass the function without calling it"):
+        check_vector_add(torch.ones(3))
+
+
+def test_results_are_recorded_and_written_for_the_grader(tmp_path, monkeypatch):
+    path = tmp_path / "results.jsonl"
+    monkeypatch.setenv(RESULTS_ENV, str(path))
+    before = len(RESULTS)
+    check_vector_add(triton_add)
+    with pytest.raises(CheckFailed):
+        check_vector_add(lambda x, y: x - y)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["check"], r["passed"], r["points"]) for r in lines] == [
+        ("check_vector_add", True, 10),
+        ("check_vector_add", False, 0),
+    ]
+    assert len(RESULTS) == before + 2 and REGISTRY["check_vector_add"].points == 10
+
+
+def test_forbidden_function_is_caught_however_it_was_imported():
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    @graded(points=1, name="check_demo_forbid")
+    def check_demo(fn, checker):
+        q = torch.randn(1, 1, 4, 8)
+        checker.call(fn, q, case=Case(S=4), forbid=["scaled_dot_product_attention"])
+
+    with pytest.raises(CheckFailed, match="S=4.*called `scaled_dot_product_attention`"):
+        check_demo(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    with pytest.raises(CheckFailed, match="called `scaled_dot_product_attention`"):
+        check_demo(lambda q: sdpa(q, q, q))
+    check_demo(lambda q: (q @ q.transpose(-1, -2)).softmax(-1) @ q)  # plain ops are allowed
+    REGISTRY.pop("check_demo_forbid")
+
+
+def test_expect_number_reports_ratio_and_mistake():
+    checker = Checker("check_demo")
+    with pytest.raises(CheckFailed, match=r"(?s)ratio 2.*forgot to divide"):
+        checker.expect_number(20.0, 10.0, case=Case(a=1), mistakes={"you forgot to divide by 2": 20.0})
+    with pytest.raises(CheckFailed, match="expected a number"):
+        checker.expect_number("10", 10.0, case=Case(a=1))
+    checker.expect_number(10.0 + 1e-9, 10.0, case=Case(a=1))
+
+
+def test_a_launch_without_driver_gets_advice():
+    def no_driver(x, y):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    with pytest.raises(CheckFailed, match="TRITON_INTERPRET=1"):
+        check_vector_add(no_driver)

@@ -1,0 +1,73 @@
+import pytest
+
+from labsupport.hardware import GPUS, get_gpu, match_device_name
+from labsupport.models import ModelConfig, get_model, list_models
+
+
+def test_llama_shapes():
+    m = get_model("Llama-3.1-8B")
+    assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.group_size) == (32, 4096, 32, 8, 128, 4)
+    assert get_model("llama-3.1-70b").head_dim == 128
+    assert get_model("llama-3.1-405b").n_layers == 126
+    assert {"llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b"} <= set(list_models())
+
+
+def test_unknown_model_lists_the_accepted_names():
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'.*llama-3.1-8b"):
+        get_model("gpt-5")
+    with pytest.raises(ValueError, match="string"):
+        get_model(8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"n_layers": 0}, "n_layers"),
+        ({"d_model": 66}, "divisible by n_heads"),
+        ({"n_kv_heads": 3}, "multiple of n_kv_heads"),
+        ({"vocab_size": -1}, "vocab_size"),
+    ],
+)
+def test_model_config_validates(kwargs, match):
+    base = dict(name="x", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=100)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**base)
+
+
+def test_gpu_table_has_the_required_rows_with_sources():
+    for name in ("H100 SXM", "H200", "A100 40GB", "A100 80GB", "L4", "T4"):
+        gpu = get_gpu(name)
+        assert gpu.peak_flops > 1e13 and gpu.hbm_bandwidth > 1e11 and gpu.memory_bytes > 1e10
+        assert gpu.source
+    assert round(get_gpu("h100").ridge_point) == 295
+    assert round(get_gpu("A100 40GB").ridge_point) == 201
+    assert get_gpu("a100-40gb") is GPUS["A100 40GB"]
+    four = get_gpu("A100 40GB").times(4)
+    assert four.peak_flops == 4 * 312e12 and four.ridge_point == pytest.approx(get_gpu("A100 40GB").ridge_point)
+
+
+def test_unknown_gpu_and_bad_count():
+    with pytest.raises(ValueError, match="unknown GPU 'B300'.*H100 SXM"):
+        get_gpu("B300")
+    with pytest.raises(ValueError, match="count"):
+        get_gpu("H100").times(0)
+
+
+@pytest.mark.parametrize(
+    "device_name,row",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB"),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
+        ("NVIDIA L4", "L4"),
+        ("Tesla T4", "T4"),
+    ],
+)
+def test_match_device_name(device_name, row):
+    assert match_device_name(device_name).name == row
+
+
+def test_match_device_name_unknown():
+    assert match_device_name("NVIDIA GeForce RTX 4090") is None
