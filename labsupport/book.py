@@ -22,10 +22,16 @@ def si(value: float, unit: str = "", digits: int = 1) -> str:
     return f"{value:,.{digits}f} {unit}".rstrip()
 
 
-def binary_bytes(value: float, digits: int = 1) -> str:
-    """Binary prefixes: 131072 -> '128 KiB' (trailing .0 dropped)."""
-    for factor, prefix in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
-        if abs(value) >= factor:
+def binary_bytes(value: float, digits: int = 1, unit: str | None = None) -> str:
+    """Binary prefixes: 131072 -> '128 KiB' (trailing .0 dropped); ``unit`` forces one ("GiB")."""
+    units = ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB"))
+    if unit is not None:
+        factors = dict((p, f) for f, p in units)
+        if unit not in factors:
+            raise ValueError(f"unit must be one of {', '.join(factors)}, got {unit!r}")
+        units = ((factors[unit], unit),)
+    for factor, prefix in units:
+        if abs(value) >= factor or unit is not None:
             text = f"{value / factor:,.{digits}f}"
             if "." in text:
                 text = text.rstrip("0").rstrip(".")

@@ -1,0 +1,143 @@
+"""Device mode, the banner, launch-error advice, timing, number formatting, notebook execution."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import nbformat
+import pytest
+
+import labsupport
+from labsupport import book
+from labsupport.device import explain_error, interpreter_mode, settings
+from labsupport.notebooks import execute, load
+from labsupport.timing import NOT_MEANINGFUL, benchmark
+
+
+def test_interpreter_is_on_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert os.environ["TRITON_INTERPRET"] == "1" and interpreter_mode()
+    s = settings()
+    assert (s.device, s.interpreter, s.preset, s.timings_meaningful) == ("cpu", True, "small", False)
+    assert s.pick(small=1, full=2) == 1
+
+
+def test_setup_prints_one_banner(capsys):
+    s = labsupport.setup()
+    out = capsys.readouterr().out
+    assert out.count("device :") == 1 and s.torch_version in out and "triton" in out
+    if s.interpreter:
+        assert "interpreter" in out and "not meaningful" in out
+
+
+def test_preset_can_be_forced(monkeypatch):
+    monkeypatch.setenv("LABSUPPORT_PRESET", "full")
+    assert settings().preset == "full"
+    monkeypatch.setenv("LABSUPPORT_PRESET", "nonsense")
+    assert settings().preset in ("small", "full")
+
+
+def test_launch_without_driver_or_interpreter_explains_what_to_do(tmp_path):
+    """A kernel defined with the interpreter off and no GPU: the check says what to do."""
+    code = textwrap.dedent(
+        """
+        import torch, triton, triton.language as tl
+        import labsupport
+        from labsupport.checks import check_vector_add, CheckFailed
+
+        @triton.jit
+        def k(x_ptr, y_ptr, o_ptr, n, B: tl.constexpr):
+            o = tl.program_id(0) * B + tl.arange(0, B)
+            tl.store(o_ptr + o, tl.load(x_ptr + o, mask=o < n) + tl.load(y_ptr + o, mask=o < n), mask=o < n)
+
+        def add(x, y):
+            out = torch.empty_like(x)
+            k[(triton.cdiv(x.numel(), 64),)](x, y, out, x.numel(), B=64)
+            return out
+
+        try:
+            check_vector_add(add)
+        except CheckFailed as e:
+            print("MESSAGE:", e)
+        """
+    )
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    script = tmp_path / "launch.py"  # triton reads the kernel's source from a file
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert "MESSAGE:" in out.stdout, out.stderr[-2000:]
+    assert "What to do" in out.stdout and "TRITON_INTERPRET=1" in out.stdout
+
+
+def test_explain_error_recognises_known_failures():
+    assert "TRITON_INTERPRET" in explain_error(RuntimeError("0 active drivers ([]). There should only be one."))
+    assert "to('cuda')" in explain_error(ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)"))
+    assert explain_error(RuntimeError("something else")) is None
+
+
+def test_benchmark_reports_median_and_percentiles():
+    calls = []
+    t = benchmark(lambda: calls.append(1), repeats=7, warmup=2, gpu=False)
+    assert t.repeats == 7 and len(calls) == 9
+    assert t.p20_s <= t.median_s <= t.p80_s
+    assert t.meaningful and NOT_MEANINGFUL not in str(t)
+
+
+def test_benchmark_labels_interpreted_triton_timings(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = benchmark(lambda: None, uses_triton=True, repeats=3, gpu=False)
+    assert not t.meaningful and NOT_MEANINGFUL in str(t)
+
+
+def test_benchmark_rejects_non_callables():
+    with pytest.raises(ValueError, match="callable"):
+        benchmark(42)
+
+
+def test_number_formatting():
+    assert book.count(30633.015) == "30,633"
+    assert book.si(34.2e12, "FLOP") == "34.2 TFLOP"
+    assert book.si(16.06e9, "B", 2) == "16.06 GB"
+    assert book.binary_bytes(131072) == "128 KiB"
+    assert book.binary_bytes(0.24 * 2**30, 2, unit="GiB") == "0.24 GiB"
+    assert book.binary_bytes(0.24 * 2**30) == "245.8 MiB"
+    assert book.percent(0.8098) == "81%"
+
+
+def _nb(*cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    return nb
+
+
+@pytest.mark.notebook
+def test_a_hung_cell_fails_instead_of_passing():
+    run = execute(_nb("x = 1", "import time\ntime.sleep(30)", "y = 2"), timeout=3)
+    assert not run.ok and run.timed_out is not None and run.timed_out.index == 1
+
+
+@pytest.mark.notebook
+def test_errors_are_reported_by_cell():
+    run = execute(_nb("x = 1", "1 / 0", "y = 2"), stop_on_error=True, timeout=30)
+    assert [(e.index, e.ename) for e in run.errors] == [(1, "ZeroDivisionError")]
+
+
+def test_load_reports_missing_and_malformed(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load(tmp_path / "nope.ipynb")
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable Jupyter notebook"):
+        load(bad)
+    with pytest.raises(ValueError, match="folder"):
+        load(tmp_path)
