@@ -5,8 +5,6 @@ import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import labsupport  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no CUDA device)
-
 import functools  # noqa: E402
 import http.server  # noqa: E402
 import shutil  # noqa: E402
@@ -14,6 +12,8 @@ import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+import labsupport  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no CUDA device)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILT_BOOK = ROOT / "_build" / "html"

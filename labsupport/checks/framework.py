@@ -20,8 +20,8 @@ import json
 import math
 import os
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 RESULTS_ENV = "LABSUPPORT_RESULTS"
 
