@@ -13,6 +13,10 @@
 #
 # Run the cells from top to bottom. Cells that say **Exercise** are yours to complete; the cell
 # after each one checks your work and tells you precisely what is wrong if something is.
+#
+# *Where to run it:* in the book, the rocket button at the top of the page opens this notebook in
+# Colab (pick a GPU runtime). On your own machine, run `make lab` in the course repository: it
+# installs everything and opens JupyterLab on the `labs/` folder.
 
 # %%
 # Setup. On Colab (or any machine without the course installed) this installs the course
