@@ -13,8 +13,15 @@ $(STAMP): requirements.txt requirements-cpu.txt pyproject.toml scripts/install.p
 
 setup: $(STAMP)  ## create .venv and install everything
 
+BOOK_STAMP := _build/.book-built
+
 book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
+	@# Pages are executed once and cached; a change to labsupport must re-execute them all.
+	@if [ -f $(BOOK_STAMP) ] && [ -n "$$(find labsupport book/_ext -name '*.py' -newer $(BOOK_STAMP))" ]; then \
+		echo "labsupport changed since the last build: re-executing every page"; \
+		rm -rf _build/.jupyter_cache _build/jupyter_execute _build/html; fi
 	$(VENV)/bin/jupyter-book build . -W --keep-going
+	@touch $(BOOK_STAMP)
 
 test: $(STAMP)  ## lint, release drift, unit tests, every notebook, the built book in Chromium
 	$(VENV)/bin/ruff check .
