@@ -1,0 +1,206 @@
+"""Checks for the phases lab: the FLOPs of a prefill and the bytes a decode step reads."""
+
+from __future__ import annotations
+
+import inspect
+
+from .framework import Case, graded
+
+PREFILL_CONVENTION = (
+    "prefill FLOPs = 2*N*P + 4*L*P**2*d, with N = param_count(cfg), L = cfg.n_layers, "
+    "d = cfg.d_model; when causal is True the attention term is halved (each query only scores "
+    "the keys before it)."
+)
+
+
+def decode_convention(element_bytes: float = 2) -> str:
+    """The decode-bytes convention, as the check's hint states it."""
+    return (
+        f"bytes per decode step = N * {element_bytes:g} (every weight, read once for the whole batch) + "
+        f"batch * context * kv_bytes_per_token, with kv_bytes_per_token = 2 (K and V) * n_layers * "
+        f"n_kv_heads * head_dim * {element_bytes:g} bytes."
+    )
+
+
+def _configs():
+    from ..models import ModelConfig, get_model
+
+    return [
+        get_model("llama-3.1-8b"),
+        get_model("llama-3.1-70b"),
+        get_model("llama-3.1-405b"),
+        get_model("tiny-2m"),
+        # Plain multi-head attention, untied embeddings: n_kv_heads == n_heads.
+        ModelConfig("mha-test", 3, 96, 4, 4, 200, 500),
+        # A deep, narrow shape with 8 query heads per KV head.
+        ModelConfig("gqa8-test", 7, 256, 16, 2, 704, 3000, tied_embeddings=True),
+    ]
+
+
+def _param_count(cfg, mha: bool = False, embeddings: bool = True) -> int:
+    """param_count with optional planted mistakes (all heads for K/V; embeddings left out)."""
+    from ..costs import param_count
+    from ..models import ModelConfig
+
+    if mha:
+        fields = {k: getattr(cfg, k) for k in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size")}
+        cfg = ModelConfig(cfg.name, n_kv_heads=cfg.n_heads, tied_embeddings=cfg.tied_embeddings, **fields)
+    n = param_count(cfg)
+    if not embeddings:
+        n -= cfg.vocab_size * cfg.d_model * (1 if cfg.tied_embeddings else 2)
+    return n
+
+
+def _distinct(mistakes: dict[str, float], expected: float) -> dict[str, float]:
+    """Drop mistakes that give the right answer for this case; merge ones that give the same value."""
+    merged: dict[float, list[str]] = {}
+    for what, value in mistakes.items():
+        if abs(value - expected) <= 1e-9 * abs(expected):
+            continue
+        key = next((v for v in merged if abs(v - value) <= 1e-9 * abs(value)), value)
+        merged.setdefault(key, []).append(what)
+    return {", or ".join(whats): value for value, whats in merged.items()}
+
+
+# --- prefill FLOPs -------------------------------------------------------------------------------
+
+_PREFILL_LENGTHS = {
+    "llama-3.1-8b": (2000, 2048, 32768),
+    "llama-3.1-70b": (8192,),
+    "llama-3.1-405b": (131072,),
+    "tiny-2m": (1, 1121, 4096),
+    "mha-test": (2, 7),
+    "gqa8-test": (333,),
+}
+
+
+def _prefill_mistakes(cfg, p: int, causal: bool) -> dict[str, float]:
+    n, L, d = _param_count(cfg), cfg.n_layers, cfg.d_model
+    attn = 4 * L * p * p * d / (2 if causal else 1)
+    return {
+        "the attention term 4*L*P**2*d is left out (only the linear 2*N*P remains)": 2 * n * p,
+        "the factor 2 is missing from the linear term (N*P instead of 2*N*P)": n * p + attn,
+        "the factor 2 is missing everywhere (a multiply-add counted as one operation)": (n * p + attn / 2),
+        "causal=True did not halve the attention term": 2 * n * p + 4 * L * p * p * d,
+        (
+            "the attention term is half its size: either it was halved although causal=False, or only "
+            "the scores (Q K^T) were counted and not the blend with V"
+            if not causal
+            else "attention counts only the scores (Q K^T) and forgets the blend with V"
+        ): 2 * n * p + attn / 2,
+        "attention is linear in P (4*L*P*d) instead of quadratic": 2 * n * p
+        + 4 * L * p * d / (2 if causal else 1),
+        "attention uses the head width (head_dim) instead of d_model": 2 * n * p
+        + 4 * L * p * p * cfg.head_dim / (2 if causal else 1),
+        "attention is counted for one layer only (L missing)": 2 * n * p
+        + 4 * p * p * d / (2 if causal else 1),
+        "N leaves the embedding tables out (param_count(cfg) counts them)": 2
+        * _param_count(cfg, embeddings=False)
+        * p
+        + attn,
+        "N counts K and V projections for every query head (n_heads instead of n_kv_heads)": 2
+        * _param_count(cfg, mha=True)
+        * p
+        + attn,
+    }
+
+
+@graded(points=5)
+def check_prefill_flops(fn, checker):
+    """``fn(cfg, prompt_tokens, causal=False)`` must return the FLOPs of prefilling the prompt."""
+    from ..costs import prefill_flops
+
+    for cfg in _configs():
+        for p in _PREFILL_LENGTHS[cfg.name]:
+            for causal in (False, True):
+                case = Case(model=cfg.name, prompt_tokens=p, causal=causal)
+                got = checker.call(fn, cfg, p, causal=causal, case=case)
+                expected = prefill_flops(cfg, p, causal=causal)
+                mistakes = _distinct(_prefill_mistakes(cfg, p, causal), expected)
+                checker.expect_number(
+                    got,
+                    expected,
+                    case=case,
+                    rel=1e-6,
+                    what="prefill FLOP count",
+                    hint=PREFILL_CONVENTION,
+                    mistakes=mistakes,
+                )
+
+
+# --- decode bytes --------------------------------------------------------------------------------
+
+_DECODE_POINTS = {
+    "llama-3.1-8b": ((1, 2000), (64, 8192), (1, 0), (7, 131072)),
+    "llama-3.1-70b": ((32, 8000),),
+    "llama-3.1-405b": ((1, 1),),
+    "tiny-2m": ((3, 5),),
+    "mha-test": ((2, 11),),
+    "gqa8-test": ((16, 300),),
+}
+
+
+def _kv_per_token(cfg, heads: int, element: float) -> float:
+    return 2 * cfg.n_layers * heads * cfg.head_dim * element
+
+
+def _decode_mistakes(cfg, batch: int, context: int, b: float) -> dict[str, float]:
+    n = _param_count(cfg)
+    weights = n * b
+    per_token = _kv_per_token(cfg, cfg.n_kv_heads, b)
+    cache = per_token * batch * context
+    return {
+        "the KV cache is left out (only the weights are counted)": weights,
+        "the cache is counted once, not once per sequence in the batch (batch missing)": weights
+        + per_token * context,
+        "the weights are left out (only the cache is counted)": cache,
+        "the weights are counted once per sequence (each step reads them once for the whole batch)": weights
+        * batch
+        + cache,
+        "the cache uses n_heads instead of n_kv_heads (grouped-query attention shares K/V heads)": weights
+        + _kv_per_token(cfg, cfg.n_heads, b) * batch * context,
+        "the factor 2 for keys AND values is missing from the cache": weights + cache / 2,
+        "the cache is counted for one layer only (n_layers missing)": weights + cache / cfg.n_layers,
+        "elements are counted, not bytes (the 2 bytes per bf16 value are missing)": (weights + cache) / b,
+        "4 bytes (fp32) per value are used instead of 2 (bf16)": (weights + cache) * 4 / b,
+    }
+
+
+def _accepts_dtype_bytes(fn) -> bool:
+    try:
+        return "dtype_bytes" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@graded(points=5)
+def check_decode_bytes(fn, checker):
+    """``fn(cfg, batch, context)`` must return the bytes one decode step reads: weights + every cache, bf16.
+
+    If ``fn`` also takes ``dtype_bytes``, it is checked with 4 (fp32) as well.
+    """
+    from ..costs import decode_step_bytes
+
+    element_sizes = (2, 4) if _accepts_dtype_bytes(fn) else (2,)
+    for cfg in _configs():
+        for batch, context in _DECODE_POINTS[cfg.name]:
+            for b in element_sizes:
+                extra = {} if b == 2 else {"dtype_bytes": b}
+                case = Case(model=cfg.name, batch=batch, context=context, **extra)
+                got = checker.call(fn, cfg, batch, context, case=case, **extra)
+                expected = decode_step_bytes(cfg, batch, context, weight_bytes=b, kv_dtype_bytes=b).total
+                wrong = _decode_mistakes(cfg, batch, context, b)
+                if b != 2:
+                    wrong["dtype_bytes is ignored (2 bytes per value are always used)"] = decode_step_bytes(
+                        cfg, batch, context
+                    ).total
+                mistakes = _distinct(wrong, expected)
+                checker.expect_number(
+                    got,
+                    expected,
+                    case=case,
+                    rel=1e-6,
+                    what="bytes read per decode step",
+                    hint=decode_convention(b),
+                    mistakes=mistakes,
+                )

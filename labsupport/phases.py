@@ -1,0 +1,408 @@
+"""Measuring the two phases on :class:`labsupport.model.Transformer`, and fitting what was measured.
+
+* :func:`fit_prefill_times` fits ``time = a*P + b*P**2 + c`` to prefill times measured at prompt
+  lengths ``P`` and returns the *measured* crossover ``a / b``: the prompt length at which the
+  quadratic (attention) part of the time equals the linear part. Compare it with the FLOP-count
+  crossover ``N / (2*L*d)`` from :func:`labsupport.costs.quadratic_crossover`.
+* :func:`measure_prefill` and :func:`measure_decode` run sweeps with a progress bar. On a GPU a
+  point that runs out of memory is recorded as such (``oom=True``) instead of ending the sweep:
+  that is the KV-cache wall, and it is a result.
+* :func:`cpu_threads` pins the number of CPU threads while timing. On a small shared machine
+  (two cores, tests running beside the notebook) OpenMP threads waiting for a busy core make
+  single timings tens of times slower; one thread gives steadier numbers.
+
+Decode steps are timed at a fixed context without running a real prefill first: the cache is
+allocated and its ``length`` set to the context. Its contents are zeros, and how long a step
+takes does not depend on the values in the cache, only on how many there are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ._validate import positive_int
+
+# --- fitting ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """``time(P) = linear * P + quadratic * P**2 + constant``, fitted to measured prefill times (seconds)."""
+
+    linear: float  # seconds per token: the weights applied to each position
+    quadratic: float  # seconds per token squared: every position against every other
+    constant: float  # seconds: fixed overhead per call (launches, Python)
+    lengths: tuple[int, ...] = field(repr=False)
+    seconds: tuple[float, ...] = field(repr=False)
+
+    @property
+    def crossover(self) -> float:
+        """Prompt length where the quadratic part equals the linear part, ``linear / quadratic``.
+
+        ``math.inf`` when no quadratic term was detected (the fit set it to zero).
+        """
+        return self.linear / self.quadratic if self.quadratic > 0 else math.inf
+
+    def predict(self, prompt_tokens: float) -> float:
+        """Fitted time in seconds at ``prompt_tokens``."""
+        p = float(prompt_tokens)
+        return self.linear * p + self.quadratic * p * p + self.constant
+
+    def quadratic_share(self, prompt_tokens: float) -> float:
+        """Fraction of the fitted time at ``prompt_tokens`` that is the quadratic term."""
+        p = float(prompt_tokens)
+        return self.quadratic * p * p / self.predict(p)
+
+    @property
+    def max_relative_error(self) -> float:
+        """Largest ``|fit - measured| / measured`` over the measured points."""
+        return max(abs(self.predict(p) - t) / t for p, t in zip(self.lengths, self.seconds))
+
+    def __str__(self) -> str:
+        cross = "none detected" if math.isinf(self.crossover) else f"{self.crossover:,.0f} tokens"
+        return (
+            f"time = {self.linear:.3e} s * P + {self.quadratic:.3e} s * P^2 + {self.constant:.3e} s; "
+            f"crossover {cross}; worst fit error {100 * self.max_relative_error:.0f}%"
+        )
+
+
+def _as_points(lengths, seconds) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    try:
+        lengths, seconds = list(lengths), list(seconds)
+    except TypeError as exc:
+        raise ValueError("lengths and seconds must be sequences of numbers") from exc
+    if len(lengths) != len(seconds):
+        raise ValueError(
+            f"lengths and seconds must have the same length, got {len(lengths)} and {len(seconds)}"
+        )
+    lengths = tuple(positive_int("each prompt length", p) for p in lengths)
+    out = []
+    for t in seconds:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"each time must be a finite number of seconds > 0, got {t!r}")
+        out.append(float(t))
+    return lengths, tuple(out)
+
+
+def fit_prefill_times(lengths, seconds, *, constant: bool = True) -> PrefillFit:
+    """Fit ``seconds = a*P + b*P**2 (+ c)`` to measured prefill times, all coefficients >= 0.
+
+    The fit minimises *relative* error (each point weighted by ``1 / seconds``), so short prompts
+    count as much as long ones although their times are far smaller. Coefficients are kept
+    non-negative: a time cannot shrink with the prompt, so a negative term would only be
+    fitting noise. Needs at least as many distinct lengths as terms (3 with ``constant``, else 2).
+    """
+    import numpy as np
+
+    lengths, secs = _as_points(lengths, seconds)
+    terms = 3 if constant else 2
+    if len(set(lengths)) < terms:
+        raise ValueError(
+            f"fitting {terms} terms needs at least {terms} different prompt lengths, got {sorted(set(lengths))}"
+        )
+    p = np.asarray(lengths, dtype=float)
+    t = np.asarray(secs, dtype=float)
+    columns = [p, p * p, np.ones_like(p)][:terms]
+    best = None
+    # Least squares with every subset of the terms; keep the best fit whose coefficients are all
+    # >= 0 (an exact non-negative least squares for three unknowns).
+    for k in range(terms, 0, -1):
+        for subset in itertools.combinations(range(terms), k):
+            a = np.stack([columns[i] for i in subset], axis=1) / t[:, None]
+            coef, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(3)
+            full[list(subset)] = coef
+            err = float(np.sum((a @ coef - 1.0) ** 2))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, full)
+    coef = best[1]
+    return PrefillFit(float(coef[0]), float(coef[1]), float(coef[2]), lengths, secs)
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def cpu_threads(n: int | None):
+    """Run the block with ``torch.set_num_threads(n)``, then restore the previous count.
+
+    ``None`` leaves the setting alone. Has no effect on GPU work.
+    """
+    import torch
+
+    if n is None:
+        yield
+        return
+    n = positive_int("threads", n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a GPU (or CPU allocator) out-of-memory error."""
+    import torch
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        "out of memory" in text or "can't allocate" in text
+    )
+
+
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _bar(items, desc: str, progress: bool):
+    if not progress:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc)
+
+
+def _lengths(values, what: str) -> list[int]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{what} must be a list of positive integers, got {values!r}")
+    values = [positive_int(f"each of {what}", v) for v in values]
+    if not values:
+        raise ValueError(f"{what} must not be empty")
+    return values
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    prompt_tokens: int
+    batch: int
+    seconds: float | None  # None when it ran out of memory
+    oom: bool = False
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    batch: int
+    context: int
+    seconds: float | None  # median time of one decode step; None when it ran out of memory
+    cache_bytes: int = 0  # bytes reserved for the cache at this point
+    oom: bool = False
+
+
+def _cache_bytes(model, batch: int, max_len: int) -> int:
+    """Bytes a cache for ``batch`` sequences of ``max_len`` positions reserves (keys and values)."""
+    import torch
+
+    cfg = model.cfg
+    element = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.n_layers * batch * cfg.n_kv_heads * max_len * cfg.head_dim * element
+
+
+def _check_model(model):
+    from .model import Transformer
+
+    if not isinstance(model, Transformer):
+        raise ValueError(f"model must be a labsupport.model.Transformer, got {type(model).__name__}")
+    return model
+
+
+def measure_prefill(
+    model, lengths, *, batch: int = 1, threads: int | None = None, progress: bool = True, **bench
+) -> list[PrefillPoint]:
+    """Median time of ``model.prefill`` for each prompt length (a fresh cache of exactly that length).
+
+    ``threads`` pins CPU threads while timing (see :func:`cpu_threads`). Extra keyword arguments go
+    to :func:`labsupport.timing.benchmark` (for example ``repeats=3``; CPU only).
+    """
+    from .timing import benchmark
+
+    model = _check_model(model)
+    lengths = _lengths(lengths, "lengths")
+    batch = positive_int("batch", batch)
+    gpu = model.device.type == "cuda"
+    points = []
+    with cpu_threads(threads):
+        for p in _bar(lengths, "prefill", progress):
+            try:
+                prompt = model.random_prompt(batch, p, seed=p)
+                cache = model.new_cache(batch, p)
+                timing = benchmark(lambda: model.prefill(prompt, cache), gpu=gpu, **bench)  # noqa: B023
+                points.append(PrefillPoint(p, batch, timing.median_s))
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                points.append(PrefillPoint(p, batch, None, oom=True))
+            finally:
+                prompt = cache = None
+                _free_memory()
+    return points
+
+
+def measure_decode(
+    model, batches, contexts, *, threads: int | None = None, progress: bool = True, **bench
+) -> list[DecodePoint]:
+    """Median time of one ``model.decode_step`` for every (batch, context) pair.
+
+    ``batches`` and ``contexts`` are lists; every combination is measured, batches outermost.
+    The cache is allocated for ``context + 1`` positions and declared filled up to ``context``
+    (see the module docstring), so each timed call attends to exactly ``context`` earlier tokens.
+    """
+    from .timing import benchmark
+
+    model = _check_model(model)
+    batches = _lengths(batches, "batches")
+    contexts = _lengths(contexts, "contexts")
+    gpu = model.device.type == "cuda"
+    points = []
+    pairs = [(b, c) for b in batches for c in contexts]
+    with cpu_threads(threads):
+        for b, ctx in _bar(pairs, "decode", progress):
+            cache = tokens = None
+            try:
+                cache = model.new_cache(b, ctx + 1)
+                tokens = model.random_prompt(b, 1, seed=b)
+
+                def step():
+                    cache.length = ctx  # noqa: B023 (used at once)
+                    model.decode_step(tokens, cache)  # noqa: B023
+
+                timing = benchmark(step, gpu=gpu, **bench)
+                points.append(DecodePoint(b, ctx, timing.median_s, _cache_bytes(model, b, ctx + 1)))
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                points.append(DecodePoint(b, ctx, None, _cache_bytes(model, b, ctx + 1), oom=True))
+            finally:
+                cache = tokens = None
+                _free_memory()
+    return points
+
+
+# --- planning arithmetic ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Estimated GPU time of one batch of requests, split into its two phases (seconds)."""
+
+    prefill: float  # every prompt in the batch, prefilled at ``mfu`` of peak
+    decode: float  # the decode steps after the first token, each at the roofline's limit
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode
+
+    @property
+    def prefill_share(self) -> float:
+        return self.prefill / self.total
+
+    @property
+    def decode_share(self) -> float:
+        return self.decode / self.total
+
+
+def request_phase_times(
+    cfg,
+    prompt_tokens: int,
+    output_tokens: int,
+    *,
+    peak_flops: float,
+    bandwidth: float,
+    batch: int = 1,
+    mfu: float = 0.4,
+    bandwidth_efficiency: float = 0.75,
+    causal: bool = False,
+) -> RequestTimes:
+    """How long a batch of identical requests spends in prefill and in decode.
+
+    Conventions (the runbook's planning ones, stated so they can be changed):
+
+    * prefill runs at ``mfu`` of ``peak_flops`` (40% is the usual planning figure for a tuned
+      server) and the batch's prompts are prefilled one after another: ``batch *
+      prefill_flops(cfg, prompt_tokens, causal) / (mfu * peak_flops)``;
+    * the prefill pass yields the first token, then ``output_tokens - 1`` decode steps follow;
+      the step at context ``c`` takes the longer of its memory time, bf16 weights plus every
+      cache (:func:`labsupport.costs.decode_step_bytes`) over ``bandwidth_efficiency *
+      bandwidth``, and its arithmetic time at ``mfu`` of peak.
+    """
+    from . import costs
+    from ._validate import positive_number
+
+    prompt_tokens = positive_int("prompt_tokens", prompt_tokens)
+    output_tokens = positive_int("output_tokens", output_tokens)
+    batch = positive_int("batch", batch)
+    peak_flops = positive_number("peak_flops", peak_flops)
+    bandwidth = positive_number("bandwidth", bandwidth)
+    for name, value in (("mfu", mfu), ("bandwidth_efficiency", bandwidth_efficiency)):
+        if positive_number(name, value) > 1:
+            raise ValueError(f"{name} is a fraction of the peak and must be at most 1, got {value}")
+    flops_rate, bytes_rate = mfu * peak_flops, bandwidth_efficiency * bandwidth
+    prefill = batch * costs.prefill_flops(cfg, prompt_tokens, causal=causal) / flops_rate
+    decode = 0.0
+    for context in range(prompt_tokens, prompt_tokens + output_tokens - 1):
+        memory = costs.decode_step_bytes(cfg, batch, context).total / bytes_rate
+        compute = costs.decode_step_flops(cfg, batch, context) / flops_rate
+        decode += max(memory, compute)
+    return RequestTimes(prefill=prefill, decode=decode)
+
+
+# --- batching -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request's place in a batch schedule: decode steps ``start`` to ``end - 1`` in ``slot``."""
+
+    request: int
+    slot: int
+    start: int
+    end: int
+
+
+def simulate_batching(output_lengths, slots: int, policy: str = "continuous") -> list[Scheduled]:
+    """Schedule a backlog of requests (all waiting at step 0) onto ``slots`` batch slots.
+
+    Each request needs ``output_lengths[i]`` decode steps; every step serves one token to each
+    busy slot. ``policy="static"`` starts a batch of ``slots`` requests and admits nobody until
+    the longest of them has finished; ``"continuous"`` (iteration-level scheduling, Yu et al.,
+    OSDI 2022) refills a slot at the step after its request finishes. Requests are admitted in
+    order. Returns one :class:`Scheduled` per request, in request order.
+    """
+    lengths = _lengths(output_lengths, "output_lengths")
+    slots = positive_int("slots", slots)
+    if policy not in ("static", "continuous"):
+        raise ValueError(f"policy must be 'static' or 'continuous', got {policy!r}")
+    out: list[Scheduled] = []
+    if policy == "static":
+        start = 0
+        for first in range(0, len(lengths), slots):
+            group = lengths[first : first + slots]
+            out += [Scheduled(first + i, i, start, start + n) for i, n in enumerate(group)]
+            start += max(group)
+        return out
+    free_at = [0] * slots  # step at which each slot becomes free
+    for i, n in enumerate(lengths):
+        slot = min(range(slots), key=lambda s: (free_at[s], s))
+        out.append(Scheduled(i, slot, free_at[slot], free_at[slot] + n))
+        free_at[slot] += n
+    return out
+
+
+def completed_by(schedule: list[Scheduled], step: int) -> int:
+    """How many requests of ``schedule`` have finished by ``step``."""
+    return sum(1 for s in schedule if s.end <= step)

@@ -1,0 +1,395 @@
+# Lab 05 source of truth. Edit this file, then run `python -m labsupport release 05_phases` to
+# regenerate labs/05_phases.ipynb (learners) and solutions/05_phases.ipynb (instructors).
+
+# %% [markdown]
+# # Lab 05: prefill and decode, measured
+#
+# A request is served in two phases. **Prefill** pushes the whole prompt through the model in one
+# pass; **decode** then produces one token per pass. Chapter 05 argues from arithmetic that the
+# first is limited by arithmetic and the second by memory traffic. In this lab you check that
+# argument against a real model running on your device.
+#
+# You will
+#
+# 1. write the FLOP count of a prefill, with its quadratic attention term, and have it graded;
+# 2. write the bytes one decode step reads, weights plus every sequence's KV cache, graded too;
+# 3. measure your device's two ceilings: a copy's bandwidth and a matmul's FLOP/s;
+# 4. time prefill against prompt length, fit a linear and a quadratic term, and compare the
+#    measured crossover with the predicted one, $N / 2Ld$;
+# 5. time decode steps against batch size and against context length, and turn the times into
+#    achieved bandwidth;
+# 6. place what you measured on your device's roofline.
+#
+# The model is `labsupport.model.Transformer`: a Llama-style decoder in one file with random
+# weights. How long a pass takes does not depend on the weights' values, so a random model times
+# exactly like a trained one of the same shape. On a GPU the lab uses the shape of Llama 3.1 8B;
+# on a CPU, small shapes chosen so the same effects appear within seconds.
+
+# %%
+# Setup. On Colab (or any machine without the course installed) this installs the course
+# package first; it never replaces the torch and triton that are already there.
+try:
+    import labsupport
+except ModuleNotFoundError:
+    import subprocess
+    import sys
+
+    course = "git+https://github.com/llm-serving-course/course"  # your course's repository
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], check=True)
+    import labsupport
+
+settings = labsupport.setup()
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+from labsupport.checks import check_decode_bytes, check_prefill_flops
+from labsupport.costs import decode_step_flops, param_count
+from labsupport.device import device
+from labsupport.hardware import match_device_name
+from labsupport.model import Transformer
+from labsupport.models import get_model
+from labsupport.phases import cpu_threads, fit_prefill_times, measure_decode, measure_prefill
+from labsupport.roofline import measure_copy, measure_matmul, plot_roofline
+
+DEVICE = device()
+DTYPE = torch.bfloat16 if settings.on_gpu else torch.float32
+ELEMENT_BYTES = torch.empty((), dtype=DTYPE).element_size()  # 2 for bf16, 4 for fp32
+# On a CPU, time with one thread: on a small machine shared with other work, threads waiting for
+# a busy core make single timings erratic. On a GPU this setting does nothing.
+THREADS = settings.pick(small=1, full=None)
+LLAMA_8B = get_model("llama-3.1-8b")
+
+# %% [markdown]
+# ## 1. The FLOPs of a prefill
+#
+# Prefill applies every weight to every prompt position: a weight is one multiply and one add per
+# position, so a model of $N$ parameters costs $2NP$ FLOPs for a prompt of $P$ tokens. That is
+# the *linear* term.
+#
+# Attention adds work that no weight accounts for. In each of the $L$ layers, every position's
+# query is scored against every position's key, a $(P \times d) \cdot (d \times P)$ product
+# costing $2P^2d$ FLOPs across all heads, and the resulting weights then blend the values, the
+# same again. That is the *quadratic* term, $4LP^2d$:
+#
+# $$\text{prefill FLOPs} = 2NP + 4LP^2d.$$
+#
+# This counts attention as if every query saw every key, the convention the course's source
+# material uses. A causal model only lets a query see the keys before it, so a kernel that skips
+# the masked half does half the attention work: with `causal=True`, halve the quadratic term.
+#
+# The two terms are equal at $P = N / 2Ld$, the **crossover**. Below it, doubling the prompt
+# roughly doubles the work; well above it, doubling the prompt nearly quadruples it.
+#
+# `param_count(cfg)` gives $N$ (every weight, embeddings included); `cfg.n_layers` is $L$ and
+# `cfg.d_model` is $d$.
+
+# %% [markdown]
+# ### Exercise 1: count the FLOPs of a prefill
+
+# %%
+def prefill_flops(cfg, prompt_tokens, causal=False):
+    """FLOPs to prefill `prompt_tokens` positions: 2*N*P + 4*L*P**2*d, attention halved if causal."""
+    # BEGIN SOLUTION: return 2*N*P plus the attention term 4*L*P**2*d (halved when causal)
+    n = param_count(cfg)
+    attention = 4 * cfg.n_layers * prompt_tokens**2 * cfg.d_model
+    if causal:
+        attention /= 2
+    return 2 * n * prompt_tokens + attention
+    # END SOLUTION
+
+
+# %%
+check_prefill_flops(prefill_flops)
+
+# %% [markdown]
+# Your function now gives the runbook's figures for Llama 3.1 8B. Notice how the ratio of a 32k
+# prefill to a 2k one is far above 16, the ratio of the lengths.
+
+# %%
+for p in (2048, 32768):
+    full, causal = prefill_flops(LLAMA_8B, p), prefill_flops(LLAMA_8B, p, causal=True)
+    share = 1 - 2 * param_count(LLAMA_8B) * p / full
+    print(f"8B, {p:>6,} tokens: {full / 1e12:7.1f} TFLOP ({causal / 1e12:6.1f} causal); attention {share:.0%}")
+ratio = prefill_flops(LLAMA_8B, 32768) / prefill_flops(LLAMA_8B, 2048)
+ratio_causal = prefill_flops(LLAMA_8B, 32768, causal=True) / prefill_flops(LLAMA_8B, 2048, causal=True)
+crossover_8b = param_count(LLAMA_8B) / (2 * LLAMA_8B.n_layers * LLAMA_8B.d_model)
+print(f"32k / 2k: {ratio:.1f}x ({ratio_causal:.1f}x causal); crossover N/2Ld = {crossover_8b:,.0f} tokens")
+
+# %% [markdown]
+# ## 2. The bytes a decode step reads
+#
+# A decode step produces one token for each of the `batch` sequences. To do it, the GPU reads
+# every weight once (the whole batch shares that read) and, for attention, the keys and values
+# of every earlier token of **every** sequence: each sequence has its own cache.
+#
+# One token's cache is a key and a value vector in every layer for every *key/value* head.
+# Under grouped-query attention several query heads share one key/value head, so the cache uses
+# `cfg.n_kv_heads`, not `cfg.n_heads`:
+#
+# $$\text{cache bytes per token} = 2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot b, \qquad
+#   \text{bytes per step} = N b + \text{batch} \cdot \text{context} \cdot 2 L H_{kv} d_{head} b,$$
+#
+# with $b$ bytes per value: 2 for bf16, the default. `cfg.head_dim` is $d_{head}$. (Activations
+# are tiny at decode and are left out.)
+
+# %% [markdown]
+# ### Exercise 2: count the bytes one decode step reads
+
+# %%
+def decode_bytes_per_step(cfg, batch, context, dtype_bytes=2):
+    """Bytes read by one decode step: every weight once, plus `batch` caches of `context` tokens."""
+    # BEGIN SOLUTION: weights (param_count * dtype_bytes) plus batch * context * cache bytes per token
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    return param_count(cfg) * dtype_bytes + batch * context * per_token
+    # END SOLUTION
+
+
+# %%
+check_decode_bytes(decode_bytes_per_step)
+
+# %% [markdown]
+# At a batch of 64 sequences of 8,192 tokens each, the cache is most of what a step reads:
+
+# %%
+weights_only = decode_bytes_per_step(LLAMA_8B, 64, 0)
+total = decode_bytes_per_step(LLAMA_8B, 64, 8192)
+print(
+    f"8B, batch 64 x 8,192: weights {weights_only / 1e9:.2f} GB, cache {(total - weights_only) / 1e9:.1f} GB, "
+    f"cache share {1 - weights_only / total:.0%}, {total / weights_only:.1f}x the weights-only read"
+)
+
+# %% [markdown]
+# ## 3. Your device's two ceilings
+#
+# To judge a measurement you need the ceilings it is measured against. Lab 04 measures them in
+# detail; here a quick version: the FLOP/s of a large matmul, and the bandwidth of a large copy
+# (counted as reading and writing every byte). On a CPU the buffers are larger than the
+# last-level cache, so the copy measures main memory, as the decode steps below will.
+
+# %%
+matmul_sizes = settings.pick(small=[512, 1024], full=[4096, 8192])
+copy_mib = settings.pick(small=[128], full=[1024, 4096])
+with cpu_threads(THREADS):
+    peak = max(measure_matmul(matmul_sizes, dtype=DTYPE, device=DEVICE))
+    copy_bandwidth = max(measure_copy([mib * 2**20 for mib in copy_mib], device=DEVICE))
+print(f"matmul: {peak / 1e12:.3f} TFLOP/s   copy: {copy_bandwidth / 1e9:.1f} GB/s   ridge: {peak / copy_bandwidth:.0f} FLOP/B")
+
+# %% [markdown]
+# ## 4. Prefill time against prompt length
+#
+# If the time of a prefill follows its FLOPs, it should be `a*P + b*P**2` plus a small fixed
+# overhead: the linear term from the weights, the quadratic one from attention. Fit those terms to
+# measured times and the *measured* crossover is `a / b`, the length at which attention takes
+# as long as everything else.
+#
+# The model for this part is chosen so the crossover falls inside the lengths measured: on a CPU
+# `tiny-2m`, whose $N/2Ld$ is about a thousand tokens; on a GPU, the shape of Llama 3.1 8B in
+# bf16, measured up to 32,768 tokens.
+
+# %%
+prefill_cfg = get_model(settings.pick(small="tiny-2m", full="llama-3.1-8b"))
+prefill_model = Transformer(prefill_cfg, device=DEVICE, dtype=DTYPE)
+lengths = settings.pick(
+    small=[64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096],
+    full=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+)
+print(prefill_model)
+prefill_points = measure_prefill(prefill_model, lengths, threads=THREADS, repeats=3)
+measured = [pt for pt in prefill_points if not pt.oom]
+for pt in prefill_points:
+    print(f"P = {pt.prompt_tokens:>6,}: " + ("out of memory" if pt.oom else f"{pt.seconds * 1e3:9.2f} ms"))
+
+# %% [markdown]
+# Fit the two terms (and a constant for fixed overheads). The fit weighs every point by its
+# relative error, so the short prompts count as much as the long ones.
+
+# %%
+fit = fit_prefill_times([pt.prompt_tokens for pt in measured], [pt.seconds for pt in measured])
+predicted = param_count(prefill_cfg) / (2 * prefill_cfg.n_layers * prefill_cfg.d_model)
+print(fit)
+print(f"measured crossover a/b : {fit.crossover:,.0f} tokens")
+print(f"predicted N/2Ld        : {predicted:,.0f} tokens (no causal halving); {2 * predicted:,.0f} with it")
+
+# %%
+ps = torch.linspace(min(lengths), max(lengths), 200).tolist()
+fig, ax = plt.subplots(figsize=(7, 4))
+ax.plot([pt.prompt_tokens for pt in measured], [pt.seconds * 1e3 for pt in measured], "o", label="measured")
+ax.plot(ps, [fit.predict(p) * 1e3 for p in ps], "-", label="fit: a*P + b*P^2 + c")
+ax.plot(ps, [fit.linear * p * 1e3 for p in ps], "--", label="linear part a*P")
+ax.plot(ps, [fit.quadratic * p * p * 1e3 for p in ps], ":", label="quadratic part b*P^2")
+if math.isfinite(fit.crossover) and fit.crossover < 4 * max(lengths):
+    ax.axvline(fit.crossover, color="0.3", lw=1, label=f"measured crossover {fit.crossover:,.0f}")
+ax.axvline(predicted, color="C3", lw=1, ls="-.", label=f"N/2Ld = {predicted:,.0f}")
+ax.set_xlabel("prompt length P (tokens)")
+ax.set_ylabel("prefill time (ms)")
+ax.set_title(f"Prefill of {prefill_cfg.name} on {settings.device_name}")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Why might the measured crossover differ from $N / 2Ld$? Three reasons, each worth checking
+# against your numbers:
+#
+# * **The causal mask.** `sdpa` skips (most of) the masked half of the scores, so the attention
+#   actually done is half of $4LP^2d$ and the crossover moves towards $2 \cdot N/2Ld$.
+# * **Not every weight does work per token.** $N$ counts the embedding table, but looking up a
+#   row is not a matmul, and the output head runs only on the last position.
+# * **Attention runs at a different speed from a matmul.** Its FLOPs come in many small per-head
+#   products and a softmax; a slower attention kernel pulls the crossover to shorter prompts.
+
+# %%
+long, short = max(pt.prompt_tokens for pt in measured), None
+short = min((pt.prompt_tokens for pt in measured), key=lambda p: abs(p * 16 - long))
+print(
+    f"{long:,} over {short:,} tokens: measured {fit.predict(long) / fit.predict(short):.1f}x "
+    f"(fitted times), FLOP count {prefill_flops(prefill_cfg, long) / prefill_flops(prefill_cfg, short):.1f}x "
+    f"({prefill_flops(prefill_cfg, long, True) / prefill_flops(prefill_cfg, short, True):.1f}x causal), "
+    f"length ratio {long / short:.0f}x"
+)
+
+# %% [markdown]
+# ## 5. Decode step time against batch and against context
+#
+# A decode step reads every weight and every cache. If it is limited by memory, its time is
+# about bytes read divided by bandwidth, and **achieved bandwidth**, your
+# `decode_bytes_per_step` over the measured step time, should be a large fraction of the copy
+# bandwidth measured above.
+#
+# Each step is timed at a fixed context: the cache is allocated and declared full up to that
+# context (its values are zeros, which take as long to read as any others).
+#
+# On a CPU this part uses `small-63m`, about 250 MB of fp32 weights: several times a CPU's
+# last-level cache, so the weights really stream from memory each step. On a GPU it uses the
+# 8B shape, and large batch x context points may not fit: a point that runs out of memory is
+# recorded as such. That is the **cache wall**, and it is a result, not a crash.
+
+# %%
+decode_cfg = get_model(settings.pick(small="small-63m", full="llama-3.1-8b"))
+if decode_cfg is prefill_cfg:
+    decode_model = prefill_model
+else:
+    del prefill_model
+    decode_model = Transformer(decode_cfg, device=DEVICE, dtype=DTYPE)
+fixed_context = settings.pick(small=512, full=8192)
+batches = settings.pick(small=[1, 2, 4, 8, 16, 32], full=[1, 8, 32, 64, 128])
+by_batch = measure_decode(decode_model, batches, [fixed_context], threads=THREADS, repeats=3)
+contexts = settings.pick(small=[128, 2048, 8192, 32768], full=[1024, 8192, 32768, 131072])
+by_context = measure_decode(decode_model, [1], contexts, threads=THREADS, repeats=3)
+
+
+def report(point):
+    read = decode_bytes_per_step(decode_cfg, point.batch, point.context, ELEMENT_BYTES)
+    where = f"batch {point.batch:>3} x context {point.context:>7,}"
+    if point.oom:
+        return f"{where}: out of memory (the cache alone needs {point.cache_bytes / 1e9:.1f} GB): the cache wall"
+    achieved = read / point.seconds
+    return (
+        f"{where}: {point.seconds * 1e3:8.2f} ms/step, reads {read / 1e9:6.2f} GB "
+        f"(cache {1 - decode_bytes_per_step(decode_cfg, point.batch, 0, ELEMENT_BYTES) / read:4.0%}), "
+        f"{achieved / 1e9:7.1f} GB/s = {achieved / copy_bandwidth:4.0%} of copy"
+    )
+
+
+for point in by_batch + by_context:
+    print(report(point))
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+for ax, points, key, xlabel in (
+    (axes[0], by_batch, "batch", f"batch (context {fixed_context:,})"),
+    (axes[1], by_context, "context", "context (batch 1)"),
+):
+    ok = [pt for pt in points if not pt.oom]
+    xs = [getattr(pt, key) for pt in ok]
+    ax.plot(xs, [pt.seconds * 1e3 for pt in ok], "o-", color="C0", label="step time")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("ms per decode step", color="C0")
+    twin = ax.twinx()
+    bw = [decode_bytes_per_step(decode_cfg, pt.batch, pt.context, ELEMENT_BYTES) / pt.seconds / 1e9 for pt in ok]
+    twin.plot(xs, bw, "s--", color="C1", label="achieved bandwidth")
+    twin.axhline(copy_bandwidth / 1e9, color="C1", lw=1, ls=":", label="copy bandwidth")
+    twin.set_ylabel("GB/s", color="C1")
+    twin.set_ylim(bottom=0)
+    for pt in points:
+        if pt.oom:
+            ax.axvline(getattr(pt, key), color="C3", lw=6, alpha=0.3)
+            ax.annotate("out of memory", (getattr(pt, key), ax.get_ylim()[1]), color="C3", fontsize=8,
+                        ha="right", va="top", rotation=90)
+    twin.legend(fontsize=8, loc="lower right")
+fig.suptitle(f"Decode steps of {decode_cfg.name} on {settings.device_name}")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Read the two panels:
+#
+# * Against **batch**, the weights are read once whatever the batch, so while memory is the
+#   limit the step time barely moves: every extra sequence is almost free. Once the arithmetic
+#   per step catches up with the reading (the batch passes your device's ridge point, in FLOP
+#   per byte), the time starts to grow with the batch.
+# * Against **context**, every extra cached token is more bytes to read, so the step time grows
+#   with the context, and at long contexts the cache rather than the weights sets it.
+#
+# On a CPU, expect the batch panel to bend early. A CPU's ridge point is a few FLOP per byte, so
+# a small batch already reaches it, and its matrix library handles batch 1 with a
+# matrix-vector routine but larger batches with a general matmul that repacks the weights on
+# every call, which costs extra memory traffic. On a GPU the flat region lasts far longer.
+
+# %% [markdown]
+# ## 6. Both phases on your roofline
+#
+# Place the measurements: a prefill's intensity is its FLOPs over the bytes of the weights it
+# reads, a decode step's is its FLOPs over `decode_bytes_per_step`. Height is what was achieved,
+# FLOPs over measured time. The prefill FLOPs are counted causal here, since that is the work the
+# model's attention actually does.
+
+# %%
+weight_bytes = param_count(prefill_cfg) * ELEMENT_BYTES
+points = []
+for pt in (measured[0], measured[len(measured) // 2], measured[-1]):
+    flops = prefill_flops(prefill_cfg, pt.prompt_tokens, causal=True)
+    points.append((f"prefill P={pt.prompt_tokens:,}", flops / weight_bytes, flops / pt.seconds))
+for pt in [p for p in by_batch if not p.oom][:: max(1, len(by_batch) // 3)] + [p for p in by_context if not p.oom][-1:]:
+    flops = decode_step_flops(decode_cfg, pt.batch, pt.context)
+    read = decode_bytes_per_step(decode_cfg, pt.batch, pt.context, ELEMENT_BYTES)
+    points.append((f"decode B={pt.batch} ctx={pt.context:,}", flops / read, flops / pt.seconds))
+
+fig, ax = plt.subplots(figsize=(8, 5))
+published = match_device_name(settings.device_name) if settings.on_gpu else None
+plot_roofline(ax, peak, copy_bandwidth, points=points, published=published, label="measured roof")
+ax.set_title(f"Prefill and decode on {settings.device_name}")
+plt.show()
+
+# %% [markdown]
+# ## Questions
+#
+# 1. Your measured crossover and $N/2Ld$: which is larger, and which of the three reasons above
+#    explains most of the gap on your device?
+# 2. At which batch did the decode step time start to grow? Compare it with your device's ridge
+#    point: what is the arithmetic intensity of a decode step at batch $B$ in your dtype?
+# 3. In the context sweep, at what context does the cache read equal the weights read for this
+#    model? Did the step time at that context come out about twice the short-context time?
+# 4. Why does a prefill produce only one new token although it processes every prompt position?
+#
+# <!-- BEGIN SOLUTION -->
+# **Answers (instructor notes).**
+#
+# 1. Usually the measured crossover is larger on a GPU (the causal kernel skips half the
+#    scores, moving it towards $2 \cdot N/2Ld$) and can fall on either side on a CPU, where
+#    attention's small per-head products run slower than the big matmuls; the embedding table
+#    in $N$ pushes the prediction up in every case.
+# 2. A decode step does about $2NB$ FLOPs for $N b$ bytes of weights: intensity $2B/b$, which is
+#    $B$ in bf16 and $B/2$ in fp32. Time starts to grow once that passes the ridge point: a
+#    batch of a few on a CPU with a low ridge; hundreds on an H100 (ridge about 300).
+# 3. Where `context * kv_bytes_per_token = N * b`, i.e. context $= N / (2 L H_{kv} d_{head})$:
+#    about 30,700 tokens for `small-63m` and about 122,500 for the 8B. At that context the read
+#    doubles, so a bandwidth-bound step takes about twice as long.
+# 4. The other positions' next tokens are already known (they are the prompt). Their pass exists
+#    to compute and store keys and values; only the last position predicts something new, so
+#    the output head runs on it alone.
+# <!-- END SOLUTION -->

@@ -1,0 +1,197 @@
+"""The runnable Llama-style model: cache correctness, GQA shapes, attention choices, bad inputs."""
+
+import pytest
+import torch
+
+from labsupport import costs
+from labsupport.model import KVCache, Transformer, naive_attention, random_prompt
+from labsupport.models import ModelConfig, get_model
+
+TINY = get_model("tiny-2m")
+# Untied head and a group size of 4, as in the Llama 3 models.
+GQA4 = ModelConfig("test-gqa4", 2, 64, 8, 2, 96, 97)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Transformer(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def gqa4():
+    return Transformer(GQA4, seed=1)
+
+
+@pytest.mark.parametrize("cfg", [TINY, GQA4, get_model("tiny-20m")], ids=lambda c: c.name)
+def test_param_count_matches_costs(cfg):
+    model = Transformer(cfg)
+    assert model.param_count() == costs.param_count(cfg)
+    assert model.param_bytes() == 4 * costs.param_count(cfg)
+    assert Transformer(cfg, dtype=torch.float16).param_bytes() == 2 * costs.param_count(cfg)
+
+
+def test_weights_are_seeded():
+    a, b, c = Transformer(TINY, seed=3), Transformer(TINY, seed=3), Transformer(TINY, seed=4)
+    assert torch.equal(a.layers[0].attention.wq.weight, b.layers[0].attention.wq.weight)
+    assert not torch.equal(a.layers[0].attention.wq.weight, c.layers[0].attention.wq.weight)
+    assert torch.isfinite(a.layers[1].feed_forward.w2.weight).all()
+
+
+@pytest.mark.parametrize("name", ["tiny", "gqa4"])
+def test_cached_decode_matches_full_recompute(name, request):
+    model = request.getfixturevalue(name)
+    prompt = model.random_prompt(batch=3, length=7, seed=5)
+    cache = model.new_cache(3, 12)
+    tokens = prompt
+    logits = model.prefill(prompt, cache)
+    torch.testing.assert_close(logits, model.forward_no_cache(prompt), rtol=1e-4, atol=1e-4)
+    for _ in range(4):
+        nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        logits = model.decode_step(nxt, cache)
+        torch.testing.assert_close(logits, model.forward_no_cache(tokens), rtol=1e-4, atol=1e-4)
+    assert cache.length == tokens.shape[1] == 11
+
+
+def test_generate_same_tokens_with_and_without_cache(gqa4):
+    prompt = gqa4.random_prompt(batch=2, length=5, seed=2)
+    with_cache = gqa4.generate(prompt, 6)
+    without = gqa4.generate(prompt, 6, use_cache=False)
+    assert with_cache.shape == (2, 11) and with_cache.dtype == torch.int64
+    assert torch.equal(with_cache, without)
+    assert torch.equal(with_cache[:, :5], prompt)
+    assert torch.equal(gqa4.generate(prompt, 0), prompt)
+
+
+def test_chunked_prefill_equals_one_prefill(gqa4):
+    prompt = gqa4.random_prompt(batch=2, length=10, seed=7)
+    whole = gqa4.prefill(prompt, gqa4.new_cache(2, 10))
+    cache = gqa4.new_cache(2, 10)
+    gqa4.prefill(prompt[:, :4], cache)
+    chunked = gqa4.prefill(prompt[:, 4:], cache, start=cache.length)
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+    assert cache.length == 10
+
+
+def test_gqa_cache_shapes_and_bytes(gqa4):
+    cache = gqa4.new_cache(batch=2, max_len=16)
+    assert isinstance(cache, KVCache)
+    # (n_layers, B, n_kv_heads, max_len, head_dim): the cache stores 2 KV heads, not 8 query heads.
+    assert cache.k.shape == cache.v.shape == (2, 2, 2, 16, 8)
+    assert cache.length == 0
+    assert cache.nbytes() == costs.kv_bytes_per_token(GQA4, 4) * 16 * 2
+    gqa4.prefill(gqa4.random_prompt(2, 4), cache)
+    assert cache.used_nbytes() == costs.kv_bytes_per_token(GQA4, 4) * 4 * 2
+    assert "length=4/16" in repr(cache)
+
+
+def test_cache_length_bookkeeping_and_overflow(tiny):
+    cache = tiny.new_cache(1, 6)
+    tiny.prefill(tiny.random_prompt(1, 5), cache)
+    assert cache.length == 5
+    tiny.decode_step(torch.tensor([[3]]), cache)
+    assert cache.length == 6
+    with pytest.raises(ValueError, match=r"KV cache overflow.*max_len=6.*6 are used and 1 more.*max_len=7"):
+        tiny.decode_step(torch.tensor([[3]]), cache)
+    assert cache.length == 6  # a refused step changes nothing
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        tiny.prefill(tiny.random_prompt(1, 7), tiny.new_cache(1, 6))
+    tiny.prefill(tiny.random_prompt(1, 2), cache)  # start=0 refills the cache from the beginning
+    assert cache.length == 2
+    cache.reset()
+    assert cache.length == 0
+
+
+@pytest.mark.parametrize("name", ["tiny", "gqa4"])
+def test_naive_attention_equals_sdpa(name, request):
+    model = request.getfixturevalue(name)
+    prompt = model.random_prompt(2, 9, seed=11)
+    sdpa_logits = model.forward_no_cache(prompt)
+    sdpa_gen = model.generate(prompt, 4)
+    model.attention = "naive"
+    try:
+        torch.testing.assert_close(model.forward_no_cache(prompt), sdpa_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(model.generate(prompt, 4), sdpa_gen)
+    finally:
+        model.attention = "sdpa"
+
+
+def test_custom_attention_callable_is_used():
+    calls = []
+
+    def my_attention(q, k, v, causal):
+        calls.append((tuple(q.shape), tuple(k.shape), causal))
+        return naive_attention(q, k, v, causal)
+
+    model = Transformer(GQA4, seed=1, attention=my_attention)
+    reference = Transformer(GQA4, seed=1)
+    prompt = model.random_prompt(1, 5)
+    assert torch.equal(model.generate(prompt, 2), reference.generate(prompt, 2))
+    # Prefill: 2 layers, q (B, H, P, D) and k expanded to H heads, causal. Then a decode step.
+    assert calls[0] == ((1, 8, 5, 8), (1, 8, 5, 8), True)
+    assert calls[2] == ((1, 8, 1, 8), (1, 8, 6, 8), False)
+    assert len(calls) == 4
+
+
+def test_custom_attention_wrong_shape_is_reported(tiny):
+    model = Transformer(TINY, attention=lambda q, k, v, causal: q[..., :1])
+    with pytest.raises(ValueError, match="attention function returned"):
+        model.forward_no_cache(model.random_prompt(1, 3))
+
+
+def test_random_prompt():
+    a = random_prompt(TINY, 2, 8, seed=1)
+    assert a.shape == (2, 8) and a.dtype == torch.int64
+    assert int(a.min()) >= 0 and int(a.max()) < TINY.vocab_size
+    assert torch.equal(a, random_prompt(TINY, 2, 8, seed=1))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"cfg": "tiny-2m"}, "cfg must be a labsupport.models.ModelConfig"),
+        ({"attention": "flash"}, "attention must be 'sdpa', 'naive' or a callable"),
+        ({"dtype": torch.int32}, "dtype must be a floating torch.dtype"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"device": "tpu:x"}, "device must be"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    args = {"cfg": TINY, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        Transformer(**args)
+
+
+def test_bad_call_arguments(tiny):
+    cache = tiny.new_cache(2, 8)
+    with pytest.raises(ValueError, match="integer token ids"):
+        tiny.prefill(torch.zeros(2, 3), cache)
+    with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
+        tiny.prefill(torch.zeros(6, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 1023\]"):
+        tiny.prefill(torch.full((2, 3), 5000), cache)
+    with pytest.raises(ValueError, match="batch 1 but the cache was made for batch 2"):
+        tiny.prefill(torch.zeros(1, 3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="cache is empty; call model.prefill"):
+        tiny.decode_step(torch.zeros(2, 1, dtype=torch.long), cache)
+    tiny.prefill(torch.zeros(2, 3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=r"shape \(batch, 1\)"):
+        tiny.decode_step(torch.zeros(2, 2, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="cache must be a KVCache"):
+        tiny.decode_step(torch.zeros(2, 1, dtype=torch.long), None)
+    with pytest.raises(ValueError, match="not made by this model"):
+        tiny.decode_step(torch.zeros(1, 1, dtype=torch.long), Transformer(GQA4).new_cache(1, 4))
+    with pytest.raises(ValueError, match="gap"):
+        tiny.prefill(torch.zeros(2, 1, dtype=torch.long), cache, start=5)
+    with pytest.raises(ValueError, match="max_len must be 1 or more"):
+        tiny.new_cache(1, 0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tiny.generate(torch.zeros(1, 2, dtype=torch.long), -1)
+
+
+def test_half_precision_runs_on_cpu():
+    model = Transformer(TINY, dtype=torch.bfloat16)
+    prompt = model.random_prompt(1, 6)
+    out = model.generate(prompt, 3)
+    assert out.shape == (1, 9)
+    assert model.new_cache(1, 4).k.dtype == torch.bfloat16

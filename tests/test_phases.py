@@ -1,0 +1,175 @@
+"""Fitting prefill times and the measurement sweeps of the phases lab."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from labsupport import phases
+from labsupport.model import Transformer
+from labsupport.models import get_model
+from labsupport.phases import cpu_threads, fit_prefill_times, measure_decode, measure_prefill
+
+LENGTHS = [128, 256, 512, 1024, 2048, 4096]
+
+
+def synthetic(a, b, c, lengths=LENGTHS, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(a * p + b * p * p + c) * (1 + noise * rng.standard_normal()) for p in lengths]
+
+
+def test_fit_recovers_exact_coefficients():
+    fit = fit_prefill_times(LENGTHS, synthetic(2e-6, 1e-9, 3e-4))
+    assert fit.linear == pytest.approx(2e-6, rel=1e-6)
+    assert fit.quadratic == pytest.approx(1e-9, rel=1e-6)
+    assert fit.constant == pytest.approx(3e-4, rel=1e-6)
+    assert fit.crossover == pytest.approx(2000, rel=1e-6)
+    assert fit.predict(2000) == pytest.approx(2e-6 * 2000 * 2 + 3e-4)
+    assert fit.quadratic_share(2000) == pytest.approx(4e-3 / (8e-3 + 3e-4))
+    assert fit.max_relative_error < 1e-9
+    assert "crossover 2,000 tokens" in str(fit)
+
+
+def test_fit_without_constant():
+    fit = fit_prefill_times([100, 1000], synthetic(1e-5, 1e-8, 0.0, lengths=[100, 1000]), constant=False)
+    assert (fit.linear, fit.quadratic, fit.constant) == pytest.approx((1e-5, 1e-8, 0.0), rel=1e-6)
+    assert fit.crossover == pytest.approx(1000, rel=1e-6)
+
+
+def test_fit_is_robust_to_a_few_percent_of_noise():
+    for seed in range(5):
+        fit = fit_prefill_times(LENGTHS, synthetic(2e-6, 1e-9, 3e-4, noise=0.03, seed=seed))
+        assert 1400 < fit.crossover < 2800, fit
+
+
+def test_purely_linear_times_give_no_crossover():
+    # Times that bend *down* would need a negative quadratic term: it is held at zero instead.
+    times = [1e-5 * p**0.9 for p in LENGTHS]
+    fit = fit_prefill_times(LENGTHS, times)
+    assert fit.quadratic == 0 and math.isinf(fit.crossover)
+    assert min(fit.linear, fit.quadratic, fit.constant) >= 0
+    assert "none detected" in str(fit)
+
+
+@pytest.mark.parametrize(
+    "lengths,seconds,match",
+    [
+        ([1, 2], [1.0], "same length"),
+        ([1, 2, 3], [1.0, -1.0, 2.0], "finite number of seconds > 0"),
+        ([1, 2, 3], [1.0, float("nan"), 2.0], "finite number"),
+        ([0, 2, 3], [1.0, 1.0, 2.0], "1 or more"),
+        ([8, 8, 16], [1.0, 1.0, 2.0], "at least 3 different prompt lengths"),
+        (5, [1.0], "sequences"),
+    ],
+)
+def test_fit_rejects_bad_input(lengths, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        fit_prefill_times(lengths, seconds)
+
+
+def test_cpu_threads_restores_the_setting():
+    before = torch.get_num_threads()
+    with cpu_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with cpu_threads(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        with cpu_threads(0):
+            pass
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Transformer(get_model("tiny-2m"))
+
+
+def test_measure_prefill_and_decode_return_points(tiny):
+    pre = measure_prefill(tiny, [8, 16], threads=1, progress=False, repeats=2)
+    assert [p.prompt_tokens for p in pre] == [8, 16]
+    assert all(p.seconds > 0 and not p.oom for p in pre)
+    dec = measure_decode(tiny, [1, 2], [4, 32], threads=1, progress=False, repeats=2)
+    assert [(d.batch, d.context) for d in dec] == [(1, 4), (1, 32), (2, 4), (2, 32)]
+    assert all(d.seconds > 0 and not d.oom for d in dec)
+    per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads, head_dim 32, fp32
+    assert dec[-1].cache_bytes == per_token * 2 * 33
+
+
+def test_out_of_memory_is_a_result_not_a_crash(tiny, monkeypatch):
+    real_new_cache = Transformer.new_cache
+
+    def new_cache(self, batch, max_len):
+        if batch * max_len > 100:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 68.7 GiB")
+        return real_new_cache(self, batch, max_len)
+
+    monkeypatch.setattr(Transformer, "new_cache", new_cache)
+    dec = measure_decode(tiny, [1, 8], [16], progress=False, repeats=1)
+    assert not dec[0].oom and dec[1].oom and dec[1].seconds is None
+    assert dec[1].cache_bytes == 2 * 2 * 8 * 2 * 17 * 32 * 4
+    pre = measure_prefill(tiny, [16, 200], progress=False, repeats=1)
+    assert [p.oom for p in pre] == [False, True]
+
+
+def test_other_errors_are_not_swallowed(tiny, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("something else went wrong")
+
+    monkeypatch.setattr(phases, "is_out_of_memory", lambda exc: False)
+    monkeypatch.setattr(Transformer, "new_cache", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        measure_decode(tiny, [1], [4], progress=False)
+
+
+def test_is_out_of_memory():
+    assert phases.is_out_of_memory(torch.cuda.OutOfMemoryError("x"))
+    assert phases.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
+    assert not phases.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_measure_rejects_bad_arguments(tiny):
+    with pytest.raises(ValueError, match="Transformer"):
+        measure_prefill("tiny-2m", [8])
+    with pytest.raises(ValueError, match="lengths"):
+        measure_prefill(tiny, [])
+    with pytest.raises(ValueError, match="contexts"):
+        measure_decode(tiny, [1], [0])
+
+
+def test_request_phase_times_reproduce_the_planning_figures():
+    from labsupport import costs
+    from labsupport.hardware import get_gpu
+    from labsupport.phases import request_phase_times
+
+    cfg, h100 = get_model("llama-3.1-8b"), get_gpu("H100 SXM")
+    # One 2,048-token prefill at 40% of dense peak: about 89 ms.
+    t = request_phase_times(cfg, 2048, 1, peak_flops=h100.peak_flops, bandwidth=h100.hbm_bandwidth)
+    assert t.decode == 0 and t.prefill == pytest.approx(costs.prefill_flops(cfg, 2048) / (0.4 * 989.4e12))
+    assert round(t.prefill * 1e3) == 89
+    chat = request_phase_times(cfg, 2000, 300, peak_flops=h100.peak_flops, bandwidth=h100.hbm_bandwidth)
+    assert chat.decode_share > 0.9 and chat.prefill_share + chat.decode_share == pytest.approx(1)
+    # Batching makes the prefill of a classification job the larger phase.
+    one = request_phase_times(cfg, 1000, 20, peak_flops=h100.peak_flops, bandwidth=h100.hbm_bandwidth)
+    many = request_phase_times(
+        cfg, 1000, 20, peak_flops=h100.peak_flops, bandwidth=h100.hbm_bandwidth, batch=32
+    )
+    assert many.prefill_share > 0.5 > one.prefill_share
+    with pytest.raises(ValueError, match="mfu"):
+        request_phase_times(cfg, 10, 10, peak_flops=1e15, bandwidth=1e12, mfu=40)
+
+
+def test_static_and_continuous_batching():
+    from labsupport.phases import completed_by, simulate_batching
+
+    lengths = [8, 2, 3, 4, 2, 5, 3]
+    static = simulate_batching(lengths, 4, "static")
+    assert [(s.slot, s.start, s.end) for s in static[:4]] == [(0, 0, 8), (1, 0, 2), (2, 0, 3), (3, 0, 4)]
+    assert [(s.slot, s.start) for s in static[4:]] == [(0, 8), (1, 8), (2, 8)]  # waits for the longest
+    cont = simulate_batching(lengths, 4)
+    assert [(s.slot, s.start) for s in cont[4:]] == [(1, 2), (2, 3), (1, 4)]  # refilled at once
+    assert completed_by(static, 8) == 4 and completed_by(cont, 8) == 7
+    with pytest.raises(ValueError, match="policy"):
+        simulate_batching(lengths, 4, "dynamic")
+    with pytest.raises(ValueError, match="slots"):
+        simulate_batching(lengths, 0)
