@@ -1,0 +1,188 @@
+"""The reference attention implementations, the chapter's arithmetic, and the benchmark's logic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labsupport import attention as A
+from labsupport import bench_attention as bench
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _qkv(b, h, s, d, dtype=torch.float32, seed=0, s_k=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=gen).to(dtype)
+    k = torch.randn(b, h, s_k or s, d, generator=gen).to(dtype)
+    v = torch.randn(b, h, s_k or s, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def test_spec_matches_torch_sdpa():
+    q, k, v = _qkv(2, 3, 33, 16)
+    for causal in (False, True):
+        out, lse = A.attention_spec(q, k, v, causal)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        assert lse.shape == (2, 3, 33) and lse.dtype == torch.float32
+
+
+def test_naive_reference_matches_spec_in_fp16():
+    q, k, v = _qkv(1, 2, 40, 32, torch.float16)
+    for causal in (False, True):
+        torch.testing.assert_close(A.naive_attention_reference(q, k, v, causal), A.attention_spec(q, k, v, causal)[0],
+                                   atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("block_n", [1, 7, 16, 64, 1000])
+def test_online_reference_matches_spec_for_any_block(block_n):
+    q, k, v = _qkv(2, 2, 50, 16)
+    for causal in (False, True):
+        out, lse = A.online_softmax_reference(q, k, v, causal, block_n=block_n)
+        want_out, want_lse = A.attention_spec(q, k, v, causal)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 32), (64, 64)])
+def test_flash_reference_matches_spec_for_explicit_tiles(blocks):
+    q, k, v = _qkv(1, 2, 70, 16)
+    for causal in (False, True):
+        out, lse = A.flash_attention_reference(q, k, v, causal, block_m=blocks[0], block_n=blocks[1])
+        want_out, want_lse = A.attention_spec(q, k, v, causal)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_reference_handles_strides_decode_shape_and_bf16():
+    q, k, v = (t.transpose(1, 2) for t in _qkv(2, 20, 3, 32))  # (B, S, H, D) buffers viewed as (B, H, S, D)
+    torch.testing.assert_close(A.flash_attention_reference(q, k, v, True)[0], A.attention_spec(q, k, v, True)[0],
+                               atol=1e-5, rtol=1e-5)
+    q, k, v = _qkv(1, 2, 1, 64, s_k=300)  # one query against a cache of 300 keys
+    out, lse = A.flash_attention_reference(q, k, v)
+    torch.testing.assert_close(out, A.attention_spec(q, k, v)[0], atol=1e-5, rtol=1e-5)
+    q, k, v = _qkv(1, 1, 20, 16, torch.bfloat16)  # interpreter: computed in fp32, returned in bf16
+    out, _ = A.flash_attention_reference(q, k, v, True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, A.attention_spec(q, k, v, True)[0], atol=1e-2, rtol=1e-2)
+
+
+def test_combine_partials_equals_attention_over_the_whole_cache():
+    q, k, v = _qkv(1, 2, 1, 16, s_k=90)
+    parts = [A.attention_spec(q, k[:, :, i:i + 30], v[:, :, i:i + 30]) for i in range(0, 90, 30)]
+    out, lse = A.combine_partials([p[0] for p in parts], [p[1] for p in parts])
+    want_out, want_lse = A.attention_spec(q, k, v)
+    torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v: (q[0], k, v, False), "4 dimensions"),
+    (lambda q, k, v: (q, k[:, :, :5], v, False), "k and v must have the same shape"),
+    (lambda q, k, v: (q, k.half(), v.half(), False), "share a dtype"),
+    (lambda q, k, v: (q, k, v, "yes"), "causal must be True or False"),
+    (lambda q, k, v: (q[:, :, :3], k, v, True), "as many queries as keys"),
+    (lambda q, k, v: (q.int(), k.int(), v.int(), False), "floating-point"),
+])
+def test_bad_arguments_are_explained(bad, match):
+    args = bad(*_qkv(1, 2, 8, 16))
+    with pytest.raises(ValueError, match=match):
+        A.attention_spec(*args)
+
+
+def test_flash_reference_rejects_unsupported_head_dim_and_tiles():
+    with pytest.raises(ValueError, match="head dim must be one of"):
+        A.flash_attention_reference(*_qkv(1, 1, 8, 24))
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        A.flash_attention_reference(*_qkv(1, 1, 8, 16), block_m=24)
+
+
+def test_runbook_figures():
+    assert A.score_matrix_elements(5_000) == 25_000_000
+    assert A.score_matrix_elements(120_000) == 14_400_000_000
+    assert A.score_matrix_elements(120_000) * 2 == 28_800_000_000  # bytes in bf16
+    with pytest.raises(ValueError, match="seq_len"):
+        A.score_matrix_elements(0)
+
+
+def test_hbm_traffic_and_intensity():
+    s, d = 4096, 128
+    assert A.naive_attention_hbm_bytes(s, d) == (4 * s * d + 4 * s * s) * 2
+    assert A.flash_attention_hbm_bytes(s, d, 128) == (2 * s * d + 32 * 2 * s * d) * 2 + 4 * s
+    naive = A.attention_intensity(s, d, tiled=False)
+    tiled = A.attention_intensity(s, d, tiled=True)
+    assert naive < d / 2 < tiled  # naive tends to D/2 FLOP per byte in bf16; tiled to about block_m
+    with pytest.raises(ValueError, match="dtype_bytes"):
+        A.naive_attention_hbm_bytes(s, d, dtype_bytes=0)
+
+
+def test_tile_schedule_matches_the_kernel_loop_bounds():
+    grid = A.tile_schedule(300, 64, 32, causal=True)
+    assert grid.shape == (5, 10)
+    for i in range(5):
+        for j in range(10):
+            first_key, last_query = j * 32, min((i + 1) * 64, 300) - 1
+            visited = first_key <= last_query
+            assert (grid[i, j] > 0) == visited
+    full = A.tile_schedule(300, 64, 32, causal=False)
+    assert (full > 0).all() and (full[:, -1] == 2).all() and (full[:, :-1] == 1).all()
+    assert 0.45 < A.causal_tiles_skipped(16_384, 128, 64) < 0.5
+
+
+def test_peak_tensor_memory_sees_the_score_matrix():
+    q, k, v = _qkv(1, 1, 256, 32)
+    _, naive = A.peak_tensor_memory(A.naive_attention_reference, q, k, v)
+    _, online = A.peak_tensor_memory(A.online_softmax_reference, q, k, v, block_n=32)
+    _, flash = A.peak_tensor_memory(A.flash_attention_reference, q, k, v)
+    score_bytes = 256 * 256 * 4
+    assert naive.largest_bytes >= score_bytes and naive.peak_bytes >= 2 * score_bytes
+    assert online.largest_bytes < score_bytes and online.peak_bytes < score_bytes
+    assert flash.peak_bytes == 256 * 32 * 4 + 256 * 4  # out and lse, nothing else
+
+
+def test_interpreter_tiles_and_gpu_config_fit_shared_memory(monkeypatch):
+    assert A.kernel_config(257, 257, 64, torch.float16, interpreter=True).block_m == 64
+    assert A.kernel_config(4096, 4096, 64, torch.float16, interpreter=True).block_m == 128
+    for smem in (48 * 1024, 99 * 1024, 163 * 1024, 227 * 1024):
+        monkeypatch.setattr(A, "_max_shared_memory", lambda smem=smem: smem)
+        for d in (64, 128):
+            for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
+                c = A.kernel_config(8192, 8192, d, dtype, interpreter=False)
+                assert (c.block_m * d + max(c.num_stages, 1) * 2 * c.block_n * d) * size <= smem or c.num_stages == 1
+                assert c.block_m >= 64 and c.block_n >= 32
+    monkeypatch.setattr(A, "_max_shared_memory", lambda: 227 * 1024)
+    assert A.kernel_config(8192, 8192, 128, torch.bfloat16, interpreter=False) == A.KernelConfig(128, 64, 8, 3)
+
+
+# --- the benchmark's logic, without a GPU -----------------------------------------------------
+
+
+def test_benchmark_refuses_to_run_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert bench.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_benchmark_verdicts_against_the_anchors():
+    rows = []
+    for s in (1024, 2048, 4096, 8192):
+        for causal in (False, True):
+            flops = 4 * s * s * 128 / (2 if causal else 1)
+            rows.append(bench.Row(seq_len=s, causal=causal, batch=1, heads=16, flops=flops,
+                                  kernel_s=1.0, sdpa_s=0.95 if not causal else 0.85, naive_s=6.0,
+                                  max_err=1e-3))
+    rows[-1] = bench.Row(seq_len=8192, causal=True, batch=1, heads=16, flops=1.0, kernel_s=1.0, sdpa_s=0.5,
+                         naive_s=None, max_err=1e-3, naive_oom=True)
+    verdicts = bench.verdicts(rows)
+    names = {v.name: v for v in verdicts}
+    assert names["non-causal, S >= 2k: kernel >= 0.9x SDPA"].passed
+    assert not names["causal, S >= 4k: kernel >= 0.8x SDPA"].passed  # 0.85 at 4k passes, 0.5 at 8k fails
+    assert names["non-causal, S >= 4k: kernel >= 2.5x naive"].passed
+    assert names["causal, S >= 4k: kernel >= 5x naive"].passed  # 6x at 4k; OOM at 8k counts as a pass
+    table = bench.format_table(rows, device="TEST GPU", date="2026-11-29")
+    assert "OOM" in table and "TEST GPU" in table and "2026-11-29" in table
+    assert math.isclose(rows[0].tflops("kernel"), rows[0].flops / 1e12)
