@@ -325,6 +325,12 @@ check_online_softmax(online_softmax_attention)
 # `out` and `lse`, pick tiles with `cfg = kernel_config(S, S, D, q.dtype, interpreter=settings.interpreter)`,
 # and launch `flash_attention_kernel[(triton.cdiv(S, cfg.block_m), B * H)](...)` with
 # `BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages`.
+#
+# Write the kernel body first, then the wrapper. On a GPU, Triton compiles the kernel when the
+# wrapper first launches it: a kernel that still contains its `raise NotImplementedError` line
+# fails there with `unsupported AST node type: Raise`, which only means the body is not written yet.
+# On a GPU the check also runs bfloat16 and reminds you about `input_precision="ieee"` if your
+# float32 results carry tf32 rounding.
 
 # %%
 @triton.jit

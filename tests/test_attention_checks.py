@@ -23,7 +23,11 @@ from labsupport.attention import (
 from labsupport.checks import CheckFailed, check_flash_attention, check_naive_attention, check_online_softmax
 
 # triton 3.6's interpreter trips a numpy deprecation on every loop; it is harmless and not ours.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+# Mutants without the max subtraction overflow on purpose: numpy's overflow warnings are expected.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
 
 # --- naive attention mutants (plain torch) ------------------------------------------------------
 
@@ -151,6 +155,8 @@ ONLINE_MUTANTS = {
     "lse_without_max": (online_mutant(lse_mode="no_max"), "leaves out the running maximum"),
     "lse_in_base_2": (online_mutant(lse_mode="base2"), "base 2"),
     "whole_score_matrix": (online_mutant(whole_matrix=True), "S x S"),
+    "softmax_wrong_axis": (lambda q, k, v, causal=False, block_n=16: (naive(q, k, v, causal, axis=-2),
+                                                                      attention_spec(q, k, v, causal)[1]), "dim=-2"),
     "returns_out_only": (lambda q, k, v, causal=False, block_n=16: online(q, k, v, causal, block_n)[0],
                          "expected a pair (out, lse)"),
     "calls_sdpa": (lambda q, k, v, causal=False, block_n=16: (
@@ -179,8 +185,15 @@ def test_online_check_rejects(name):
 @triton.jit
 def _mutant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_len, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                   RESCALE: tl.constexpr, TAIL_MASK: tl.constexpr, LSE_NATURAL: tl.constexpr):
-    """A single-loop FlashAttention forward on contiguous inputs; the flags plant mistakes."""
+                   RESCALE: tl.constexpr, TAIL_MASK: tl.constexpr, LSE_NATURAL: tl.constexpr,
+                   AXIS: tl.constexpr, CAUSAL_SHIFT: tl.constexpr, SUBTRACT_MAX: tl.constexpr,
+                   NORMALISE: tl.constexpr, LSE_WITH_MAX: tl.constexpr):
+    """A single-loop FlashAttention forward on contiguous inputs; the flags plant mistakes.
+
+    AXIS=0 reduces the score tile over its query rows instead of its keys (tiles are square);
+    CAUSAL_SHIFT moves the diagonal; SUBTRACT_MAX=False exponentiates raw scores; NORMALISE=False
+    skips acc / l; LSE_WITH_MAX=False returns log(l) alone.
+    """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     base = pid_bh.to(tl.int64) * seq_len * HEAD_DIM
@@ -203,25 +216,34 @@ def _mutant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_len, qk_scale,
         if TAIL_MASK:
             s = tl.where(offs_n[None, :] < seq_len, s, float("-inf"))
         if CAUSAL:
-            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            s = tl.where(offs_n[None, :] <= offs_m[:, None] + CAUSAL_SHIFT, s, float("-inf"))
+        if SUBTRACT_MAX:
+            m_new = tl.maximum(m_i, tl.max(s, AXIS))
+        else:
+            m_new = tl.zeros((BLOCK_M,), dtype=tl.float32)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, AXIS)
         if RESCALE:
             acc = acc * alpha[:, None]
         acc = acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    out = acc / l_i[:, None]
+    if NORMALISE:
+        out = acc / l_i[:, None]
+    else:
+        out = acc
     tl.store(out_ptr + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=offs_m[:, None] < seq_len)
-    lse = m_i + tl.log(l_i)
+    lse = tl.log(l_i)
+    if LSE_WITH_MAX:
+        lse += m_i
     if not LSE_NATURAL:
         lse = lse * 1.4426950408889634
     tl.store(lse_ptr + pid_bh.to(tl.int64) * seq_len + offs_m, lse, mask=offs_m < seq_len)
 
 
-def triton_flash(rescale=True, tail_mask=True, lse_natural=True, contiguous=True):
+def triton_flash(rescale=True, tail_mask=True, lse_natural=True, contiguous=True, scaled=True, axis=1,
+                 causal_shift=0, subtract_max=True, normalise=True, lse_with_max=True):
     def flash_attention(q, k, v, causal=False):
         if contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -229,33 +251,33 @@ def triton_flash(rescale=True, tail_mask=True, lse_natural=True, contiguous=True
         out = torch.empty_like(q)
         lse = torch.empty((b, h, s), dtype=torch.float32)
         grid = (triton.cdiv(s, 64), b * h)
-        _mutant_kernel[grid](q, k, v, out, lse, s, 1 / math.sqrt(d), HEAD_DIM=d, BLOCK_M=64, BLOCK_N=64,
-                             CAUSAL=causal, RESCALE=rescale, TAIL_MASK=tail_mask, LSE_NATURAL=lse_natural)
+        _mutant_kernel[grid](q, k, v, out, lse, s, 1 / math.sqrt(d) if scaled else 1.0, HEAD_DIM=d, BLOCK_M=64,
+                             BLOCK_N=64, CAUSAL=causal, RESCALE=rescale, TAIL_MASK=tail_mask,
+                             LSE_NATURAL=lse_natural, AXIS=axis, CAUSAL_SHIFT=causal_shift,
+                             SUBTRACT_MAX=subtract_max, NORMALISE=normalise, LSE_WITH_MAX=lse_with_max)
         return out, lse
 
     return flash_attention
 
 
-def torch_flash(**mistake):
-    """FlashAttention's interface on top of the blockwise torch code (64-key blocks)."""
-    return lambda q, k, v, causal=False: online(q, k, v, causal, 64, **mistake)
-
-
 FLASH_MUTANTS = {
-    # real Triton kernels
+    # real Triton kernels, each with one planted mistake
     "triton_no_rescale": (lambda: triton_flash(rescale=False), "rescaled by exp(m_old - m_new)"),
     "triton_no_tail_mask": (lambda: triton_flash(tail_mask=False), "partial"),
     "triton_lse_base_2": (lambda: triton_flash(lse_natural=False), "base 2"),
     "triton_assumes_contiguous": (lambda: triton_flash(contiguous=False), "not contiguous"),
+    "triton_no_scale": (lambda: triton_flash(scaled=False), "1/sqrt(D)"),
+    # max and sum over the tile's query rows (axis 0): not a row-wise softmax of the whole matrix,
+    # so no named mistake matches; the check must still fail it
+    "triton_reduces_over_queries": (lambda: triton_flash(axis=0), "the output is wrong"),
+    "triton_causal_hides_diagonal": (lambda: triton_flash(causal_shift=-1), "hides the diagonal"),
+    "triton_causal_one_future_key": (lambda: triton_flash(causal_shift=1), "one key in its future"),
+    "triton_no_max_subtraction": (lambda: triton_flash(subtract_max=False), "subtract the (running) maximum"),
+    "triton_unnormalised": (lambda: triton_flash(normalise=False), "unnormalised"),
+    "triton_lse_without_max": (lambda: triton_flash(lse_with_max=False), "leaves out the running maximum"),
     # the same interface in torch, for mistakes that do not need a kernel to show
-    "no_scale": (lambda: lambda q, k, v, causal=False: (naive(q, k, v, causal, scale="none"),
-                                                        attention_spec(q, k, v, causal)[1]), "1/sqrt(D)"),
     "softmax_wrong_axis": (lambda: lambda q, k, v, causal=False: (naive(q, k, v, causal, axis=-2),
                                                                   attention_spec(q, k, v, causal)[1]), "dim=-2"),
-    "causal_off_by_one": (lambda: torch_flash(shift=1), "one key in its future"),
-    "no_max_subtraction": (lambda: torch_flash(subtract_max=False), "subtract the (running) maximum"),
-    "unnormalised": (lambda: torch_flash(normalise=False), "unnormalised"),
-    "lse_without_max": (lambda: torch_flash(lse_mode="no_max"), "leaves out the running maximum"),
     "calls_sdpa": (lambda: lambda q, k, v, causal=False: (F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                                           attention_spec(q, k, v, causal)[1]),
                    "scaled_dot_product_attention"),
@@ -294,3 +316,162 @@ def test_flash_check_explains_a_missing_driver_style_error():
 def test_flash_check_rejects_a_non_function():
     with pytest.raises(CheckFailed, match="takes your function itself"):
         check_flash_attention(flash_attention_reference(*[torch.randn(1, 1, 4, 16)] * 3))
+
+
+# --- any correct implementation passes ----------------------------------------------------------
+
+
+@triton.jit
+def _other_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+                  stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                  stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+                  n_heads, seq_len, qk_scale_log2,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Another correct kernel: strided inputs, exp2, key blocks visited LAST to first, its own tiles."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // n_heads, pid_bh % n_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=offs_m[:, None] < seq_len, other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
+    n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
+    for i in range(0, n_blocks):
+        offs_n = (n_blocks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                    mask=offs_n[:, None] < seq_len, other=0.0)
+        v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+                    mask=offs_n[:, None] < seq_len, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2  # log2 units
+        keep = offs_n[None, :] < seq_len
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key of a late block
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < seq_len)
+    tl.store(lse_ptr + pid_bh * seq_len + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=offs_m < seq_len)
+
+
+def other_flash(q, k, v, causal=False):
+    b, h, s, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((b, h, s), dtype=torch.float32)
+    _other_kernel[(triton.cdiv(s, 128), b * h)](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        h, s, 1.4426950408889634 / math.sqrt(d), HEAD_DIM=d, BLOCK_M=128, BLOCK_N=64, CAUSAL=causal)
+    return out, lse
+
+
+def online_by_query_blocks(q, k, v, causal=False, block_n=16):
+    """Another correct online softmax: blocks of 96 queries outside, keys inside, in float64."""
+    b, h, s, d = q.shape
+    outs, lses = [], []
+    for q0 in range(0, s, 96):
+        qb = q[:, :, q0:q0 + 96].double() / math.sqrt(d)  # (B, H, n_q, D)
+        n_q = qb.shape[2]
+        m = torch.full((b, h, n_q), float("-inf"), dtype=torch.float64)
+        denom = torch.zeros((b, h, n_q), dtype=torch.float64)
+        acc = torch.zeros((b, h, n_q, d), dtype=torch.float64)
+        rows = torch.arange(q0, q0 + n_q)[:, None]
+        for k0 in range(0, s, block_n):
+            if causal and k0 > q0 + n_q - 1:
+                break
+            kb, vb = k[:, :, k0:k0 + block_n].double(), v[:, :, k0:k0 + block_n].double()
+            scores = qb @ kb.transpose(-2, -1)
+            if causal:
+                scores = scores.masked_fill(torch.arange(k0, k0 + kb.shape[2])[None, :] > rows, float("-inf"))
+            m_new = torch.maximum(m, scores.amax(dim=-1))
+            p = torch.exp(scores - m_new[..., None])
+            alpha = torch.exp(m - m_new)
+            denom, acc, m = denom * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
+        outs.append(acc / denom[..., None])
+        lses.append(m + torch.log(denom))
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2).to(q.dtype)  # lse in the inputs' dtype
+
+
+def naive_in_input_dtype(q, k, v, causal=False):
+    """What many people write: everything in the inputs' dtype, torch.softmax, an additive mask."""
+    s = q.shape[-2]
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if causal:
+        scores = scores + torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_other_correct_implementations_pass(capsys):
+    check_flash_attention(other_flash)  # strided, exp2, reverse key order, 128 x 64 tiles
+    check_online_softmax(online_by_query_blocks)
+    check_naive_attention(naive_in_input_dtype)
+    assert capsys.readouterr().out.count("PASSED") == 3
+
+
+def test_bfloat16_cases_accept_naive_attention_computed_in_bfloat16(monkeypatch, capsys):
+    """The GPU adds bf16 cases; their tolerances must admit attention rounded to bf16 throughout."""
+    import labsupport.checks.attention as CA
+
+    monkeypatch.setattr(CA, "_dtypes", lambda: [torch.bfloat16])  # as on a GPU, without one
+    check_naive_attention(naive_in_input_dtype)
+    check_naive_attention(naive_attention_reference)
+    check_online_softmax(online_softmax_reference)
+    assert capsys.readouterr().out.count("PASSED") == 3
+    with pytest.raises(CheckFailed, match="1/sqrt"):
+        check_naive_attention(NAIVE_MUTANTS["no_scale"][0])
+
+
+def _tf32(x):
+    """Round float32 to tf32 (10 mantissa bits, round to nearest), as tensor cores read it."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def tf32_flash(q, k, v, causal=False):
+    """A correct kernel's arithmetic, except that both matmuls take tf32 inputs (the GPU default)."""
+    if q.dtype != torch.float32:
+        return online(q, k, v, causal, 64)
+    s = q.shape[2]
+    scores = _tf32(q) @ _tf32(k).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - lse[..., None])
+    return _tf32(p) @ _tf32(v), lse
+
+
+def test_flash_check_names_tf32_on_a_gpu(monkeypatch):
+    import labsupport.checks.attention as CA
+
+    monkeypatch.setattr(CA, "_gpu_compiles", lambda: True)  # diagnose as on a GPU (no bf16 cases here)
+    monkeypatch.setattr(CA, "_dtypes", lambda: [torch.float32, torch.float16])
+    with pytest.raises(CheckFailed, match='input_precision="ieee"') as info:
+        check_flash_attention(tf32_flash)
+    assert "S=1," in str(info.value)  # caught on the first case, where no logic mistake shows
+    with pytest.raises(CheckFailed) as info:  # a logic mistake is not blamed on tf32
+        check_flash_attention(triton_flash(rescale=False))
+    assert "tf32" not in str(info.value) and "rescaled" in str(info.value)
+
+
+def test_interpreter_does_not_mention_tf32():
+    with pytest.raises(CheckFailed) as info:
+        check_flash_attention(tf32_flash)
+    assert "tf32" not in str(info.value)
+
+
+def test_low_precision_lse_is_named():
+    def flash_attention(q, k, v, causal=False):
+        out, lse = attention_spec(q, k, v, causal)
+        return out, lse.half()
+
+    with pytest.raises(CheckFailed, match="float16, less precise than the inputs"):
+        check_flash_attention(flash_attention)

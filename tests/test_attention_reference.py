@@ -186,3 +186,16 @@ def test_benchmark_verdicts_against_the_anchors():
     table = bench.format_table(rows, device="TEST GPU", date="2026-11-29")
     assert "OOM" in table and "TEST GPU" in table and "2026-11-29" in table
     assert math.isclose(rows[0].tflops("kernel"), rows[0].flops / 1e12)
+
+
+def test_benchmark_without_sdpa_flash_fails_its_targets_honestly():
+    """On a GPU without SDPA's flash backend the SDPA columns stay empty and those targets fail."""
+    rows = [bench.Row(seq_len=4096, causal=c, batch=4, heads=16, flops=1e12, kernel_s=1.0, sdpa_s=None,
+                      naive_s=6.0, max_err=math.nan) for c in (False, True)]
+    names = {v.name: v for v in bench.verdicts(rows)}
+    assert not names["non-causal, S >= 2k: kernel >= 0.9x SDPA"].passed
+    assert "not measured" in names["non-causal, S >= 2k: kernel >= 0.9x SDPA"].detail
+    assert names["causal, S >= 4k: kernel >= 5x naive"].passed
+    assert not names[f"kernel output matches SDPA (max |err| <= {bench.MAX_ERR:g})"].passed
+    table = bench.format_table(rows, device="TEST GPU", date="today")
+    assert "| - |" in table and "FAIL" in table
