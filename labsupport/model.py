@@ -23,8 +23,10 @@ Use::
 ``attention`` chooses how attention is computed: ``"sdpa"`` (torch's fused
 ``scaled_dot_product_attention``), ``"naive"`` (scores, mask, softmax, blend: written out), or any
 callable ``attn(q, k, v, causal) -> out`` with ``q, k, v`` of shape ``(B, H, S or T, D)``; the keys
-and values are already expanded to ``H`` heads. When ``causal`` is true and ``q`` is shorter than
-``k`` the queries are the *last* positions (query ``i`` sits at position ``T - S + i``).
+and values are already expanded to ``H`` heads. A callable may also return a tuple whose first
+item is ``out``, as the course's own kernels do (``labsupport.attention.flash_attention_reference``
+returns ``(out, lse)``), so they plug in directly. When ``causal`` is true and ``q`` is shorter
+than ``k`` the queries are the *last* positions (query ``i`` sits at position ``T - S + i``).
 """
 
 from __future__ import annotations
@@ -211,6 +213,8 @@ class Attention(nn.Module):
                 k = k.repeat_interleave(G, dim=1)  # (B, H, T, D)
                 v = v.repeat_interleave(G, dim=1)  # (B, H, T, D)
             out = attn_fn(q, k, v, S > 1)  # (B, H, S, D)
+            if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+                out = out[0]  # the course's kernels return (out, lse)
             if not isinstance(out, torch.Tensor) or out.shape != q.shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(

@@ -171,11 +171,21 @@ def _free_memory() -> None:
 
 
 def _bar(items, desc: str, progress: bool):
+    """A tqdm progress bar over ``items``; plain lines if tqdm is not installed (a bare GPU box)."""
     if not progress:
         return items
-    from tqdm.auto import tqdm
-
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _plain_progress(items, desc)
     return tqdm(items, desc=desc)
+
+
+def _plain_progress(items, desc: str):
+    items = list(items)
+    for i, item in enumerate(items, 1):
+        print(f"{desc}: {i}/{len(items)}", flush=True)
+        yield item
 
 
 def _lengths(values, what: str) -> list[int]:
@@ -291,6 +301,82 @@ def measure_decode(
                 cache = tokens = None
                 _free_memory()
     return points
+
+
+def unread_embedding_bytes(cfg, batch: int, element_bytes: float = 2) -> float:
+    """Bytes of the input embedding table that a decode step of ``batch`` sequences never reads.
+
+    :func:`labsupport.costs.decode_step_bytes` follows the runbook and charges every weight to
+    every step. A step only looks up one row of the input embedding table per sequence, so when
+    that table is separate from the output head (``tied_embeddings=False``, as in Llama 3.1 8B:
+    about 1 GB in bf16) the other rows stay in memory untouched. Subtract this from the runbook's
+    count to get the bytes a step really streams, before dividing by a measured step time. Zero
+    for tied embeddings: the shared table is read in full as the output head.
+    """
+    from ._validate import positive_number
+    from .costs import _model
+
+    cfg = _model(cfg)
+    batch = positive_int("batch", batch)
+    element_bytes = positive_number("element_bytes", element_bytes)
+    if cfg.tied_embeddings:
+        return 0.0
+    return float(max(cfg.vocab_size - batch, 0) * cfg.d_model * element_bytes)
+
+
+# --- GPU results recorded by scripts/gpu_phases.sh -----------------------------------------------
+
+GPU_RESULTS = "results/gpu_phases.json"
+NOT_MEASURED = "not yet measured"
+
+
+def load_gpu_results(path=None) -> dict | None:
+    """The results ``scripts/gpu_phases.sh`` wrote, or None when there are none (or only a dry run).
+
+    ``path`` defaults to :data:`GPU_RESULTS` under the repository root.
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
+    if not path.is_file():
+        return None
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable results file from scripts/gpu_phases.sh: {exc}") from exc
+    if not isinstance(results, dict) or results.get("dry_run", True):
+        return None
+    return results
+
+
+def gpu_summary(results: dict | None) -> dict[str, str]:
+    """The book's four GPU figures as text, each "not yet measured" when it is missing.
+
+    Keys: ``device`` (name and date), ``prefill_ratio`` (32,768 over 2,048 tokens),
+    ``crossover`` (the fitted ``a/b``), ``decode_b1`` and ``decode_b64`` (achieved over copy
+    bandwidth, eager, at batch 1 and at batch 64 with 8,192 tokens of context).
+    """
+    results = results or {}
+
+    def number(key, fmt):
+        value = results.get(key)
+        return fmt(value) if isinstance(value, (int, float)) and math.isfinite(value) else NOT_MEASURED
+
+    fit = results.get("prefill_fit") or {}
+    crossover = fit.get("measured_crossover_tokens")
+    device = results.get("device")
+    return {
+        "device": f"{device}, {results.get('date', 'undated')}" if device else NOT_MEASURED,
+        "prefill_ratio": number("prefill_ratio_32768_over_2048", lambda v: f"{v:.1f}x"),
+        "crossover": (
+            f"{crossover:,.0f} tokens"
+            if isinstance(crossover, (int, float)) and math.isfinite(crossover)
+            else NOT_MEASURED
+        ),
+        "decode_b1": number("decode_batch1_short_fraction_of_copy", lambda v: f"{v:.0%}"),
+        "decode_b64": number("decode_batch64_ctx8192_fraction_of_copy", lambda v: f"{v:.0%}"),
+    }
 
 
 # --- planning arithmetic ------------------------------------------------------------------------

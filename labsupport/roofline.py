@@ -123,11 +123,9 @@ def _dtype(dtype):
 
 
 def _bar(items, desc: str, progress: bool):
-    if not progress:
-        return items
-    from tqdm.auto import tqdm
+    from .phases import _bar as bar  # tqdm, or plain lines where tqdm is not installed
 
-    return tqdm(items, desc=desc)
+    return bar(items, desc, progress)
 
 
 def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **bench) -> list[float]:

@@ -4,8 +4,9 @@
 # %% [markdown]
 # # Lab 05: prefill and decode, measured
 #
-# A request is served in two phases. **Prefill** pushes the whole prompt through the model in one
-# pass; **decode** then produces one token per pass. Chapter 05 argues from arithmetic that the
+# A request is served in two phases. **Prefill** runs every prompt position through the model
+# together, in a single forward pass; **decode** then adds the answer one token at a time, a full
+# forward pass for each. Chapter 05 argues from arithmetic that the
 # first is limited by arithmetic and the second by memory traffic. In this lab you check that
 # argument against a real model running on your device.
 #
@@ -52,7 +53,13 @@ from labsupport.device import device
 from labsupport.hardware import match_device_name
 from labsupport.model import Transformer
 from labsupport.models import get_model
-from labsupport.phases import cpu_threads, fit_prefill_times, measure_decode, measure_prefill
+from labsupport.phases import (
+    cpu_threads,
+    fit_prefill_times,
+    measure_decode,
+    measure_prefill,
+    unread_embedding_bytes,
+)
 from labsupport.roofline import measure_copy, measure_matmul, plot_roofline
 
 DEVICE = device()
@@ -81,8 +88,9 @@ LLAMA_8B = get_model("llama-3.1-8b")
 # material uses. A causal model only lets a query see the keys before it, so a kernel that skips
 # the masked half does half the attention work: with `causal=True`, halve the quadratic term.
 #
-# The two terms are equal at $P = N / 2Ld$, the **crossover**. Below it, doubling the prompt
-# roughly doubles the work; well above it, doubling the prompt nearly quadruples it.
+# The prompt length at which the quadratic term catches up with the linear one is the
+# **crossover**, $P = N / 2Ld$. Short of it, a prompt twice as long costs about twice as much;
+# far beyond it, close to four times as much.
 #
 # `param_count(cfg)` gives $N$ (every weight, embeddings included); `cfg.n_layers` is $L$ and
 # `cfg.d_model` is $d$.
@@ -262,6 +270,12 @@ print(
 # Each step is timed at a fixed context: the cache is allocated and declared full up to that
 # context (its values are zeros, which take as long to read as any others).
 #
+# One correction before dividing: your count charges every weight to every step, as the runbook
+# does. But a step looks up only one row of the *input* embedding table per sequence. Where that
+# table is separate from the output head (Llama 3.1 8B: about 1 GB in bf16) the rest of it is
+# never read, so `unread_embedding_bytes` subtracts it. For the CPU preset, whose table doubles as
+# the output head and is read in full, it is zero.
+#
 # On a CPU this part uses `small-63m`, about 250 MB of fp32 weights: several times a CPU's
 # last-level cache, so the weights really stream from memory each step. On a GPU it uses the
 # 8B shape, and large batch x context points may not fit: a point that runs out of memory is
@@ -281,15 +295,21 @@ contexts = settings.pick(small=[128, 2048, 8192, 32768], full=[1024, 8192, 32768
 by_context = measure_decode(decode_model, [1], contexts, threads=THREADS, repeats=3)
 
 
+def bytes_really_read(batch, context):
+    # your count, minus the embedding rows a step never touches
+    counted = decode_bytes_per_step(decode_cfg, batch, context, ELEMENT_BYTES)
+    return counted - unread_embedding_bytes(decode_cfg, batch, ELEMENT_BYTES)
+
+
 def report(point):
-    read = decode_bytes_per_step(decode_cfg, point.batch, point.context, ELEMENT_BYTES)
+    read = bytes_really_read(point.batch, point.context)
     where = f"batch {point.batch:>3} x context {point.context:>7,}"
     if point.oom:
         return f"{where}: out of memory (the cache alone needs {point.cache_bytes / 1e9:.1f} GB): the cache wall"
     achieved = read / point.seconds
     return (
         f"{where}: {point.seconds * 1e3:8.2f} ms/step, reads {read / 1e9:6.2f} GB "
-        f"(cache {1 - decode_bytes_per_step(decode_cfg, point.batch, 0, ELEMENT_BYTES) / read:4.0%}), "
+        f"(cache {1 - bytes_really_read(point.batch, 0) / read:4.0%}), "
         f"{achieved / 1e9:7.1f} GB/s = {achieved / copy_bandwidth:4.0%} of copy"
     )
 
@@ -310,7 +330,7 @@ for ax, points, key, xlabel in (
     ax.set_xlabel(xlabel)
     ax.set_ylabel("ms per decode step", color="C0")
     twin = ax.twinx()
-    bw = [decode_bytes_per_step(decode_cfg, pt.batch, pt.context, ELEMENT_BYTES) / pt.seconds / 1e9 for pt in ok]
+    bw = [bytes_really_read(pt.batch, pt.context) / pt.seconds / 1e9 for pt in ok]
     twin.plot(xs, bw, "s--", color="C1", label="achieved bandwidth")
     twin.axhline(copy_bandwidth / 1e9, color="C1", lw=1, ls=":", label="copy bandwidth")
     twin.set_ylabel("GB/s", color="C1")
@@ -344,7 +364,7 @@ plt.show()
 # ## 6. Both phases on your roofline
 #
 # Place the measurements: a prefill's intensity is its FLOPs over the bytes of the weights it
-# reads, a decode step's is its FLOPs over `decode_bytes_per_step`. Height is what was achieved,
+# reads, a decode step's is its FLOPs over the bytes it really reads. Height is what was achieved,
 # FLOPs over measured time. The prefill FLOPs are counted causal here, since that is the work the
 # model's attention actually does.
 
@@ -356,7 +376,7 @@ for pt in (measured[0], measured[len(measured) // 2], measured[-1]):
     points.append((f"prefill P={pt.prompt_tokens:,}", flops / weight_bytes, flops / pt.seconds))
 for pt in [p for p in by_batch if not p.oom][:: max(1, len(by_batch) // 3)] + [p for p in by_context if not p.oom][-1:]:
     flops = decode_step_flops(decode_cfg, pt.batch, pt.context)
-    read = decode_bytes_per_step(decode_cfg, pt.batch, pt.context, ELEMENT_BYTES)
+    read = bytes_really_read(pt.batch, pt.context)
     points.append((f"decode B={pt.batch} ctx={pt.context:,}", flops / read, flops / pt.seconds))
 
 fig, ax = plt.subplots(figsize=(8, 5))
@@ -389,7 +409,8 @@ plt.show()
 # 3. Where `context * kv_bytes_per_token = N * b`, i.e. context $= N / (2 L H_{kv} d_{head})$:
 #    about 30,700 tokens for `small-63m` and about 122,500 for the 8B. At that context the read
 #    doubles, so a bandwidth-bound step takes about twice as long.
-# 4. The other positions' next tokens are already known (they are the prompt). Their pass exists
-#    to compute and store keys and values; only the last position predicts something new, so
-#    the output head runs on it alone.
+# 4. For every position but the last, the next token is already known: it is the next prompt
+#    token. Those positions are run only so that their keys and values land in the cache; the
+#    last position is the only one whose successor is unknown, so the output head runs on it
+#    alone.
 # <!-- END SOLUTION -->

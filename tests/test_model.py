@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from labsupport import costs
-from labsupport.model import KVCache, Transformer, naive_attention, random_prompt
+from labsupport.attention import flash_attention_reference
+from labsupport.model import (
+    ROPE_THETA,
+    KVCache,
+    Transformer,
+    apply_rope,
+    naive_attention,
+    random_prompt,
+    rope_cos_sin,
+)
 from labsupport.models import ModelConfig, get_model
 
 TINY = get_model("tiny-2m")
@@ -131,6 +140,56 @@ def test_custom_attention_callable_is_used():
     assert calls[0] == ((1, 8, 5, 8), (1, 8, 5, 8), True)
     assert calls[2] == ((1, 8, 1, 8), (1, 8, 6, 8), False)
     assert len(calls) == 4
+
+
+def test_course_kernel_plugs_in():
+    # The course's Triton kernel (run by the interpreter here) returns (out, lse); the model
+    # takes out. Prefill calls it causal with S == T, each decode step with one query.
+    model = Transformer(TINY, seed=0, attention=flash_attention_reference)
+    reference = Transformer(TINY, seed=0)
+    prompt = model.random_prompt(2, 13, seed=3)
+    torch.testing.assert_close(
+        model.forward_no_cache(prompt), reference.forward_no_cache(prompt), rtol=1e-4, atol=1e-4
+    )
+    assert torch.equal(model.generate(prompt, 2), reference.generate(prompt, 2))
+
+
+def _rope_reference(x, positions, theta=ROPE_THETA):
+    """RoPE written with complex numbers: pair (x[i], x[i + D/2]) is rotated by pos * theta**(-2i/D)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])  # (D/2,)
+    angles = positions.double()[:, None] * freqs[None, :]  # (S, D/2)
+    pairs = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(
+        torch.ones_like(angles), angles
+    )
+    return torch.cat([pairs.real, pairs.imag], dim=-1)
+
+
+def test_rope_rotates_pairs_by_position():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 16, generator=gen)  # (B, heads, S, D)
+    positions = torch.tensor([0, 1, 7, 100, 4096])
+    cos, sin = rope_cos_sin(positions, 16, torch.float32)
+    out = apply_rope(x, cos, sin)
+    # fp32 angles: at position 4096 they carry an error of a few 1e-4 radians, as in every fp32 RoPE.
+    torch.testing.assert_close(out.double(), _rope_reference(x, positions), rtol=0, atol=1e-3)
+    torch.testing.assert_close(out[:, :, :4].double(), _rope_reference(x, positions)[:, :, :4], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[:, :, 0], x[:, :, 0])  # position 0 is not rotated
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
+    assert not torch.allclose(out[:, :, 1:], x[:, :, 1:], atol=1e-3)  # every other position is
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 1, 1, 64, generator=gen), torch.randn(1, 1, 1, 64, generator=gen)
+
+    def score(m, n):
+        cq, sq = rope_cos_sin(torch.tensor([m]), 64, torch.float32)
+        ck, sk = rope_cos_sin(torch.tensor([n]), 64, torch.float32)
+        return float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
+
+    assert score(10, 3) == pytest.approx(score(107, 100), rel=1e-4)
+    assert score(10, 3) != pytest.approx(score(10, 4), rel=1e-3)
 
 
 def test_custom_attention_wrong_shape_is_reported(tiny):

@@ -173,3 +173,98 @@ def test_static_and_continuous_batching():
         simulate_batching(lengths, 4, "dynamic")
     with pytest.raises(ValueError, match="slots"):
         simulate_batching(lengths, 0)
+
+
+def test_unread_embedding_bytes():
+    from labsupport import costs
+    from labsupport.phases import unread_embedding_bytes
+
+    m8 = get_model("llama-3.1-8b")
+    # Untied: all but one row per sequence of the 128,256 x 4,096 input table stays unread.
+    assert unread_embedding_bytes(m8, 1) == (128256 - 1) * 4096 * 2
+    assert unread_embedding_bytes(m8, 64, element_bytes=1) == (128256 - 64) * 4096
+    really_read = costs.decode_step_bytes(m8, 1, 0).total - unread_embedding_bytes(m8, 1)
+    assert 14.9e9 < really_read < 15.1e9  # about 15.0 GB, not the runbook's 16.06 GB
+    # Tied: the table is the output head, read in full every step.
+    assert unread_embedding_bytes(get_model("small-63m"), 1, 4) == 0
+    with pytest.raises(ValueError, match="batch"):
+        unread_embedding_bytes(m8, 0)
+
+
+def test_gpu_results_are_not_yet_measured_until_recorded(tmp_path):
+    import json
+
+    from labsupport.phases import NOT_MEASURED, gpu_summary, load_gpu_results
+
+    assert load_gpu_results(tmp_path / "missing.json") is None
+    assert set(gpu_summary(None).values()) == {NOT_MEASURED}
+    dry = tmp_path / "dry.json"
+    dry.write_text(json.dumps({"dry_run": True, "device": "CPU", "prefill_ratio_32768_over_2048": 9.0}))
+    assert load_gpu_results(dry) is None  # a dry run measures nothing
+    real = tmp_path / "real.json"
+    real.write_text(
+        json.dumps(
+            {
+                "dry_run": False,
+                "device": "NVIDIA H200",
+                "date": "2030-01-02",
+                "prefill_ratio_32768_over_2048": 27.31,
+                "prefill_fit": {"measured_crossover_tokens": 41234.4},
+                "decode_batch1_short_fraction_of_copy": 0.514,
+                "decode_batch64_ctx8192_fraction_of_copy": None,  # that point ran out of memory
+            }
+        )
+    )
+    summary = gpu_summary(load_gpu_results(real))
+    assert summary == {
+        "device": "NVIDIA H200, 2030-01-02",
+        "prefill_ratio": "27.3x",
+        "crossover": "41,234 tokens",
+        "decode_b1": "51%",
+        "decode_b64": NOT_MEASURED,
+    }
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable results file"):
+        load_gpu_results(broken)
+
+
+def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *args, **kwargs):
+        if name.startswith("tqdm"):
+            raise ImportError("no tqdm here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    assert list(phases._bar([3, 4], "decode", progress=True)) == [3, 4]
+    assert capsys.readouterr().out == "decode: 1/2\ndecode: 2/2\n"
+
+
+def test_gpu_script_dry_run_writes_results(tmp_path):
+    # The GPU script's code path, on the CPU with tiny shapes: catches a broken import or API.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "GPU_PHASES_DRY_RUN": "1", "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_phases.sh"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads((tmp_path / "gpu_phases.json").read_text())
+    assert results["dry_run"] is True and results["completed"] == "all"
+    assert {r["batch"] for r in results["decode_by_batch"]} == {1, 8, 32, 64, 128}
+    assert results["prefill_fit"]["predicted_crossover_N_over_2Ld"] > 0
+    assert "error" in results["decode_batch1_short_cuda_graph"]  # no CUDA graph without a GPU
+    assert phases.load_gpu_results(tmp_path / "gpu_phases.json") is None

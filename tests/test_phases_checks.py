@@ -74,6 +74,24 @@ PREFILL_MUTANTS = {
         ),
         "linear in P",
     ),
+    "no_factor_2_anywhere": (
+        lambda cfg, p, causal=False: prefill_reference(cfg, p, causal) / 2,
+        "factor 2 is missing everywhere",
+    ),
+    "n_without_embeddings": (
+        lambda cfg, p, causal=False: (
+            prefill_reference(cfg, p, causal)
+            - 2 * p * cfg.vocab_size * cfg.d_model * (1 if cfg.tied_embeddings else 2)
+        ),
+        "N leaves the embedding tables out",
+    ),
+    "n_with_mha_projections": (
+        lambda cfg, p, causal=False: (
+            prefill_reference(cfg, p, causal)
+            + 2 * p * cfg.n_layers * 2 * cfg.d_model * (cfg.n_heads - cfg.n_kv_heads) * cfg.head_dim
+        ),
+        "n_heads instead of n_kv_heads",
+    ),
     "no_causal_argument": (lambda cfg, p: prefill_reference(cfg, p), "TypeError"),
     "returns_a_string": (lambda cfg, p, causal=False: "34.2 TFLOP", "expected a number"),
 }
