@@ -41,8 +41,9 @@ release: $(STAMP)  ## regenerate labs/*.ipynb and solutions/*.ipynb from solutio
 release-check: $(STAMP)
 	$(PY) -m labsupport release --check
 
-grade: $(STAMP)  ## make grade SUBMISSIONS=folder/
-	$(PY) -m labsupport grade $(SUBMISSIONS)
+grade: $(STAMP)  ## make grade SUBMISSIONS=folder/ [GRADE_ARGS="--jobs 4 --csv out.csv"]
+	@if [ -z "$(SUBMISSIONS)" ]; then echo "usage: make grade SUBMISSIONS=folder/ (notebooks or folders of them)"; exit 2; fi
+	$(PY) -m labsupport grade $(SUBMISSIONS) $(GRADE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

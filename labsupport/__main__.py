@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     gr.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
     gr.add_argument("--csv", default="grades.csv", help="where to write the scores (default: grades.csv)")
     gr.add_argument("--timeout", type=int, default=600, help="seconds a single cell may run (default: 600)")
+    gr.add_argument("--jobs", type=int, default=1,
+                    help="notebooks graded at once, each in its own kernel (default: 1)")
 
     args = parser.parse_args(argv)
     if args.command == "release":
@@ -40,8 +42,13 @@ def main(argv: list[str] | None = None) -> int:
                 stale = [p for p in plan(root, args.labs) if p.status != "unchanged"]
                 for p in stale:
                     print(f"out of date: {p.target.relative_to(root)} ({p.status})")
-                if stale:
+                if any(p.status != "learner-edited" for p in stale):
                     print("run `python -m labsupport release` to regenerate them")
+                if any(p.status == "learner-edited" for p in stale):
+                    print("learner-edited: changed or run since it was released, so someone's work may be in it; "
+                          "release will not overwrite it (copy your work elsewhere first, or use --force, "
+                          "which keeps a .bak copy)")
+                if stale:
                     return 1
                 print("all released notebooks match their sources")
                 return 0
@@ -51,23 +58,31 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
 
-    from .grade import expand, format_table, grade_notebook, write_csv
+    from .grade import check_csv_target, expand, format_table, grade_all, summary_line, write_csv
 
-    rows = []
+    csv_path = Path(args.csv)
+    if args.timeout < 1 or args.jobs < 1:
+        print("grade: --timeout and --jobs must be 1 or more", file=sys.stderr)
+        return 2
+    try:
+        check_csv_target(csv_path)  # before grading, not after an hour of it
+    except FileExistsError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 2
     notebooks = expand(args.paths)
     if not notebooks:
         print("grade: no notebooks found in " + ", ".join(args.paths), file=sys.stderr)
         return 2
-    for path in notebooks:
-        print(f"grading {path} ...", file=sys.stderr, flush=True)
-        rows.extend(grade_notebook(path, timeout=args.timeout))
+    print(f"grading {len(notebooks)} notebook(s), {args.jobs} at a time; each cell may run {args.timeout} s",
+          file=sys.stderr, flush=True)
+
+    def progress(path, rows, seconds):
+        print(f"  {path}: {summary_line(rows)} [{seconds:.0f} s]", file=sys.stderr, flush=True)
+
+    rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress)
     print(format_table(rows))
-    try:
-        write_csv(rows, Path(args.csv))
-        print(f"\nscores written to {args.csv}")
-    except FileExistsError as exc:
-        print(f"grade: {exc}", file=sys.stderr)
-        return 2
+    write_csv(rows, csv_path)
+    print(f"\nscores written to {csv_path} (one row per notebook and check, with the full details)")
     return 0
 
 

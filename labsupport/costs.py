@@ -112,6 +112,7 @@ def decode_step_bytes(
     batch = positive_int("batch", batch)
     context = positive_int("context", context, allow_zero=True)
     weight_bytes = positive_number("weight_bytes", weight_bytes)
+    kv_dtype_bytes = positive_number("kv_dtype_bytes", kv_dtype_bytes)
     weights = param_count(cfg) * weight_bytes
     cache = kv_bytes_per_token(cfg, kv_dtype_bytes) * context * batch
     return DecodeBytes(weights=float(weights), cache=float(cache))

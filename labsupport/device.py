@@ -53,6 +53,8 @@ class LabSettings:
     preset: str  # "small" (CPU / interpreter) or "full" (GPU)
     torch_version: str
     triton_version: str
+    preset_source: str = "automatic"  # or "LABSUPPORT_PRESET", or a note on an ignored value
+    memory_bytes: int = 0  # GPU memory (0 on a CPU)
 
     @property
     def on_gpu(self) -> bool:
@@ -82,13 +84,20 @@ def settings() -> LabSettings:
 
     interp = configure_triton()
     on_gpu = cuda_available()
+    memory = 0
     if on_gpu:
         name = torch.cuda.get_device_name(0)
+        memory = int(torch.cuda.get_device_properties(0).total_memory)
     else:
         name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    preset = os.environ.get(PRESET_VAR, "").strip().lower()
-    if preset not in ("small", "full"):
+    requested = os.environ.get(PRESET_VAR, "").strip().lower()
+    if requested in ("small", "full"):
+        preset, source = requested, PRESET_VAR
+    else:
         preset = "full" if on_gpu and not interp else "small"
+        source = "automatic"
+        if requested:
+            source = f"automatic; {PRESET_VAR}={os.environ[PRESET_VAR]!r} ignored, use small or full"
     return LabSettings(
         device="cuda" if on_gpu else "cpu",
         device_name=name,
@@ -96,19 +105,36 @@ def settings() -> LabSettings:
         preset=preset,
         torch_version=torch.__version__,
         triton_version=_triton_version(),
+        preset_source=source,
+        memory_bytes=memory,
     )
 
 
 def banner(s: LabSettings) -> str:
-    mode = "Triton interpreter (correctness only: timings are not meaningful)" if s.interpreter else "GPU"
+    """The lines ``setup()`` prints: where tensors live, versions, where kernels run, sizes."""
+    if s.interpreter:
+        mode = "Triton interpreter on the CPU (results exact; timings of Triton kernels are not meaningful)"
+    elif s.on_gpu:
+        mode = "compiled for the GPU"
+    else:
+        mode = (f"NONE: no GPU and the interpreter is off ({INTERPRET_VAR}={os.environ.get(INTERPRET_VAR)!r}). "
+                f"Triton kernels will fail to launch; unset {INTERPRET_VAR} (or set it to 1) and restart")
+    device = f"{s.device} - {s.device_name}"
+    if s.memory_bytes:
+        device += f" ({s.memory_bytes / 2**30:.1f} GiB)"
+    sizes = "small problems sized for a CPU" if s.preset == "small" else "real sizes"
     lines = [
-        f"device : {s.device} - {s.device_name}",
+        f"device : {device}",
         f"torch  : {s.torch_version}    triton: {s.triton_version}",
         f"kernels: {mode}",
-        f"sizes  : {s.preset} preset ({'small problems sized for a CPU' if s.preset == 'small' else 'real sizes'})",
+        f"sizes  : {s.preset} preset, {sizes} ({s.preset_source})",
     ]
+    if s.triton_version.startswith("not importable"):
+        lines.append("note   : Triton is missing, so no kernel can run. On Linux run `make setup` in the course "
+                     "repository; on macOS or Windows use Colab (Triton publishes Linux wheels only)")
     if s.interpreter and s.on_gpu:
-        lines.append("note   : TRITON_INTERPRET is set although a GPU is present; unset it to run kernels on the GPU")
+        lines.append(f"note   : {INTERPRET_VAR} is set although a GPU is present; unset it and restart to run "
+                     f"kernels on the GPU")
     return "\n".join(lines)
 
 
@@ -138,6 +164,10 @@ def explain_error(exc: BaseException) -> str | None:
     """Return advice for a known Triton/torch launch failure, or None if it is not one."""
     text = str(exc)
     if "active drivers" in text and "There should only be one" in text:
+        if INTERPRET_VAR in os.environ and not interpreter_mode():
+            return (f"Triton found no GPU driver, and the interpreter is off because {INTERPRET_VAR} is set "
+                    f"to {os.environ[INTERPRET_VAR]!r} in your environment. Unset it (or set it to 1), restart "
+                    f"the kernel and run the notebook from the top; or run on a machine with a CUDA GPU.")
         return NO_DRIVER_ADVICE
     if "Pointer argument cannot be accessed from Triton" in text or "cpu tensor?" in text:
         return CPU_TENSOR_ADVICE

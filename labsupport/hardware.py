@@ -96,14 +96,21 @@ def list_gpus() -> list[str]:
 
 
 def match_device_name(device_name: str) -> GPU | None:
-    """Best-effort match of ``torch.cuda.get_device_name()`` to a table row, or None."""
+    """Match ``torch.cuda.get_device_name()`` to a table row, or None when no row fits.
+
+    Only the variants the table describes match: an "H100 PCIe", "H100 NVL", "H200 NVL",
+    "GH200" or "A100 80GB PCIe" has other peaks or bandwidth than the SXM rows, so it gets None
+    rather than a wrong datasheet line.
+    """
     text = device_name.lower()
+    if "gh200" in text or "pcie" in text and ("h100" in text or "80gb" in text) or "nvl" in text:
+        return None
     if "h200" in text:
         return GPUS["H200"]
     if "h100" in text:
         return GPUS["H100 SXM"]
     if "a100" in text:
-        return GPUS["A100 40GB"] if "40" in text else GPUS["A100 80GB"]
+        return GPUS["A100 40GB"] if "40gb" in text.replace(" ", "") else GPUS["A100 80GB"]
     if " l4" in f" {text}":
         return GPUS["L4"]
     if "t4" in text:

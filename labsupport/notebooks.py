@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,20 +31,6 @@ class Execution:
         return not self.errors and not self.timed_out and not self.died
 
 
-@contextmanager
-def _env(extra: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def execute(
     nb: nbformat.NotebookNode,
     *,
@@ -52,18 +38,25 @@ def execute(
     timeout: int = 300,
     stop_on_error: bool = True,
     env: dict[str, str] | None = None,
+    quiet: bool = False,
 ) -> Execution:
     """Run every code cell of ``nb`` in a fresh python3 kernel (in place) and report what failed.
 
     A cell that runs past ``timeout`` seconds is a failure (``timed_out``), never a pass. With
     ``stop_on_error`` the run ends at the first error; otherwise it goes on, as a grader needs.
     ``cwd`` defaults to a fresh temporary folder, so nothing is written next to the notebook.
+    ``env`` adds variables to the kernel's environment (this process's own is left alone, so
+    several notebooks can run at once); ``quiet`` drops the kernel process's own stderr (start-up
+    warnings), which never holds a cell's output.
     """
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     result = Execution(nb)
-    with tempfile.TemporaryDirectory(prefix="labsupport-run-") as tmp, _env(env or {}):
+    launch = {"env": {**os.environ, **(env or {})}}
+    if quiet:
+        launch["stderr"] = subprocess.DEVNULL
+    with tempfile.TemporaryDirectory(prefix="labsupport-run-") as tmp:
         client = NotebookClient(
             nb,
             timeout=timeout,
@@ -72,7 +65,7 @@ def execute(
             resources={"metadata": {"path": str(cwd or tmp)}},
         )
         try:
-            client.execute()
+            client.execute(**launch)
         except CellTimeoutError as exc:
             index = _running_cell(nb)
             result.timed_out = CellError(index, "CellTimeoutError", str(exc).splitlines()[0],

@@ -25,7 +25,7 @@ class Timing:
     median_s: float
     p20_s: float
     p80_s: float
-    repeats: int
+    repeats: int  # timed calls; 0 when do_bench chose the count itself
     method: str  # "cuda (do_bench)" or "cpu (perf_counter)"
     meaningful: bool = True
 
@@ -37,9 +37,10 @@ class Timing:
         return "" if self.meaningful else f" [{NOT_MEANINGFUL}]"
 
     def __str__(self) -> str:
+        runs = f"{self.repeats} runs, " if self.repeats > 0 else ""
         return (
             f"{self.median_ms:.3f} ms median (p20 {self.p20_s * 1e3:.3f}, p80 {self.p80_s * 1e3:.3f}; "
-            f"{self.repeats} runs, {self.method}){self.label()}"
+            f"{runs}{self.method}){self.label()}"
         )
 
 
@@ -79,7 +80,7 @@ def benchmark(
 
         # do_bench picks its own repetition count from a time budget; ``repeats`` is CPU-only.
         median, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
-        return Timing(median / 1e3, p20 / 1e3, p80 / 1e3, -1, "cuda (do_bench)", meaningful)
+        return Timing(median / 1e3, p20 / 1e3, p80 / 1e3, 0, "cuda (do_bench)", meaningful)
 
     # Wall clock. On a GPU with the interpreter forced on, synchronise so CUDA work is counted.
     sync = _cuda_sync if use_gpu else (lambda: None)

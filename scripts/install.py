@@ -3,21 +3,45 @@
     python3 scripts/install.py [--venv .venv]
 
 * No CUDA torch available (CI, most laptops): install the CPU torch and the pinned triton from
-  requirements-cpu.txt, so pip can never pull a multi-GB CUDA build.
+  requirements-cpu.txt. On Linux, PyPI's default torch wheel is a CUDA build that pulls several GB
+  of nvidia-* wheels; when pip would pick it, PyTorch's CPU index is added for that one install.
 * A CUDA torch already installed for this python (a GPU server): the venv is created with
   ``--system-site-packages`` and torch and triton are left exactly as they are.
 Then requirements.txt and the course package (editable) are installed.
+
+Triton publishes Linux wheels only, so on macOS and Windows this stops with advice (Colab, WSL2).
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import subprocess
 import sys
 import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+MIN_PYTHON = (3, 10)
+
+
+def unsupported_platform(system: str, version: tuple[int, int]) -> str | None:
+    """Why this machine cannot run the course locally, or None if it can."""
+    if version < MIN_PYTHON:
+        return (f"Python {version[0]}.{version[1]} is too old: the course needs {MIN_PYTHON[0]}.{MIN_PYTHON[1]} "
+                f"or newer. Run `make PYTHON=python3.12 setup` (or any newer python you have).")
+    if system != "Linux":
+        return (f"Triton publishes wheels for Linux only, so the labs cannot run natively on {system}. "
+                "Open the labs in Colab (the launch button on every lab page), or use WSL2 on Windows or a "
+                "Linux machine or container.")
+    return None
+
+
+def pip_would_fetch_cuda(dry_run_output: str) -> bool:
+    """True if ``pip install --dry-run`` would install CUDA wheels (nvidia-* packages)."""
+    would = [line for line in dry_run_output.splitlines() if line.startswith("Would install")]
+    return any("nvidia-" in line for line in would)
 
 
 def has_cuda_torch(python: str) -> bool:
@@ -39,10 +63,26 @@ def pip(python: Path, *args: str) -> None:
         sys.exit(f"install failed: {' '.join(cmd)} exited with {result.returncode}")
 
 
+def cpu_torch_args(python: Path) -> list[str]:
+    """Extra pip arguments that keep pip from choosing a CUDA torch on a machine without CUDA."""
+    cmd = [str(python), "-m", "pip", "install", "--dry-run", "--disable-pip-version-check",
+           "-r", "requirements-cpu.txt"]
+    probe = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if "no such option" in probe.stderr:
+        return []  # pip older than 22.2 cannot tell in advance; requirements-cpu.txt's pins still apply
+    if probe.returncode == 0 and not pip_would_fetch_cuda(probe.stdout):
+        return []
+    print(f"pip would fetch a CUDA build of torch here; installing the CPU build from {CPU_INDEX}", flush=True)
+    return ["--extra-index-url", CPU_INDEX]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--venv", default=".venv")
     args = parser.parse_args()
+    problem = unsupported_platform(platform.system(), sys.version_info[:2])
+    if problem:
+        sys.exit(f"setup: {problem}")
     env_dir = ROOT / args.venv
     python = env_dir / "bin" / "python"
 
@@ -54,7 +94,7 @@ def main() -> None:
     if has_cuda_torch(str(python)):
         print("CUDA torch found: leaving torch and triton as they are", flush=True)
     else:
-        pip(python, "-r", "requirements-cpu.txt")
+        pip(python, *cpu_torch_args(python), "-r", "requirements-cpu.txt")
     pip(python, "-r", "requirements.txt")
     pip(python, "--no-deps", "-e", ".")
     check = subprocess.run(

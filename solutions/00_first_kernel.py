@@ -15,8 +15,8 @@
 # after each one checks your work and tells you precisely what is wrong if something is.
 #
 # *Where to run it:* in the book, the rocket button at the top of the page opens this notebook in
-# Colab (pick a GPU runtime). On your own machine, run `make lab` in the course repository: it
-# installs everything and opens JupyterLab on the `labs/` folder.
+# Colab (pick a GPU runtime). On your own Linux machine, run `make lab` in the course repository:
+# it installs everything and opens JupyterLab on the `labs/` folder.
 
 # %%
 # Setup. On Colab (or any machine without the course installed) this installs the course
@@ -140,7 +140,12 @@ check_vector_add(vector_add)
 
 # %%
 matmul_sizes = settings.pick(small=[64, 128, 256, 512], full=[512, 1024, 2048, 4096, 8192])
-matmul_dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+if DEVICE.type == "cpu":
+    matmul_dtype = torch.float32
+elif torch.cuda.get_device_capability()[0] >= 8:  # Ampere and newer have bf16 tensor cores
+    matmul_dtype = torch.bfloat16
+else:  # older GPUs such as the T4: fp16 is what their tensor cores (and datasheets) use
+    matmul_dtype = torch.float16
 
 matmul_tflops = []
 for n in tqdm(matmul_sizes, desc="matmul sweep"):

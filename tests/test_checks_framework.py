@@ -49,7 +49,10 @@ def _stub(x, y):
 
 
 MUTANTS = {
-    "floor_grid_drops_tail": (triton_add_floor_grid, "(?s)every element is wrong.*cdiv"),
+    "floor_grid_drops_tail": (triton_add_floor_grid, "(?s)n=1000.*elements 0..895 are right.*partial block.*cdiv"),
+    "adds_x_twice": (lambda x, y: x + x, "(?s)every element is wrong: check that you store x \\+ y"),
+    "skips_every_other_element": (lambda x, y: (x + y).index_fill(0, torch.arange(0, x.numel(), 2), 0),
+                                  "some elements are right and others wrong"),
     "subtracts": (lambda x, y: x - y, "x - y is computed"),
     "returns_x": (lambda x, y: x.clone(), "x is returned"),
     "in_place": (lambda x, y: x.add_(y), "changed its inputs"),
@@ -58,7 +61,7 @@ MUTANTS = {
     "drops_last_element": (lambda x, y: (x + y)[:-1] if x.numel() > 1 else x + y, "shape"),
     "nan_output": (lambda x, y: (x + y) * float("nan"), "non-finite"),
     "stub": (_stub, "still raises NotImplementedError"),
-    "crashes": (lambda x, y: x + y[:2] if x.numel() > 2 else x + y, "raised RuntimeError.*n=17"),
+    "crashes": (lambda x, y: x + y[:2] if x.numel() > 2 else x + y, "raised RuntimeError.*n=1000"),
     "fp16_precision_loss": (lambda x, y: (x + y).to(torch.bfloat16).to(x.dtype), "wrong at"),
 }
 
@@ -81,8 +84,22 @@ def test_tail_hint_names_the_first_wrong_element():
         check_vector_add(tail_dropped)
 
 
+def test_a_tiny_length_gets_the_only_block_is_partial_hint():
+    def nothing_below_8(x, y):
+        return x + y if x.numel() >= 8 else torch.zeros_like(x)
+
+    with pytest.raises(CheckFailed, match="(?s)n=2.*smaller than any block.*cdiv"):
+        check_vector_add(nothing_below_8)
+
+
+def test_a_named_mistake_gets_no_misleading_block_hint():
+    with pytest.raises(CheckFailed) as info:
+        check_vector_add(lambda x, y: x - y)
+    assert "x - y is computed" in str(info.value) and "Hint" not in str(info.value)
+
+
 def test_failure_names_the_case():
-    with pytest.raises(CheckFailed, match=r"case \[n=1, dtype=float32, seed=0\].*Largest error"):
+    with pytest.raises(CheckFailed, match=r"case \[n=1000, dtype=float32, seed=0\].*Largest error"):
         check_vector_add(lambda x, y: x - y)
 
 
@@ -137,3 +154,49 @@ def test_a_launch_without_driver_gets_advice():
 
     with pytest.raises(CheckFailed, match="TRITON_INTERPRET=1"):
         check_vector_add(no_driver)
+
+
+def test_failures_record_why_for_the_grader(tmp_path, monkeypatch):
+    path = tmp_path / "results.jsonl"
+    monkeypatch.setenv(RESULTS_ENV, str(path))
+    with pytest.raises(CheckFailed) as stub:
+        check_vector_add(_stub)
+    with pytest.raises(CheckFailed) as wrong:
+        check_vector_add(lambda x, y: x - y)
+    assert (stub.value.reason, wrong.value.reason) == ("not done", "failed")
+    assert [json.loads(line)["reason"] for line in path.read_text().splitlines()] == ["not done", "failed"]
+
+
+def test_a_stub_called_outside_checker_call_still_reads_as_not_done():
+    @graded(points=1, name="check_demo_direct")
+    def check_demo(fn, checker):
+        fn(1)
+
+    def stub(x):
+        raise NotImplementedError("Exercise: write it")
+
+    with pytest.raises(CheckFailed, match="still raises NotImplementedError") as info:
+        check_demo(stub)
+    assert info.value.reason == "not done"
+    REGISTRY.pop("check_demo_direct")
+
+
+def test_an_output_must_match_inf_and_nan_where_the_reference_has_them():
+    checker = Checker("check_demo")
+    want = torch.tensor([1.0, float("-inf"), float("nan")])
+    checker.expect_tensor(want.clone(), want, case=Case(a=1), atol=1e-6, rtol=0)
+    with pytest.raises(CheckFailed, match=r"reference is inf or NaN, first at index \(1,\)"):
+        checker.expect_tensor(torch.tensor([1.0, 0.0, float("nan")]), want, case=Case(a=1), atol=1e-6, rtol=0)
+    with pytest.raises(CheckFailed, match=r"index \(2,\): got 5.0"):
+        checker.expect_tensor(torch.tensor([1.0, float("-inf"), 5.0]), want, case=Case(a=1), atol=1e-6, rtol=0)
+
+
+def test_a_crash_is_located_in_the_learners_code_not_in_torch():
+    def uses_torch_wrongly(x, y):
+        return torch.cat([x, y]).view(x.numel(), 3)
+
+    with pytest.raises(CheckFailed) as info:
+        check_vector_add(uses_torch_wrongly)
+    message = str(info.value)
+    assert "raised RuntimeError" in message and "uses_torch_wrongly" in message and ".view(x.numel(), 3)" in message
+    assert "site-packages" not in message

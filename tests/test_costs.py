@@ -99,6 +99,8 @@ def test_tied_embeddings_count_once():
         (lambda: decode_step_bytes(M8, 0, 10), "batch"),
         (lambda: decode_step_bytes(M8, 1, -5), "context"),
         (lambda: kv_bytes_per_token(M8, dtype_bytes=0), "dtype_bytes"),
+        (lambda: decode_step_bytes(M8, 1, 10, kv_dtype_bytes=-1), "kv_dtype_bytes"),
+        (lambda: decode_step_bytes(M8, 1, 10, weight_bytes=0), "weight_bytes"),
         (lambda: param_count("llama-3.1-8b"), "ModelConfig"),
         (lambda: matmul_flops(0, 1, 1), "m"),
         (lambda: prefill_flops(M8, True), "prompt_tokens"),

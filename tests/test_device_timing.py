@@ -12,9 +12,9 @@ import pytest
 
 import labsupport
 from labsupport import book
-from labsupport.device import explain_error, interpreter_mode, settings
+from labsupport.device import banner, explain_error, interpreter_mode, settings
 from labsupport.notebooks import execute, load
-from labsupport.timing import NOT_MEANINGFUL, benchmark
+from labsupport.timing import NOT_MEANINGFUL, Timing, benchmark
 
 
 def test_interpreter_is_on_without_cuda():
@@ -39,8 +39,34 @@ def test_setup_prints_one_banner(capsys):
 def test_preset_can_be_forced(monkeypatch):
     monkeypatch.setenv("LABSUPPORT_PRESET", "full")
     assert settings().preset == "full"
+    assert "full preset, real sizes (LABSUPPORT_PRESET)" in banner(settings())
     monkeypatch.setenv("LABSUPPORT_PRESET", "nonsense")
     assert settings().preset in ("small", "full")
+    assert "LABSUPPORT_PRESET='nonsense' ignored" in banner(settings())
+
+
+def test_banner_says_when_no_kernel_can_run(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    text = banner(settings())
+    assert "kernels: NONE" in text and "fail to launch" in text and "compiled for the GPU" not in text
+    monkeypatch.setitem(sys.modules, "triton", None)  # as on a machine without Triton (macOS)
+    assert "triton: not importable" in banner(settings()) and "Triton is missing" in banner(settings())
+
+
+def test_import_without_torch_says_what_to_do_instead_of_pip_installing_the_course():
+    """The setup cell pip-installs the course on ModuleNotFoundError; a missing torch must not look like one."""
+    code = (
+        "import sys\nsys.modules['torch'] = None\n"
+        "try:\n    import labsupport\n"
+        "except ModuleNotFoundError:\n    print('WOULD PIP INSTALL')\n"
+        "except ImportError as e:\n    print('MESSAGE:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert "WOULD PIP INSTALL" not in out and "MESSAGE: labsupport needs PyTorch" in out and "make lab" in out
 
 
 def test_launch_without_driver_or_interpreter_explains_what_to_do(tmp_path):
@@ -76,11 +102,12 @@ def test_launch_without_driver_or_interpreter_explains_what_to_do(tmp_path):
     script.write_text(code)
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert "MESSAGE:" in out.stdout, out.stderr[-2000:]
-    assert "What to do" in out.stdout and "TRITON_INTERPRET=1" in out.stdout
+    assert "What to do" in out.stdout and "TRITON_INTERPRET is set to '0'" in out.stdout and "Unset it" in out.stdout
 
 
-def test_explain_error_recognises_known_failures():
-    assert "TRITON_INTERPRET" in explain_error(RuntimeError("0 active drivers ([]). There should only be one."))
+def test_explain_error_recognises_known_failures(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET=1" in explain_error(RuntimeError("0 active drivers ([]). There should only be one."))
     assert "to('cuda')" in explain_error(ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)"))
     assert explain_error(RuntimeError("something else")) is None
 
@@ -97,6 +124,12 @@ def test_benchmark_labels_interpreted_triton_timings(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     t = benchmark(lambda: None, uses_triton=True, repeats=3, gpu=False)
     assert not t.meaningful and NOT_MEANINGFUL in str(t)
+
+
+def test_a_gpu_timing_prints_no_run_count_it_does_not_know():
+    text = str(Timing(1e-3, 0.9e-3, 1.1e-3, 0, "cuda (do_bench)"))
+    assert text == "1.000 ms median (p20 0.900, p80 1.100; cuda (do_bench))"
+    assert "5 runs" in str(Timing(1e-3, 0.9e-3, 1.1e-3, 5, "cpu (perf_counter)"))
 
 
 def test_benchmark_rejects_non_callables():
@@ -124,6 +157,14 @@ def _nb(*cells):
 def test_a_hung_cell_fails_instead_of_passing():
     run = execute(_nb("x = 1", "import time\ntime.sleep(30)", "y = 2"), timeout=3)
     assert not run.ok and run.timed_out is not None and run.timed_out.index == 1
+
+
+@pytest.mark.notebook
+def test_kernel_gets_extra_environment_without_changing_ours():
+    nb = _nb("import os\nprint(os.environ['LABSUPPORT_DEMO'])")
+    run = execute(nb, env={"LABSUPPORT_DEMO": "seen"}, quiet=True, timeout=30)
+    assert run.ok and nb.cells[0].outputs[0]["text"] == "seen\n"
+    assert "LABSUPPORT_DEMO" not in os.environ
 
 
 @pytest.mark.notebook

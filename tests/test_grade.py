@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from labsupport.__main__ import main
-from labsupport.grade import CSV_HEADER, expand, grade_notebook
+from labsupport.grade import CSV_HEADER, Row, expand, expected_checks, format_table, grade_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.notebook  # starts Jupyter kernels
@@ -49,7 +49,7 @@ def graded(submissions, tmp_path_factory):
     before = {p.name: p.read_bytes() for p in submissions.iterdir()}
     out = tmp_path_factory.mktemp("out") / "grades.csv"
     paths = [str(submissions), str(submissions / "missing.ipynb")]
-    code = main(["grade", *paths, "--csv", str(out), "--timeout", "12"])
+    code = main(["grade", *paths, "--csv", str(out), "--timeout", "12", "--jobs", "2"])
     after = {p.name: p.read_bytes() for p in submissions.iterdir()}
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -71,7 +71,7 @@ def test_passing_and_failing_checks_are_scored(graded):
     alice, bob = _row(rows, "alice.ipynb"), _row(rows, "bob.ipynb")
     assert (alice["check"], alice["points"], alice["max_points"], alice["status"]) == ("check_vector_add", "10", "10", "passed")
     assert (bob["points"], bob["status"]) == ("0", "failed")
-    assert "x - y" in bob["detail"] or "wrong" in bob["detail"]
+    assert "case [n=1000" in bob["detail"] and "x - y is computed instead of x + y" in bob["detail"]
 
 
 def test_problems_are_reported_per_file(graded):
@@ -95,8 +95,62 @@ def test_solution_notebook_scores_full_marks_and_learner_notebook_zero(tmp_path)
     solved = grade_notebook(tmp_path / "solved.ipynb")
     fresh = grade_notebook(tmp_path / "fresh.ipynb")
     assert [(r.check, r.points, r.status) for r in solved] == [("check_vector_add", 10, "passed")]
-    assert [(r.check, r.points, r.status) for r in fresh] == [("check_vector_add", 0, "failed")]
+    assert [(r.check, r.points, r.status) for r in fresh] == [("check_vector_add", 0, "not done")]
     assert "NotImplementedError" in fresh[0].detail
+
+
+def _without_check_cells(nb):
+    nb.cells = [c for c in nb.cells if not (c.cell_type == "code" and c.source.startswith("check_"))]
+    return nb
+
+
+def test_a_deleted_check_call_still_counts_against_the_notebook(tmp_path):
+    """The lab's source says which checks it has, so deleting a check cell cannot shrink the total."""
+    nb = _without_check_cells(nbformat.read(str(ROOT / "solutions" / "00_first_kernel.ipynb"), as_version=4))
+    nb.cells = nb.cells[:4]  # setup, imports and prose: no kernel run, so this is quick
+    nbformat.write(nb, str(tmp_path / "tidy.ipynb"))
+    rows = grade_notebook(tmp_path / "tidy.ipynb")
+    assert [(r.check, r.points, r.max_points, r.status) for r in rows] == [("check_vector_add", 0, 10, "not run")]
+    assert "does not call check_vector_add" in rows[0].detail
+
+
+def test_the_lab_is_found_from_the_file_name_when_metadata_is_gone(tmp_path):
+    nb = _without_check_cells(nbformat.read(str(ROOT / "labs" / "00_first_kernel.ipynb"), as_version=4))
+    nb.metadata.pop("labsupport")
+    path = tmp_path / "alice_00_first_kernel.ipynb"
+    assert expected_checks(nb, path) == (["check_vector_add"], {"check_vector_add"})
+    assert expected_checks(nb, tmp_path / "unrelated.ipynb") == ([], set())
+
+
+def test_the_table_groups_checks_under_each_notebook_with_totals():
+    rows = [
+        Row("a.ipynb", "check_x", 5, 5, "passed"),
+        Row("a.ipynb", "check_y", 0, 10, "failed", "case [n=3]: the output is wrong " + "x" * 200),
+        Row("b.ipynb", "check_x", 0, 5, "not done", "the exercise still raises NotImplementedError"),
+        Row("c.ipynb", "-", 0, 0, "missing", "c.ipynb: no such file"),
+    ]
+    lines = format_table(rows).splitlines()
+    assert lines[0] == "a.ipynb  5/15"
+    assert lines[1].split() == ["check_x", "5/5", "passed"]
+    assert lines[2].startswith("    check_y") and lines[2].endswith("...") and len(lines[2]) < 140
+    assert "b.ipynb  0/5" in lines and any("not done: the exercise" in line for line in lines)
+    assert lines[-1] == "3 notebook(s), 0 with full marks; checks: 1 passed, 1 failed, 1 not done, 1 missing"
+
+
+def test_csv_is_checked_before_any_notebook_runs(tmp_path, monkeypatch, capsys):
+    import labsupport.grade
+
+    monkeypatch.setattr(labsupport.grade, "grade_all", lambda *a, **k: pytest.fail("graded before checking --csv"))
+    (tmp_path / "notes.csv").write_text("name,mark\n")
+    _notebook(tmp_path / "x.ipynb", "print(1)")
+    assert main(["grade", str(tmp_path / "x.ipynb"), "--csv", str(tmp_path / "notes.csv")]) == 2
+    assert main(["grade", str(tmp_path / "x.ipynb"), "--csv", str(tmp_path)]) == 2
+    assert "not a grades file" in capsys.readouterr().err
+
+
+def test_the_same_notebook_named_twice_is_graded_once(tmp_path):
+    _notebook(tmp_path / "a.ipynb", "1")
+    assert expand([str(tmp_path), str(tmp_path / "a.ipynb")]) == [tmp_path / "a.ipynb"]
 
 
 def test_csv_refuses_to_overwrite_a_foreign_file(tmp_path, capsys):

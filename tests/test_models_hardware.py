@@ -69,5 +69,20 @@ def test_match_device_name(device_name, row):
     assert match_device_name(device_name).name == row
 
 
-def test_match_device_name_unknown():
-    assert match_device_name("NVIDIA GeForce RTX 4090") is None
+@pytest.mark.parametrize(
+    "device_name",
+    [
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA H100 PCIe",  # 2.0 TB/s, not the SXM row's 3.35
+        "NVIDIA H100 NVL",
+        "NVIDIA H200 NVL",
+        "NVIDIA GH200 480GB",
+        "NVIDIA A100 80GB PCIe",  # 1.94 TB/s, not the SXM row's 2.04
+    ],
+)
+def test_match_device_name_gives_no_wrong_datasheet(device_name):
+    assert match_device_name(device_name) is None
+
+
+def test_a100_40gb_pcie_shares_the_40gb_row():
+    assert match_device_name("NVIDIA A100-PCIE-40GB").name == "A100 40GB"

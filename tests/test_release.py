@@ -95,6 +95,22 @@ def test_learner_work_is_not_overwritten(course):
     assert len(backups) == 1 and backups[0].read_text() == mine
 
 
+def test_check_mode_tells_a_learner_their_notebook_is_safe(course, monkeypatch, capsys):
+    monkeypatch.chdir(course)
+    (course / "_toc.yml").write_text("root: x\n")
+    release(course, log=lambda *_: None)
+    lab = course / "labs" / "01_demo.ipynb"
+    nb = nbformat.read(str(lab), as_version=4)
+    nb.cells[1].source += "\n# my note"
+    nbformat.write(nb, str(lab))
+    mine = lab.read_text()
+    assert main(["release", "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "out of date: labs/01_demo.ipynb (learner-edited)" in out and "will not overwrite" in out
+    assert "to regenerate them" not in out
+    assert main(["release"]) == 2 and lab.read_text() == mine
+
+
 def test_executed_notebook_counts_as_learner_work(course):
     release(course, log=lambda *_: None)
     lab = course / "labs" / "01_demo.ipynb"

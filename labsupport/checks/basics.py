@@ -8,7 +8,9 @@ from .framework import Case, graded
 def _sizes() -> list[int]:
     from ..device import cuda_available, interpreter_mode
 
-    sizes = [1, 2, 17, 1000, 4097]  # 17, 1000, 4097: not a multiple of any power-of-two block
+    # 1000, 17, 4097: not a multiple of any power-of-two block. A mid-sized length comes first, so a
+    # first failure shows where the wrong elements are (a wrong tail means a missing last block).
+    sizes = [1000, 17, 4097, 2, 1]
     if cuda_available() and not interpreter_mode():
         sizes += [(1 << 20) + 3]
     return sizes
@@ -34,21 +36,37 @@ def check_vector_add(fn, checker):
                 checker.fail(case, "your function changed its inputs x or y.",
                              "write the sum into a new tensor (torch.empty_like(x)), never into x or y.")
             expected = x_before + y_before
-            hint = ""
-            if isinstance(out, torch.Tensor) and out.shape == expected.shape:
-                wrong = ((out.double() - expected.double()).abs() > 1e-3).cpu()
-                first = int(wrong.nonzero()[0]) if bool(wrong.any()) else -1
-                if first >= 0 and bool(wrong[first:].all()):
-                    hint = (
-                        f"elements 0..{first - 1} are right and every element from index {first} to the "
-                        f"end is wrong: the last, partial block is probably missing. Launch "
-                        f"triton.cdiv(n, BLOCK_SIZE) programs and mask loads and stores with `offsets < n`."
-                        if first
-                        else "every element is wrong. If n is smaller than your block, the only block is "
-                        "partial: launch triton.cdiv(n, BLOCK_SIZE) programs (rounding up) and mask loads "
-                        "and stores with `offsets < n`."
-                    )
+            mistakes = {"x - y is computed instead of x + y": x_before - y_before,
+                        "x is returned instead of x + y": x_before}
             atol = 1e-6 if dtype == torch.float32 else 1e-3
-            checker.expect_tensor(out, expected, case=case, atol=atol, rtol=1e-3, hint=hint,
-                                  mistakes={"x - y is computed instead of x + y": x_before - y_before,
-                                            "x is returned instead of x + y": x_before})
+            checker.expect_tensor(out, expected, case=case, atol=atol, rtol=1e-3,
+                                  hint=_block_hint(out, expected, mistakes, atol), mistakes=mistakes)
+
+
+def _block_hint(out, expected, mistakes, atol) -> str:
+    """A hint from where the wrong elements are: a missing last block shows as a wrong tail."""
+    import torch
+
+    if not isinstance(out, torch.Tensor) or (out.shape, out.dtype, out.device) != (
+        expected.shape, expected.dtype, expected.device
+    ):
+        return ""
+    if any(torch.allclose(out.double(), m.double(), atol=atol, rtol=1e-3) for m in mistakes.values()):
+        return ""  # the message already names the mistake
+    wrong = ((out.double() - expected.double()).abs() > atol + 1e-3 * expected.double().abs()).cpu()
+    if not bool(wrong.any()):
+        return ""
+    first, n = int(wrong.nonzero()[0]), wrong.numel()
+    if first and bool(wrong[first:].all()):
+        return (f"elements 0..{first - 1} are right and every element from index {first} to the end is "
+                f"wrong: the last, partial block is probably missing. Launch triton.cdiv(n, BLOCK_SIZE) "
+                f"programs and mask loads and stores with `offsets < n`.")
+    if n < 16 and bool(wrong.all()):
+        return (f"every element is wrong. With n={n}, smaller than any block, the only block is partial: "
+                f"launch triton.cdiv(n, BLOCK_SIZE) programs (rounding up, so at least one) and mask loads "
+                f"and stores with `offsets < n`.")
+    if float(wrong.double().mean()) >= 0.9:
+        amount = "every" if bool(wrong.all()) else "nearly every"
+        return f"{amount} element is wrong: check that you store x + y, loaded from x_ptr and y_ptr, into out_ptr."
+    return ("some elements are right and others wrong: check the offsets "
+            "(`pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)`) and that loads and stores use the same ones.")

@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import sysconfig
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -27,7 +28,15 @@ RESULTS_ENV = "LABSUPPORT_RESULTS"
 
 
 class CheckFailed(AssertionError):
-    """A graded check found a problem with the learner's code. The message says what to fix."""
+    """A graded check found a problem with the learner's code. The message says what to fix.
+
+    ``reason`` says what kind of problem it is, for the grader's table: ``"not done"`` (the
+    exercise still raises NotImplementedError) or ``"failed"`` (anything else).
+    """
+
+    def __init__(self, message: str = "", reason: str = "failed"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class ForbiddenCall(RuntimeError):
@@ -42,6 +51,7 @@ class CheckResult:
     max_points: float
     cases: int
     message: str = ""
+    reason: str = ""  # "" when passed; "not done", "failed" or "error" (the check itself broke)
 
 
 RESULTS: list[CheckResult] = []
@@ -74,13 +84,28 @@ class Case:
         return self.fields[key]
 
 
+def _is_learner_frame(filename: str) -> bool:
+    """A frame in the learner's code: a notebook cell or a file of theirs, not a library."""
+    if filename.startswith("<"):
+        return True  # an interactive prompt or exec'd code
+    path = os.path.abspath(filename)
+    libraries = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # labsupport itself
+    libraries |= {p for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "purelib", "platlib")) if p}
+    return "site-packages" not in path and "dist-packages" not in path and not any(
+        path.startswith(lib + os.sep) for lib in libraries
+    )
+
+
 def _describe_call_site(exc: BaseException) -> str:
-    """Where in the learner's code an exception was raised (last frame outside labsupport)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "labsupport" not in f.filename]
+    """Where in the learner's code an exception was raised (the innermost frame of theirs)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_learner_frame(f.filename)]
     if not frames:
         return ""
     f = frames[-1]
-    where = f"line {f.lineno}" if f.filename.startswith("<") else f"{os.path.basename(f.filename)}:{f.lineno}"
+    if f.filename.startswith("<") or "ipykernel_" in f.filename:
+        where = f"line {f.lineno} of the cell that defines `{f.name}`" if f.name != "<module>" else f"line {f.lineno}"
+    else:
+        where = f"{os.path.basename(f.filename)}:{f.lineno}"
     code = f"  `{f.line.strip()}`" if f.line else ""
     return f" (at {where}{code})"
 
@@ -108,7 +133,8 @@ class Checker:
             raise CheckFailed(
                 f"{self.name}: `{fname}` still raises NotImplementedError. Replace the "
                 f"`raise NotImplementedError(...)` line in the exercise cell with your code, run that "
-                f"cell, then run this check again."
+                f"cell, then run this check again.",
+                reason="not done",
             ) from exc
         except ForbiddenCall as exc:
             raise CheckFailed(f"{self.name}: on case [{case}] {exc}") from exc
@@ -170,13 +196,29 @@ class Checker:
                 case,
                 f"the {what} has dtype {str(actual.dtype).replace('torch.', '')}, expected "
                 f"{str(expected.dtype).replace('torch.', '')} (the dtype of the inputs).",
-                "compute in whatever precision you like, but return the inputs' dtype (`.to(q.dtype)`).",
+                "compute in whatever precision you like, but return the inputs' dtype "
+                "(convert at the end with `.to(dtype)`).",
             )
         if actual.device != expected.device:
             self.fail(case, f"the {what} is on {actual.device}, expected {expected.device}.",
                       "allocate outputs on the inputs' device (`device=x.device`).")
         got = actual.detach().to(torch.float64)
         want = expected.detach().to(torch.float64)
+        # where the reference itself is inf or NaN, the output must be the same inf or NaN
+        special = ~torch.isfinite(want)
+        if bool(special.any()):
+            same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+            differs = special & ~same
+            if bool(differs.any()):
+                idx = tuple(int(i) for i in differs.nonzero()[0])
+                self.fail(
+                    case,
+                    f"the {what} differs from the reference at {int(differs.sum())} element(s) where the "
+                    f"reference is inf or NaN, first at index {idx}: got {got[idx].item()}, expected "
+                    f"{want[idx].item()}.",
+                    hint,
+                )
+            got, want = got.masked_fill(special, 0.0), want.masked_fill(special, 0.0)
         bad_values = ~torch.isfinite(got) & torch.isfinite(want)
         if bool(bad_values.any()):
             idx = tuple(int(i) for i in bad_values.nonzero()[0])
@@ -279,16 +321,26 @@ def graded(points: float, name: str | None = None):
                     f"{check_name} takes your function itself, got a {type(fn).__name__}. "
                     f"Pass the function without calling it: {check_name}(my_function)."
                 )
-                _record(CheckResult(check_name, False, 0, points, 0, message))
+                _record(CheckResult(check_name, False, 0, points, 0, message, "failed"))
                 raise CheckFailed(message)
             try:
                 body(fn, checker, *args, **kwargs)
             except CheckFailed as exc:
-                _record(CheckResult(check_name, False, 0, points, checker.cases, str(exc)))
+                _record(CheckResult(check_name, False, 0, points, checker.cases, str(exc), exc.reason))
                 raise
+            except NotImplementedError as exc:
+                # the body called the learner's stub directly (not through checker.call)
+                failure = CheckFailed(
+                    f"{check_name}: your code still raises NotImplementedError ({exc}). Replace the "
+                    f"`raise NotImplementedError(...)` line in the exercise cell with your code, run that "
+                    f"cell, then run this check again.",
+                    reason="not done",
+                )
+                _record(CheckResult(check_name, False, 0, points, checker.cases, str(failure), failure.reason))
+                raise failure from exc
             except Exception as exc:
                 message = f"{check_name} itself failed with {type(exc).__name__}: {exc}"
-                _record(CheckResult(check_name, False, 0, points, checker.cases, message))
+                _record(CheckResult(check_name, False, 0, points, checker.cases, message, "error"))
                 raise
             _record(CheckResult(check_name, True, points, points, checker.cases))
             print(f"PASSED {check_name}: {checker.cases} cases, {points:g}/{points:g} points")
