@@ -17,7 +17,8 @@ BOOK_STAMP := _build/.book-built
 
 book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
 	@# Pages are executed once and cached; a change to labsupport must re-execute them all.
-	@if [ -f $(BOOK_STAMP) ] && [ -n "$$(find labsupport book/_ext -name '*.py' -newer $(BOOK_STAMP))" ]; then \
+	@# So must GPU results committed under results/, which chapter pages read.
+	@if [ -f $(BOOK_STAMP) ] && [ -n "$$(find labsupport book/_ext results \( -name '*.py' -o -name '*.json' \) -newer $(BOOK_STAMP) 2>/dev/null)" ]; then \
 		echo "labsupport changed since the last build: re-executing every page"; \
 		rm -rf _build/.jupyter_cache _build/jupyter_execute _build/html; fi
 	$(VENV)/bin/jupyter-book build . -W --keep-going

@@ -160,6 +160,18 @@ CPU_TENSOR_ADVICE = (
 )
 
 
+STUB_IN_KERNEL_ADVICE = (
+    "A @triton.jit kernel still contains `raise NotImplementedError(...)`: on a GPU Triton compiles "
+    "the kernel and cannot compile a `raise`. Replace that line with the kernel's body, run the cell, "
+    "and try again."
+)
+IMPORT_ORDER_ADVICE = (
+    "Triton's language functions were set up before the interpreter was switched on (triton was "
+    "imported before labsupport on a machine without a GPU). Restart the kernel and run "
+    "`import labsupport` before importing triton."
+)
+
+
 def explain_error(exc: BaseException) -> str | None:
     """Return advice for a known Triton/torch launch failure, or None if it is not one."""
     text = str(exc)
@@ -171,6 +183,10 @@ def explain_error(exc: BaseException) -> str | None:
         return NO_DRIVER_ADVICE
     if "Pointer argument cannot be accessed from Triton" in text or "cpu tensor?" in text:
         return CPU_TENSOR_ADVICE
+    if "unsupported AST node type: Raise" in text:
+        return STUB_IN_KERNEL_ADVICE
+    if "outside of the scope of a kernel" in text:
+        return IMPORT_ORDER_ADVICE
     return None
 
 

@@ -109,6 +109,12 @@ def test_explain_error_recognises_known_failures(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "TRITON_INTERPRET=1" in explain_error(RuntimeError("0 active drivers ([]). There should only be one."))
     assert "to('cuda')" in explain_error(ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)"))
+    assert "cannot compile a `raise`" in explain_error(
+        RuntimeError("at 10:4: unsupported AST node type: Raise")
+    )
+    assert "import labsupport` before" in explain_error(
+        RuntimeError("Cannot call @triton.jit'd outside of the scope of a kernel")
+    )
     assert explain_error(RuntimeError("something else")) is None
 
 

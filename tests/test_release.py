@@ -167,3 +167,15 @@ def test_released_copy_of_this_repo_round_trips(tmp_path):
     release(tmp_path, log=lambda *_: None)
     for nb in (tmp_path / "labs").glob("*.ipynb"):
         assert nb.read_text() == (ROOT / "labs" / nb.name).read_text()
+
+
+def test_every_lab_installs_from_the_repository_the_book_names():
+    """The Colab fallback in each lab's setup cell and the book's launch buttons must agree."""
+    import re
+
+    import yaml
+
+    url = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    for source in sorted((ROOT / "solutions").glob("[0-9]*.py")):
+        found = re.findall(r'"git\+(https://[^"]+)"', source.read_text())
+        assert found == [url], f"{source.name}: setup cell installs from {found}, _config.yml says {url}"
