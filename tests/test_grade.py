@@ -40,7 +40,7 @@ def submissions(tmp_path_factory):
         "check_vector_add(lambda x, y: x + y)",
     )
     (folder / "dave.ipynb").write_text("this is not json")
-    _notebook(folder / "erin.ipynb", SETUP, IMPORT_CHECK, "import time\ntime.sleep(60)", "check_vector_add(None)")
+    _notebook(folder / "erin.ipynb", SETUP, IMPORT_CHECK, "import time\ntime.sleep(120)", "check_vector_add(None)")
     return folder
 
 
@@ -49,7 +49,8 @@ def graded(submissions, tmp_path_factory):
     before = {p.name: p.read_bytes() for p in submissions.iterdir()}
     out = tmp_path_factory.mktemp("out") / "grades.csv"
     paths = [str(submissions), str(submissions / "missing.ipynb")]
-    code = main(["grade", *paths, "--csv", str(out), "--timeout", "12", "--jobs", "2"])
+    # 20 s per cell: ample for the setup cell on a loaded 2-core CI machine, short for erin's sleep
+    code = main(["grade", *paths, "--csv", str(out), "--timeout", "20", "--jobs", "2"])
     after = {p.name: p.read_bytes() for p in submissions.iterdir()}
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
