@@ -16,6 +16,13 @@ def _root() -> Path:
     raise SystemExit("release: run this inside the course repository (no solutions/ and _toc.yml found)")
 
 
+def _missing_tools() -> list[str]:
+    """The notebook packages release and grade need (the 'grade' extra), if any are missing."""
+    import importlib.util
+
+    return [name for name in ("nbformat", "nbclient", "ipykernel") if importlib.util.find_spec(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labsupport")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="notebooks graded at once, each in its own kernel (default: 1)")
 
     args = parser.parse_args(argv)
+    missing = _missing_tools()
+    if missing:
+        print(f"{args.command}: needs {', '.join(missing)}, which are not installed. Install them with "
+              "`pip install 'labsupport[grade]'` (or run `make setup` in the course repository).",
+              file=sys.stderr)
+        return 2
     if args.command == "release":
         from .release import ReleaseError, plan, release
 

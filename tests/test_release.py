@@ -179,3 +179,11 @@ def test_every_lab_installs_from_the_repository_the_book_names():
     for source in sorted((ROOT / "solutions").glob("[0-9]*.py")):
         found = re.findall(r'"git\+(https://[^"]+)"', source.read_text())
         assert found == [url], f"{source.name}: setup cell installs from {found}, _config.yml says {url}"
+
+
+def test_commands_say_what_to_install_when_notebook_tools_are_missing(monkeypatch, capsys):
+    import labsupport.__main__ as cli
+
+    monkeypatch.setattr(cli, "_missing_tools", lambda: ["nbclient"])
+    assert cli.main(["grade", "x.ipynb"]) == 2
+    assert "pip install 'labsupport[grade]'" in capsys.readouterr().err
