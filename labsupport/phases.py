@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ._validate import positive_int
+from .timing import progress as progress_bar
 
 # --- fitting ------------------------------------------------------------------------------------
 
@@ -170,24 +171,6 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _bar(items, desc: str, progress: bool):
-    """A tqdm progress bar over ``items``; plain lines if tqdm is not installed (a bare GPU box)."""
-    if not progress:
-        return items
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _plain_progress(items, desc)
-    return tqdm(items, desc=desc)
-
-
-def _plain_progress(items, desc: str):
-    items = list(items)
-    for i, item in enumerate(items, 1):
-        print(f"{desc}: {i}/{len(items)}", flush=True)
-        yield item
-
-
 def _lengths(values, what: str) -> list[int]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ValueError(f"{what} must be a list of positive integers, got {values!r}")
@@ -247,7 +230,7 @@ def measure_prefill(
     gpu = model.device.type == "cuda"
     points = []
     with cpu_threads(threads):
-        for p in _bar(lengths, "prefill", progress):
+        for p in progress_bar(lengths, "prefill", progress):
             try:
                 prompt = model.random_prompt(batch, p, seed=p)
                 cache = model.new_cache(batch, p)
@@ -281,7 +264,7 @@ def measure_decode(
     points = []
     pairs = [(b, c) for b in batches for c in contexts]
     with cpu_threads(threads):
-        for b, ctx in _bar(pairs, "decode", progress):
+        for b, ctx in progress_bar(pairs, "decode", progress):
             cache = tokens = None
             try:
                 cache = model.new_cache(b, ctx + 1)

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ._validate import positive_int, positive_number
+from .timing import progress as progress_bar
 
 
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
@@ -122,12 +123,6 @@ def _dtype(dtype):
     return dtype
 
 
-def _bar(items, desc: str, progress: bool):
-    from .phases import _bar as bar  # tqdm, or plain lines where tqdm is not installed
-
-    return bar(items, desc, progress)
-
-
 def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **bench) -> list[float]:
     """Achieved FLOP/s of ``A @ B`` for each size, in the order given.
 
@@ -153,7 +148,7 @@ def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **b
         timing = benchmark(lambda: a @ b, gpu=dev.type == "cuda", **bench)
         return matmul_flops(m, k, n) / timing.median_s
 
-    return [rate(m, k, n) for m, k, n in _bar(shapes, "matmul", progress)]
+    return [rate(m, k, n) for m, k, n in progress_bar(shapes, "matmul", progress)]
 
 
 def measure_copy(sizes_bytes, device=None, *, progress: bool = True, **bench) -> list[float]:
@@ -175,7 +170,7 @@ def measure_copy(sizes_bytes, device=None, *, progress: bool = True, **bench) ->
         timing = benchmark(lambda: dst.copy_(src), gpu=dev.type == "cuda", **bench)
         return 2 * size / timing.median_s
 
-    return [rate(size) for size in _bar(sizes, "copy", progress)]
+    return [rate(size) for size in progress_bar(sizes, "copy", progress)]
 
 
 # --- drawing -----------------------------------------------------------------------------------

@@ -105,3 +105,22 @@ def benchmark(
     return Timing(
         statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times), method, meaningful
     )
+
+
+def progress(items, desc: str, enabled: bool = True):
+    """A tqdm progress bar over ``items`` for a sweep; plain lines where tqdm is not installed
+    (a bare GPU box); ``items`` unchanged when ``enabled`` is False."""
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _plain_progress(items, desc)
+    return tqdm(items, desc=desc)
+
+
+def _plain_progress(items, desc: str):
+    items = list(items)
+    for i, item in enumerate(items, 1):
+        print(f"{desc}: {i}/{len(items)}", flush=True)
+        yield item

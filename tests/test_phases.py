@@ -10,6 +10,7 @@ from labsupport import phases
 from labsupport.model import Transformer
 from labsupport.models import get_model
 from labsupport.phases import cpu_threads, fit_prefill_times, measure_decode, measure_prefill
+from labsupport.timing import progress as progress_bar
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 
@@ -240,7 +241,7 @@ def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tqdm)
-    assert list(phases._bar([3, 4], "decode", progress=True)) == [3, 4]
+    assert list(progress_bar([3, 4], "decode")) == [3, 4]
     assert capsys.readouterr().out == "decode: 1/2\ndecode: 2/2\n"
 
 
