@@ -20,7 +20,7 @@ book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
 	@# So must GPU results committed under results/, which chapter pages read.
 	@if [ -f $(BOOK_STAMP) ] && [ -n "$$(find labsupport book/_ext results \( -name '*.py' -o -name '*.json' \) -newer $(BOOK_STAMP) 2>/dev/null)" ]; then \
 		echo "labsupport changed since the last build: re-executing every page"; \
-		rm -rf _build/.jupyter_cache _build/jupyter_execute _build/html; fi
+		rm -rf _build/.jupyter_cache _build/jupyter_execute _build/html _build/.doctrees; fi
 	$(VENV)/bin/jupyter-book build . -W --keep-going
 	@touch $(BOOK_STAMP)
 

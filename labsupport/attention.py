@@ -351,14 +351,16 @@ def kernel_config(seq_q: int, seq_k: int, head_dim: int, dtype: torch.dtype, *, 
 
 
 def flash_attention_reference(
-    q, k, v, causal: bool = False, block_m: int | None = None, block_n: int | None = None
+    q, k, v, causal: bool = False, block_m: int | None = None, block_n: int | None = None,
+    *, config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention forward in Triton. Returns ``(out, lse)`` like :func:`attention_spec`.
 
     ``q`` is ``(B, H, S_q, D)``, ``k`` and ``v`` ``(B, H, S_k, D)``; float16 or float32 (and
     bfloat16 on a GPU), any strides, head dim one of 16, 32, 64, 128, 256. ``block_m`` and
     ``block_n`` override the tile sizes :func:`kernel_config` chooses (powers of two; at least
-    16 on a GPU). ``lse`` is fp32, ``(B, H, S_q)``, natural log.
+    16 on a GPU); ``config`` replaces its whole choice, warps and pipeline stages included (the
+    benchmark's ``--configs`` sweep uses it). ``lse`` is fp32, ``(B, H, S_q)``, natural log.
     """
     if triton is None:  # pragma: no cover
         raise RuntimeError("flash_attention_reference needs triton; install the course's requirements")
@@ -377,7 +379,10 @@ def flash_attention_reference(
         # bf16 arithmetic is broken in the Triton interpreter (tl.dot multiplies bit patterns);
         # run the fp32 kernel on the upcast inputs there and round the result back.
         q, k, v = q.float(), k.float(), v.float()
-    config = kernel_config(s_q, s_k, d, q.dtype, interpreter=interp)
+    if config is None:
+        config = kernel_config(s_q, s_k, d, q.dtype, interpreter=interp)
+    elif not isinstance(config, KernelConfig):
+        raise ValueError(f"config must be a KernelConfig, got {type(config).__name__}")
     bm = config.block_m if block_m is None else positive_int("block_m", block_m)
     bn = config.block_n if block_n is None else positive_int("block_n", block_n)
     for name, value in (("block_m", bm), ("block_n", bn)):

@@ -43,6 +43,16 @@ def percent(fraction: float, digits: int = 0) -> str:
     return f"{100 * fraction:.{digits}f}%"
 
 
+def glue_markdown(name: str, text: str) -> str:
+    """Glue Markdown (a table, a paragraph) under ``name`` for a ``{glue:md}`` directive with
+    ``:format: myst``, and return it."""
+    from IPython.display import Markdown
+    from myst_nb import glue as _glue
+
+    _glue(name, Markdown(text), display=False)
+    return text
+
+
 def glue(name: str, text: str) -> str:
     """Glue ``text`` under ``name`` for ``{glue:text}`` in the page, and return it."""
     from myst_nb import glue as _glue

@@ -199,3 +199,119 @@ def test_benchmark_without_sdpa_flash_fails_its_targets_honestly():
     assert not names[f"kernel output matches SDPA (max |err| <= {bench.MAX_ERR:g})"].passed
     table = bench.format_table(rows, device="TEST GPU", date="today")
     assert "| - |" in table and "FAIL" in table
+
+
+def test_benchmark_dry_run_exercises_the_gpu_code_path_on_the_cpu(capsys, tmp_path):
+    """--dry-run runs measure() end to end through the interpreter: the table has every row."""
+    out_file = tmp_path / "bench.md"
+    assert bench.main(["--dry-run", "--out", str(out_file)]) == 0
+    table = out_file.read_text()
+    assert "dry run" in capsys.readouterr().out
+    assert "head dim 32, 2 heads, batch = 256 // S" in table
+    for s, b in ((64, 4), (128, 2)):
+        for causal in ("no", "yes"):
+            assert f"| {s} | {causal} | {b} |" in table
+    assert "PASS  kernel output matches SDPA" in table  # bf16 kernel (upcast in the interpreter) vs SDPA
+
+
+def test_config_sweep_dry_run_includes_and_marks_the_default(tmp_path):
+    out_file = tmp_path / "configs.md"
+    assert bench.main(["--dry-run", "--configs", "--out", str(out_file)]) == 0
+    table = out_file.read_text()
+    assert table.count("default (kernel_config)") == 2  # once per table: non-causal and causal
+    assert "non-causal" in table and ", causal," in table and "best:" in table
+
+
+def test_config_sweep_records_configs_that_fail_or_are_wrong(monkeypatch):
+    """A configuration that raises or returns a wrong answer is reported, never timed as a winner."""
+    real = A.flash_attention_reference
+    broken, wrong = A.KernelConfig(32, 32, 4, 1), A.KernelConfig(16, 16, 4, 1)
+
+    def planted(q, k, v, causal=False, *, config=None):
+        if config == broken:
+            raise RuntimeError("out of resources: shared memory, Required: 300000")
+        out, lse = real(q, k, v, causal, config=config)
+        return (out + 1 if config == wrong else out), lse
+
+    monkeypatch.setattr(A, "flash_attention_reference", planted)
+    rows = bench.sweep_configs(64, heads=1, head_dim=16, tokens=64, device="cpu", configs=[broken, wrong],
+                               timing=dict(repeats=1, warmup=0), log=lambda *_: None)
+    by_config = {(r.config, r.causal): r for r in rows}
+    assert len(rows) == 6  # default + 2 candidates, causal and not
+    for causal in (False, True):
+        assert by_config[(broken, causal)].seconds is None
+        assert "out of resources" in by_config[(broken, causal)].error
+        assert by_config[(wrong, causal)].seconds is None and "wrong output" in by_config[(wrong, causal)].error
+        default = next(r for r in rows if r.is_default and r.causal == causal)
+        assert default.seconds is not None and default.max_err < bench.MAX_ERR
+    table = bench.format_sweep(rows)
+    assert table.count("out of resources") == 2 and table.count("wrong output") == 2
+    assert "best: the default" in table
+
+
+def test_flash_reference_takes_a_whole_launch_config():
+    q, k, v = _qkv(1, 2, 40, 16)
+    out, lse = A.flash_attention_reference(q, k, v, True, config=A.KernelConfig(16, 32, 4, 1))
+    want, want_lse = A.attention_spec(q, k, v, True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="config must be a KernelConfig"):
+        A.flash_attention_reference(q, k, v, config=(16, 16, 4, 1))
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        A.flash_attention_reference(q, k, v, config=A.KernelConfig(24, 16, 4, 1))
+
+
+def test_gpu_attention_script_refuses_without_a_gpu(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_attention.sh"
+    run = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "sees no CUDA GPU" in run.stderr
+
+
+def _fake_rows():
+    return [bench.Row(seq_len=s, causal=c, batch=16384 // s, heads=16, flops=4e12 / (2 if c else 1),
+                      kernel_s=0.01, sdpa_s=0.0105, naive_s=0.04 if s < 4096 else None, max_err=4e-3,
+                      naive_oom=s >= 4096) for s in (2048, 4096) for c in (False, True)]
+
+
+def test_results_round_trip_and_render_with_device_and_date(tmp_path):
+    path = tmp_path / "gpu_attention.json"
+    rows = _fake_rows()
+    bench.save_results(path, rows, device="NVIDIA H200", date="2026-11-29 12:00 UTC",
+                       versions="  torch 2.11, triton 3.6", dry_run=False)
+    results = bench.load_results(path)
+    assert results["rows"] == rows and results["device"] == "NVIDIA H200"
+    text = bench.results_markdown(results)
+    assert text.startswith("**Measured** on NVIDIA H200, 2026-11-29 12:00 UTC (torch 2.11, triton 3.6)")
+    assert "| 4096 | yes | 4 | 200.0 |" in text  # 2e12 FLOP in 0.01 s
+    assert "- **PASS** non-causal, S >= 2k: kernel >= 0.9x SDPA" in text
+    assert "naive OOM" in text
+    assert "Not yet measured" not in text
+
+
+def test_results_missing_or_dry_run_say_not_yet_measured(tmp_path):
+    assert bench.load_results(tmp_path / "none.json") is None
+    path = tmp_path / "dry.json"
+    bench.save_results(path, _fake_rows(), device="CPU (dry run)", date="today", versions="", dry_run=True)
+    assert bench.load_results(path) is None
+    text = bench.results_markdown(None)
+    assert text.startswith("**Not yet measured.**") and "|" not in text
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a results file"):
+        bench.load_results(path)
+
+
+def test_benchmark_dry_run_writes_json_marked_as_a_dry_run(tmp_path):
+    path = tmp_path / "gpu_attention.json"
+    assert bench.main(["--dry-run", "--seq-lens", "64", "--json", str(path)]) == 0
+    import json
+
+    data = json.loads(path.read_text())
+    assert data["dry_run"] is True and data["shape"]["head_dim"] == 32 and len(data["rows"]) == 2  # --seq-lens 64 honoured
+    assert bench.load_results(path) is None  # a dry run never reaches the book
+    with pytest.raises(SystemExit):
+        bench.main(["--dry-run", "--configs", "--json", str(path)])

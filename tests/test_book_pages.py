@@ -86,3 +86,20 @@ def test_math_renders_offline(page, book_url):
     page.wait_for_function("window.MathJax && MathJax.startup && MathJax.startup.promise", timeout=15000)
     page.evaluate("MathJax.startup.promise")
     assert page.evaluate("document.querySelectorAll('mjx-container').length") > 0
+
+
+def test_attention_results_show_what_was_measured(page, book_url):
+    """Chapter 07 shows the GPU table from results/gpu_attention.json with its device and date, or
+    says plainly that nothing was measured: never an empty or half-rendered section."""
+    from labsupport.bench_attention import load_results
+
+    page.goto(f"{book_url}/book/07_attention.html", wait_until="load")
+    section = page.locator("section#results-on-a-gpu")
+    text = section.inner_text()
+    tables = section.locator("table").count()
+    results = load_results()
+    if results is None:
+        assert "Not yet measured." in text and tables == 0
+    else:
+        assert results["device"] in text and results["date"] in text and tables == 1
+        assert "|" not in text, "the results table was not rendered as a table"
