@@ -389,6 +389,11 @@ def flash_attention_reference(
         if value & (value - 1) or (not interp and value < 16):
             raise ValueError(f"{name} must be a power of two{'' if interp else ' and at least 16'}, got {value}")
 
+    # The kernel adds int64 offsets for the (batch, head) and int32 ones within a head, which is
+    # fast and enough for any contiguous tensor below 16M positions. A strided view whose offsets
+    # within one head pass 2**31 elements (a (B, S, H, D) layout with S * H * D that large) is
+    # copied to a contiguous layout first rather than overflow.
+    q, k, v = (t if _head_offsets_fit_int32(t.shape, t.stride()) else t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, s_q), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(s_q, bm), b * h)
@@ -400,6 +405,15 @@ def flash_attention_reference(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.to(out_dtype), lse
+
+
+def _head_offsets_fit_int32(shape, stride) -> bool:
+    """True when every offset within one (batch, head) of a ``(B, H, S, D)`` tensor, plus a block
+    of padding past the end (masked loads still form the address), stays below 2**31 elements."""
+    _, _, s, d = shape
+    _, _, stride_s, stride_d = stride
+    padded = s + 256  # the largest tile the kernel uses
+    return (padded - 1) * abs(stride_s) + (d - 1) * abs(stride_d) < 2**31
 
 
 def combine_partials(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:

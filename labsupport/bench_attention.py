@@ -14,8 +14,9 @@ of ``16384 // S`` sequences, so every row processes the same number of tokens. F
 ``4*B*H*S**2*D``, halved when causal (:func:`labsupport.costs.attention_flops`). Each kernel is
 timed with :func:`labsupport.timing.benchmark` (``triton.testing.do_bench``: warm-up, L2 flush,
 median). SDPA is pinned to its flash backend with ``torch.nn.attention.sdpa_kernel``. Naive
-attention is :func:`labsupport.attention.naive_attention_reference` with its causal mask built
-once outside the timed call; if it runs out of memory the table says OOM.
+attention computes what :func:`labsupport.attention.naive_attention_reference` does (matmuls in
+bf16, softmax in fp32) with its causal mask built once outside the timed call, as model code
+caches it; if it runs out of memory the table says OOM.
 
 The targets (``ANCHORS.md``): non-causal, S >= 2k, at least 0.9x SDPA; causal, S >= 4k, at least
 0.8x SDPA; at S >= 4k at least 2.5x naive non-causal and 5x causal. Without a GPU the command

@@ -315,3 +315,11 @@ def test_benchmark_dry_run_writes_json_marked_as_a_dry_run(tmp_path):
     assert bench.load_results(path) is None  # a dry run never reaches the book
     with pytest.raises(SystemExit):
         bench.main(["--dry-run", "--configs", "--json", str(path)])
+
+
+def test_views_whose_offsets_overflow_int32_are_copied_not_overflowed():
+    # A (B, S, H, D) buffer seen as (B, H, S, D): stride along S is H * D.
+    assert A._head_offsets_fit_int32((1, 32, 4096, 128), (4096 * 32 * 128, 128, 32 * 128, 1))
+    assert not A._head_offsets_fit_int32((1, 128, 131072, 128), (131072 * 128 * 128, 128, 128 * 128, 1))
+    assert A._head_offsets_fit_int32((1, 128, 131072, 128), (131072 * 128 * 128, 131072 * 128, 128, 1))
+    assert not A._head_offsets_fit_int32((1, 1, 2**24, 128), (2**31, 2**31, 128, 1))  # 16M tokens

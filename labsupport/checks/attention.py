@@ -507,5 +507,6 @@ def _check_long_sequence(fn, checker, seq_len: int = LONG_SEQ):
                          "BLOCK_M x BLOCK_N tile on chip; the wrapper should allocate only out and lse.")
         atol, rtol, _, _ = _tolerances(torch.float16, False)
         checker.expect_tensor(out, want_out, case=case, atol=atol, rtol=rtol,
-                              hint="short sequences pass but this one does not: look for int32 overflow "
-                                   "in offsets, or a grid that does not cover every query block.")
+                              hint="short sequences pass but this one does not: check that the grid covers "
+                                   "every query block (cdiv(S, BLOCK_M) of them) and that the key loop "
+                                   "runs to the last key.")
