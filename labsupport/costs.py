@@ -14,8 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._answers import answer
 from ._validate import positive_int, positive_number
 from .models import ModelConfig
+
+# The fraction of the tensor-core peak a tuned prefill is planned at (the runbook's convention;
+# published eager stacks reach 35-50%, tuned ones 65-80%). Estimates, never measurements.
+PLANNING_MFU = 0.4
 
 
 def _model(cfg) -> ModelConfig:
@@ -44,6 +49,7 @@ def param_count(cfg: ModelConfig) -> int:
     return cfg.n_layers * per_layer + embeddings + d
 
 
+@answer
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2) -> float:
     """Bytes of KV cache one token adds: keys and values, every layer, every KV head."""
     cfg = _model(cfg)
@@ -52,6 +58,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2) -> float:
     return int(per_token) if per_token == int(per_token) else per_token
 
 
+@answer
 def prefill_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
     """FLOPs to prefill ``prompt_tokens`` positions: ``2*N*P + 4*L*P**2*d`` (attention halved if causal)."""
     cfg = _model(cfg)
@@ -100,6 +107,7 @@ class DecodeBytes:
         return self.cache / self.total
 
 
+@answer
 def decode_step_bytes(
     cfg: ModelConfig,
     batch: int,

@@ -5,16 +5,24 @@ no bf16 tensor cores (T4): there it is the fp16 peak, and ``notes`` says so. ``h
 the memory bandwidth in bytes/s and ``memory_bytes`` the memory size, both in decimal units as the
 datasheets give them. Each row names its source. Published peaks are ceilings, never measurements:
 the labs measure your own device and show both side by side.
+
+The datasheets' memory sizes are rounded labels, not byte counts: an "80GB" H100 holds 81,559 MiB
+(85.5e9 bytes) and a "141GB" H200 143,771 MiB (150.8e9 bytes). ``reported_bytes`` is that
+``memory.total`` as ``nvidia-smi`` reports it, the memory software can actually allocate (before
+the CUDA context and the engine's own reserve). Capacity planning uses it; ``memory_bytes`` stays
+for the runbook's worked examples, which use the rounded labels.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ._validate import positive_int
 
 TERA = 1e12
 GB = 1e9
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,12 @@ class GPU:
     memory_bytes: float
     source: str
     notes: str = ""
+    reported_bytes: float = 0.0  # nvidia-smi memory.total; 0 when unknown
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory to plan with: what the card reports, else the datasheet's figure."""
+        return self.reported_bytes or self.memory_bytes
 
     @property
     def ridge_point(self) -> float:
@@ -41,17 +55,23 @@ class GPU:
             memory_bytes=self.memory_bytes * count,
             source=self.source,
             notes=self.notes,
+            reported_bytes=self.reported_bytes * count,
         )
 
 
 GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
-        GPU("H100 SXM", 989.4 * TERA, 3.35e12, 80 * GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
-        GPU("H200", 989.4 * TERA, 4.8e12, 141 * GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-        GPU("A100 40GB", 312 * TERA, 1.555e12, 40 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)"),
-        GPU("A100 80GB", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
-        GPU("L4", 121 * TERA, 300e9, 24 * GB, "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOP/s is with sparsity)"),
+        GPU("H100 SXM", 989.4 * TERA, 3.35e12, 80 * GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+            reported_bytes=81_559 * MIB),
+        GPU("H200", 989.4 * TERA, 4.8e12, 141 * GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+            reported_bytes=143_771 * MIB),
+        GPU("A100 40GB", 312 * TERA, 1.555e12, 40 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
+            reported_bytes=40_960 * MIB),
+        GPU("A100 80GB", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
+            reported_bytes=81_920 * MIB),
+        GPU("L4", 121 * TERA, 300e9, 24 * GB, "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOP/s is with sparsity)",
+            reported_bytes=23_034 * MIB),
         GPU(
             "T4",
             65 * TERA,
@@ -59,6 +79,7 @@ GPUS: dict[str, GPU] = {
             16 * GB,
             "NVIDIA T4 Tensor Core GPU datasheet",
             notes="no bf16 tensor cores: peak is fp16 with fp32 accumulation",
+            reported_bytes=15_360 * MIB,
         ),
     )
 }
@@ -111,8 +132,8 @@ def match_device_name(device_name: str) -> GPU | None:
         return GPUS["H100 SXM"]
     if "a100" in text:
         return GPUS["A100 40GB"] if "40gb" in text.replace(" ", "") else GPUS["A100 80GB"]
-    if " l4" in f" {text}":
+    if re.search(r"\bl4\b", text):  # not the L40 or L40S, which are other cards
         return GPUS["L4"]
-    if "t4" in text:
+    if re.search(r"\bt4\b", text):
         return GPUS["T4"]
     return None

@@ -78,6 +78,8 @@ def test_match_device_name(device_name, row):
         "NVIDIA H200 NVL",
         "NVIDIA GH200 480GB",
         "NVIDIA A100 80GB PCIe",  # 1.94 TB/s, not the SXM row's 2.04
+        "NVIDIA L40S",  # not an L4
+        "NVIDIA L40",
     ],
 )
 def test_match_device_name_gives_no_wrong_datasheet(device_name):
@@ -86,3 +88,14 @@ def test_match_device_name_gives_no_wrong_datasheet(device_name):
 
 def test_a100_40gb_pcie_shares_the_40gb_row():
     assert match_device_name("NVIDIA A100-PCIE-40GB").name == "A100 40GB"
+
+
+def test_reported_memory_is_what_the_cards_really_hold():
+    """The datasheet labels are rounded: every card reports more bytes than '80GB' in decimal,
+    except those whose label is already in binary units (A100s), and the H200 holds 150.8e9."""
+    h100, h200 = get_gpu("H100 SXM"), get_gpu("H200")
+    assert h100.usable_bytes == 81_559 * 2**20 and round(h100.usable_bytes / 1e9, 1) == 85.5
+    assert round(h200.usable_bytes / 1e9, 1) == 150.8 and h200.usable_bytes > 141.11e9  # the 70B's weights fit
+    assert h100.times(4).usable_bytes == 4 * h100.usable_bytes
+    for gpu in GPUS.values():
+        assert 0.9 < gpu.usable_bytes / gpu.memory_bytes < 1.1, gpu.name
