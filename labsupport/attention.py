@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._answers import answer
 from ._validate import positive_int, positive_number
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
@@ -90,6 +91,7 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@answer
 def attention_spec(q, k, v, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention by its definition, in fp32 (fp64 for fp64 inputs). Returns ``(out, lse)``.
 
@@ -110,6 +112,7 @@ def attention_spec(q, k, v, causal: bool = False) -> tuple[torch.Tensor, torch.T
     return out.to(q.dtype), lse
 
 
+@answer
 def naive_attention_reference(q, k, v, causal: bool = False) -> torch.Tensor:
     """The textbook form in the inputs' dtype, as model code writes it ("eager" attention).
 
@@ -127,6 +130,7 @@ def naive_attention_reference(q, k, v, causal: bool = False) -> torch.Tensor:
 # --- the online softmax, blockwise in plain torch ---------------------------------------------
 
 
+@answer
 def online_softmax_reference(q, k, v, causal: bool = False, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over blocks of ``block_n`` keys with a running max and sum. Returns ``(out, lse)``.
 
@@ -350,6 +354,7 @@ def kernel_config(seq_q: int, seq_k: int, head_dim: int, dtype: torch.dtype, *, 
     return KernelConfig(block_m, block_n, warps, stages)
 
 
+@answer
 def flash_attention_reference(
     q, k, v, causal: bool = False, block_m: int | None = None, block_n: int | None = None,
     *, config: KernelConfig | None = None,

@@ -421,12 +421,15 @@ def format_sweep(rows: list[ConfigRow]) -> str:
 def run_checks() -> bool:
     """The graded checks on the reference implementations, GPU-only cases included."""
     from . import checks
+    from ._answers import unguarded
     from .attention import flash_attention_reference, naive_attention_reference, online_softmax_reference
 
     ok = True
-    for check, fn in ((checks.check_naive_attention, naive_attention_reference),
-                      (checks.check_online_softmax, online_softmax_reference),
-                      (checks.check_flash_attention, flash_attention_reference)):
+    # The answers refuse to run inside the checks that ban them (learners may not hand them in);
+    # here the course checks its own answers, so it hands in the unguarded functions.
+    for check, fn in ((checks.check_naive_attention, unguarded(naive_attention_reference)),
+                      (checks.check_online_softmax, unguarded(online_softmax_reference)),
+                      (checks.check_flash_attention, unguarded(flash_attention_reference))):
         try:
             check(fn)
         except AssertionError as exc:

@@ -17,6 +17,7 @@ import math
 import numbers
 from collections.abc import Iterable
 
+from ._answers import answer
 from ._validate import positive_int, positive_number
 from .costs import _model, kv_bytes_per_token, param_count
 
@@ -54,6 +55,7 @@ def weight_bytes_total(cfg, weight_bytes: float = 2) -> float:
     return param_count(cfg) * positive_number("weight_bytes", weight_bytes)
 
 
+@answer
 def max_concurrency(
     cfg,
     gpu_memory_bytes: float,

@@ -137,6 +137,10 @@ DECODE_MUTANTS = {
         lambda cfg, batch, ctx, dtype_bytes=2: _n(cfg) * 2 + batch * ctx * _kv(cfg),
         "dtype_bytes is ignored",
     ),
+    "ignores_element_bytes": (  # the fourth parameter has another name: it is still checked
+        lambda cfg, batch, ctx, element_bytes=2: _n(cfg) * 2 + batch * ctx * _kv(cfg),
+        "dtype_bytes is ignored",
+    ),
     "returns_a_dict": (lambda cfg, batch, ctx: {"weights": _n(cfg) * 2}, "expected a number"),
 }
 

@@ -31,6 +31,12 @@ import math
 from .framework import Case, graded
 
 FORBID = ["scaled_dot_product_attention"]
+ANSWERS = (  # the course's own implementations: a learner's function may not be or call them
+    "labsupport.attention.attention_spec",
+    "labsupport.attention.naive_attention_reference",
+    "labsupport.attention.online_softmax_reference",
+    "labsupport.attention.flash_attention_reference",
+)
 SEQ_LENS = (1, 2, 17, 100, 257)
 LONG_SEQ = 4096  # GPU-only memory case
 
@@ -436,7 +442,7 @@ def _device():
 # --- the checks --------------------------------------------------------------------------------
 
 
-@graded(points=10)
+@graded(points=10, bans=ANSWERS)
 def check_naive_attention(fn, checker):
     """``fn(q, k, v, causal=False)`` must return attention of q, k, v (B, H, S, D), in q's dtype."""
     _run_cases(fn, checker, returns_lse=False)
@@ -445,7 +451,7 @@ def check_naive_attention(fn, checker):
 ONLINE_BLOCKS = (16, 10, 32)  # block_n the check passes; 10 and 16 do not divide 17, 100 or 257
 
 
-@graded(points=15)
+@graded(points=15, bans=ANSWERS)
 def check_online_softmax(fn, checker):
     """``fn(q, k, v, causal=False, block_n=...)`` must return ``(out, lse)``, visiting keys in blocks.
 
@@ -463,7 +469,7 @@ def check_online_softmax(fn, checker):
     _run_cases(fn, checker, returns_lse=True, extra_kwargs=kwargs, diagnose=diagnose, limit_memory=True)
 
 
-@graded(points=25)
+@graded(points=25, bans=ANSWERS)
 def check_flash_attention(fn, checker):
     """``fn(q, k, v, causal=False)`` must return ``(out, lse)``; on a GPU, also S = 4096 in O(S) memory."""
     from ..device import cuda_available, interpreter_mode

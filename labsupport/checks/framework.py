@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from .._answers import AnswerUsed, banning
+
 RESULTS_ENV = "LABSUPPORT_RESULTS"
 
 
@@ -113,9 +115,10 @@ def _describe_call_site(exc: BaseException) -> str:
 class Checker:
     """Helpers a check body uses; one per check run."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, bans: Sequence[str] = ()):
         self.name = name
         self.cases = 0
+        self.bans = tuple(bans)  # the course's answers the learner's function may not call
 
     # -- running the learner's function -------------------------------------------------------
     def call(self, fn: Callable, *args, case: Case, forbid: Sequence[str] = (), **kwargs):
@@ -125,10 +128,13 @@ class Checker:
         self.cases += 1
         fname = getattr(fn, "__name__", "your function")
         try:
-            if forbid:
-                with _forbid(forbid):
-                    return fn(*args, **kwargs)
-            return fn(*args, **kwargs)
+            with banning(self.bans):
+                if forbid:
+                    with _forbid(forbid):
+                        return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
+        except AnswerUsed as exc:
+            raise CheckFailed(f"{self.name}: on case [{case}] {exc}") from exc
         except NotImplementedError as exc:
             raise CheckFailed(
                 f"{self.name}: `{fname}` still raises NotImplementedError. Replace the "
@@ -291,7 +297,8 @@ class _forbid:
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 name = getattr(func, "__name__", "")
-                if name in forbidden:
+                # a substring, so the private variants (torch.ops.aten._scaled_dot_product_...) count
+                if any(f in name for f in forbidden):
                     raise ForbiddenCall(
                         f"your function called `{name}`, which this exercise asks you to replace. "
                         f"Write it yourself from matmuls, elementwise operations and reductions."
@@ -307,15 +314,20 @@ class _forbid:
         return self.mode.__exit__(*exc)
 
 
-def graded(points: float, name: str | None = None):
-    """Register a check worth ``points``; the decorated body is ``body(fn, checker, *args)``."""
+def graded(points: float, name: str | None = None, bans: Sequence[str] = ()):
+    """Register a check worth ``points``; the decorated body is ``body(fn, checker, *args)``.
+
+    ``bans`` names the course's own answers (functions decorated with
+    :func:`labsupport._answers.answer`, as ``"module.function"``) that the learner's function may
+    not be, wrap or call while it is checked.
+    """
 
     def decorate(body: Callable) -> Callable:
         check_name = name or body.__name__
 
         @functools.wraps(body)
         def check(fn, *args, **kwargs):
-            checker = Checker(check_name)
+            checker = Checker(check_name, bans)
             if not callable(fn):
                 message = (
                     f"{check_name} takes your function itself, got a {type(fn).__name__}. "

@@ -44,7 +44,7 @@ def _kv_mistakes(cfg, b) -> dict[str, float]:
     }
 
 
-@graded(points=5)
+@graded(points=5, bans=("labsupport.costs.kv_bytes_per_token",))
 def check_kv_bytes_per_token(fn, checker):
     """``fn(cfg, dtype_bytes=2)`` must return the bytes of KV cache one token adds."""
     from ..costs import kv_bytes_per_token
@@ -106,7 +106,7 @@ def _concurrency_mistakes(cfg, memory, context, wb, kb, reserve) -> dict[str, fl
     }
 
 
-@graded(points=5)
+@graded(points=5, bans=("labsupport.kvcache.max_concurrency",))
 def check_max_concurrency(fn, checker):
     """``fn(cfg, gpu_memory_bytes, context_tokens, weight_bytes=2, kv_dtype_bytes=2, reserve_bytes=0)``
     must return how many full-length sequences fit next to the weights and the reserve."""

@@ -105,7 +105,7 @@ def _prefill_mistakes(cfg, p: int, causal: bool) -> dict[str, float]:
     }
 
 
-@graded(points=5)
+@graded(points=5, bans=("labsupport.costs.prefill_flops",))
 def check_prefill_flops(fn, checker):
     """``fn(cfg, prompt_tokens, causal=False)`` must return the FLOPs of prefilling the prompt."""
     from ..costs import prefill_flops
@@ -167,17 +167,21 @@ def _decode_mistakes(cfg, batch: int, context: int, b: float) -> dict[str, float
 
 
 def _accepts_dtype_bytes(fn) -> bool:
+    """True when ``fn`` takes a fourth argument (the bytes per value), whatever its name."""
     try:
-        return "dtype_bytes" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
+        inspect.signature(fn).bind(None, 1, 1, 4)
+    except TypeError:
         return False
+    except ValueError:  # no signature (a builtin): assume the documented one
+        return False
+    return True
 
 
-@graded(points=5)
+@graded(points=5, bans=("labsupport.costs.decode_step_bytes",))
 def check_decode_bytes(fn, checker):
     """``fn(cfg, batch, context)`` must return the bytes one decode step reads: weights + every cache, bf16.
 
-    If ``fn`` also takes ``dtype_bytes``, it is checked with 4 (fp32) as well.
+    If ``fn`` takes a fourth argument (bytes per value), it is checked with 4 (fp32) as well.
     """
     from ..costs import decode_step_bytes
 
@@ -185,9 +189,9 @@ def check_decode_bytes(fn, checker):
     for cfg in _configs():
         for batch, context in _DECODE_POINTS[cfg.name]:
             for b in element_sizes:
-                extra = {} if b == 2 else {"dtype_bytes": b}
-                case = Case(model=cfg.name, batch=batch, context=context, **extra)
-                got = checker.call(fn, cfg, batch, context, case=case, **extra)
+                extra = () if b == 2 else (b,)  # positional: the parameter may have any name
+                case = Case(model=cfg.name, batch=batch, context=context, **({"dtype_bytes": b} if extra else {}))
+                got = checker.call(fn, cfg, batch, context, *extra, case=case)
                 expected = decode_step_bytes(cfg, batch, context, weight_bytes=b, kv_dtype_bytes=b).total
                 wrong = _decode_mistakes(cfg, batch, context, b)
                 if b != 2:
