@@ -21,6 +21,28 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def gpu_has_bf16() -> bool:
+    """True on a CUDA GPU with bfloat16 tensor cores: compute capability 8.0 (Ampere) or newer.
+
+    Older GPUs (Colab's T4, a V100) have float16 tensor cores only: bfloat16 runs there, slowly,
+    and neither Triton's ``tl.dot`` nor SDPA's FlashAttention backend accepts it.
+    """
+    import torch
+
+    return cuda_available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+def lab_dtype() -> "torch.dtype":  # noqa: F821
+    """The dtype labs measure in: bfloat16 on an Ampere-or-newer GPU, float16 on an older GPU,
+    float32 on a CPU (whose 16-bit matmuls are slow and whose ``tl.dot`` in the interpreter
+    mishandles bfloat16)."""
+    import torch
+
+    if not cuda_available():
+        return torch.float32
+    return torch.bfloat16 if gpu_has_bf16() else torch.float16
+
+
 def interpreter_mode() -> bool:
     """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get(INTERPRET_VAR, "0").strip().lower() in ("1", "true", "yes", "on")

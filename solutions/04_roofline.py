@@ -36,12 +36,12 @@ import matplotlib.pyplot as plt
 import torch
 
 from labsupport.checks import check_arithmetic_intensity
-from labsupport.device import device
+from labsupport.device import device, lab_dtype
 from labsupport.hardware import match_device_name
 from labsupport.roofline import attainable_flops, measure_copy, measure_matmul, plot_roofline, ridge_point
 
 DEVICE = device()
-DTYPE = torch.bfloat16 if settings.on_gpu else torch.float32  # what each device is fast at
+DTYPE = lab_dtype()  # what each device is fast at: bf16 (fp16 before Ampere) on a GPU, fp32 on a CPU
 DTYPE_BYTES = torch.empty((), dtype=DTYPE).element_size()
 PUBLISHED = match_device_name(settings.device_name) if settings.on_gpu else None
 print(f"measuring on {settings.device_name} in {str(DTYPE)[6:]} ({DTYPE_BYTES} bytes per element)")

@@ -49,7 +49,7 @@ import torch
 
 from labsupport.checks import check_decode_bytes, check_prefill_flops
 from labsupport.costs import decode_step_flops, param_count
-from labsupport.device import device
+from labsupport.device import device, lab_dtype
 from labsupport.hardware import match_device_name
 from labsupport.model import Transformer
 from labsupport.models import get_model
@@ -63,12 +63,17 @@ from labsupport.phases import (
 from labsupport.roofline import measure_copy, measure_matmul, plot_roofline
 
 DEVICE = device()
-DTYPE = torch.bfloat16 if settings.on_gpu else torch.float32
+DTYPE = lab_dtype()  # bf16 (fp16 before Ampere) on a GPU, fp32 on a CPU
 ELEMENT_BYTES = torch.empty((), dtype=DTYPE).element_size()  # 2 for bf16, 4 for fp32
 # On a CPU, time with one thread: on a small machine shared with other work, threads waiting for
 # a busy core make single timings erratic. On a GPU this setting does nothing.
 THREADS = settings.pick(small=1, full=None)
 LLAMA_8B = get_model("llama-3.1-8b")
+# The GPU preset measures the 8B shape: its weights, plus room for activations and caches.
+# A GPU with less than twice that (Colab's T4 has 15 GiB) measures smaller models instead.
+BIG_FITS = settings.on_gpu and settings.memory_bytes >= 2 * param_count(LLAMA_8B) * ELEMENT_BYTES
+if settings.on_gpu and not BIG_FITS:
+    print(f"{settings.device_name} has too little memory for the 8B shape; parts 4 and 5 use smaller models")
 
 # %% [markdown]
 # ## 1. The FLOPs of a prefill
@@ -196,10 +201,10 @@ print(f"matmul: {peak / 1e12:.3f} TFLOP/s   copy: {copy_bandwidth / 1e9:.1f} GB/
 #
 # The model for this part is chosen so the crossover falls inside the lengths measured: on a CPU
 # `tiny-2m`, whose $N/2Ld$ is about a thousand tokens; on a GPU, the shape of Llama 3.1 8B in
-# bf16, measured up to 32,768 tokens.
+# bf16, measured up to 32,768 tokens (`tiny-20m` on a GPU with too little memory for the 8B).
 
 # %%
-prefill_cfg = get_model(settings.pick(small="tiny-2m", full="llama-3.1-8b"))
+prefill_cfg = get_model(settings.pick(small="tiny-2m", full="llama-3.1-8b" if BIG_FITS else "tiny-20m"))
 prefill_model = Transformer(prefill_cfg, device=DEVICE, dtype=DTYPE)
 lengths = settings.pick(
     small=[64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096],
@@ -282,13 +287,13 @@ print(
 # recorded as such. That is the **cache wall**, and it is a result, not a crash.
 
 # %%
-decode_cfg = get_model(settings.pick(small="small-63m", full="llama-3.1-8b"))
+decode_cfg = get_model(settings.pick(small="small-63m", full="llama-3.1-8b" if BIG_FITS else "small-63m"))
 if decode_cfg is prefill_cfg:
     decode_model = prefill_model
 else:
     del prefill_model
     decode_model = Transformer(decode_cfg, device=DEVICE, dtype=DTYPE)
-fixed_context = settings.pick(small=512, full=8192)
+fixed_context = 128  # short, so the weights are nearly all of the read: this sweep is about the batch
 batches = settings.pick(small=[1, 2, 4, 8, 16, 32], full=[1, 8, 32, 64, 128])
 by_batch = measure_decode(decode_model, batches, [fixed_context], threads=THREADS, repeats=3)
 contexts = settings.pick(small=[128, 2048, 8192, 32768], full=[1024, 8192, 32768, 131072])
@@ -348,8 +353,10 @@ plt.show()
 # %% [markdown]
 # Read the two panels:
 #
-# * Against **batch**, the weights are read once whatever the batch, so while memory is the
-#   limit the step time barely moves: every extra sequence is almost free. Once the arithmetic
+# * Against **batch**, at a short context, the weights are read once whatever the batch, so while
+#   memory is the limit the step time barely moves: every extra sequence is almost free. (The
+#   sweep keeps the context short on purpose. At a long context every extra sequence brings its
+#   own cache to read, and the step time grows from the first extra sequence: chapter 06.) Once the arithmetic
 #   per step catches up with the reading (the batch passes your device's ridge point, in FLOP
 #   per byte), the time starts to grow with the batch.
 # * Against **context**, every extra cached token is more bytes to read, so the step time grows

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from labsupport.checks import check_kv_bytes_per_token, check_max_concurrency
 from labsupport.costs import decode_step_bytes, param_count
-from labsupport.device import device
+from labsupport.device import device, lab_dtype
 from labsupport.hardware import get_gpu
 from labsupport.kvcache import with_kv_heads
 from labsupport.model import Transformer
@@ -121,7 +121,7 @@ for name in ["llama-3.1-8b", "llama-3.1-70b"]:
 
 # %%
 MODEL_NAME = settings.pick(small="tiny-2m", full="llama-3.1-8b")
-DTYPE = torch.bfloat16 if settings.on_gpu else torch.float32
+DTYPE = lab_dtype()  # bf16 (fp16 before Ampere) on a GPU, fp32 on a CPU
 if settings.on_gpu:
     weights_needed = param_count(get_model(MODEL_NAME)) * 2
     if torch.cuda.get_device_properties(0).total_memory < weights_needed * 2:  # room for weights and caches

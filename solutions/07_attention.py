@@ -52,13 +52,13 @@ from labsupport.attention import (
 )
 from labsupport.checks import check_flash_attention, check_naive_attention, check_online_softmax
 from labsupport.costs import attention_flops
-from labsupport.device import device
+from labsupport.device import device, gpu_has_bf16
 from labsupport.timing import benchmark
 
 DEVICE = device()
 # bfloat16 and SDPA's FlashAttention backend need an Ampere-or-newer GPU (compute capability 8.0);
 # on older GPUs (a Colab T4) the full preset uses float16 and SDPA picks its own backend.
-AMPERE = settings.on_gpu and torch.cuda.get_device_capability()[0] >= 8
+AMPERE = gpu_has_bf16()
 
 # %% [markdown]
 # ## 1. What attention computes

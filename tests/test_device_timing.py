@@ -188,3 +188,18 @@ def test_load_reports_missing_and_malformed(tmp_path):
         load(bad)
     with pytest.raises(ValueError, match="folder"):
         load(tmp_path)
+
+
+def test_lab_dtype_follows_the_hardware(monkeypatch):
+    import torch
+
+    from labsupport import device as dev
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert dev.lab_dtype() == torch.float32 and not dev.gpu_has_bf16()
+    monkeypatch.setattr(dev, "cuda_available", lambda: True)
+    for capability, want in (((7, 5), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, c=capability: c)
+        assert dev.lab_dtype() == want, capability
+        assert dev.gpu_has_bf16() == (want == torch.bfloat16)
