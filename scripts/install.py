@@ -72,7 +72,13 @@ def cpu_torch_args(python: Path) -> list[str]:
         return []  # pip older than 22.2 cannot tell in advance; requirements-cpu.txt's pins still apply
     if probe.returncode == 0 and not pip_would_fetch_cuda(probe.stdout):
         return []
-    print(f"pip would fetch a CUDA build of torch here; installing the CPU build from {CPU_INDEX}", flush=True)
+    if probe.returncode:
+        # The dry run itself failed (offline, no matching wheel, ...): say so rather than guess,
+        # and let the real install below try with the CPU index added.
+        print(f"pip's dry run failed ({' '.join(cmd)}):\n{probe.stderr.strip()[-2000:]}\n"
+              f"trying the install with PyTorch's CPU index ({CPU_INDEX}) added", flush=True)
+    else:
+        print(f"pip would fetch a CUDA build of torch here; installing the CPU build from {CPU_INDEX}", flush=True)
     return ["--extra-index-url", CPU_INDEX]
 
 

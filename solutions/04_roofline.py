@@ -164,7 +164,7 @@ def matmul_spec(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # %%
 def arithmetic_intensity(m: int, k: int, n: int, dtype_bytes: float) -> float:
-    # BEGIN SOLUTION: return FLOPs (2*m*k*n) divided by bytes moved (A and B read, C written)
+    # BEGIN SOLUTION: return the FLOPs of the product divided by the bytes it must move to and from memory
     flops = 2 * m * k * n
     bytes_moved = dtype_bytes * (m * k + k * n + m * n)
     return flops / bytes_moved

@@ -106,7 +106,7 @@ if settings.on_gpu and not BIG_FITS:
 # %%
 def prefill_flops(cfg, prompt_tokens, causal=False):
     """FLOPs to prefill `prompt_tokens` positions: 2*N*P + 4*L*P**2*d, attention halved if causal."""
-    # BEGIN SOLUTION: return 2*N*P plus the attention term 4*L*P**2*d (halved when causal)
+    # BEGIN SOLUTION: return the FLOPs of the weights plus those of attention, as derived above (mind causal)
     n = param_count(cfg)
     attention = 4 * cfg.n_layers * prompt_tokens**2 * cfg.d_model
     if causal:
@@ -155,7 +155,7 @@ print(f"32k / 2k: {ratio:.1f}x ({ratio_causal:.1f}x causal); crossover N/2Ld = {
 # %%
 def decode_bytes_per_step(cfg, batch, context, dtype_bytes=2):
     """Bytes read by one decode step: every weight once, plus `batch` caches of `context` tokens."""
-    # BEGIN SOLUTION: weights (param_count * dtype_bytes) plus batch * context * cache bytes per token
+    # BEGIN SOLUTION: return the bytes of every weight and every cached key and value that one step reads
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
     return param_count(cfg) * dtype_bytes + batch * context * per_token
     # END SOLUTION

@@ -87,7 +87,7 @@ print("one token of Llama 3.1 8B in bf16: k", tuple(k.shape), "and v", tuple(v.s
 
 # %%
 def kv_bytes_per_token(cfg, dtype_bytes=2):
-    # BEGIN SOLUTION: return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+    # BEGIN SOLUTION: return the bytes of keys and values that one token adds to the cache, all layers together
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
     # END SOLUTION
 

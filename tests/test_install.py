@@ -53,3 +53,15 @@ def test_the_course_package_installs_nothing_colab_pins():
     assert {"nbformat", "nbclient", "ipykernel"} <= {
         dep.split(">")[0].strip() for dep in project["optional-dependencies"]["grade"]
     }
+
+
+def test_a_failed_dry_run_shows_pips_error(monkeypatch, capsys):
+    import subprocess
+
+    def failing(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: Could not find a version (offline)")
+
+    monkeypatch.setattr(install.subprocess, "run", failing)
+    assert install.cpu_torch_args(Path("python")) == ["--extra-index-url", install.CPU_INDEX]
+    out = capsys.readouterr().out
+    assert "dry run failed" in out and "offline" in out and "would fetch a CUDA build" not in out
