@@ -324,7 +324,7 @@ def roofline_figure(report: serving.PhaseReport, values: dict[str, str] | None =
         )
     ax.set_xlabel("arithmetic intensity (FLOP per byte read from memory)")
     ax.set_ylabel("attained FLOP/s")
-    ax.set_title("Where each phase sits on the roofline", fontsize=11)
+    ax.set_title("Prefill and decode on the roofline", fontsize=11)
     ax.grid(True, which="major", alpha=0.3)
     fig.tight_layout()
     return fig
@@ -488,7 +488,7 @@ _JS = r"""
     const Y = (v) => H - B - (Math.log10(v) - yLo) / (yHi - yLo) * (H - T - B);
     const f = (v) => v.toFixed(1);
     let svg = '<svg viewBox="0 0 ' + W + " " + H + '" role="img" aria-label="roofline with prefill and decode">';
-    svg += '<text x="' + L + '" y="18" font-size="14" font-weight="600">Where each phase sits on the roofline</text>';
+    svg += '<text x="' + L + '" y="18" font-size="14" font-weight="600">Prefill and decode on the roofline</text>';
     for (let e = xLo; e <= xHi; e++) {
       const v = Math.pow(10, e);
       svg += '<line x1="' + f(X(v)) + '" x2="' + f(X(v)) + '" y1="' + T + '" y2="' + (H - B) + '" stroke="#eaeef2"/>';
