@@ -42,9 +42,9 @@ release: $(STAMP)  ## regenerate labs/*.ipynb and solutions/*.ipynb from solutio
 release-check: $(STAMP)
 	$(PY) -m labsupport release --check
 
-grade: $(STAMP)  ## make grade SUBMISSIONS=folder/ [GRADE_ARGS="--jobs 4 --csv out.csv"]
-	@if [ -z "$(SUBMISSIONS)" ]; then echo "usage: make grade SUBMISSIONS=folder/ (notebooks or folders of them)"; exit 2; fi
-	$(PY) -m labsupport grade $(SUBMISSIONS) $(GRADE_ARGS)
+grade: $(STAMP)  ## make grade SUBMISSIONS=folder/ [GRADE_ARGS="--jobs 4 --csv out.csv --lab 07_attention"]
+	@if [ -z "$(SUBMISSIONS)" ]; then echo "usage: make grade SUBMISSIONS=folder/ (one notebook or folder; for several, python -m labsupport grade A B ...)"; exit 2; fi
+	$(PY) -m labsupport grade "$(SUBMISSIONS)" $(GRADE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -35,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     gr = sub.add_parser("grade", help="run notebooks headlessly and score their checks")
     gr.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
     gr.add_argument("--csv", default="grades.csv", help="where to write the scores (default: grades.csv)")
-    gr.add_argument("--timeout", type=int, default=600, help="seconds a single cell may run (default: 600)")
+    gr.add_argument("--lab", help="grade every notebook as this lab (such as 07_attention), whatever its "
+                                  "file name and metadata say")
+    gr.add_argument("--timeout", type=int, default=600,
+                    help="seconds a single cell may run before it is interrupted (default: 600)")
+    gr.add_argument("--notebook-timeout", type=int, default=None,
+                    help="seconds a whole notebook may run before it is stopped (default: 3600)")
     gr.add_argument("--jobs", type=int, default=1,
                     help="notebooks graded at once, each in its own kernel (default: 1)")
 
@@ -71,30 +78,78 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
 
-    from .grade import check_csv_target, expand, format_table, grade_all, summary_line, write_csv
+    return _grade(args)
+
+
+def _grade(args) -> int:
+    from .grade import (
+        NOTEBOOK_TIMEOUT,
+        ManifestError,
+        bad_paths,
+        check_csv_target,
+        expand,
+        format_table,
+        grade_all,
+        load_manifest,
+        manifest_drift,
+        summary_line,
+        write_csv,
+    )
+    from .notebooks import KernelStartError
 
     csv_path = Path(args.csv)
-    if args.timeout < 1 or args.jobs < 1:
-        print("grade: --timeout and --jobs must be 1 or more", file=sys.stderr)
+    if args.notebook_timeout is None:
+        args.notebook_timeout = NOTEBOOK_TIMEOUT
+    if args.timeout < 1 or args.jobs < 1 or args.notebook_timeout < 1:
+        print("grade: --timeout, --notebook-timeout and --jobs must be 1 or more", file=sys.stderr)
+        return 2
+    try:
+        manifest = load_manifest()
+    except ManifestError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 2
+    if args.lab is not None and args.lab not in manifest:
+        print(f"grade: --lab {args.lab}: no such lab; the labs are {', '.join(manifest)}", file=sys.stderr)
         return 2
     try:
         check_csv_target(csv_path)  # before grading, not after an hour of it
-    except FileExistsError as exc:
+    except OSError as exc:
         print(f"grade: {exc}", file=sys.stderr)
+        return 2
+    typos = bad_paths(args.paths)
+    if typos:
+        print(f"grade: {', '.join(typos)}: no such file or folder. Give notebooks (.ipynb) or folders of "
+              f"them; nothing was graded and {csv_path} was not written.", file=sys.stderr)
         return 2
     notebooks = expand(args.paths)
     if not notebooks:
         print("grade: no notebooks found in " + ", ".join(args.paths), file=sys.stderr)
         return 2
-    print(f"grading {len(notebooks)} notebook(s), {args.jobs} at a time; each cell may run {args.timeout} s",
-          file=sys.stderr, flush=True)
+    drift = manifest_drift(manifest)
+    if drift:
+        print(f"grade: warning: {drift}", file=sys.stderr)
+    print(f"grading {len(notebooks)} notebook(s), {args.jobs} at a time; each cell may run {args.timeout} s, "
+          f"each notebook {args.notebook_timeout} s", file=sys.stderr, flush=True)
 
     def progress(path, rows, seconds):
         print(f"  {path}: {summary_line(rows)} [{seconds:.0f} s]", file=sys.stderr, flush=True)
 
-    rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress)
+    try:
+        rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress, lab=args.lab,
+                         manifest=manifest, notebook_timeout=args.notebook_timeout)
+    except KernelStartError as exc:
+        print(f"grade: {exc}\nGrading stopped (every notebook needs a kernel); {csv_path} was not written.",
+              file=sys.stderr)
+        return 2
     print(format_table(rows))
-    write_csv(rows, csv_path)
+    try:
+        write_csv(rows, csv_path)
+    except OSError as exc:  # the folder went away or filled up while grading: keep the scores anyway
+        fd, fallback = tempfile.mkstemp(prefix="grades-", suffix=".csv")
+        os.close(fd)
+        write_csv(rows, Path(fallback))
+        print(f"grade: could not write {csv_path} ({exc}); the scores are in {fallback}", file=sys.stderr)
+        return 1
     print(f"\nscores written to {csv_path} (one row per notebook and check, with the full details)")
     return 0
 

@@ -1,14 +1,37 @@
-"""Execute a notebook headlessly: used by the tests and by ``python -m labsupport grade``."""
+"""Execute a notebook headlessly: used by the tests and by ``python -m labsupport grade``.
+
+Kernels always run this process's own Python (``sys.executable``), through a private kernelspec,
+so a ``python3`` kernelspec installed elsewhere (``python -m ipykernel install --user``) cannot
+swap in another interpreter, and with a private IPython folder, so no user profile or startup
+script runs in them.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import json
 import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+
+KERNEL_NAME = "labsupport-python"  # the private kernelspec's name (never "python3")
+KERNEL_PYTHON = sys.executable  # the interpreter every kernel runs
+
+
+class KernelStartError(RuntimeError):
+    """No kernel could be started (or it died before running a cell): nothing can be executed."""
+
+
+def first_line(source: str, width: int = 60) -> str:
+    """The first non-blank line of a cell, stripped and cut to ``width`` characters."""
+    line = next((s.strip() for s in source.splitlines() if s.strip()), "")
+    return line if len(line) <= width else line[: width - 3].rstrip() + "..."
 
 
 @dataclass
@@ -18,17 +41,40 @@ class CellError:
     evalue: str
     source: str
 
+    @property
+    def first_line(self) -> str:
+        return first_line(self.source)
+
 
 @dataclass
 class Execution:
     notebook: nbformat.NotebookNode
     errors: list[CellError] = field(default_factory=list)
-    timed_out: CellError | None = None
-    died: str | None = None  # the kernel died, or could not start
+    timed_out: CellError | None = None  # the first cell that ran past its limit (or the notebook's)
+    timeouts: list[CellError] = field(default_factory=list)  # every cell interrupted at its limit
+    notebook_timed_out: str | None = None  # the whole notebook ran past its limit
+    died: str | None = None  # the kernel died
 
     @property
     def ok(self) -> bool:
         return not self.errors and not self.timed_out and not self.died
+
+
+def _kernel_manager(spec_root: Path):
+    """A kernel manager whose only kernelspec runs ``KERNEL_PYTHON`` (user kernelspecs are ignored)."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    spec_dir = spec_root / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [KERNEL_PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"Python ({KERNEL_PYTHON})",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
+    specs = KernelSpecManager(kernel_dirs=[str(spec_root)], ensure_native_kernel=False)
+    return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
 
 
 def execute(
@@ -39,43 +85,94 @@ def execute(
     stop_on_error: bool = True,
     env: dict[str, str] | None = None,
     quiet: bool = False,
+    notebook_timeout: float | None = None,
 ) -> Execution:
-    """Run every code cell of ``nb`` in a fresh python3 kernel (in place) and report what failed.
+    """Run every code cell of ``nb`` in a fresh kernel (in place) and report what failed.
 
     A cell that runs past ``timeout`` seconds is a failure (``timed_out``), never a pass. With
-    ``stop_on_error`` the run ends at the first error; otherwise it goes on, as a grader needs.
+    ``stop_on_error`` the run ends at the first error or timeout; otherwise (as a grader needs) an
+    error is recorded and the next cell runs, and a cell past its time is interrupted
+    (``KeyboardInterrupt``) and the next cell runs. ``notebook_timeout`` bounds the whole run:
+    past it the kernel is shut down and the cell then running is ``timed_out``.
     ``cwd`` defaults to a fresh temporary folder, so nothing is written next to the notebook.
     ``env`` adds variables to the kernel's environment (this process's own is left alone, so
     several notebooks can run at once); ``quiet`` drops the kernel process's own stderr (start-up
     warnings), which never holds a cell's output.
+
+    Raises KernelStartError when the kernel cannot start or dies before its first cell.
     """
+    from jupyter_core.utils import run_sync
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     result = Execution(nb)
-    launch = {"env": {**os.environ, **(env or {})}}
-    if quiet:
-        launch["stderr"] = subprocess.DEVNULL
-    with tempfile.TemporaryDirectory(prefix="labsupport-run-") as tmp:
-        client = NotebookClient(
+    state = {"cell": -1}  # the code cell running now (-1: none yet)
+    timed_out_cells: list[int] = []
+
+    class Client(NotebookClient):
+        async def _async_handle_timeout(self, timeout, cell=None):
+            if cell is not None and state["cell"] not in timed_out_cells:
+                timed_out_cells.append(state["cell"])
+            return await super()._async_handle_timeout(timeout, cell)
+
+    def started(cell, cell_index, **_):
+        state["cell"] = cell_index
+
+    with tempfile.TemporaryDirectory(prefix="labsupport-run-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="labsupport-kernel-") as private:
+        launch = {"env": {**os.environ, "IPYTHONDIR": str(Path(private) / "ipython"), **(env or {})},
+                  "cleanup_kc": True}
+        if quiet:
+            launch["stderr"] = subprocess.DEVNULL
+        client = Client(
             nb,
+            km=_kernel_manager(Path(private) / "kernels"),
             timeout=timeout,
-            kernel_name="python3",
             allow_errors=not stop_on_error,
+            interrupt_on_timeout=not stop_on_error,
+            extra_arguments=["--HistoryManager.hist_file=:memory:"],
+            on_cell_execute=started,
             resources={"metadata": {"path": str(cwd or tmp)}},
         )
+
+        async def run():
+            task = asyncio.ensure_future(client.async_execute(**launch))
+            done, _ = await asyncio.wait({task}, timeout=notebook_timeout)
+            if not done:  # past the notebook's limit: stop it (the kernel is shut down on the way out)
+                state["overdue"] = True
+                task.cancel()
+                try:
+                    await task
+                except BaseException:  # cancelled, or the kernel died as it was stopped
+                    pass
+                return
+            task.result()  # raises what the run raised
+
         try:
-            client.execute(**launch)
-        except CellTimeoutError as exc:
-            index = _running_cell(nb)
-            result.timed_out = CellError(index, "CellTimeoutError", str(exc).splitlines()[0],
-                                         nb.cells[index].source if index >= 0 else "")
+            run_sync(run)()
+            if state.get("overdue"):
+                result.notebook_timed_out = f"the notebook ran past its {notebook_timeout:g} s limit"
+        except CellTimeoutError:
+            pass  # recorded by the client (stop_on_error: the run ends at the first timeout)
         except CellExecutionError:
             pass  # recorded below from the cell outputs
-        except DeadKernelError as exc:
-            result.died = f"the kernel died: {exc}"
-        except Exception as exc:  # kernel could not start, etc.
-            result.died = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # the kernel could not start, or died
+            reason = "the kernel died" if isinstance(exc, DeadKernelError) else f"{type(exc).__name__}"
+            message = f"{reason}: {str(exc).strip()[:300]}"
+            if state["cell"] < 0:
+                # nbclient leaves an exit hook behind when a kernel fails to start; it would fail at exit
+                atexit.unregister(client._cleanup_kernel)
+                raise KernelStartError(
+                    f"could not start a Python kernel with {KERNEL_PYTHON} ({message}). Check that "
+                    f"ipykernel is installed for that Python (`{KERNEL_PYTHON} -m pip install ipykernel`)."
+                ) from exc
+            result.died = f"{message} (in the cell starting `{first_line(nb.cells[state['cell']].source)}`)"
+    for index in timed_out_cells:
+        result.timeouts.append(CellError(index, "CellTimeoutError", f"ran past {timeout} s", nb.cells[index].source))
+    if result.notebook_timed_out and state["cell"] >= 0 and state["cell"] not in timed_out_cells:
+        result.timeouts.append(CellError(state["cell"], "NotebookTimeout", result.notebook_timed_out,
+                                         nb.cells[state["cell"]].source))
+    result.timed_out = result.timeouts[0] if result.timeouts else None
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
@@ -84,16 +181,6 @@ def execute(
                 result.errors.append(CellError(index, output.get("ename", ""), output.get("evalue", ""),
                                                cell.source))
     return result
-
-
-def _running_cell(nb) -> int:
-    """Index of the last code cell that has an execution count (the one that was running)."""
-    last = -1
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type == "code" and cell.get("execution_count") is not None:
-            last = index
-    # the cell that timed out gets its count when it starts
-    return last
 
 
 def load(path: Path) -> nbformat.NotebookNode:
@@ -108,5 +195,5 @@ def load(path: Path) -> nbformat.NotebookNode:
         nbformat.validate(nb)
     except Exception as exc:
         raise ValueError(f"{path}: not a readable Jupyter notebook ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:200]})") from exc
+                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from exc
     return nb

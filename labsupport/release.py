@@ -10,12 +10,16 @@ regions are marked inside code cells::
         ...
         # END SOLUTION
 
-``release`` writes two notebooks from it, both committed:
+``release`` writes two notebooks from it, both committed (and, for the grader, the checks each lab
+calls with their points, in ``labsupport/lab_checks.json``):
 
 * ``solutions/NAME.ipynb``: the markers removed, everything kept (for instructors and CI);
 * ``labs/NAME.ipynb``: each region replaced by ``raise NotImplementedError(...)`` at the
   marker's indentation (for learners). In markdown, ``<!-- BEGIN SOLUTION -->`` ...
   ``<!-- END SOLUTION -->`` is dropped from the learner's copy.
+
+Every generated code cell, in both versions, must compile; one that does not stops ``release`` (and
+``release --check``) with its source line.
 
 A learner's edits are never overwritten: every released notebook records a digest of its cells,
 and ``release`` refuses to replace a notebook whose cells no longer match it (unless ``force``,
@@ -24,6 +28,7 @@ which first saves a timestamped backup).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -39,6 +44,7 @@ BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?::\s*(?P<what>.*))?\s*$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 MD_BEGIN = "<!-- BEGIN SOLUTION -->"
 MD_END = "<!-- END SOLUTION -->"
+MANIFEST = Path("labsupport") / "lab_checks.json"  # relative to the course root; package data
 
 
 class ReleaseError(Exception):
@@ -81,30 +87,56 @@ def parse_source(path: Path) -> list[SourceCell]:
     return [c for c in cells if c.lines]
 
 
-def _strip_code(cell: SourceCell, path: Path, student: bool) -> list[str]:
-    out: list[str] = []
+def _strip_code_lines(cell: SourceCell, path: Path, student: bool) -> list[tuple[str, int]]:
+    """The cell's lines for one version, each with the source line it comes from."""
+    out: list[tuple[str, int]] = []
     inside: re.Match | None = None
     begin_line = 0
     for offset, line in enumerate(cell.lines):
+        number = cell.line_no + offset + 1
         begin = BEGIN.match(line)
         if begin:
             if inside:
-                raise ReleaseError(f"{path}:{cell.line_no + offset + 1}: nested '# BEGIN SOLUTION'")
-            inside, begin_line = begin, cell.line_no + offset + 1
+                raise ReleaseError(f"{path}:{number}: nested '# BEGIN SOLUTION'")
+            inside, begin_line = begin, number
             if student:
                 what = begin.group("what") or "replace this line with your code"
-                out.append(f'{begin.group("indent")}raise NotImplementedError("Exercise: {what}")')
+                out.append((f'{begin.group("indent")}raise NotImplementedError("Exercise: {what}")', number))
             continue
         if END.match(line):
             if not inside:
-                raise ReleaseError(f"{path}:{cell.line_no + offset + 1}: '# END SOLUTION' without a BEGIN")
+                raise ReleaseError(f"{path}:{number}: '# END SOLUTION' without a BEGIN")
             inside = None
             continue
         if not (student and inside):
-            out.append(line)
+            out.append((line, number))
     if inside:
         raise ReleaseError(f"{path}:{begin_line}: '# BEGIN SOLUTION' is never closed")
     return out
+
+
+def _check_compiles(lines: list[tuple[str, int]], path: Path, student: bool) -> None:
+    """Fail (ReleaseError, with the source line) unless the generated code cell compiles."""
+    from .grade import python_source
+
+    text = "\n".join(line for line, _ in lines)
+    code = python_source(text)  # IPython syntax (%magic, !shell) becomes plain Python, as in a kernel
+    try:
+        compile(code, f"{path.name} cell", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    except SyntaxError as exc:
+        version = "learner's" if student else "solution"
+        row = exc.lineno or 1
+        where = lines[row - 1][1] if code == text and 0 < row <= len(lines) else lines[0][1] if lines else 0
+        shown = lines[row - 1][0] if code == text and 0 < row <= len(lines) else (exc.text or "").rstrip()
+        hint = ""
+        if student and isinstance(exc, IndentationError):
+            hint = (" A '# BEGIN SOLUTION' marker is replaced by a raise at the marker's own indentation: "
+                    "indent the marker like the code it replaces.")
+        raise ReleaseError(
+            f"{path}:{where}: the {version} version of the cell starting at line "
+            f"{lines[0][1] if lines else '?'} does not compile: {type(exc).__name__}: {exc.msg} "
+            f"(line {row} of the cell: {shown!r}).{hint}"
+        ) from None
 
 
 def _strip_markdown(cell: SourceCell, path: Path, student: bool) -> list[str]:
@@ -130,8 +162,9 @@ def build_notebook(source: Path, student: bool) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     for index, cell in enumerate(parse_source(source)):
         if cell.kind == "code":
-            text = "\n".join(_strip_code(cell, source, student))
-            new = nbformat.v4.new_code_cell(text)
+            lines = _strip_code_lines(cell, source, student)
+            _check_compiles(lines, source, student)
+            new = nbformat.v4.new_code_cell("\n".join(line for line, _ in lines))
         else:
             text = "\n".join(_strip_markdown(cell, source, student))
             new = nbformat.v4.new_markdown_cell(text)
@@ -167,11 +200,43 @@ class Planned:
     status: str  # "unchanged", "new", "update", "learner-edited"
 
 
+def lab_checks(sources: list[Path]) -> dict:
+    """What the grader needs to know of each lab: the checks its source calls, with their points."""
+    from .checks import REGISTRY
+    from .grade import check_calls
+
+    labs = {}
+    for source in sources:
+        checks: list[dict] = []
+        for cell in parse_source(source):
+            if cell.kind != "code":
+                continue
+            for name in check_calls("\n".join(cell.lines)):
+                if name in REGISTRY and all(c["check"] != name for c in checks):
+                    checks.append({"check": name, "points": REGISTRY[name].points})
+        labs[source.stem] = {"source": f"solutions/{source.name}", "checks": checks}
+    return {
+        "about": "Written by `python -m labsupport release` from solutions/*.py (do not edit): the checks "
+                 "`python -m labsupport grade` scores each lab on, also where the package is installed "
+                 "without the course's sources.",
+        "labs": labs,
+    }
+
+
+def render_manifest(data: dict) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
 def plan(root: Path, names: list[str] | None = None) -> list[Planned]:
-    """What ``release`` would write, without writing anything (only labs in ``names``, if given)."""
+    """What ``release`` would write, without writing anything (only labs in ``names``, if given).
+
+    Besides the notebooks, that is ``labsupport/lab_checks.json`` (always for every lab), from which
+    the grader learns each lab's checks and points.
+    """
     sources = sorted((root / "solutions").glob("[0-9]*.py"))
     if not sources:
         raise ReleaseError(f"no lab sources found in {root / 'solutions'} (expected files like 00_name.py)")
+    every = sources
     if names:
         unknown = [n for n in names if n not in {s.stem for s in sources}]
         if unknown:
@@ -183,6 +248,13 @@ def plan(root: Path, names: list[str] | None = None) -> list[Planned]:
             target = root / folder / f"{source.stem}.ipynb"
             text = render(build_notebook(source, student))
             planned.append(Planned(target, text, _status(target, text)))
+    manifest = root / MANIFEST
+    text = render_manifest(lab_checks(every))
+    if not manifest.exists():
+        status = "new"
+    else:
+        status = "unchanged" if manifest.read_text(encoding="utf-8") == text else "update"
+    planned.append(Planned(manifest, text, status))
     return planned
 
 
@@ -229,5 +301,5 @@ def release(root: Path, force: bool = False, log=print, names: list[str] | None 
 
 
 def stale(root: Path) -> list[Path]:
-    """Notebooks that differ from what their source would produce (the drift test uses this)."""
+    """Notebooks (and lab_checks.json) that differ from what the sources produce (the drift test)."""
     return [p.target for p in plan(root) if p.status != "unchanged"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import textwrap
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_source_change_makes_notebooks_stale_and_release_updates_them(course):
     src = course / "solutions" / "01_demo.py"
     src.write_text(src.read_text().replace("print(double(2))", "print(double(3))"))
     assert {p.name for p in stale(course)} == {"01_demo.ipynb"} and len(stale(course)) == 2
-    assert {p.status for p in plan(course)} == {"update"}
+    assert {p.status for p in plan(course) if p.target.suffix == ".ipynb"} == {"update"}
     release(course, log=lambda *_: None)
     assert stale(course) == []
 
@@ -137,6 +138,46 @@ def test_malformed_sources_are_reported_with_a_line(course, body, message):
         plan(course)
 
 
+def test_release_writes_each_labs_checks_for_the_grader(course, monkeypatch, capsys):
+    """labsupport/lab_checks.json (package data): what grade scores, even without solutions/."""
+    (course / "solutions" / "02_checked.py").write_text(
+        "# %%\nfrom labsupport.checks import check_vector_add\n\n# %%\n# check_arithmetic_intensity(f)\n"
+        "check_vector_add(lambda x, y: x + y)\n"
+    )
+    release(course, log=lambda *_: None)
+    manifest = json.loads((course / "labsupport" / "lab_checks.json").read_text())
+    assert manifest["labs"] == {
+        "01_demo": {"source": "solutions/01_demo.py", "checks": []},
+        "02_checked": {"source": "solutions/02_checked.py", "checks": [{"check": "check_vector_add", "points": 10}]},
+    }
+    monkeypatch.chdir(course)
+    (course / "_toc.yml").write_text("root: x\n")
+    assert main(["release", "--check"]) == 0
+    (course / "labsupport" / "lab_checks.json").write_text(json.dumps({"labs": {}}))
+    assert main(["release", "--check"]) == 1
+    assert "out of date: labsupport/lab_checks.json (update)" in capsys.readouterr().out
+    assert main(["release"]) == 0 and stale(course) == []
+
+
+@pytest.mark.parametrize(
+    "body,version,line",
+    [
+        # a top-level marker indented: the learner's raise would start with indentation
+        ("# %%\nx = 1\n    # BEGIN SOLUTION: set y\ny = 2\n    # END SOLUTION\n", "learner's", 3),
+        ("# %%\ndef f(x):\n    # BEGIN SOLUTION\n    return x +\n    # END SOLUTION\n", "solution", 4),
+    ],
+)
+def test_generated_cells_that_do_not_compile_stop_release(course, monkeypatch, capsys, body, version, line):
+    (course / "solutions" / "01_demo.py").write_text(body)
+    with pytest.raises(ReleaseError, match=rf"01_demo.py:{line}: the {version} version .* does not compile"):
+        plan(course)
+    monkeypatch.chdir(course)
+    (course / "_toc.yml").write_text("root: x\n")
+    assert main(["release"]) == 2 and main(["release", "--check"]) == 2
+    assert "does not compile" in capsys.readouterr().err
+    assert not (course / "labs" / "01_demo.ipynb").exists()
+
+
 def test_cli_check_mode(course, monkeypatch, capsys):
     monkeypatch.chdir(course)
     (course / "_toc.yml").write_text("root: x\n")
@@ -167,6 +208,8 @@ def test_released_copy_of_this_repo_round_trips(tmp_path):
     release(tmp_path, log=lambda *_: None)
     for nb in (tmp_path / "labs").glob("*.ipynb"):
         assert nb.read_text() == (ROOT / "labs" / nb.name).read_text()
+    manifest = "labsupport/lab_checks.json"
+    assert (tmp_path / manifest).read_text() == (ROOT / manifest).read_text()
 
 
 def test_every_lab_installs_from_the_repository_the_book_names():
