@@ -127,8 +127,9 @@ def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **b
     """Achieved FLOP/s of ``A @ B`` for each size, in the order given.
 
     Each size is an int ``n`` (square ``n x n`` matrices) or a tuple ``(m, k, n)`` for an
-    ``(m, k) @ (k, n)`` product. FLOPs are counted as ``2*m*k*n``. ``dtype`` defaults to bfloat16
-    on a GPU and float32 on a CPU; ``device`` defaults to :func:`labsupport.device.device`.
+    ``(m, k) @ (k, n)`` product. FLOPs are counted as ``2*m*k*n``. ``dtype`` defaults to what the
+    device's tensor cores take (:func:`labsupport.device.lab_dtype`: bfloat16 from Ampere on,
+    float16 before) on a GPU, and float32 on a CPU; ``device`` defaults to :func:`labsupport.device.device`.
     Extra keyword arguments go to :func:`labsupport.timing.benchmark` (``repeats=``, ...).
     """
     import torch
@@ -139,7 +140,9 @@ def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **b
     shapes = [_shape(s) for s in _sizes(sizes, "sizes")]
     dev = _device(device)
     if dtype is None:
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        from .device import lab_dtype
+
+        dtype = lab_dtype() if dev.type == "cuda" else torch.float32
     dtype = _dtype(dtype)
 
     def rate(m: int, k: int, n: int) -> float:  # the operands are freed when it returns

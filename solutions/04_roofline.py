@@ -26,7 +26,10 @@ except ModuleNotFoundError:
     import sys
 
     course = "git+https://github.com/llm-serving-course/course"  # your course's repository
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], check=True)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], capture_output=True, text=True)
+    if pip.returncode:
+        raise RuntimeError(f"could not install the course from {course}: check the address above and that "
+                           f"this runtime can reach the internet. pip said:\n{pip.stderr[-1500:]}") from None
     import labsupport
 
 settings = labsupport.setup()
@@ -87,7 +90,9 @@ for n, rate in zip(matmul_sizes, matmul_rates):
 # so we take the bandwidth of the **largest** buffer as the device's memory bandwidth.
 
 # %%
-copy_mib = settings.pick(small=[1, 4, 16, 64], full=[16, 64, 256, 1024, 4096])
+copy_mib = settings.pick(small=[4, 16, 64, 256], full=[16, 64, 256, 1024, 4096])
+if settings.on_gpu:  # buffers up to a quarter of the GPU's memory (src and dst together take half)
+    copy_mib = [m for m in copy_mib if m * 2**20 * 4 <= settings.memory_bytes] or copy_mib[:1]
 copy_rates = measure_copy([mib * 2**20 for mib in copy_mib], device=DEVICE)  # bytes/s, one per size
 for mib, rate in zip(copy_mib, copy_rates):
     print(f"{mib:5d} MiB: {rate / 1e9:8.1f} GB/s (read + write)")

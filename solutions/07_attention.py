@@ -26,7 +26,10 @@ except ModuleNotFoundError:
     import sys
 
     course = "git+https://github.com/llm-serving-course/course"  # your course's repository
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], check=True)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], capture_output=True, text=True)
+    if pip.returncode:
+        raise RuntimeError(f"could not install the course from {course}: check the address above and that "
+                           f"this runtime can reach the internet. pip said:\n{pip.stderr[-1500:]}") from None
     import labsupport
 
 settings = labsupport.setup()

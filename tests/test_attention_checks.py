@@ -279,8 +279,8 @@ FLASH_MUTANTS = {
     "triton_unnormalised": (lambda: triton_flash(normalise=False), "unnormalised"),
     "triton_lse_without_max": (lambda: triton_flash(lse_with_max=False), "leaves out the running maximum"),
     # the same interface in torch, for mistakes that do not need a kernel to show
-    "softmax_wrong_axis": (lambda: lambda q, k, v, causal=False: (naive(q, k, v, causal, axis=-2),
-                                                                  attention_spec(q, k, v, causal)[1]), "dim=-2"),
+    "torch_not_triton": (lambda: lambda q, k, v, causal=False: online_softmax_reference(q, k, v, causal),
+                         "no Triton kernel was launched"),
     "calls_sdpa": (lambda: lambda q, k, v, causal=False: (F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                                           attention_spec(q, k, v, causal)[1]),
                    "scaled_dot_product_attention"),

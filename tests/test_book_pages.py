@@ -103,3 +103,11 @@ def test_attention_results_show_what_was_measured(page, book_url):
     else:
         assert results["device"] in text and results["date"] in text and tables == 1
         assert "|" not in text, "the results table was not rendered as a table"
+
+
+@pytest.mark.parametrize("source", [p for p in PAGES if p.startswith("book/")])
+def test_chapter_pages_offer_no_launch_button(source, page, book_url):
+    """A chapter's launch button would open its MyST source in Colab, which cannot run it."""
+    page.goto(f"{book_url}/{source}.html", wait_until="load")
+    links = page.evaluate("Array.from(document.querySelectorAll('a')).map(a => a.href)")
+    assert not [link for link in links if "colab.research.google.com" in link], source

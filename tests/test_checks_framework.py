@@ -26,6 +26,37 @@ def triton_add(x, y, block=128):
     return out
 
 
+@triton.jit
+def _add_kernel_unmasked_store(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask, other=0.0) + tl.load(y_ptr + offsets, mask=mask,
+                                                                                       other=0.0))
+
+
+@triton.jit
+def _add_kernel_mask_off_by_one(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n - 1
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+
+
+@triton.jit
+def _add_kernel_pid_offsets(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) + tl.arange(0, BLOCK)  # forgot to multiply by BLOCK
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+
+
+def _launch(kernel, block=128):
+    def add(x, y):
+        out = torch.zeros_like(x)
+        kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
+        return out
+
+    return add
+
+
 def triton_add_floor_grid(x, y, block=128):
     """Mutation: the grid rounds down, so the last partial block is never computed."""
     out = torch.zeros_like(x)
@@ -39,9 +70,9 @@ def test_reference_triton_kernel_passes(capsys):
     assert "PASSED check_vector_add" in capsys.readouterr().out
 
 
-def test_any_correct_implementation_passes():
-    check_vector_add(lambda x, y: torch.add(x, y))
+def test_any_correct_kernel_passes():
     check_vector_add(lambda x, y: triton_add(x, y, block=1024))
+    check_vector_add(lambda x, y: triton_add(x, y, block=16))
 
 
 def _stub(x, y):
@@ -56,7 +87,11 @@ MUTANTS = {
     "subtracts": (lambda x, y: x - y, "x - y is computed"),
     "returns_x": (lambda x, y: x.clone(), "x is returned"),
     "in_place": (lambda x, y: x.add_(y), "changed its inputs"),
-    "wrong_dtype": (lambda x, y: (x.float() + y.float()), "dtype float32, expected float16"),
+    "wrong_dtype": (lambda x, y: triton_add(x.float(), y.float()), "dtype float32, expected float16"),
+    "torch_not_triton": (lambda x, y: x + y, "no Triton kernel was launched"),
+    "unmasked_store": (_launch(_add_kernel_unmasked_store), "(?s)wrote past the end of the output.*mask the store"),
+    "mask_off_by_one": (_launch(_add_kernel_mask_off_by_one), "mask is off by one"),
+    "offsets_not_scaled_by_block": (_launch(_add_kernel_pid_offsets), "check the offsets"),
     "returns_list": (lambda x, y: (x + y).tolist(), "expected a torch.Tensor"),
     "drops_last_element": (lambda x, y: (x + y)[:-1] if x.numel() > 1 else x + y, "shape"),
     "nan_output": (lambda x, y: (x + y) * float("nan"), "non-finite"),
@@ -75,7 +110,7 @@ def test_check_vector_add_rejects(name):
 
 def test_tail_hint_names_the_first_wrong_element():
     def tail_dropped(x, y):
-        out = x + y
+        out = triton_add(x, y)
         if x.numel() >= 8:
             out[(x.numel() // 8) * 8 :] = 0  # blocks of 8; the partial last block is skipped
         return out
@@ -86,7 +121,7 @@ def test_tail_hint_names_the_first_wrong_element():
 
 def test_a_tiny_length_gets_the_only_block_is_partial_hint():
     def nothing_below_8(x, y):
-        return x + y if x.numel() >= 8 else torch.zeros_like(x)
+        return triton_add(x, y) if x.numel() >= 8 else torch.zeros_like(x)
 
     with pytest.raises(CheckFailed, match="(?s)n=2.*smaller than any block.*cdiv"):
         check_vector_add(nothing_below_8)

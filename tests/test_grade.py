@@ -55,11 +55,23 @@ def _notebook(path: Path, *cells: str, lab: str | None = None) -> Path:
 SETUP = "import labsupport\nsettings = labsupport.setup()"
 IMPORT_CHECK = "from labsupport.checks import check_vector_add"
 RIGHT_INTENSITY = "lambda m, k, n, b: 2 * m * k * n / (b * (m * k + k * n + m * n))"
+TRITON_ADD = """import torch, triton, triton.language as tl
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(out_ptr + o, tl.load(x_ptr + o, mask=m) + tl.load(y_ptr + o, mask=m), mask=m)
+
+def add(x, y):
+    out = torch.empty_like(x)
+    add_kernel[(triton.cdiv(x.numel(), 128),)](x, y, out, x.numel(), BLOCK=128)
+    return out"""
 
 
 def _submissions(folder: Path) -> Path:
     folder.mkdir()
-    _notebook(folder / "alice_00_first_kernel.ipynb", SETUP, IMPORT_CHECK, "check_vector_add(lambda x, y: x + y)")
+    _notebook(folder / "alice_00_first_kernel.ipynb", SETUP, IMPORT_CHECK, TRITON_ADD, "check_vector_add(add)")
     _notebook(  # a failing check, and a passing check of another lab that must not add points
         folder / "bob_00_first_kernel.ipynb", SETUP, IMPORT_CHECK, "check_vector_add(lambda x, y: x - y)",
         "print('after')",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 
-from .framework import Case, graded
+from .framework import Case, graded, triton_launches
 
 FORBID = ["scaled_dot_product_attention"]
 ANSWERS = (  # the course's own implementations: a learner's function may not be or call them
@@ -291,7 +291,8 @@ def _expect_pair(checker, result, case) -> tuple[object, object]:
     return result[0], result[1]
 
 
-def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=None, limit_memory=False):
+def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=None, limit_memory=False,
+               require_triton=False):
     import torch
 
     from ..attention import attention_spec, peak_tensor_memory
@@ -304,16 +305,17 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
         q, k, v = _make_inputs(fields, dev)
         before = [t.clone() for t in (q, k, v)]
         watch = limit_memory and fields["S"] == max(SEQ_LENS)
-        if watch:
 
-            @functools.wraps(fn)
-            def watched(*args, **kw):
-                return peak_tensor_memory(fn, *args, **kw)
+        @functools.wraps(fn)
+        def watched(*args, **kw):
+            return peak_tensor_memory(fn, *args, **kw)
 
-            result, report = checker.call(watched, q, k, v, causal=fields["causal"], case=case,
-                                          forbid=FORBID, **kwargs)
-        else:
-            result = checker.call(fn, q, k, v, causal=fields["causal"], case=case, forbid=FORBID, **kwargs)
+        with triton_launches() as launches:
+            if watch:
+                result, report = checker.call(watched, q, k, v, causal=fields["causal"], case=case,
+                                              forbid=FORBID, **kwargs)
+            else:
+                result = checker.call(fn, q, k, v, causal=fields["causal"], case=case, forbid=FORBID, **kwargs)
         if not all(torch.equal(t, b) for t, b in zip((q, k, v), before)):
             checker.fail(case, "your function changed q, k or v.", "never write into the inputs; allocate new tensors.")
         want_out, want_lse = attention_spec(q, k, v, fields["causal"])
@@ -333,6 +335,11 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
                 lse = lse.float()
             _compare(checker, lse, want_lse, case=case, atol=lse_atol, rtol=lse_rtol, what="log-sum-exp",
                      mistakes=_lse_mistakes(q, k, v, fields["causal"], want_lse), hint=lse_hint)
+        if require_triton and launches.count == 0:
+            checker.fail(case, "the result is right, but no Triton kernel was launched: it was computed some "
+                               "other way (in torch?).",
+                         "this exercise is the Triton kernel: launch flash_attention_kernel[grid](...) from "
+                         "your wrapper and return what it wrote.")
         if watch:
             limit = fields["S"] * fields["S"]
             if report.largest_numel >= limit:
@@ -480,7 +487,7 @@ def check_flash_attention(fn, checker):
 
         return _tf32_diagnosis(call, fields) or _probe_diagnosis(call, fields)
 
-    _run_cases(fn, checker, returns_lse=True, diagnose=diagnose)
+    _run_cases(fn, checker, returns_lse=True, diagnose=diagnose, require_triton=True)
     if cuda_available() and not interpreter_mode():
         _check_long_sequence(fn, checker)
 

@@ -2,7 +2,57 @@
 
 from __future__ import annotations
 
-from .framework import Case, graded
+from .framework import Case, graded, triton_launches
+
+PAD = 1 << 16  # elements of guard space after every output tensor the learner's function allocates
+NO_KERNEL_HINT = ("compute the sum with your Triton kernel: allocate `out`, launch "
+                  "`add_kernel[grid](x, y, out, n, BLOCK_SIZE=...)` and return `out`.")
+
+
+class _guarded_allocations:
+    """While active, ``torch.empty_like``, ``torch.zeros``, ``x.clone()`` and friends return views
+    into buffers with ``PAD`` NaN-filled elements after the end, so a kernel that stores past the
+    end of its output writes there (detectably) instead of into memory it does not own, which in
+    the interpreter aborts the whole Python process."""
+
+    ALLOCATORS = ("empty_like", "zeros_like", "ones_like", "full_like", "empty", "zeros", "ones", "full", "clone")
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        guard = self
+        self.buffers: list[tuple[object, int]] = []  # (padded buffer, elements in use)
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                result = func(*args, **(kwargs or {}))
+                if getattr(func, "__name__", "") in guard.ALLOCATORS:
+                    return guard._padded(result)
+                return result
+
+        self.mode = Mode()
+
+    def _padded(self, t):
+        import torch
+
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.is_contiguous():
+            return t
+        buffer = torch.full((t.numel() + PAD,), float("nan"), dtype=t.dtype, device=t.device)
+        buffer[: t.numel()].copy_(t.reshape(-1))
+        self.buffers.append((buffer, t.numel()))
+        return buffer[: t.numel()].view(t.shape)
+
+    def wrote_past_the_end(self) -> bool:
+        import torch
+
+        return any(not bool(torch.isnan(buf[used:]).all()) for buf, used in self.buffers)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
 
 
 def _sizes() -> list[int]:
@@ -31,7 +81,14 @@ def check_vector_add(fn, checker):
             y = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
             x_before, y_before = x.clone(), y.clone()
             case = Case(n=n, dtype=dtype, seed=seed)
-            out = checker.call(fn, x, y, case=case)
+            with triton_launches() as launches, _guarded_allocations() as guard:
+                out = checker.call(fn, x, y, case=case)
+            if guard.wrote_past_the_end():
+                checker.fail(case, f"your kernel wrote past the end of the output (n={n}): the last block's "
+                                   f"lanes beyond n stored values into memory the tensor does not own.",
+                             "mask the store as well as the loads: `tl.store(out_ptr + offsets, ..., "
+                             "mask=offsets < n)`. On a GPU this corrupts other tensors silently; in the "
+                             "interpreter it can crash Python.")
             if not (torch.equal(x, x_before) and torch.equal(y, y_before)):
                 checker.fail(case, "your function changed its inputs x or y.",
                              "write the sum into a new tensor (torch.empty_like(x)), never into x or y.")
@@ -41,6 +98,9 @@ def check_vector_add(fn, checker):
             atol = 1e-6 if dtype == torch.float32 else 1e-3
             checker.expect_tensor(out, expected, case=case, atol=atol, rtol=1e-3,
                                   hint=_block_hint(out, expected, mistakes, atol), mistakes=mistakes)
+            if launches.count == 0:
+                checker.fail(case, "the result is right, but no Triton kernel was launched: the sum was "
+                                   "computed some other way (in torch?).", NO_KERNEL_HINT)
 
 
 def _block_hint(out, expected, mistakes, atol) -> str:
@@ -58,9 +118,16 @@ def _block_hint(out, expected, mistakes, atol) -> str:
         return ""
     first, n = int(wrong.nonzero()[0]), wrong.numel()
     if first and bool(wrong[first:].all()):
-        return (f"elements 0..{first - 1} are right and every element from index {first} to the end is "
-                f"wrong: the last, partial block is probably missing. Launch triton.cdiv(n, BLOCK_SIZE) "
-                f"programs and mask loads and stores with `offsets < n`.")
+        if first % 16 == 0 and n - first < first:
+            also = " (or, if only the very last element is wrong, the mask may be off by one)" if n - first <= 2 else ""
+            return (f"elements 0..{first - 1} are right and every element from index {first} to the end is "
+                    f"wrong: the last, partial block is probably missing{also}. Launch triton.cdiv(n, BLOCK_SIZE) "
+                    f"programs and mask loads and stores with `offsets < n`.")
+        if n - first <= 2:
+            return (f"only the last {n - first} element(s) are wrong: the mask is off by one. Keep every "
+                    f"offset below n: `mask = offsets < n`.")
+        return (f"elements 0..{first - 1} are right and the rest are wrong, from an index that is not the "
+                f"start of a block: check the offsets (`pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)`).")
     if n < 16 and bool(wrong.all()):
         return (f"every element is wrong. With n={n}, smaller than any block, the only block is partial: "
                 f"launch triton.cdiv(n, BLOCK_SIZE) programs (rounding up, so at least one) and mask loads "

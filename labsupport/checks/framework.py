@@ -314,6 +314,47 @@ class _forbid:
         return self.mode.__exit__(*exc)
 
 
+class triton_launches:
+    """Context manager counting Triton kernel launches (``kernel[grid](...)``), compiled or run by
+    the interpreter: ``with triton_launches() as launches: ...; launches.count``.
+
+    ``count`` is None when this Triton has no ``KernelInterface`` to watch (then nothing is
+    required of the learner's function).
+    """
+
+    def __init__(self):
+        self.count: int | None = None
+        self._patched = None
+
+    def __enter__(self):
+        try:
+            from triton.runtime.jit import KernelInterface
+        except Exception:  # no triton, or a version without this class: launches are not counted
+            return self
+        original = KernelInterface.__getitem__
+        counter = self
+
+        def getitem(kernel, grid):
+            launch = original(kernel, grid)
+
+            def counted(*args, **kwargs):
+                counter.count += 1
+                return launch(*args, **kwargs)
+
+            return counted
+
+        self.count = 0
+        KernelInterface.__getitem__ = getitem
+        self._patched = (KernelInterface, original)
+        return self
+
+    def __exit__(self, *exc):
+        if self._patched is not None:
+            cls, original = self._patched
+            cls.__getitem__ = original
+        return False
+
+
 def graded(points: float, name: str | None = None, bans: Sequence[str] = ()):
     """Register a check worth ``points``; the decorated body is ``body(fn, checker, *args)``.
 
