@@ -26,6 +26,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ._answers import answer
 from ._validate import positive_int, positive_number
 from .timing import progress as progress_bar
 
@@ -50,6 +51,7 @@ def matmul_bytes(m: int, k: int, n: int, dtype_bytes: float) -> float:
     return float(dtype_bytes * (m * k + k * n + m * n))
 
 
+@answer
 def matmul_intensity(m: int, k: int, n: int, dtype_bytes: float) -> float:
     """Arithmetic intensity of ``(m, k) @ (k, n)``: ``2*m*k*n`` FLOPs over :func:`matmul_bytes`."""
     from .costs import matmul_flops

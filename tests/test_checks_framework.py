@@ -48,6 +48,15 @@ def _add_kernel_pid_offsets(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
 
 
+def _launch_new_empty(kernel, block=128):
+    def add(x, y):
+        out = x.new_empty(x.shape)
+        kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
+        return out
+
+    return add
+
+
 def _launch(kernel, block=128):
     def add(x, y):
         out = torch.zeros_like(x)
@@ -90,6 +99,8 @@ MUTANTS = {
     "wrong_dtype": (lambda x, y: triton_add(x.float(), y.float()), "dtype float32, expected float16"),
     "torch_not_triton": (lambda x, y: x + y, "no Triton kernel was launched"),
     "unmasked_store": (_launch(_add_kernel_unmasked_store), "(?s)wrote past the end of the output.*mask the store"),
+    "unmasked_store_new_empty": (_launch_new_empty(_add_kernel_unmasked_store),
+                                 "(?s)wrote past the end of the output.*mask the store"),
     "mask_off_by_one": (_launch(_add_kernel_mask_off_by_one), "mask is off by one"),
     "offsets_not_scaled_by_block": (_launch(_add_kernel_pid_offsets), "check the offsets"),
     "returns_list": (lambda x, y: (x + y).tolist(), "expected a torch.Tensor"),
@@ -235,3 +246,29 @@ def test_a_crash_is_located_in_the_learners_code_not_in_torch():
     message = str(info.value)
     assert "raised RuntimeError" in message and "uses_torch_wrongly" in message and ".view(x.numel(), 3)" in message
     assert "site-packages" not in message
+
+
+def test_kernels_launched_any_way_count():
+    """kernel.run(...), a helper, new_empty: a right answer from a Triton kernel passes."""
+    def via_run(x, y):
+        out = x.new_empty(x.shape)
+        _add_kernel.run(x, y, out, x.numel(), grid=(triton.cdiv(x.numel(), 64),), warmup=False, BLOCK=64)
+        return out
+
+    check_vector_add(via_run)
+    check_vector_add(_launch_new_empty(_add_kernel))
+
+
+def test_launch_counting_is_undone_even_after_an_exception():
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    from labsupport.checks.framework import triton_launches
+
+    before = (jit.JITFunction.__dict__["run"], interpreter.GridExecutor.__dict__["__call__"])
+    with pytest.raises(RuntimeError):
+        with triton_launches() as launches:
+            triton_add(torch.ones(10), torch.ones(10))
+            assert launches.count > 0
+            raise RuntimeError("a learner's exception")
+    assert (jit.JITFunction.__dict__["run"], interpreter.GridExecutor.__dict__["__call__"]) == before

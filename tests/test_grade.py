@@ -324,6 +324,30 @@ def test_student_names():
     assert student_name(Path("s/alice_07_attention (2).ipynb"), "07_attention") == "alice"
     assert student_name(Path("s/07_attention.ipynb"), "07_attention") == "07_attention.ipynb"
     assert student_name(Path("s/judy.ipynb"), None) == "judy.ipynb"
+    assert student_name(Path("s/Copy of 07_attention.ipynb"), "07_attention") == "Copy of 07_attention.ipynb"
+    assert student_name(Path("s/alice - Copy of 07_attention (1).ipynb"), "07_attention") == "alice"
+
+
+def test_scores_survive_a_csv_that_cannot_be_written_at_the_end(tmp_path, monkeypatch, capsys):
+    """If the CSV cannot be written after grading, the scores go to a fresh temporary file."""
+    bad = tmp_path / "mia_04_roofline.ipynb"
+    bad.write_text("not a notebook")  # graded without a kernel: an unreadable file
+    real = labsupport.grade.write_csv
+    calls = []
+
+    def flaky(rows, path, **kw):
+        calls.append(kw)
+        if kw.get("checked", True):
+            raise OSError("disk full")
+        return real(rows, path, **kw)
+
+    monkeypatch.setattr(labsupport.grade, "write_csv", flaky)  # the CLI imports it when it runs
+    assert main(["grade", str(bad), "--csv", str(tmp_path / "grades.csv")]) == 1
+    err = capsys.readouterr().err
+    fallback = Path(err.split("the scores are in ")[1].split()[0])
+    rows = list(csv.DictReader(fallback.open()))
+    assert rows[0]["student"] == "mia" and rows[0]["max_points"] == "5"
+    fallback.unlink()
 
 
 def test_check_calls_are_found_in_code_not_in_comments_or_strings():

@@ -15,7 +15,8 @@ class _guarded_allocations:
     end of its output writes there (detectably) instead of into memory it does not own, which in
     the interpreter aborts the whole Python process."""
 
-    ALLOCATORS = ("empty_like", "zeros_like", "ones_like", "full_like", "empty", "zeros", "ones", "full", "clone")
+    ALLOCATORS = ("empty_like", "zeros_like", "ones_like", "full_like", "empty", "zeros", "ones", "full", "clone",
+                  "new_empty", "new_zeros", "new_ones", "new_full", "empty_strided")
 
     def __init__(self):
         from torch.overrides import TorchFunctionMode
@@ -35,7 +36,8 @@ class _guarded_allocations:
     def _padded(self, t):
         import torch
 
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.is_contiguous():
+        if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.is_contiguous()
+                or t.numel() == 0):  # Triton's interpreter itself makes empty placeholders
             return t
         buffer = torch.full((t.numel() + PAD,), float("nan"), dtype=t.dtype, device=t.device)
         buffer[: t.numel()].copy_(t.reshape(-1))

@@ -315,43 +315,52 @@ class _forbid:
 
 
 class triton_launches:
-    """Context manager counting Triton kernel launches (``kernel[grid](...)``), compiled or run by
-    the interpreter: ``with triton_launches() as launches: ...; launches.count``.
+    """Context manager counting Triton kernel launches, compiled or run by the interpreter:
+    ``with triton_launches() as launches: ...; launches.count``.
 
-    ``count`` is None when this Triton has no ``KernelInterface`` to watch (then nothing is
-    required of the learner's function).
+    It wraps the places every launch passes through, whichever way it was written
+    (``kernel[grid](...)``, ``kernel.run(..., grid=...)``, through ``triton.autotune``):
+    ``JITFunction.run`` for compiled kernels, and the interpreter's ``GridExecutor.__call__`` (and
+    ``InterpretedFunction.run``) for interpreted ones. A launch may be counted more than once;
+    only zero matters. ``count`` is None when none of these exist in this Triton (then nothing
+    is required of the learner's function).
     """
+
+    HOOKS = (
+        ("triton.runtime.jit", "JITFunction", "run"),
+        ("triton.runtime.interpreter", "InterpretedFunction", "run"),
+        ("triton.runtime.interpreter", "GridExecutor", "__call__"),
+    )
 
     def __init__(self):
         self.count: int | None = None
-        self._patched = None
+        self._patched: list[tuple[type, str, object]] = []
 
     def __enter__(self):
-        try:
-            from triton.runtime.jit import KernelInterface
-        except Exception:  # no triton, or a version without this class: launches are not counted
-            return self
-        original = KernelInterface.__getitem__
+        import importlib
+
         counter = self
+        for module_name, class_name, method in self.HOOKS:
+            try:
+                cls = getattr(importlib.import_module(module_name), class_name)
+                original = cls.__dict__[method]
+            except (ImportError, AttributeError, KeyError):
+                continue
 
-        def getitem(kernel, grid):
-            launch = original(kernel, grid)
-
-            def counted(*args, **kwargs):
+            def counted(*args, __original=original, **kwargs):
                 counter.count += 1
-                return launch(*args, **kwargs)
+                return __original(*args, **kwargs)
 
-            return counted
-
-        self.count = 0
-        KernelInterface.__getitem__ = getitem
-        self._patched = (KernelInterface, original)
+            setattr(cls, method, counted)
+            self._patched.append((cls, method, original))
+        if self._patched:
+            self.count = 0
         return self
 
     def __exit__(self, *exc):
-        if self._patched is not None:
-            cls, original = self._patched
-            cls.__getitem__ = original
+        for cls, method, original in reversed(self._patched):
+            setattr(cls, method, original)
+        self._patched.clear()
         return False
 
 

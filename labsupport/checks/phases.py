@@ -166,32 +166,35 @@ def _decode_mistakes(cfg, batch: int, context: int, b: float) -> dict[str, float
     }
 
 
-def _accepts_dtype_bytes(fn) -> bool:
-    """True when ``fn`` takes a fourth argument (the bytes per value), whatever its name."""
+def _bytes_parameters(fn) -> list[str]:
+    """The parameters after ``(cfg, batch, context)`` that take bytes per value: any whose name
+    mentions bytes or dtype (``dtype_bytes``, ``element_bytes``, ``weight_bytes`` and
+    ``kv_dtype_bytes`` together, ...). Empty when there are none, or no signature to read."""
     try:
-        inspect.signature(fn).bind(None, 1, 1, 4)
-    except TypeError:
-        return False
-    except ValueError:  # no signature (a builtin): assume the documented one
-        return False
-    return True
+        params = list(inspect.signature(fn).parameters.values())[3:]
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds and ("byte" in p.name.lower() or "dtype" in p.name.lower())]
 
 
 @graded(points=5, bans=("labsupport.costs.decode_step_bytes",))
 def check_decode_bytes(fn, checker):
     """``fn(cfg, batch, context)`` must return the bytes one decode step reads: weights + every cache, bf16.
 
-    If ``fn`` takes a fourth argument (bytes per value), it is checked with 4 (fp32) as well.
+    If ``fn`` takes the bytes per value (any parameter whose name mentions bytes or dtype), it is
+    checked with 4 (fp32) as well, every such parameter set to 4.
     """
     from ..costs import decode_step_bytes
 
-    element_sizes = (2, 4) if _accepts_dtype_bytes(fn) else (2,)
+    byte_params = _bytes_parameters(fn)
+    element_sizes = (2, 4) if byte_params else (2,)
     for cfg in _configs():
         for batch, context in _DECODE_POINTS[cfg.name]:
             for b in element_sizes:
-                extra = () if b == 2 else (b,)  # positional: the parameter may have any name
-                case = Case(model=cfg.name, batch=batch, context=context, **({"dtype_bytes": b} if extra else {}))
-                got = checker.call(fn, cfg, batch, context, *extra, case=case)
+                extra = {} if b == 2 else {name: b for name in byte_params}
+                case = Case(model=cfg.name, batch=batch, context=context, **extra)
+                got = checker.call(fn, cfg, batch, context, case=case, **extra)
                 expected = decode_step_bytes(cfg, batch, context, weight_bytes=b, kv_dtype_bytes=b).total
                 wrong = _decode_mistakes(cfg, batch, context, b)
                 if b != 2:

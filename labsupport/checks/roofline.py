@@ -61,7 +61,7 @@ def _mistakes(m, k, n, b) -> dict[str, float]:
     }
 
 
-@graded(points=5, bans=("labsupport.checks.roofline.reference_intensity",))
+@graded(points=5, bans=("labsupport.checks.roofline.reference_intensity", "labsupport.roofline.matmul_intensity"))
 def check_arithmetic_intensity(fn, checker):
     """``fn(m, k, n, dtype_bytes)`` must return the FLOP per byte of an ``(m, k) @ (k, n)`` matmul."""
     for m, k, n, b, what in _CASES:
