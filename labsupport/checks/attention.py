@@ -92,9 +92,11 @@ def _gpu_compiles() -> bool:
 def _dtypes():
     import torch
 
+    from ..device import gpu_has_bf16
+
     dtypes = [torch.float32, torch.float16]
     # bf16 is broken in the Triton interpreter; on GPUs it needs compute capability 8.0 (Ampere).
-    if _gpu_compiles() and torch.cuda.get_device_capability()[0] >= 8:
+    if _gpu_compiles() and gpu_has_bf16():
         dtypes.append(torch.bfloat16)
     return dtypes
 
