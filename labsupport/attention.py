@@ -20,8 +20,10 @@ keeps alive at once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -306,52 +308,125 @@ class KernelConfig:
     num_stages: int
 
 
-def _max_shared_memory() -> int:
-    """Shared memory one program may use on the current GPU, in bytes."""
-    return _shared_memory_of(torch.cuda.current_device())
+# Launch configurations, largest shared memory first. On a GPU :func:`kernel_config` takes the first one whose
+# shared memory (:func:`shared_memory_bound`) fits the device; if a launch still runs out of
+# resources, :func:`flash_attention_reference` steps down this list and says so.
+GPU_CONFIGS = (
+    KernelConfig(128, 64, 8, 3),
+    KernelConfig(128, 64, 8, 2),
+    KernelConfig(64, 64, 4, 2),
+    KernelConfig(128, 32, 8, 2),
+    KernelConfig(64, 32, 4, 2),
+    KernelConfig(32, 32, 4, 1),
+    KernelConfig(16, 16, 4, 1),
+)
+
+
+def shared_memory_bound(config: KernelConfig, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of shared memory :func:`flash_attention_reference`'s kernel needs at most with ``config``.
+
+    The Q tile, ``num_stages`` K and V tiles (at least two), and the fp32 score tile (the compiler stages it
+    through shared memory on some architectures: on a T4, 128 x 32 tiles at head dim 128 in fp16
+    need 81,920 bytes, 16,384 more than the three tiles alone). It is an upper bound, not the
+    exact figure: ``tests/test_kernel_configs.py`` compiles the kernel for sm_75, sm_80, sm_89
+    and sm_90 (no GPU needed) and checks that every configuration :func:`kernel_config` picks for
+    the GPUs in :mod:`labsupport.hardware` compiles within that GPU's limit.
+    """
+    c = config
+    buffers = max(c.num_stages, 2)  # even unpipelined, the compiler keeps two K/V buffers on some targets
+    tiles = (c.block_m * head_dim + 2 * buffers * c.block_n * head_dim) * dtype_bytes
+    return tiles + 4 * c.block_m * c.block_n
+
+
+def _device_limits() -> tuple[int, tuple[int, int]]:
+    """(shared memory one program may use, compute capability) of the current GPU."""
+    return _limits_of(torch.cuda.current_device())
 
 
 @functools.cache
-def _shared_memory_of(index: int) -> int:
+def _limits_of(index: int) -> tuple[int, tuple[int, int]]:
     props = torch.cuda.get_device_properties(index)
+    capability = (props.major, props.minor)
     optin = getattr(props, "shared_memory_per_block_optin", 0)
     if optin:
-        return int(optin)
+        return int(optin), capability
     try:
-        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]), capability
     except Exception:
-        return 99 * 1024  # consumer Ampere/Ada; datacenter parts have more
+        return 64 * 1024, capability  # the smallest limit of any GPU the course names (a T4)
 
 
-def kernel_config(seq_q: int, seq_k: int, head_dim: int, dtype: torch.dtype, *, interpreter: bool) -> KernelConfig:
+@functools.cache
+def _gpu_config(head_dim: int, dtype_bytes: int, shared_memory: int) -> KernelConfig:
+    for config in GPU_CONFIGS:
+        if shared_memory_bound(config, head_dim, dtype_bytes) <= shared_memory:
+            break
+    if head_dim < 128 and config.num_warps > 4:
+        config = dataclasses.replace(config, num_warps=4)  # small heads: 4 warps cover a 128-row tile
+    return config
+
+
+def kernel_config(
+    seq_q: int, seq_k: int, head_dim: int, dtype: torch.dtype, *, interpreter: bool,
+    shared_memory: int | None = None,
+) -> KernelConfig:
     """Tile sizes for :func:`flash_attention_reference`, without autotuning.
 
     In the interpreter a step costs about the same whatever the tile size, so the tiles are as
     large as keeps several key blocks in the test sizes: 64 below 1024 positions, 128 above.
-    On a GPU: 128 queries x 64 keys per step, 8 warps for head dim 128 (4 below), 3 pipeline
-    stages, shrunk until the Q tile plus ``stages`` K and V tiles fit in shared memory.
+    On a GPU: the first of :data:`GPU_CONFIGS` (128 queries x 64 keys per step, 8 warps, 3
+    pipeline stages, then smaller) whose :func:`shared_memory_bound` fits the device's shared
+    memory per program, or ``shared_memory`` bytes when given (to plan for another GPU; see
+    :attr:`labsupport.hardware.GPU.shared_memory_per_block`). The choice is cached.
     """
     if interpreter:
         block = 128 if max(seq_q, seq_k) >= 1024 else 64
         return KernelConfig(block, block, 4, 1)
-    block_m, block_n = 128, 64
-    warps = 8 if head_dim >= 128 else 4
-    stages = 3
-    elem = torch.empty((), dtype=dtype).element_size()
-    limit = _max_shared_memory()
+    if shared_memory is None:
+        shared_memory = _device_limits()[0]
+    return _gpu_config(int(head_dim), dtype.itemsize, int(shared_memory))
 
-    def smem() -> int:
-        return (block_m * head_dim + stages * 2 * block_n * head_dim) * elem
 
-    while smem() > limit and stages > 2:
-        stages -= 1
-    while smem() > limit and block_n > 32:
-        block_n //= 2
-    while smem() > limit and block_m > 64:
-        block_m //= 2
-    while smem() > limit and stages > 1:
-        stages -= 1
-    return KernelConfig(block_m, block_n, warps, stages)
+def compiled_shared_memory(config: KernelConfig, head_dim: int, dtype: torch.dtype,
+                           capability: tuple[int, int], causal: bool = True) -> int:
+    """Bytes of shared memory the reference kernel needs once Triton compiles it for a GPU of
+    ``capability`` with ``config``. No GPU is needed (Triton compiles for any target), but the
+    kernel must not be in interpreter mode: run with ``TRITON_INTERPRET=0``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = flash_attention_forward_kernel
+    if not hasattr(fn, "cache_key"):
+        raise RuntimeError("the kernel was defined in interpreter mode; set TRITON_INTERPRET=0 before "
+                           "importing labsupport to compile it for a GPU")
+    pointer = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    constants = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "CAUSAL": causal}
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name == "lse_ptr":
+            signature[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
+    return int(compiled.metadata.shared)
+
+
+def smaller_configs(config: KernelConfig) -> list[KernelConfig]:
+    """The configurations of :data:`GPU_CONFIGS` after ``config``: what to try when it fails to launch."""
+    def key(c: KernelConfig):
+        return c.block_m, c.block_n, c.num_stages
+
+    keys = [key(c) for c in GPU_CONFIGS]
+    start = keys.index(key(config)) + 1 if key(config) in keys else 0
+    return list(GPU_CONFIGS[start:])
 
 
 @answer
@@ -384,8 +459,10 @@ def flash_attention_reference(
         # bf16 arithmetic is broken in the Triton interpreter (tl.dot multiplies bit patterns);
         # run the fp32 kernel on the upcast inputs there and round the result back.
         q, k, v = q.float(), k.float(), v.float()
+    automatic = config is None and block_m is None and block_n is None
     if config is None:
         config = kernel_config(s_q, s_k, d, q.dtype, interpreter=interp)
+        config = _stepped_down.get((q.device.index, q.dtype, d), config)
     elif not isinstance(config, KernelConfig):
         raise ValueError(f"config must be a KernelConfig, got {type(config).__name__}")
     bm = config.block_m if block_m is None else positive_int("block_m", block_m)
@@ -401,15 +478,46 @@ def flash_attention_reference(
     q, k, v = (t if _head_offsets_fit_int32(t.shape, t.stride()) else t.contiguous() for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, s_q), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(s_q, bm), b * h)
-    flash_attention_forward_kernel[grid](
-        q, k, v, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        h, s_q, s_k, LOG2E / math.sqrt(d),
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return out.to(out_dtype), lse
+    while True:
+        try:
+            flash_attention_forward_kernel[(triton.cdiv(s_q, bm), b * h)](
+                q, k, v, out, lse,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                h, s_q, s_k, LOG2E / math.sqrt(d),
+                HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+            return out.to(out_dtype), lse
+        except Exception as exc:
+            smaller = smaller_configs(config) if automatic and is_out_of_resources(exc) else []
+            if not smaller:
+                raise
+            # The compiled kernel needs more shared memory (or registers) than this GPU gives one
+            # program: step down once, say so, and remember the choice for this device and shape.
+            warnings.warn(
+                f"flash_attention_reference: the launch configuration {config_name(config)} does not fit "
+                f"this GPU ({str(exc).strip().splitlines()[0][:160]}); using {config_name(smaller[0])} "
+                f"from now on for {q.dtype} at head dim {d}",
+                RuntimeWarning, stacklevel=2,
+            )
+            config = _stepped_down[(q.device.index, q.dtype, d)] = smaller[0]
+            bm, bn = config.block_m, config.block_n
+
+
+# Configurations flash_attention_reference stepped down to after a failed launch, by
+# (device index, dtype, head dim).
+_stepped_down: dict[tuple, KernelConfig] = {}
+
+
+def is_out_of_resources(exc: BaseException) -> bool:
+    """True for Triton's error when a compiled kernel needs more shared memory or registers than
+    the GPU has (``triton.runtime.errors.OutOfResources``)."""
+    return type(exc).__name__ == "OutOfResources"
+
+
+def config_name(c: KernelConfig) -> str:
+    """``"128x64 tiles, 8 warps, 3 stages"``: how messages and tables name a configuration."""
+    return f"{c.block_m}x{c.block_n} tiles, {c.num_warps} warps, {c.num_stages} stages"
 
 
 def _head_offsets_fit_int32(shape, stride) -> bool:

@@ -11,6 +11,11 @@ The datasheets' memory sizes are rounded labels, not byte counts: an "80GB" H100
 ``memory.total`` as ``nvidia-smi`` reports it, the memory software can actually allocate (before
 the CUDA context and the engine's own reserve). Capacity planning uses it; ``memory_bytes`` stays
 for the runbook's worked examples, which use the rounded labels.
+
+``compute_capability`` and ``shared_memory_per_block`` (the opt-in maximum one thread block may
+use) come from the CUDA C++ Programming Guide's table of technical specifications per compute
+capability: 64 KiB on 7.5, 163 KiB on 8.0, 99 KiB on 8.6 and 8.9, 227 KiB on 9.0. The attention
+kernel's launch configuration is chosen to fit them (``labsupport.attention.kernel_config``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ._validate import positive_int
 TERA = 1e12
 GB = 1e9
 MIB = 2**20
+KIB = 2**10
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class GPU:
     source: str
     notes: str = ""
     reported_bytes: float = 0.0  # nvidia-smi memory.total; 0 when unknown
+    compute_capability: tuple[int, int] = (0, 0)  # (major, minor); (0, 0) when unknown
+    shared_memory_per_block: int = 0  # bytes one thread block (Triton program) may use, opt-in limit
 
     @property
     def usable_bytes(self) -> float:
@@ -56,6 +64,8 @@ class GPU:
             source=self.source,
             notes=self.notes,
             reported_bytes=self.reported_bytes * count,
+            compute_capability=self.compute_capability,
+            shared_memory_per_block=self.shared_memory_per_block,
         )
 
 
@@ -63,15 +73,15 @@ GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
         GPU("H100 SXM", 989.4 * TERA, 3.35e12, 80 * GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
-            reported_bytes=81_559 * MIB),
+            reported_bytes=81_559 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB),
         GPU("H200", 989.4 * TERA, 4.8e12, 141 * GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
-            reported_bytes=143_771 * MIB),
+            reported_bytes=143_771 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB),
         GPU("A100 40GB", 312 * TERA, 1.555e12, 40 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
-            reported_bytes=40_960 * MIB),
+            reported_bytes=40_960 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB),
         GPU("A100 80GB", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
-            reported_bytes=81_920 * MIB),
+            reported_bytes=81_920 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB),
         GPU("L4", 121 * TERA, 300e9, 24 * GB, "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOP/s is with sparsity)",
-            reported_bytes=23_034 * MIB),
+            reported_bytes=23_034 * MIB, compute_capability=(8, 9), shared_memory_per_block=99 * KIB),
         GPU(
             "T4",
             65 * TERA,
@@ -80,6 +90,8 @@ GPUS: dict[str, GPU] = {
             "NVIDIA T4 Tensor Core GPU datasheet",
             notes="no bf16 tensor cores: peak is fp16 with fp32 accumulation",
             reported_bytes=15_360 * MIB,
+            compute_capability=(7, 5),
+            shared_memory_per_block=64 * KIB,
         ),
     )
 }

@@ -146,15 +146,17 @@ def test_peak_tensor_memory_sees_the_score_matrix():
 def test_interpreter_tiles_and_gpu_config_fit_shared_memory(monkeypatch):
     assert A.kernel_config(257, 257, 64, torch.float16, interpreter=True).block_m == 64
     assert A.kernel_config(4096, 4096, 64, torch.float16, interpreter=True).block_m == 128
-    for smem in (48 * 1024, 99 * 1024, 163 * 1024, 227 * 1024):
-        monkeypatch.setattr(A, "_max_shared_memory", lambda smem=smem: smem)
+    for smem in (48 * 1024, 64 * 1024, 99 * 1024, 163 * 1024, 227 * 1024):
         for d in (64, 128):
-            for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
-                c = A.kernel_config(8192, 8192, d, dtype, interpreter=False)
-                assert (c.block_m * d + max(c.num_stages, 1) * 2 * c.block_n * d) * size <= smem or c.num_stages == 1
-                assert c.block_m >= 64 and c.block_n >= 32
-    monkeypatch.setattr(A, "_max_shared_memory", lambda: 227 * 1024)
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                c = A.kernel_config(8192, 8192, d, dtype, interpreter=False, shared_memory=smem)
+                assert A.shared_memory_bound(c, d, dtype.itemsize) <= smem
+                assert c.block_m >= 16 and c.block_n >= 16  # tl.dot needs 16 on a GPU
+    # without shared_memory, the current device's limit is read (and the choice cached)
+    monkeypatch.setattr(A, "_device_limits", lambda: (227 * 1024, (9, 0)))
     assert A.kernel_config(8192, 8192, 128, torch.bfloat16, interpreter=False) == A.KernelConfig(128, 64, 8, 3)
+    monkeypatch.setattr(A, "_device_limits", lambda: (64 * 1024, (7, 5)))
+    assert A.kernel_config(8192, 8192, 128, torch.float16, interpreter=False) == A.KernelConfig(64, 32, 4, 2)
 
 
 # --- the benchmark's logic, without a GPU -----------------------------------------------------
