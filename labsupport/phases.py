@@ -307,6 +307,93 @@ def unread_embedding_bytes(cfg, batch: int, element_bytes: float = 2) -> float:
     return float(max(cfg.vocab_size - batch, 0) * cfg.d_model * element_bytes)
 
 
+def model_prefill_flops(cfg, prompt_tokens: int, batch: int = 1, causal: bool = True) -> float:
+    """FLOPs one :meth:`Transformer.prefill` call really performs, to divide measured times by.
+
+    :func:`labsupport.costs.prefill_flops` follows the runbook: ``2*N*P`` for every weight plus
+    the attention term. The course model does less than that in a prefill. The input embedding
+    is a table lookup (no multiplies), and the output layer runs on the last position only (the
+    next token needs nothing else), so the matmuls are the layers' projections for every token,
+    ``2 * W * P`` with ``W`` the weights of the decoder layers' matrices, plus ``2 * vocab * d``
+    once per sequence. Attention is ``4 * L * P**2 * H * D``, halved when ``causal`` (the fused
+    kernel skips the masked half). For Llama 3.1 8B, ``W`` is about 6.98e9 against ``N`` = 8.03e9.
+    Chapter 05 quotes both counts; measured FLOP/s use this one.
+    """
+    from .costs import _model
+
+    cfg = _model(cfg)
+    p = positive_int("prompt_tokens", prompt_tokens)
+    batch = positive_int("batch", batch)
+    width = cfg.n_heads * cfg.head_dim
+    matmuls = layer_matmul_weights(cfg) * p + cfg.vocab_size * cfg.d_model  # last position's logits
+    attention = 4 * cfg.n_layers * p * p * width / (2 if causal else 1)
+    return float(batch * (2 * matmuls + attention))
+
+
+def layer_matmul_weights(cfg) -> int:
+    """Weights of the decoder layers' matrices: q, k, v, o projections and the SwiGLU feed-forward,
+    every layer (no norms, embeddings or output layer)."""
+    from .costs import _model
+
+    cfg = _model(cfg)
+    d, q_width, kv_width = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return cfg.n_layers * (2 * d * q_width + 2 * d * kv_width + 3 * d * cfg.d_ff)
+
+
+def model_prefill_crossover(cfg, causal: bool = True) -> float:
+    """Prompt length where the attention FLOPs of :func:`model_prefill_flops` equal its per-token
+    matmul FLOPs: ``W / (2 * L * H * D)``, doubled when ``causal``. The runbook's count,
+    :func:`labsupport.costs.quadratic_crossover`, uses every weight ``N`` and ``d`` instead."""
+    from .costs import _model
+
+    cfg = _model(cfg)
+    crossover = layer_matmul_weights(cfg) / (2 * cfg.n_layers * cfg.n_heads * cfg.head_dim)
+    return crossover * 2 if causal else crossover
+
+
+# Memory a decode point needs beyond its weights and cache: the CUDA context is outside what
+# torch can allocate, but the benchmark's L2-flush buffer (256 MB), the logits, the allocator's
+# rounding and the attention kernel's workspace are not. Generous on purpose: a point planned to
+# fit must not run out of memory halfway through a device run.
+DECODE_RESERVE_BYTES = 3 * 2**30
+
+
+@dataclass(frozen=True)
+class PlannedPoint:
+    batch: int
+    context: int
+    needs_bytes: int  # weights + cache + reserve
+    fits: bool
+    reason: str = ""  # why it was skipped, when it does not fit
+
+
+def plan_decode_points(cfg, pairs, memory_bytes: float, dtype_bytes: int = 2,
+                       reserve_bytes: int = DECODE_RESERVE_BYTES) -> list[PlannedPoint]:
+    """Which (batch, context) decode points fit a GPU with ``memory_bytes`` that torch can use.
+
+    A point needs the weights, a cache of ``context + 1`` positions per sequence (what
+    :func:`measure_decode` allocates) and ``reserve_bytes``. Points that do not fit are kept in
+    the list with ``fits=False`` and the reason, so a results file says what was skipped and why
+    (on an 80 GB H100, batch 64 at 8,192 tokens of the 8B needs 16.1 GB of weights and 68.7 GB
+    of cache: more than the card's 85.5e9 bytes).
+    """
+    from .costs import _model, param_count
+
+    cfg = _model(cfg)
+    weights = param_count(cfg) * dtype_bytes
+    per_position = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    planned = []
+    for batch, context in pairs:
+        needs = int(weights + batch * (context + 1) * per_position + reserve_bytes)
+        fits = needs <= memory_bytes
+        reason = "" if fits else (
+            f"needs {needs / 1e9:.1f} GB (weights {weights / 1e9:.1f} GB, cache "
+            f"{batch * (context + 1) * per_position / 1e9:.1f} GB, reserve {reserve_bytes / 1e9:.1f} GB), "
+            f"the GPU has {memory_bytes / 1e9:.1f} GB")
+        planned.append(PlannedPoint(batch, context, needs, fits, reason))
+    return planned
+
+
 # --- GPU results recorded by scripts/gpu_phases.sh -----------------------------------------------
 
 GPU_RESULTS = "results/gpu_phases.json"

@@ -65,11 +65,14 @@ def benchmark(
     min_time_s: float = 0.05,
     max_time_s: float = 2.0,
     gpu: bool | None = None,
+    min_gpu_repeats: int = 5,
 ) -> Timing:
     """Time ``fn()`` and return its median and p20/p80 in seconds.
 
     ``repeats`` fixes the number of timed calls; by default the CPU path repeats until
-    ``min_time_s`` has passed (at least 3 calls, at most ``max_time_s`` in total).
+    ``min_time_s`` has passed (at least 3 calls, at most ``max_time_s`` in total). On a GPU,
+    ``do_bench`` sizes its repetitions from a 100 ms budget, so a call longer than that (a long
+    prefill) would be timed once: the budget is raised to cover at least ``min_gpu_repeats`` calls.
     """
     if not callable(fn):
         raise ValueError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
@@ -78,8 +81,17 @@ def benchmark(
     if use_gpu and not interpreter_mode():
         import triton.testing
 
-        # do_bench picks its own repetition count from a time budget; ``repeats`` is CPU-only.
-        median, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        # do_bench picks its own repetition count from a time budget (``repeats`` is CPU-only).
+        # One call, timed after a warm-up one, says whether the default 100 ms budget would cover
+        # at least ``min_gpu_repeats`` calls; if not, the budget grows to cover them.
+        fn()
+        _cuda_sync()
+        t0 = time.perf_counter()
+        fn()
+        _cuda_sync()
+        once_ms = max((time.perf_counter() - t0) * 1e3, 1e-6)
+        rep_ms = max(100.0, min_gpu_repeats * once_ms)
+        median, p20, p80 = triton.testing.do_bench(fn, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
         return Timing(median / 1e3, p20 / 1e3, p80 / 1e3, 0, "cuda (do_bench)", meaningful)
 
     # Wall clock. On a GPU with the interpreter forced on, synchronise so CUDA work is counted.

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import nbformat
 import pytest
@@ -136,6 +137,28 @@ def test_a_gpu_timing_prints_no_run_count_it_does_not_know():
     text = str(Timing(1e-3, 0.9e-3, 1.1e-3, 0, "cuda (do_bench)"))
     assert text == "1.000 ms median (p20 0.900, p80 1.100; cuda (do_bench))"
     assert "5 runs" in str(Timing(1e-3, 0.9e-3, 1.1e-3, 5, "cpu (perf_counter)"))
+
+
+def test_gpu_timing_repeats_calls_longer_than_do_bench_budget(monkeypatch):
+    """do_bench sizes its repetitions from a 100 ms budget: a 60 ms call (a long prefill) would be
+    timed about once. The GPU path raises the budget to cover at least five calls."""
+    import triton.testing
+
+    from labsupport import timing
+
+    budgets = []
+
+    def fake_do_bench(fn, rep=100, quantiles=None, **kwargs):
+        budgets.append(rep)
+        return 60.0, 59.0, 61.0
+
+    monkeypatch.setattr(timing, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(timing, "_cuda_sync", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    result = timing.benchmark(lambda: time.sleep(0.06), gpu=True)
+    assert budgets[0] >= 5 * 60 and result.median_s == 0.06 and result.method == "cuda (do_bench)"
+    timing.benchmark(lambda: None, gpu=True)  # a fast call keeps do_bench's default budget
+    assert budgets[1] == 100.0
 
 
 def test_benchmark_rejects_non_callables():
