@@ -394,14 +394,14 @@ def plan_decode_points(cfg, pairs, memory_bytes: float, dtype_bytes: int = 2,
     return planned
 
 
-# --- GPU results recorded by scripts/gpu_phases.sh -----------------------------------------------
+# --- GPU results recorded by python -m labsupport.bench_phases (scripts/gpu_all.sh) -----------------------------------------------
 
 GPU_RESULTS = "results/gpu_phases.json"
 NOT_MEASURED = "not yet measured"
 
 
 def load_gpu_results(path=None) -> dict | None:
-    """The results ``scripts/gpu_phases.sh`` wrote, or None when there are none (or only a dry run).
+    """The results ``python -m labsupport.bench_phases`` wrote, or None when there are none (or a dry run).
 
     ``path`` defaults to :data:`GPU_RESULTS` under the repository root.
     """
@@ -414,38 +414,52 @@ def load_gpu_results(path=None) -> dict | None:
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a readable results file from scripts/gpu_phases.sh: {exc}") from exc
+        raise ValueError(f"{path} is not a readable results file from python -m labsupport.bench_phases: {exc}") from exc
     if not isinstance(results, dict) or results.get("dry_run", True):
         return None
     return results
 
 
 def gpu_summary(results: dict | None) -> dict[str, str]:
-    """The book's four GPU figures as text, each "not yet measured" when it is missing.
+    """The book's GPU figures as text, each "not yet measured" when it is missing.
 
     Keys: ``device`` (name and date), ``prefill_ratio`` (32,768 over 2,048 tokens),
-    ``crossover`` (the fitted ``a/b``), ``decode_b1`` and ``decode_b64`` (achieved over copy
-    bandwidth, eager, at batch 1 and at batch 64 with 8,192 tokens of context).
+    ``prefill_tflops`` (achieved at 32,768 tokens under the FLOPs the model performs, the
+    runbook's count beside it), ``crossover`` (the fitted ``a/b``), ``decode_b1`` and
+    ``decode_b64`` (achieved over copy bandwidth, eager, at batch 1 and at batch 64 with 8,192
+    tokens of context; a point skipped because it does not fit the GPU says so), and
+    ``decode_b1_graph`` (batch 1 with the step replayed from a CUDA graph).
     """
     results = results or {}
 
+    def finite(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
     def number(key, fmt):
         value = results.get(key)
-        return fmt(value) if isinstance(value, (int, float)) and math.isfinite(value) else NOT_MEASURED
+        return fmt(value) if finite(value) else NOT_MEASURED
 
     fit = results.get("prefill_fit") or {}
     crossover = fit.get("measured_crossover_tokens")
     device = results.get("device")
+    longest = max((r for r in results.get("prefill") or [] if finite(r.get("tflops_performed"))),
+                  key=lambda r: r["prompt_tokens"], default=None)
+    graph = (results.get("decode_batch1_short_cuda_graph") or {}).get("fraction_of_copy")
+    b64 = number("decode_batch64_ctx8192_fraction_of_copy", lambda v: f"{v:.0%}")
+    if b64 == NOT_MEASURED and results.get("decode_book_point_skipped"):
+        b64 = f"not measured on this GPU: {results['decode_book_point_skipped']}"
     return {
         "device": f"{device}, {results.get('date', 'undated')}" if device else NOT_MEASURED,
         "prefill_ratio": number("prefill_ratio_32768_over_2048", lambda v: f"{v:.1f}x"),
-        "crossover": (
-            f"{crossover:,.0f} tokens"
-            if isinstance(crossover, (int, float)) and math.isfinite(crossover)
-            else NOT_MEASURED
+        "prefill_tflops": (
+            f"{longest['tflops_performed']:.0f} TFLOP/s at {longest['prompt_tokens']:,} tokens "
+            f"({longest['tflops_runbook_causal']:.0f} under the runbook's 2NP count)"
+            if longest else NOT_MEASURED
         ),
+        "crossover": f"{crossover:,.0f} tokens" if finite(crossover) else NOT_MEASURED,
         "decode_b1": number("decode_batch1_short_fraction_of_copy", lambda v: f"{v:.0%}"),
-        "decode_b64": number("decode_batch64_ctx8192_fraction_of_copy", lambda v: f"{v:.0%}"),
+        "decode_b64": b64,
+        "decode_b1_graph": f"{graph:.0%}" if finite(graph) else NOT_MEASURED,
     }
 
 

@@ -1,6 +1,9 @@
 """Fitting prefill times and the measurement sweeps of the phases lab."""
 
+import json
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -213,6 +216,12 @@ def test_gpu_results_are_not_yet_measured_until_recorded(tmp_path):
                 "prefill_fit": {"measured_crossover_tokens": 41234.4},
                 "decode_batch1_short_fraction_of_copy": 0.514,
                 "decode_batch64_ctx8192_fraction_of_copy": None,  # that point ran out of memory
+                "prefill": [
+                    {"prompt_tokens": 2048, "tflops_performed": 300.0, "tflops_runbook_causal": 350.0},
+                    {"prompt_tokens": 32768, "tflops_performed": 412.4, "tflops_runbook_causal": 455.6},
+                    {"prompt_tokens": 65536, "oom": True, "seconds": None},
+                ],
+                "decode_batch1_short_cuda_graph": {"error": "RuntimeError: capture failed"},
             }
         )
     )
@@ -220,10 +229,19 @@ def test_gpu_results_are_not_yet_measured_until_recorded(tmp_path):
     assert summary == {
         "device": "NVIDIA H200, 2030-01-02",
         "prefill_ratio": "27.3x",
+        "prefill_tflops": "412 TFLOP/s at 32,768 tokens (456 under the runbook's 2NP count)",
         "crossover": "41,234 tokens",
         "decode_b1": "51%",
         "decode_b64": NOT_MEASURED,
+        "decode_b1_graph": NOT_MEASURED,
     }
+    skipped = json.loads(real.read_text())
+    skipped["decode_book_point_skipped"] = "needs 87.9 GB (...), the GPU has 85.5 GB"
+    skipped["decode_batch1_short_cuda_graph"] = {"fraction_of_copy": 0.83}
+    real.write_text(json.dumps(skipped))
+    summary = gpu_summary(load_gpu_results(real))
+    assert summary["decode_b64"] == "not measured on this GPU: needs 87.9 GB (...), the GPU has 85.5 GB"
+    assert summary["decode_b1_graph"] == "83%"
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.raises(ValueError, match="not a readable results file"):
@@ -269,3 +287,79 @@ def test_gpu_script_dry_run_writes_results(tmp_path):
     assert results["prefill_fit"]["predicted_crossover_N_over_2Ld"] > 0
     assert "error" in results["decode_batch1_short_cuda_graph"]  # no CUDA graph without a GPU
     assert phases.load_gpu_results(tmp_path / "gpu_phases.json") is None
+    fit = results["prefill_fit"]
+    assert fit["predicted_crossover_performed_causal"] < fit["predicted_crossover_causal"]
+    for row in results["prefill"]:  # the course model performs fewer FLOPs than the runbook's 2NP counts
+        assert row["flops_performed"] < row["flops_runbook_causal"]
+        assert row["tflops_performed"] < row["tflops_runbook_causal"]
+
+
+def test_gpu_all_packs_one_archive_and_keeps_to_its_budget(tmp_path):
+    """The one command for a lent GPU: a dry run of chapter 05's step writes the archive and the
+    summary; a spent budget skips steps (and says so) instead of running past it."""
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "GPU_DRY_RUN": "1", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(root / "scripts" / "gpu_all.sh"), "--only", "phases", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_results.tar.gz", "gpu_summary.txt"]
+    with tarfile.open(tmp_path / "gpu_results.tar.gz") as tar:
+        names = set(tar.getnames())
+        results = json.loads(tar.extractfile("results/gpu_phases.json").read())
+        environment = tar.extractfile("results/gpu_logs/environment.txt").read().decode()
+    assert {"results/gpu_logs/phases.log", "results/gpu_logs/environment.txt"} <= names
+    assert results["dry_run"] is True and "DRY RUN" in environment
+    assert "== phases: exit 0" in (tmp_path / "gpu_summary.txt").read_text()
+
+    spent = tmp_path / "spent"
+    done = subprocess.run(["bash", str(root / "scripts" / "gpu_all.sh"), str(spent)],
+                          env={**env, "GPU_BUDGET_S": "10"}, capture_output=True, text=True, timeout=120)
+    summary = (spent / "gpu_summary.txt").read_text()
+    assert done.returncode == 1 and summary.count("skipped, the 10 s budget is spent") == 5, summary
+    assert (spent / "gpu_results.tar.gz").is_file()
+
+
+def test_decode_points_are_planned_against_each_cards_memory():
+    """The book's batch 64 x 8,192 point of the 8B needs 16.1 GB of weights and 68.7 GB of cache:
+    it fits an H200 and is skipped, with its reason, on an 80 GB H100 (85.5e9 bytes)."""
+    from labsupport.hardware import GPUS
+
+    cfg = get_model("llama-3.1-8b")
+    pairs = [(1, 512), (64, 8192), (128, 8192), (1, 131072)]
+    fits = {name: [p.fits for p in phases.plan_decode_points(cfg, pairs, gpu.reported_bytes)]
+            for name, gpu in GPUS.items()}
+    assert fits["H200"] == [True, True, False, True]
+    assert fits["H100 SXM"] == [True, False, False, True]
+    assert fits["A100 40GB"] == [True, False, False, True]  # 16.1 GB + 17.2 GB of cache at 131,072
+    assert fits["T4"] == [False, False, False, False]  # 16.1 GB of bf16 weights alone exceed 16 GB
+    h100 = phases.plan_decode_points(cfg, [(64, 8192)], GPUS["H100 SXM"].reported_bytes)[0]
+    assert "cache 68.7 GB" in h100.reason and "weights 16.1 GB" in h100.reason and "85.5 GB" in h100.reason
+    for gpu in GPUS.values():  # whatever is planned to fit leaves the reserve free
+        for p in phases.plan_decode_points(cfg, pairs, gpu.reported_bytes):
+            assert p.fits == (p.needs_bytes <= gpu.reported_bytes)
+
+
+def test_prefill_flops_the_model_performs():
+    """No multiplies for the embedding lookup and the output layer on the last position only:
+    about 6.98e9 matmul weights per token on the 8B shape against N = 8.03e9."""
+    from labsupport import costs
+
+    cfg = get_model("llama-3.1-8b")
+    assert round(phases.layer_matmul_weights(cfg) / 1e9, 2) == 6.98
+    p = 4096
+    performed = phases.model_prefill_flops(cfg, p)
+    expected = (2 * phases.layer_matmul_weights(cfg) * p + 2 * cfg.vocab_size * cfg.d_model
+                + 2 * cfg.n_layers * p * p * cfg.n_heads * cfg.head_dim)
+    assert performed == expected < costs.prefill_flops(cfg, p, causal=True)
+    assert phases.model_prefill_flops(cfg, p, batch=3) == 3 * performed
+    assert phases.model_prefill_flops(cfg, p, causal=False) > performed
+    # the crossover under this count: per-token matmul FLOPs equal causal attention's per-token FLOPs
+    x = phases.model_prefill_crossover(cfg)
+    assert math.isclose(2 * phases.layer_matmul_weights(cfg) * x, 2 * cfg.n_layers * x * x * cfg.d_model)
+    tiny = Transformer(get_model("tiny-2m"))
+    assert phases.layer_matmul_weights(tiny.cfg) == sum(
+        p.numel() for n, p in tiny.named_parameters() if n.startswith("layers.") and "norm" not in n)

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Every GPU measurement the book reads, in one command that stays under ten minutes. On a machine
+# with an NVIDIA GPU (the targets are for an H100 or H200), from the repository root:
+#
+#     bash scripts/gpu_all.sh [OUTDIR]        # OUTDIR defaults to $OUT, else gpu_results/
+#
+# Steps, most important first, each with its own time limit and all within one budget
+# (GPU_BUDGET_S, default 570 s: a step gets what is left if that is less than its own limit):
+#   1. phases      python -m labsupport.bench_phases          (chapter 05)      at most 200 s
+#   2. attention   python -m labsupport.bench_attention --json (chapter 07)     at most 150 s
+#   3. checks      the attention checks' GPU-only cases                         at most  80 s
+#   4. configs     the attention kernel under eight launch configurations       at most  60 s
+#   5. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
+#
+# OUTDIR receives two files, rewritten after every step so a run cut short keeps what it had:
+#   gpu_results.tar.gz   results/gpu_phases.json and results/gpu_attention.json (what the book
+#                        reads) and results/gpu_logs/ (environment, each step's log and tables).
+#                        Install it with `tar -xzf gpu_results.tar.gz` from the repository root,
+#                        commit results/, and `make book` re-executes the chapters that read it.
+#   gpu_summary.txt      one line per step (exit status, seconds) and the benchmark verdicts.
+# (A device lent for a short time returns at most a few files: hence one archive.)
+#
+#     bash scripts/gpu_all.sh --only phases|attention [OUTDIR]   # one chapter's steps
+#     GPU_DRY_RUN=1 bash scripts/gpu_all.sh /tmp/x               # the same steps on a CPU through
+#                                                                # the Triton interpreter at tiny
+#                                                                # shapes: checks the script, measures
+#                                                                # nothing, never reaches the book
+# It never installs anything: it uses the torch and triton already on the machine (.venv/bin/python
+# if that one sees the GPU, else python3; or $PYTHON). Exit status 1 if any step failed or a target
+# was missed, 2 if no GPU is visible.
+set -u
+cd "$(dirname "$0")/.."
+ONLY=all
+if [ "${1:-}" = "--only" ]; then ONLY=${2:?--only needs phases or attention}; shift 2; fi
+case "$ONLY" in all|phases|attention) ;; *) echo "gpu_all.sh: --only takes phases or attention, not $ONLY" >&2; exit 2;; esac
+OUT_DIR="${1:-${OUT:-gpu_results}}"
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+BUDGET=${GPU_BUDGET_S:-570}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+
+sees_gpu() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+PY="${PYTHON:-}"
+DRY=()
+if [ "${GPU_DRY_RUN:-0}" = "1" ]; then
+    export TRITON_INTERPRET=1
+    DRY=(--dry-run)
+    if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
+else
+    unset TRITON_INTERPRET  # kernels must compile for the GPU, not run in the interpreter
+    if [ -z "$PY" ]; then
+        if [ -x .venv/bin/python ] && sees_gpu .venv/bin/python; then PY=.venv/bin/python; else PY=python3; fi
+    fi
+    if ! sees_gpu "$PY"; then
+        echo "gpu_all.sh: $PY sees no CUDA GPU; run this on a GPU machine (GPU_DRY_RUN=1 checks it on a CPU)." >&2
+        exit 2
+    fi
+fi
+
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+RES="$WORK/results"
+LOGS="$RES/gpu_logs"
+mkdir -p "$LOGS"
+SUMMARY="$OUT_DIR/gpu_summary.txt"
+{
+    date -u '+%Y-%m-%d %H:%M UTC'
+    [ ${#DRY[@]} -gt 0 ] && echo "DRY RUN: interpreter, tiny shapes; nothing here is a measurement"
+    nvidia-smi || true
+    "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
+} > "$LOGS/environment.txt" 2>&1
+: > "$SUMMARY"
+
+pack() {  # the archive and summary in OUTDIR, rewritten after every step
+    tar -czf "$OUT_DIR/gpu_results.tar.gz.part" -C "$WORK" results && mv "$OUT_DIR/gpu_results.tar.gz.part" "$OUT_DIR/gpu_results.tar.gz"
+}
+
+START=$(date +%s)
+status=0
+step() {  # step NAME LIMIT_S LOG COMMAND...: run within its limit and the budget's remainder
+    local name=$1 limit=$2 log=$3 begin rc left
+    shift 3
+    left=$(( BUDGET - ($(date +%s) - START) ))
+    if [ "$left" -lt 15 ]; then
+        echo "== $name: skipped, the ${BUDGET} s budget is spent" | tee -a "$SUMMARY"
+        status=1
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "== $name (at most ${limit} s) -> results/gpu_logs/$(basename "$log")"
+    begin=$(date +%s)
+    timeout -k 10 "$limit" "$@" > "$log" 2>&1
+    rc=$?
+    tail -n 30 "$log"
+    [ "$rc" -eq 124 ] && echo "!! $name ran past ${limit} s and was stopped"
+    echo "== $name: exit $rc after $(( $(date +%s) - begin )) s" | tee -a "$SUMMARY"
+    [ "$rc" -eq 0 ] || status=1
+    pack
+}
+
+if [ "$ONLY" != attention ]; then
+    step "phases" 200 "$LOGS/phases.log" "$PY" -m labsupport.bench_phases ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_phases.json"
+fi
+if [ "$ONLY" != phases ]; then
+    step "attention benchmark" 150 "$LOGS/attention_bench.log" \
+        "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --out "$LOGS/attention_bench.md" \
+        --json "$RES/gpu_attention.json"
+    grep -E '^(PASS|FAIL) ' "$LOGS/attention_bench.md" >> "$SUMMARY" 2>/dev/null
+    step "attention checks" 80 "$LOGS/attention_checks.txt" "$PY" -m labsupport.bench_attention --check ${DRY[@]+"${DRY[@]}"}
+    step "launch configurations" 60 "$LOGS/attention_configs.log" \
+        "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --configs 4096 --out "$LOGS/attention_configs.md"
+    step "lab 07 solution as a script" 80 "$LOGS/lab07.txt" "$PY" solutions/07_attention.py
+fi
+pack
+echo "== done (status $status) after $(( $(date +%s) - START )) s: $OUT_DIR/gpu_results.tar.gz, $SUMMARY" | tee -a "$SUMMARY"
+exit "$status"
