@@ -167,7 +167,7 @@ def format_table(rows: list[Row], device: str, date: str, extra: str = "", *, he
 
 # --- results on disk, and in the book ------------------------------------------------------------
 
-GPU_RESULTS = "results/gpu_attention.json"  # what chapter 07 reads; scripts/gpu_attention.sh writes it
+GPU_RESULTS = "results/gpu_attention.json"  # what chapter 07 reads; scripts/gpu_all.sh writes it
 
 
 def save_results(path, rows: list[Row], *, device: str, date: str, versions: str, dry_run: bool,
@@ -201,7 +201,7 @@ def load_results(path=None) -> dict | None:
         data["rows"] = [Row(**r) for r in data["rows"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a results file from `python -m labsupport.bench_attention --json`: "
-                         f"{exc}; run scripts/gpu_attention.sh again or delete it") from exc
+                         f"{exc}; run scripts/gpu_all.sh again or delete it") from exc
     if data.get("dry_run", True):
         return None
     return data

@@ -189,8 +189,10 @@ fig.suptitle(f"Measured on {settings.device_name}")
 fig.tight_layout()
 
 # %%
-# Small buffers fit in a cache (a CPU's L2/L3, a GPU's L2) and copy faster than main memory allows;
-# the largest buffer, far bigger than any cache, measures the memory the weights live in.
+# Only the largest buffer measures the memory the weights live in. On a CPU, small buffers can
+# sit in its L2/L3 cache and copy faster than main memory allows. On a GPU, `benchmark` flushes
+# the L2 cache before every call, so small copies are not cache hits there: they are too short to
+# hide the fixed cost of launching a kernel, and read slower, not faster.
 best_tflops, best_gbps = max(matmul_tflops), copy_gbps[-1]
 print(f"best matmul: {best_tflops:.3f} TFLOP/s   copy of the largest buffer: {best_gbps:.1f} GB/s")
 print(f"their ratio, the ridge point of your device: {best_tflops * 1e12 / (best_gbps * 1e9):.1f} FLOP per byte")

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from labsupport.attention import (
     attention_spec,
+    is_out_of_resources,
     kernel_config,
     naive_attention_reference,
     online_softmax_reference,
@@ -499,7 +500,12 @@ for s in tqdm(bench_lens, desc="attention sweep"):
             try:
                 row[f"{name}_err"] = (fn().float() - want).abs().max().item()
                 row[f"{name}_time"] = benchmark(fn, uses_triton=uses_triton, max_time_s=0.5)
-            except torch.cuda.OutOfMemoryError:
+            except Exception as exc:  # out of GPU memory (naive, long S) is a result; so is a kernel
+                if not (isinstance(exc, torch.cuda.OutOfMemoryError) or is_out_of_resources(exc)):
+                    raise  # that needs more shared memory than this GPU has: say so and go on
+                if is_out_of_resources(exc):
+                    print(f"{name}, S={s}: the kernel needs more shared memory than this GPU gives one "
+                          f"program ({str(exc).splitlines()[0][:120]}); launch it with smaller tiles")
                 row[f"{name}_err"], row[f"{name}_time"] = None, None
                 torch.cuda.empty_cache()
         results.append(row)
