@@ -448,7 +448,7 @@ def run_checks() -> bool:
     from ._answers import unguarded
     from .attention import flash_attention_reference, naive_attention_reference, online_softmax_reference
 
-    ok = True
+    ok = check_launch_ladder()
     # The answers refuse to run inside the checks that ban them (learners may not hand them in);
     # here the course checks its own answers, so it hands in the unguarded functions.
     for check, fn in ((checks.check_naive_attention, unguarded(naive_attention_reference)),
@@ -459,6 +459,36 @@ def run_checks() -> bool:
         except AssertionError as exc:
             ok = False
             print(f"FAILED {check.__name__}:\n{exc}")
+    return ok
+
+
+def check_launch_ladder() -> bool:
+    """Every configuration the kernel may step down to (``GPU_CONFIGS``) compiles, launches and
+    is right on this device, causal and not, in fp16 and (where supported) bf16. A GPU whose
+    shared memory is smaller than this one's would get one of the later entries."""
+    import torch
+
+    from ._answers import unguarded
+    from .attention import GPU_CONFIGS, attention_spec, config_name, flash_attention_reference
+
+    kernel = unguarded(flash_attention_reference)
+    dtypes = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ok = True
+    for dtype in dtypes:
+        q, k, v = (torch.randn(2, 3, 300, 128, device=device, dtype=dtype) for _ in range(3))
+        for causal in (False, True):
+            want = attention_spec(q, k, v, causal)[0]
+            for config in GPU_CONFIGS:
+                try:
+                    ratio = error_ratio(kernel(q, k, v, causal, config=config)[0], want)
+                    good = ratio <= 1.0
+                    detail = f"{ratio:.2f} of the tolerance"
+                except Exception as exc:  # noqa: BLE001 - record and go on
+                    good, detail = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"
+                ok &= good
+                print(f"ladder {'ok  ' if good else 'FAIL'} {str(dtype)[6:]:8} causal={causal!s:5} "
+                      f"{config_name(config)}: {detail}", flush=True)
     return ok
 
 

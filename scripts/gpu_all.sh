@@ -8,9 +8,10 @@
 # (GPU_BUDGET_S, default 570 s: a step gets what is left if that is less than its own limit):
 #   1. phases      python -m labsupport.bench_phases          (chapter 05)      at most 200 s
 #   2. attention   python -m labsupport.bench_attention --json (chapter 07)     at most 150 s
-#   3. checks      the attention checks' GPU-only cases                         at most  80 s
+X
 #   4. configs     the attention kernel under eight launch configurations       at most  60 s
 #   5. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
+#   6. labs        labs 00, 04, 05, 06 run as scripts (45 s each)               at most 120 s
 #
 # OUTDIR receives two files, rewritten after every step so a run cut short keeps what it had:
 #   gpu_results.tar.gz   results/gpu_phases.json and results/gpu_attention.json (what the book
@@ -106,10 +107,17 @@ if [ "$ONLY" != phases ]; then
         "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --out "$LOGS/attention_bench.md" \
         --json "$RES/gpu_attention.json"
     grep -E '^(PASS|FAIL) ' "$LOGS/attention_bench.md" >> "$SUMMARY" 2>/dev/null
-    step "attention checks" 80 "$LOGS/attention_checks.txt" "$PY" -m labsupport.bench_attention --check ${DRY[@]+"${DRY[@]}"}
+    step "attention checks" 120 "$LOGS/attention_checks.txt" "$PY" -m labsupport.bench_attention --check ${DRY[@]+"${DRY[@]}"}
     step "launch configurations" 60 "$LOGS/attention_configs.log" \
         "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --configs 4096 --out "$LOGS/attention_configs.md"
     step "lab 07 solution as a script" 80 "$LOGS/lab07.txt" "$PY" solutions/07_attention.py
+fi
+if [ "$ONLY" = all ]; then  # the other labs' GPU paths, if time is left: a learner on a GPU runs them
+    step "labs 00 04 05 06 as scripts" 120 "$LOGS/labs.txt" bash -c \
+        'for lab in 00_first_kernel 04_roofline 05_phases 06_kv_cache; do
+             echo "=== $lab"; s=$(date +%s); timeout -k 5 45 "$0" "solutions/$lab.py" 2>&1 | tail -n 40
+             rc=${PIPESTATUS[0]}; echo "=== $lab: exit $rc after $(( $(date +%s) - s )) s"; [ "$rc" -eq 0 ] || bad=1
+         done; exit ${bad:-0}' "$PY"
 fi
 pack
 echo "== done (status $status) after $(( $(date +%s) - START )) s: $OUT_DIR/gpu_results.tar.gz, $SUMMARY" | tee -a "$SUMMARY"
