@@ -8,7 +8,7 @@
 # (GPU_BUDGET_S, default 570 s: a step gets what is left if that is less than its own limit):
 #   1. phases      python -m labsupport.bench_phases          (chapter 05)      at most 200 s
 #   2. attention   python -m labsupport.bench_attention --json (chapter 07)     at most 150 s
-X
+#   3. checks      the attention checks' GPU-only cases, every fallback config  at most 120 s
 #   4. configs     the attention kernel under eight launch configurations       at most  60 s
 #   5. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
 #   6. labs        labs 00, 04, 05, 06 run as scripts (45 s each)               at most 120 s
