@@ -69,16 +69,19 @@ def benchmark(
 ) -> Timing:
     """Time ``fn()`` and return its median and p20/p80 in seconds.
 
-    ``repeats`` fixes the number of timed calls; by default the CPU path repeats until
-    ``min_time_s`` has passed (at least 3 calls, at most ``max_time_s`` in total). On a GPU,
-    ``do_bench`` sizes its repetitions from a 100 ms budget, so a call longer than that (a long
-    prefill) would be timed once: the budget is raised to cover at least ``min_gpu_repeats`` calls.
+    ``repeats`` fixes the number of timed calls (after ``warmup`` untimed ones), on a CPU or a
+    GPU: a long call such as a whole ``generate`` loop is timed that many times with the wall
+    clock, synchronising the GPU around each call. Without it the CPU path repeats until
+    ``min_time_s`` has passed (at least 3 calls, at most ``max_time_s`` in total), and the GPU
+    path uses ``do_bench``, which sizes its repetitions from a 100 ms budget: a call longer than
+    that (a long prefill) would be timed once, so the budget is raised to cover at least
+    ``min_gpu_repeats`` calls.
     """
     if not callable(fn):
         raise ValueError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
     meaningful = not (uses_triton and interpreter_mode())
     use_gpu = cuda_available() if gpu is None else gpu
-    if use_gpu and not interpreter_mode():
+    if use_gpu and not interpreter_mode() and repeats is None:
         import triton.testing
 
         # do_bench picks its own repetition count from a time budget (``repeats`` is CPU-only).

@@ -159,6 +159,9 @@ def test_gpu_timing_repeats_calls_longer_than_do_bench_budget(monkeypatch):
     assert budgets[0] >= 5 * 60 and result.median_s == 0.06 and result.method == "cuda (do_bench)"
     timing.benchmark(lambda: None, gpu=True)  # a fast call keeps do_bench's default budget
     assert budgets[1] == 100.0
+    calls = []
+    fixed = timing.benchmark(lambda: calls.append(1), gpu=True, repeats=2, warmup=0)  # a whole generate loop
+    assert len(budgets) == 2 and len(calls) == 2 and fixed.repeats == 2 and "synchronize" in fixed.method
 
 
 def test_benchmark_rejects_non_callables():
