@@ -463,6 +463,62 @@ def gpu_summary(results: dict | None) -> dict[str, str]:
     }
 
 
+def gpu_findings_markdown(results: dict | None) -> str:
+    """What chapter 05's GPU run showed, in sentences whose numbers all come from ``results``;
+    a plain "not yet measured" statement when there is no run."""
+    if not results:
+        return ("**Not yet measured.** No GPU run has been recorded for this build of the book, so no "
+                "GPU figure is shown and none is estimated in its place.")
+    lines = [f"**Measured** on {results['device']}, {results.get('date', 'undated')} "
+             f"(torch {results.get('torch', '?')}): the Llama 3.1 8B shape, random weights, {results.get('dtype')}, "
+             f"eager PyTorch. The device copies {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s and multiplies "
+             f"bf16 matrices at {results['matmul_flops'] / 1e12:.0f} TFLOP/s (its own ceilings, measured first)."]
+    prefill = [r for r in results.get("prefill", []) if r.get("tflops_performed")]
+    if prefill:
+        longest = max(prefill, key=lambda r: r["prompt_tokens"])
+        lines.append(
+            f"\n**Prefill is compute-bound.** At {longest['prompt_tokens']:,} tokens a prefill took "
+            f"{longest['seconds']:.2f} s: {longest['tflops_performed']:.0f} TFLOP/s of the FLOPs the model performs, "
+            f"{longest['tflops_performed'] * 1e12 / results['matmul_flops']:.0%} of the device's own matmul rate.")
+    fit = results.get("prefill_fit") or {}
+    measured, predicted = fit.get("measured_crossover_tokens"), fit.get("predicted_crossover_performed_causal")
+    if measured and predicted:
+        sooner = measured < predicted
+        lines.append(
+            f"The fitted time $aP + bP^2 + c$ (worst point {fit['max_relative_error']:.0%} off the fit) puts the "
+            f"crossover at {measured:,.0f} tokens, {'short of' if sooner else 'beyond'} the {predicted:,.0f} that "
+            f"the performed FLOPs predict. That suggests the attention kernel did "
+            f"{'fewer' if sooner else 'more'} FLOPs per second than the projections' matmuls, so its share of "
+            f"the time grew {'faster' if sooner else 'slower'} than its share of the FLOPs.")
+    b1 = next((r for r in results.get("decode_by_context", []) if r.get("context") == 512 and r.get("seconds")), None)
+    graph = results.get("decode_batch1_short_cuda_graph") or {}
+    by_batch = [r for r in results.get("decode_by_batch", []) if r.get("seconds")]
+    if b1 and graph.get("seconds") and by_batch:
+        floor = b1["bytes_read"] / results["copy_bandwidth_Bps"]
+        flat = [r for r in by_batch if r["batch"] <= 32]
+        big = max(by_batch, key=lambda r: r["batch"])
+        lines.append(
+            f"\n**Decode at small batch was launch-bound here, not bandwidth-bound.** A batch-1 step reads "
+            f"{b1['bytes_read'] / 1e9:.1f} GB, which the copy rate moves in {floor * 1e3:.1f} ms; the eager step took "
+            f"{b1['seconds'] * 1e3:.1f} ms ({b1['fraction_of_copy']:.0%} of the copy rate). Batches of "
+            f"{', '.join(str(r['batch']) for r in flat)} at {flat[0]['context']:,} tokens of context all took "
+            f"{min(r['seconds'] for r in flat) * 1e3:.1f}-{max(r['seconds'] for r in flat) * 1e3:.1f} ms although "
+            f"they read {flat[0]['bytes_read'] / 1e9:.0f} to {flat[-1]['bytes_read'] / 1e9:.0f} GB: the time was "
+            f"set by Python and the CPU launching each layer's many small kernels one after another, not by the "
+            f"bytes. Replaying the same step from a CUDA graph, with no CPU work between kernels, took "
+            f"{graph['seconds'] * 1e3:.1f} ms ({graph['fraction_of_copy']:.0%} of the copy rate); the rest of the "
+            f"gap to the floor is likely each kernel's fixed start-up cost and the small kernels (norms, rotary "
+            f"embeddings) that cannot keep the memory busy. At batch "
+            f"{big['batch']} and {big['context']:,} tokens the step streamed {big['bytes_read'] / 1e9:.0f} GB in "
+            f"{big['seconds'] * 1e3:.1f} ms, {big['fraction_of_copy']:.0%} of the copy rate: with enough bytes per "
+            f"kernel, decode comes close to the memory's speed. This is why vLLM and SGLang capture their decode "
+            f"steps in CUDA graphs (chapter 12).")
+    skipped = [r for r in results.get("decode_by_batch", []) + results.get("decode_by_context", []) if r.get("skipped")]
+    for r in skipped:
+        lines.append(f"\nBatch {r['batch']} at {r['context']:,} tokens was not measured: it {r['skipped']}.")
+    return "\n".join(lines)
+
+
 # --- planning arithmetic ------------------------------------------------------------------------
 
 

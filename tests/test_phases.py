@@ -363,3 +363,29 @@ def test_prefill_flops_the_model_performs():
     tiny = Transformer(get_model("tiny-2m"))
     assert phases.layer_matmul_weights(tiny.cfg) == sum(
         p.numel() for n, p in tiny.named_parameters() if n.startswith("layers.") and "norm" not in n)
+
+
+def test_gpu_findings_say_not_yet_measured_or_read_every_number_from_the_run():
+    assert phases.gpu_findings_markdown(None).startswith("**Not yet measured.**")
+    results = {
+        "device": "NVIDIA H200", "date": "2030-01-02", "torch": "9.9", "dtype": "bfloat16",
+        "copy_bandwidth_Bps": 4.0e12, "matmul_flops": 700e12,
+        "prefill": [{"prompt_tokens": 32768, "seconds": 1.5, "tflops_performed": 490.0}],
+        "prefill_fit": {"measured_crossover_tokens": 60000.0, "predicted_crossover_performed_causal": 53248.0,
+                        "max_relative_error": 0.05},
+        "decode_by_context": [{"batch": 1, "context": 512, "seconds": 0.02, "bytes_read": 15e9,
+                               "fraction_of_copy": 0.19}],
+        "decode_by_batch": [
+            {"batch": 1, "context": 8192, "seconds": 0.0201, "bytes_read": 16e9},
+            {"batch": 32, "context": 8192, "seconds": 0.0209, "bytes_read": 49e9},
+            {"batch": 64, "context": 8192, "seconds": 0.025, "bytes_read": 84e9, "fraction_of_copy": 0.84},
+            {"batch": 128, "context": 8192, "seconds": None, "skipped": "needs 156.7 GB, the GPU has 149.3 GB"},
+        ],
+        "decode_batch1_short_cuda_graph": {"seconds": 0.007, "fraction_of_copy": 0.54},
+    }
+    text = phases.gpu_findings_markdown(results)
+    assert "**Measured** on NVIDIA H200, 2030-01-02 (torch 9.9)" in text
+    assert "490 TFLOP/s" in text and "70% of the device's own matmul rate" in text
+    assert "beyond the 53,248" in text and "more FLOPs per second" in text  # direction follows the data
+    assert "copy rate moves in 3.8 ms" in text and "20.1-20.9 ms" in text and "7.0 ms (54%" in text
+    assert "Batch 128 at 8,192 tokens was not measured: it needs 156.7 GB" in text
