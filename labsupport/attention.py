@@ -361,6 +361,7 @@ def _gpu_config(head_dim: int, dtype_bytes: int, shared_memory: int) -> KernelCo
     for config in GPU_CONFIGS:
         if shared_memory_bound(config, head_dim, dtype_bytes) <= shared_memory:
             break
+    # else: nothing fits by the bound; the smallest tiles are tried, and a launch failure says so
     if head_dim < 128 and config.num_warps > 4:
         config = dataclasses.replace(config, num_warps=4)  # small heads: 4 warps cover a 128-row tile
     return config
@@ -390,8 +391,15 @@ def kernel_config(
 def compiled_shared_memory(config: KernelConfig, head_dim: int, dtype: torch.dtype,
                            capability: tuple[int, int], causal: bool = True) -> int:
     """Bytes of shared memory the reference kernel needs once Triton compiles it for a GPU of
-    ``capability`` with ``config``. No GPU is needed (Triton compiles for any target), but the
-    kernel must not be in interpreter mode: run with ``TRITON_INTERPRET=0``."""
+    ``capability`` with ``config`` (see :func:`compile_for`)."""
+    return int(compile_for(config, head_dim, dtype, capability, causal).metadata.shared)
+
+
+def compile_for(config: KernelConfig, head_dim: int, dtype: torch.dtype, capability: tuple[int, int],
+                causal: bool = True):
+    """The reference kernel compiled by Triton for a GPU of compute ``capability`` (its
+    ``metadata.shared`` bytes, its ``asm["ptx"]``). No GPU is needed (Triton compiles for any
+    target), but the kernel must not be in interpreter mode: run with ``TRITON_INTERPRET=0``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -411,22 +419,22 @@ def compiled_shared_memory(config: KernelConfig, head_dim: int, dtype: torch.dty
             signature[name] = pointer
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
-    compiled = triton.compile(
+    return triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constants),
         target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
         options={"num_warps": config.num_warps, "num_stages": config.num_stages},
     )
-    return int(compiled.metadata.shared)
 
 
 def smaller_configs(config: KernelConfig) -> list[KernelConfig]:
-    """The configurations of :data:`GPU_CONFIGS` after ``config``: what to try when it fails to launch."""
+    """The configurations of :data:`GPU_CONFIGS` after ``config``: what to try when it fails to launch
+    (with no more warps than ``config`` has, as :func:`kernel_config` gives small heads 4)."""
     def key(c: KernelConfig):
         return c.block_m, c.block_n, c.num_stages
 
     keys = [key(c) for c in GPU_CONFIGS]
     start = keys.index(key(config)) + 1 if key(config) in keys else 0
-    return list(GPU_CONFIGS[start:])
+    return [dataclasses.replace(c, num_warps=min(c.num_warps, config.num_warps)) for c in GPU_CONFIGS[start:]]
 
 
 @answer

@@ -36,9 +36,10 @@ TOKENS = 16384
 HEADS = 16
 HEAD_DIM = 128
 # Agreement with SDPA, both in bf16: |kernel - SDPA| <= ATOL + RTOL * |SDPA| everywhere. RTOL is
-# two bf16 steps relative to the value (2**-7 each: both outputs are rounded to bf16 and their
-# fp32 sums run in different orders); ATOL covers outputs near zero. An absolute bound alone
-# would be one bf16 step for outputs between 4 and 8, and loose near zero.
+# at least two bf16 steps relative to the value (a value's relative spacing is 2**-8 to 2**-7:
+# both outputs are rounded to bf16 and their fp32 sums run in different orders); ATOL covers
+# outputs near zero, and for this benchmark's outputs (|ref| below about 0.6) it is the larger
+# part. An absolute bound alone would be one bf16 step for outputs between 4 and 8.
 ATOL = 1e-2
 RTOL = 2**-6
 TOLERANCE = f"|err| <= {ATOL:g} + {RTOL:g} |ref|"
@@ -218,13 +219,14 @@ def results_markdown(results: dict | None) -> str:
     table = format_table(rows, results["device"], results["date"], **shape).split("\n")
     body = [line for line in table if line.startswith("|")]
     marks = [f"- **{'PASS' if v.passed else 'FAIL'}** {v.name} ({v.detail})" for v in verdicts(rows)]
-    return "\n".join([*_measured_intro(results), ""] + [
+    return "\n".join([
         f"**Measured** on {results['device']}, {results['date']} ({results['versions']}): bf16, head dim "
         f"{shape['head_dim']}, {shape['heads']} heads, a batch of {shape['tokens']:,} // S sequences; "
         f"TFLOP/s from the median time.",
         "",
         *body,
         "",
+        *[line + "\n" for line in _measured_intro(results)],
         "Against the targets:",
         "",
         *marks,
@@ -232,7 +234,9 @@ def results_markdown(results: dict | None) -> str:
 
 
 def _measured_intro(results: dict) -> list[str]:
-    """What the measured rows say, in numbers computed from them (nothing typed by hand)."""
+    """What the measured rows say, in numbers computed from them (nothing typed by hand). The
+    Hopper explanation is given only where it applies: an sm_90 GPU on which the kernel was
+    faster than SDPA at every length."""
     from .hardware import match_device_name
 
     rows = [r for r in results["rows"] if r.sdpa_s is not None]
@@ -244,17 +248,20 @@ def _measured_intro(results: dict) -> list[str]:
     gpu = match_device_name(results["device"])
     share = (f" ({best.tflops('kernel') * 1e12 / gpu.peak_flops:.0%} of the {gpu.name}'s dense bf16 datasheet "
              f"peak; SDPA's best, {best_sdpa:.0f} TFLOP/s, is {best_sdpa * 1e12 / gpu.peak_flops:.0%})") if gpu else ""
-    return [
-        f"On this device the course's kernel ran at {min(ratios):.2f}x to {max(ratios):.2f}x the speed of "
-        f"SDPA's flash backend, and reached {best.tflops('kernel'):.0f} TFLOP/s at S = {best.seq_len:,}"
-        f"{' causal' if best.causal else ''}{share}. That is not a sign that a short Triton kernel beats "
-        "FlashAttention in general. PyTorch's flash backend is FlashAttention-2, written for Ampere's "
-        "`mma.sync` tensor-core instructions, which Hopper still runs but not at its full rate; Triton "
-        "compiles `tl.dot` for sm_90 to Hopper's asynchronous `wgmma` instructions (the PTX Triton 3.6 "
-        "emits for this kernel contains them). FlashAttention-3 (Shah et al., 2024), written for Hopper, "
-        "reports 1.5-2x FlashAttention-2's speed there; the comparison to make on an H100 or H200 is "
-        "against it, and SDPA is the baseline a learner's kernel meets in PyTorch.",
-    ]
+    text = (f"On this device the course's kernel ran at {min(ratios):.2f}x to {max(ratios):.2f}x the speed of "
+            f"SDPA's flash backend, and reached {best.tflops('kernel'):.0f} TFLOP/s at S = {best.seq_len:,}"
+            f"{' causal' if best.causal else ''}{share}.")
+    if gpu and gpu.compute_capability >= (9, 0) and min(ratios) > 1:
+        text += (
+            " That is not a sign that a short Triton kernel beats FlashAttention in general. PyTorch's flash "
+            "backend is, by default, FlashAttention-2, written for Ampere's `mma.sync` tensor-core instructions, "
+            "which Hopper runs below its full rate; Triton compiles this kernel's `tl.dot` for sm_90 to Hopper's "
+            "asynchronous `wgmma` instructions (a test compiles it and checks). The instructions are not the whole "
+            "story: the lab's simpler kernel (a mask on every block) ran below SDPA on the same GPU, and so did this "
+            "kernel with 4 warps instead of 8 (the launch-configuration sweep in `results/gpu_logs/`). "
+            "FlashAttention-3 (Shah et al., 2024, arXiv:2407.08608), written for Hopper, reports 1.5-2x "
+            "FlashAttention-2's speed in FP16 on an H100: that is the comparison to make on Hopper.")
+    return [text]
 
 
 # --- measuring ----------------------------------------------------------------------------------

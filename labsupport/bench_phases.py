@@ -16,7 +16,7 @@ On the Llama 3.1 8B shape with random (seeded) weights in bf16, it records:
 * decode step time against batch (context 8,192) and against context (batch 1), with the bytes a
   step really reads over its time as a fraction of the copy bandwidth; at batch 1 also with the
   step captured in a CUDA graph (no launch overhead). Points whose weights and cache would not fit
-  the GPU are skipped before anything is allocated, and the results say which and why
+  the GPU are skipped before their cache is allocated, and the results say which and why
   (:func:`labsupport.phases.plan_decode_points`).
 
 The results file is rewritten after every section, so a run stopped early keeps what it measured.
@@ -140,7 +140,7 @@ def run(out_path: str, *, dry_run: bool) -> dict:
     device, dtype = pick("cuda", "cpu"), pick(torch.bfloat16, torch.float32)
     element = dtype.itemsize
     cfg = get_model(pick(*MODEL))
-    quick = pick({}, {"repeats": 1})  # CPU-only benchmark arguments (do_bench sets its own on a GPU)
+    quick = pick({}, {"repeats": 1})  # the dry run times each point once; on a GPU do_bench decides
     if dry_run:
         torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
     import triton

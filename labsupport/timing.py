@@ -84,7 +84,7 @@ def benchmark(
     if use_gpu and not interpreter_mode() and repeats is None:
         import triton.testing
 
-        # do_bench picks its own repetition count from a time budget (``repeats`` is CPU-only).
+        # do_bench picks its own repetition count from a time budget (``repeats`` asks for wall-clock calls instead).
         # One call, timed after a warm-up one, says whether the default 100 ms budget would cover
         # at least ``min_gpu_repeats`` calls; if not, the budget grows to cover them.
         fn()

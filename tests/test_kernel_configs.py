@@ -46,7 +46,12 @@ out = []
 for name, cc, limit, dtype, d, cfg in json.loads(sys.stdin.read()):
     c = A.KernelConfig(*cfg)
     out.append(A.compiled_shared_memory(c, d, getattr(torch, dtype), tuple(cc)))
+hopper = A.compile_for(A.KernelConfig(128, 64, 8, 3), 128, torch.bfloat16, (9, 0))
+ampere = A.compile_for(A.KernelConfig(128, 64, 8, 3), 128, torch.bfloat16, (8, 0))
 print(json.dumps(out))
+print(json.dumps({"hopper_wgmma": hopper.asm["ptx"].count("wgmma.mma_async"),
+                  "hopper_mma_sync": hopper.asm["ptx"].count("mma.sync"),
+                  "ampere_mma_sync": ampere.asm["ptx"].count("mma.sync")}))
 """
 
 
@@ -59,7 +64,8 @@ def compiled():
     run = subprocess.run([sys.executable, "-c", COMPILE], input=payload, capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return list(zip(cases, json.loads(run.stdout.strip().splitlines()[-1])))
+    lines = run.stdout.strip().splitlines()
+    return list(zip(cases, json.loads(lines[-2]))), json.loads(lines[-1])
 
 
 def test_every_gpu_in_the_table_has_its_limits():
@@ -68,7 +74,7 @@ def test_every_gpu_in_the_table_has_its_limits():
 
 
 def test_picked_configurations_compile_within_each_gpus_shared_memory(compiled):
-    for (name, cc, limit, dtype, d, config), shared in compiled:
+    for (name, cc, limit, dtype, d, config), shared in compiled[0]:
         assert shared <= limit, f"{name} (sm_{cc[0]}{cc[1]}), {dtype}, head dim {d}: {config} needs {shared} B > {limit}"
         # the bound kernel_config plans with really is an upper bound of what the compiler uses
         assert shared <= A.shared_memory_bound(config, d, DTYPES[dtype].itemsize), (name, dtype, d, config, shared)
@@ -87,6 +93,8 @@ def test_the_ladder_shrinks_and_ends_at_the_smallest_tiles():
     bounds = [A.shared_memory_bound(c, 128, 2) for c in A.GPU_CONFIGS]
     assert bounds == sorted(bounds, reverse=True) and len(set(bounds)) == len(bounds)
     assert A.smaller_configs(A.GPU_CONFIGS[0]) == list(A.GPU_CONFIGS[1:])
+    four = A.smaller_configs(A.KernelConfig(128, 64, 4, 3))  # a small head's choice keeps 4 warps
+    assert four[0] == A.KernelConfig(128, 64, 4, 2) and all(c.num_warps == 4 for c in four)
     assert A.smaller_configs(A.GPU_CONFIGS[-1]) == []
     # a configuration too large for anything still gets the smallest tiles, not an error
     assert A.kernel_config(64, 64, 256, torch.float32, interpreter=False, shared_memory=1) == A.GPU_CONFIGS[-1]
@@ -142,3 +150,10 @@ def test_an_explicit_configuration_that_does_not_fit_is_not_replaced(monkeypatch
     q = torch.randn(1, 1, 16, 32)
     with pytest.raises(Exception, match="out of resource"):
         A.__dict__["flash_attention_reference"].__wrapped__(q, q, q, config=A.GPU_CONFIGS[0])
+
+
+def test_on_hopper_the_kernel_uses_wgmma(compiled):
+    """Chapter 07 explains the measured H200 results by the instructions Triton emits: Hopper's
+    asynchronous wgmma for sm_90, Ampere's mma.sync for sm_80. Keep that statement true."""
+    ptx = compiled[1]
+    assert ptx["hopper_wgmma"] > 0 and ptx["hopper_mma_sync"] == 0 and ptx["ampere_mma_sync"] > 0

@@ -229,8 +229,8 @@ def test_gpu_results_are_not_yet_measured_until_recorded(tmp_path):
     assert summary == {
         "device": "NVIDIA H200, 2030-01-02",
         "prefill_ratio": "27.3x",
-        "prefill_tflops": "412 TFLOP/s at 32,768 tokens (456 under the runbook's 2NP count)",
-        "crossover": "41,234 tokens",
+        "prefill_tflops": "412 TFLOP/s at 32,768 tokens (456 under the runbook's count, 2NP plus causal attention)",
+        "crossover": "41,234 tokens (extrapolated past the longest prompt)",
         "decode_b1": "51%",
         "decode_b64": NOT_MEASURED,
         "decode_b1_graph": NOT_MEASURED,
@@ -309,9 +309,10 @@ def test_gpu_all_packs_one_archive_and_keeps_to_its_budget(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_results.tar.gz", "gpu_summary.txt"]
     with tarfile.open(tmp_path / "gpu_results.tar.gz") as tar:
         names = set(tar.getnames())
-        results = json.loads(tar.extractfile("results/gpu_phases.json").read())
-        environment = tar.extractfile("results/gpu_logs/environment.txt").read().decode()
-    assert {"results/gpu_logs/phases.log", "results/gpu_logs/environment.txt"} <= names
+        results = json.loads(tar.extractfile("dry_run_results/gpu_phases.json").read())
+        environment = tar.extractfile("dry_run_results/gpu_logs/environment.txt").read().decode()
+    assert {"dry_run_results/gpu_logs/phases.log", "dry_run_results/gpu_logs/environment.txt"} <= names
+    assert not any(n.startswith("results/") for n in names)  # a dry run never unpacks over results/
     assert results["dry_run"] is True and "DRY RUN" in environment
     assert "== phases: exit 0" in (tmp_path / "gpu_summary.txt").read_text()
 
@@ -365,16 +366,18 @@ def test_prefill_flops_the_model_performs():
         p.numel() for n, p in tiny.named_parameters() if n.startswith("layers.") and "norm" not in n)
 
 
-def test_gpu_findings_say_not_yet_measured_or_read_every_number_from_the_run():
-    assert phases.gpu_findings_markdown(None).startswith("**Not yet measured.**")
+def _findings_results(**changes):
     results = {
         "device": "NVIDIA H200", "date": "2030-01-02", "torch": "9.9", "dtype": "bfloat16",
         "copy_bandwidth_Bps": 4.0e12, "matmul_flops": 700e12,
         "prefill": [{"prompt_tokens": 32768, "seconds": 1.5, "tflops_performed": 490.0}],
         "prefill_fit": {"measured_crossover_tokens": 60000.0, "predicted_crossover_performed_causal": 53248.0,
                         "max_relative_error": 0.05},
-        "decode_by_context": [{"batch": 1, "context": 512, "seconds": 0.02, "bytes_read": 15e9,
-                               "fraction_of_copy": 0.19}],
+        "decode_by_context": [
+            {"batch": 1, "context": 512, "seconds": 0.02, "bytes_read": 15e9, "fraction_of_copy": 0.19,
+             "cache_share": 0.01},
+            {"batch": 1, "context": 131072, "seconds": 0.06, "bytes_read": 32e9, "fraction_of_copy": 0.13,
+             "cache_share": 0.53}],
         "decode_by_batch": [
             {"batch": 1, "context": 8192, "seconds": 0.0201, "bytes_read": 16e9},
             {"batch": 32, "context": 8192, "seconds": 0.0209, "bytes_read": 49e9},
@@ -383,9 +386,37 @@ def test_gpu_findings_say_not_yet_measured_or_read_every_number_from_the_run():
         ],
         "decode_batch1_short_cuda_graph": {"seconds": 0.007, "fraction_of_copy": 0.54},
     }
-    text = phases.gpu_findings_markdown(results)
+    results.update(changes)
+    return results
+
+
+def test_gpu_findings_say_not_yet_measured_or_read_every_number_from_the_run():
+    assert phases.gpu_findings_markdown(None).startswith("**Not yet measured.**")
+    text = phases.gpu_findings_markdown(_findings_results())
     assert "**Measured** on NVIDIA H200, 2030-01-02 (torch 9.9)" in text
-    assert "490 TFLOP/s" in text and "70% of the device's own matmul rate" in text
-    assert "beyond the 53,248" in text and "more FLOPs per second" in text  # direction follows the data
-    assert "copy rate moves in 3.8 ms" in text and "20.1-20.9 ms" in text and "7.0 ms (54%" in text
+    assert "**Prefill is compute-bound.**" in text and "490 TFLOP/s" in text
+    assert "70% of the matmul rate" in text and "50% of the datasheet's dense bf16 peak" in text
+    assert "an extrapolation past the longest prompt" in text  # 60,000 > 32,768 measured
+    assert "beyond the 53,248" in text and "leaves out" in text  # direction follows the data
+    assert "copy rate moves in 3.8 ms" in text and "It was launch-bound" in text and "20.1-20.9 ms" in text
+    assert "7.0 ms (54%" in text and "131,072 tokens of context" in text and "split-KV" in text
     assert "Batch 128 at 8,192 tokens was not measured: it needs 156.7 GB" in text
+
+
+def test_gpu_findings_draw_no_conclusion_the_data_does_not_support():
+    """A slower GPU's run: prefill far from the matmul rate, decode times that grow with the batch,
+    a CUDA graph that gains little, a crossover short of the prediction and inside the sweep."""
+    slow = _findings_results(
+        prefill=[{"prompt_tokens": 32768, "seconds": 9.0, "tflops_performed": 90.0}],
+        prefill_fit={"measured_crossover_tokens": 20000.0, "predicted_crossover_performed_causal": 53248.0,
+                     "max_relative_error": 0.05},
+        decode_by_batch=[{"batch": 1, "context": 8192, "seconds": 0.05, "bytes_read": 16e9},
+                         {"batch": 32, "context": 8192, "seconds": 0.09, "bytes_read": 49e9},
+                         {"batch": 64, "context": 8192, "seconds": 0.2, "bytes_read": 84e9, "fraction_of_copy": 0.4}],
+        decode_batch1_short_cuda_graph={"seconds": 0.019, "fraction_of_copy": 0.2},
+        device="NVIDIA T4")
+    text = phases.gpu_findings_markdown(slow)
+    assert "compute-bound" not in text and "**Prefill.**" in text
+    assert "extrapolation" not in text and "falls short of the crossover" in text
+    assert "launch-bound" not in text and "Replayed from a CUDA graph the step took 19.0 ms" in text
+    assert "comes close to the memory's speed" not in text
