@@ -36,7 +36,7 @@ import torch
 
 from . import costs
 from .device import configure_triton, interpreter_mode
-from .model import Transformer
+from .transformer import Transformer
 from .models import get_model
 from .phases import (
     fit_prefill_times,

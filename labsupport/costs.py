@@ -8,6 +8,9 @@ Conventions (stated once, used everywhere):
   the same again to blend the values. The runbook counts it *without* the causal mask;
   ``causal=True`` halves it, since a causal model scores each query only against earlier keys.
 * A decode step reads every weight once and the whole KV cache of every sequence in the batch.
+* Bytes: a name ending in ``_dtype_bytes`` is bytes per element (2 for bf16), one ending in
+  ``_bytes`` a total.
+* A model is a :class:`~labsupport.models.ModelConfig` or its name (:func:`labsupport.models.as_model`).
 """
 
 from __future__ import annotations
@@ -15,21 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._answers import answer
-from ._validate import positive_int, positive_number
-from .models import ModelConfig
+from ._validate import positive_int, positive_number, renamed_parameters
+from .models import ModelConfig, as_model
 
 # The fraction of the tensor-core peak a tuned prefill is planned at (the runbook's convention;
 # published eager stacks reach 35-50%, tuned ones 65-80%). Estimates, never measurements.
 PLANNING_MFU = 0.4
-
-
-def _model(cfg) -> ModelConfig:
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(
-            f"cfg must be a ModelConfig (for example labsupport.models.get_model('llama-3.1-8b')), "
-            f"got {type(cfg).__name__}"
-        )
-    return cfg
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -39,7 +33,7 @@ def param_count(cfg: ModelConfig) -> int:
     (``d * n_kv_heads * head_dim`` each), the SwiGLU feed-forward (``3*d*d_ff``) and two RMSNorm
     weight vectors. Then the embedding table, a final norm and, unless tied, the output head.
     """
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     d, kv_width = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
     attention = 2 * d * d + 2 * d * kv_width
     feed_forward = 3 * d * cfg.d_ff
@@ -52,7 +46,7 @@ def param_count(cfg: ModelConfig) -> int:
 @answer
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2) -> float:
     """Bytes of KV cache one token adds: keys and values, every layer, every KV head."""
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     dtype_bytes = positive_number("dtype_bytes", dtype_bytes)
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
     return int(per_token) if per_token == int(per_token) else per_token
@@ -61,7 +55,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2) -> float:
 @answer
 def prefill_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
     """FLOPs to prefill ``prompt_tokens`` positions: ``2*N*P + 4*L*P**2*d`` (attention halved if causal)."""
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     p = positive_int("prompt_tokens", prompt_tokens)
     linear = 2 * param_count(cfg) * p
     return float(linear + prefill_attention_flops(cfg, p, causal=causal))
@@ -69,7 +63,7 @@ def prefill_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) ->
 
 def prefill_attention_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
     """The quadratic part of :func:`prefill_flops`: ``4*L*P**2*d``, halved when ``causal``."""
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     p = positive_int("prompt_tokens", prompt_tokens)
     attention = 4 * cfg.n_layers * p * p * cfg.d_model
     return float(attention / 2 if causal else attention)
@@ -85,7 +79,7 @@ def quadratic_crossover(cfg: ModelConfig, causal: bool = False) -> float:
 
     With the causal halving the attention term is half as large, so the crossover doubles.
     """
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     crossover = param_count(cfg) / (2 * cfg.n_layers * cfg.d_model)
     return crossover * 2 if causal else crossover
 
@@ -108,27 +102,32 @@ class DecodeBytes:
 
 
 @answer
+@renamed_parameters(weight_bytes="weight_dtype_bytes")
 def decode_step_bytes(
     cfg: ModelConfig,
     batch: int,
     context: int,
-    weight_bytes: float = 2,
+    weight_dtype_bytes: float = 2,
     kv_dtype_bytes: float = 2,
 ) -> DecodeBytes:
-    """Bytes read by one decode step: all weights once, plus ``batch`` caches of ``context`` tokens."""
-    cfg = _model(cfg)
+    """Bytes read by one decode step: all weights once, plus ``batch`` caches of ``context`` tokens.
+
+    ``weight_dtype_bytes`` and ``kv_dtype_bytes`` are bytes per element (2 for bf16). The old name
+    ``weight_bytes=`` is still accepted.
+    """
+    cfg = as_model(cfg)
     batch = positive_int("batch", batch)
     context = positive_int("context", context, allow_zero=True)
-    weight_bytes = positive_number("weight_bytes", weight_bytes)
+    weight_dtype_bytes = positive_number("weight_dtype_bytes", weight_dtype_bytes)
     kv_dtype_bytes = positive_number("kv_dtype_bytes", kv_dtype_bytes)
-    weights = param_count(cfg) * weight_bytes
+    weights = param_count(cfg) * weight_dtype_bytes
     cache = kv_bytes_per_token(cfg, kv_dtype_bytes) * context * batch
     return DecodeBytes(weights=float(weights), cache=float(cache))
 
 
 def decode_step_flops(cfg: ModelConfig, batch: int, context: int = 0) -> float:
     """FLOPs of one decode step: ``2*N`` per sequence plus attention over its ``context``."""
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     batch = positive_int("batch", batch)
     context = positive_int("context", context, allow_zero=True)
     return float(batch * (2 * param_count(cfg) + 4 * cfg.n_layers * context * cfg.d_model))

@@ -11,13 +11,13 @@ import os
 import platform
 from dataclasses import dataclass
 
+import torch
+
 INTERPRET_VAR = "TRITON_INTERPRET"
 PRESET_VAR = "LABSUPPORT_PRESET"
 
 
 def cuda_available() -> bool:
-    import torch
-
     return bool(torch.cuda.is_available())
 
 
@@ -27,8 +27,6 @@ def gpu_has_bf16() -> bool:
     Older GPUs (Colab's T4, a V100) have float16 tensor cores only: bfloat16 runs there, slowly,
     and neither Triton's ``tl.dot`` nor SDPA's FlashAttention backend accepts it.
     """
-    import torch
-
     return cuda_available() and torch.cuda.get_device_capability()[0] >= 8
 
 
@@ -36,8 +34,6 @@ def lab_dtype() -> "torch.dtype":  # noqa: F821
     """The dtype labs measure in: bfloat16 on an Ampere-or-newer GPU, float16 on an older GPU,
     float32 on a CPU (whose 16-bit matmuls are slow and whose ``tl.dot`` in the interpreter
     mishandles bfloat16)."""
-    import torch
-
     if not cuda_available():
         return torch.float32
     return torch.bfloat16 if gpu_has_bf16() else torch.float16
@@ -60,8 +56,6 @@ def configure_triton() -> bool:
 
 def device() -> "torch.device":  # noqa: F821
     """The device labs put tensors on: ``cuda`` when available, else ``cpu``."""
-    import torch
-
     return torch.device("cuda" if cuda_available() else "cpu")
 
 
@@ -102,8 +96,6 @@ def _triton_version() -> str:
 
 def settings() -> LabSettings:
     """Describe the current machine without printing anything."""
-    import torch
-
     interp = configure_triton()
     on_gpu = cuda_available()
     memory = 0

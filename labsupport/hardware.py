@@ -124,6 +124,20 @@ def get_gpu(name: str) -> GPU:
     return GPUS[alias]
 
 
+def as_gpu(gpu) -> GPU:
+    """The GPU ``gpu`` stands for: a :class:`GPU` as it is (several cards as one too,
+    ``GPU.times(n)``), or a name for :func:`get_gpu`. Every function of the course that takes a GPU
+    goes through this one."""
+    if isinstance(gpu, GPU):
+        return gpu
+    if isinstance(gpu, str):
+        return get_gpu(gpu)
+    raise ValueError(
+        f"gpu must be a labsupport.hardware.GPU (for example get_gpu('H100 SXM'), or get_gpu('H100 SXM').times(4) "
+        f"for four cards) or a GPU name ({', '.join(GPUS)}), got {type(gpu).__name__}"
+    )
+
+
 def list_gpus() -> list[str]:
     return list(GPUS)
 

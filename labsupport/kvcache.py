@@ -4,8 +4,9 @@ Conventions (the same as :mod:`labsupport.costs`):
 
 * one token adds ``2 * n_layers * n_kv_heads * head_dim * kv_dtype_bytes`` bytes of cache: a key
   and a value vector for every KV head of every layer (:func:`labsupport.costs.kv_bytes_per_token`);
-* the weights take ``param_count(cfg) * weight_bytes`` bytes and are stored once, whatever the
-  number of sequences;
+* the weights take ``param_count(cfg) * weight_dtype_bytes`` bytes and are stored once, whatever the
+  number of sequences (``*_dtype_bytes`` is bytes per element, ``*_bytes`` a total; the old
+  parameter name ``weight_bytes=`` is still accepted);
 * memory sizes are in bytes; the GPU table (:mod:`labsupport.hardware`) gives them in decimal GB,
   as datasheets do.
 """
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable
 
 from ._answers import answer
-from ._validate import positive_int, positive_number
-from .costs import _model, kv_bytes_per_token, param_count
+from ._validate import int_list, non_negative_number, positive_int, positive_number, renamed_parameters
+from .costs import kv_bytes_per_token, param_count
+from .models import as_model
 
 __all__ = [
     "kv_bytes_per_token",
@@ -32,35 +33,27 @@ __all__ = [
 ]
 
 
-def _non_negative(name: str, value) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    return float(value)
-
-
 def kv_bytes_per_sequence(cfg, tokens: int, kv_dtype_bytes: float = 2) -> float:
     """Bytes of KV cache held by one sequence of ``tokens`` tokens."""
     tokens = positive_int("tokens", tokens, allow_zero=True)
     return kv_bytes_per_token(cfg, kv_dtype_bytes) * tokens
 
 
-def weight_bytes_total(cfg, weight_bytes: float = 2) -> float:
-    """Bytes the weights occupy: every parameter (:func:`labsupport.costs.param_count`) times ``weight_bytes``."""
-    cfg = _model(cfg)
-    return param_count(cfg) * positive_number("weight_bytes", weight_bytes)
+@renamed_parameters(weight_bytes="weight_dtype_bytes")
+def weight_bytes_total(cfg, weight_dtype_bytes: float = 2) -> float:
+    """Bytes the weights occupy: every parameter (:func:`labsupport.costs.param_count`) times
+    ``weight_dtype_bytes``, the bytes per weight."""
+    cfg = as_model(cfg)
+    return param_count(cfg) * positive_number("weight_dtype_bytes", weight_dtype_bytes)
 
 
 @answer
+@renamed_parameters(weight_bytes="weight_dtype_bytes")
 def max_concurrency(
     cfg,
     gpu_memory_bytes: float,
     context_tokens: int,
-    weight_bytes: float = 2,
+    weight_dtype_bytes: float = 2,
     kv_dtype_bytes: float = 2,
     reserve_bytes: float = 0,
 ) -> int:
@@ -68,7 +61,7 @@ def max_concurrency(
 
     Precisely::
 
-        free = gpu_memory_bytes - param_count(cfg) * weight_bytes - reserve_bytes
+        free = gpu_memory_bytes - param_count(cfg) * weight_dtype_bytes - reserve_bytes
         per_sequence = kv_bytes_per_token(cfg, kv_dtype_bytes) * context_tokens
         max_concurrency = floor(free / per_sequence), or 0 when free <= 0
 
@@ -77,11 +70,11 @@ def max_concurrency(
     0 means the weights (plus the reserve) leave no room for even one sequence.
     For several GPUs, pass their total memory (for example ``get_gpu("H100").times(4).memory_bytes``).
     """
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     memory = positive_number("gpu_memory_bytes", gpu_memory_bytes)
     context_tokens = positive_int("context_tokens", context_tokens)
-    reserve = _non_negative("reserve_bytes", reserve_bytes)
-    free = memory - weight_bytes_total(cfg, weight_bytes) - reserve
+    reserve = non_negative_number("reserve_bytes", reserve_bytes)
+    free = memory - weight_bytes_total(cfg, weight_dtype_bytes) - reserve
     if free <= 0:
         return 0
     per_sequence = kv_bytes_per_token(cfg, kv_dtype_bytes) * context_tokens
@@ -92,7 +85,7 @@ def max_concurrency(
 
 def with_kv_heads(cfg, n_kv_heads: int):
     """A copy of ``cfg`` with ``n_kv_heads`` key/value heads (``n_heads`` gives plain multi-head attention)."""
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     n_kv_heads = positive_int("n_kv_heads", n_kv_heads)
     if cfg.n_heads % n_kv_heads:
         raise ValueError(
@@ -103,15 +96,6 @@ def with_kv_heads(cfg, n_kv_heads: int):
     return dataclasses.replace(cfg, name=f"{cfg.name} ({kind})", n_kv_heads=n_kv_heads)
 
 
-def _lengths(lengths: Iterable[int]) -> list[int]:
-    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
-        raise ValueError(f"lengths must be a list of token counts, got {lengths!r}")
-    values = [positive_int("each length", v, allow_zero=True) for v in lengths]
-    if not values:
-        raise ValueError("lengths must contain at least one sequence length, got an empty list")
-    return values
-
-
 def reservation_waste(lengths: Iterable[int], max_len: int) -> float:
     """Fraction of reserved cache left unused when every request reserves ``max_len`` tokens.
 
@@ -119,7 +103,7 @@ def reservation_waste(lengths: Iterable[int], max_len: int) -> float:
     contiguous per-request reservation must cover the longest sequence a request *might* reach,
     so the used share is ``sum(lengths) / (len(lengths) * max_len)`` and the rest is waste.
     """
-    values = _lengths(lengths)
+    values = int_list("lengths", lengths, allow_zero=True)
     max_len = positive_int("max_len", max_len)
     longest = max(values)
     if longest > max_len:
@@ -133,7 +117,7 @@ def paged_waste(lengths: Iterable[int], block_tokens: int = 16) -> float:
     Each sequence holds ``ceil(length / block_tokens)`` blocks, so only its last block can be
     partly empty (the scheme of PagedAttention, Kwon et al., SOSP 2023).
     """
-    values = _lengths(lengths)
+    values = int_list("lengths", lengths, allow_zero=True)
     block_tokens = positive_int("block_tokens", block_tokens)
     allocated = sum(math.ceil(v / block_tokens) * block_tokens for v in values)
     if allocated == 0:

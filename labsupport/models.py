@@ -91,6 +91,19 @@ def get_model(name: str) -> ModelConfig:
     return MODELS[key]
 
 
+def as_model(model) -> ModelConfig:
+    """The model shape ``model`` stands for: a :class:`ModelConfig` as it is, or a name for
+    :func:`get_model`. Every function of the course that takes a model goes through this one."""
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, str):
+        return get_model(model)
+    raise ValueError(
+        f"model must be a ModelConfig (for example labsupport.models.get_model('llama-3.1-8b')) or a model "
+        f"name ({', '.join(sorted(MODELS))}), got {type(model).__name__}"
+    )
+
+
 def list_models() -> list[str]:
     """Names accepted by :func:`get_model`."""
     return sorted(MODELS)

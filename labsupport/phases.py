@@ -1,4 +1,4 @@
-"""Measuring the two phases on :class:`labsupport.model.Transformer`, and fitting what was measured.
+"""Measuring the two phases on :class:`labsupport.transformer.Transformer`, and fitting what was measured.
 
 * :func:`fit_prefill_times` fits ``time = a*P + b*P**2 + c`` to prefill times measured at prompt
   lengths ``P`` and returns the *measured* crossover ``a / b``: the prompt length at which the
@@ -24,8 +24,13 @@ import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ._validate import positive_int
+import numpy as np
+
+from . import costs
+from ._validate import int_list, positive_int, positive_number, renamed_parameters
+from .models import as_model
 from .timing import progress as progress_bar
+from .transformer import Transformer
 
 # --- fitting ------------------------------------------------------------------------------------
 
@@ -97,8 +102,6 @@ def fit_prefill_times(lengths, seconds, *, constant: bool = True) -> PrefillFit:
     non-negative: a time cannot shrink with the prompt, so a negative term would only be
     fitting noise. Needs at least as many distinct lengths as terms (3 with ``constant``, else 2).
     """
-    import numpy as np
-
     lengths, secs = _as_points(lengths, seconds)
     terms = 3 if constant else 2
     if len(set(lengths)) < terms:
@@ -172,12 +175,7 @@ def _free_memory() -> None:
 
 
 def _lengths(values, what: str) -> list[int]:
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"{what} must be a list of positive integers, got {values!r}")
-    values = [positive_int(f"each of {what}", v) for v in values]
-    if not values:
-        raise ValueError(f"{what} must not be empty")
-    return values
+    return int_list(what, values)
 
 
 @dataclass(frozen=True)
@@ -207,10 +205,8 @@ def _cache_bytes(model, batch: int, max_len: int) -> int:
 
 
 def _check_model(model):
-    from .model import Transformer
-
     if not isinstance(model, Transformer):
-        raise ValueError(f"model must be a labsupport.model.Transformer, got {type(model).__name__}")
+        raise ValueError(f"model must be a labsupport.transformer.Transformer, got {type(model).__name__}")
     return model
 
 
@@ -286,7 +282,8 @@ def measure_decode(
     return points
 
 
-def unread_embedding_bytes(cfg, batch: int, element_bytes: float = 2) -> float:
+@renamed_parameters(element_bytes="dtype_bytes")
+def unread_embedding_bytes(cfg, batch: int, dtype_bytes: float = 2) -> float:
     """Bytes of the input embedding table that a decode step of ``batch`` sequences never reads.
 
     :func:`labsupport.costs.decode_step_bytes` follows the runbook and charges every weight to
@@ -294,17 +291,15 @@ def unread_embedding_bytes(cfg, batch: int, element_bytes: float = 2) -> float:
     that table is separate from the output head (``tied_embeddings=False``, as in Llama 3.1 8B:
     about 1 GB in bf16) the other rows stay in memory untouched. Subtract this from the runbook's
     count to get the bytes a step really streams, before dividing by a measured step time. Zero
-    for tied embeddings: the shared table is read in full as the output head.
+    for tied embeddings: the shared table is read in full as the output head. ``dtype_bytes`` is
+    bytes per weight (the old name ``element_bytes=`` is still accepted).
     """
-    from ._validate import positive_number
-    from .costs import _model
-
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     batch = positive_int("batch", batch)
-    element_bytes = positive_number("element_bytes", element_bytes)
+    dtype_bytes = positive_number("dtype_bytes", dtype_bytes)
     if cfg.tied_embeddings:
         return 0.0
-    return float(max(cfg.vocab_size - batch, 0) * cfg.d_model * element_bytes)
+    return float(max(cfg.vocab_size - batch, 0) * cfg.d_model * dtype_bytes)
 
 
 def model_prefill_flops(cfg, prompt_tokens: int, batch: int = 1, causal: bool = True) -> float:
@@ -319,9 +314,7 @@ def model_prefill_flops(cfg, prompt_tokens: int, batch: int = 1, causal: bool = 
     kernel skips the masked half). For Llama 3.1 8B, ``W`` is about 6.98e9 against ``N`` = 8.03e9.
     Chapter 05 quotes both counts; measured FLOP/s use this one.
     """
-    from .costs import _model
-
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     p = positive_int("prompt_tokens", prompt_tokens)
     batch = positive_int("batch", batch)
     width = cfg.n_heads * cfg.head_dim
@@ -333,9 +326,7 @@ def model_prefill_flops(cfg, prompt_tokens: int, batch: int = 1, causal: bool = 
 def layer_matmul_weights(cfg) -> int:
     """Weights of the decoder layers' matrices: q, k, v, o projections and the SwiGLU feed-forward,
     every layer (no norms, embeddings or output layer)."""
-    from .costs import _model
-
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     d, q_width, kv_width = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     return cfg.n_layers * (2 * d * q_width + 2 * d * kv_width + 3 * d * cfg.d_ff)
 
@@ -344,9 +335,7 @@ def model_prefill_crossover(cfg, causal: bool = True) -> float:
     """Prompt length where the attention FLOPs of :func:`model_prefill_flops` equal its per-token
     matmul FLOPs: ``W / (2 * L * H * D)``, doubled when ``causal``. The runbook's count,
     :func:`labsupport.costs.quadratic_crossover`, uses every weight ``N`` and ``d`` instead."""
-    from .costs import _model
-
-    cfg = _model(cfg)
+    cfg = as_model(cfg)
     crossover = layer_matmul_weights(cfg) / (2 * cfg.n_layers * cfg.n_heads * cfg.head_dim)
     return crossover * 2 if causal else crossover
 
@@ -377,10 +366,8 @@ def plan_decode_points(cfg, pairs, memory_bytes: float, dtype_bytes: int = 2,
     (on an 80 GB H100, batch 64 at 8,192 tokens of the 8B needs 16.1 GB of weights and 68.7 GB
     of cache: more than the card's 85.5e9 bytes).
     """
-    from .costs import _model, param_count
-
-    cfg = _model(cfg)
-    weights = param_count(cfg) * dtype_bytes
+    cfg = as_model(cfg)
+    weights = costs.param_count(cfg) * dtype_bytes
     per_position = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
     planned = []
     for batch, context in pairs:
@@ -607,9 +594,6 @@ def request_phase_times(
       cache (:func:`labsupport.costs.decode_step_bytes`) over ``bandwidth_efficiency *
       bandwidth``, and its arithmetic time at ``mfu`` of peak.
     """
-    from . import costs
-    from ._validate import positive_number
-
     prompt_tokens = positive_int("prompt_tokens", prompt_tokens)
     output_tokens = positive_int("output_tokens", output_tokens)
     batch = positive_int("batch", batch)

@@ -26,8 +26,15 @@ import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from ._answers import answer
 from ._validate import positive_int, positive_number
+from .costs import matmul_flops
+from .device import device as default_device
+from .device import lab_dtype
+from .timing import benchmark
 from .timing import progress as progress_bar
 
 
@@ -54,8 +61,6 @@ def matmul_bytes(m: int, k: int, n: int, dtype_bytes: float) -> float:
 @answer
 def matmul_intensity(m: int, k: int, n: int, dtype_bytes: float) -> float:
     """Arithmetic intensity of ``(m, k) @ (k, n)``: ``2*m*k*n`` FLOPs over :func:`matmul_bytes`."""
-    from .costs import matmul_flops
-
     return matmul_flops(m, k, n) / matmul_bytes(m, k, n, dtype_bytes)
 
 
@@ -97,10 +102,6 @@ def _sizes(sizes, what: str) -> list:
 
 
 def _device(device):
-    import torch
-
-    from .device import device as default_device
-
     if device is None:
         return default_device()
     try:
@@ -115,8 +116,6 @@ def _device(device):
 
 
 def _dtype(dtype):
-    import torch
-
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(
             f"dtype must be a floating-point torch dtype such as torch.float32, torch.float16 or "
@@ -134,16 +133,9 @@ def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **b
     float16 before) on a GPU, and float32 on a CPU; ``device`` defaults to :func:`labsupport.device.device`.
     Extra keyword arguments go to :func:`labsupport.timing.benchmark` (``repeats=``, ...).
     """
-    import torch
-
-    from .costs import matmul_flops
-    from .timing import benchmark
-
     shapes = [_shape(s) for s in _sizes(sizes, "sizes")]
     dev = _device(device)
     if dtype is None:
-        from .device import lab_dtype
-
         dtype = lab_dtype() if dev.type == "cuda" else torch.float32
     dtype = _dtype(dtype)
 
@@ -162,10 +154,6 @@ def measure_copy(sizes_bytes, device=None, *, progress: bool = True, **bench) ->
     A copy of ``b`` bytes reads ``b`` and writes ``b``, so it is credited with ``2*b`` bytes moved.
     Extra keyword arguments go to :func:`labsupport.timing.benchmark`.
     """
-    import torch
-
-    from .timing import benchmark
-
     sizes = [positive_int("size in bytes", s) for s in _sizes(sizes_bytes, "sizes_bytes")]
     dev = _device(device)
 
@@ -255,8 +243,6 @@ def plot_roofline(
     solid roof (what the roof allows); one with it is drawn where it was measured.
     Both axes are logarithmic; ridge points are marked with dotted vertical lines.
     """
-    import numpy as np
-
     peak_flops = positive_number("peak_flops", peak_flops)
     bandwidth = positive_number("bandwidth", bandwidth)
     if not hasattr(ax, "loglog"):

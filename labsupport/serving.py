@@ -18,7 +18,8 @@ per token, 3.11 s per request, 43 tokens/s):
   decode step.
 * **Parameters.** ``params="nominal"`` uses the size in the model's name (70e9 for the 70B),
   as the source does; ``"counted"`` uses :func:`labsupport.costs.param_count` (70.55e9).
-* **Bytes.** Weights at ``weight_bytes`` per parameter (2 for bf16). Prefill reads the weights
+* **Bytes.** Weights at ``weight_dtype_bytes`` per parameter (2 for bf16), the cache at
+  ``kv_dtype_bytes`` per element (``*_dtype_bytes`` is bytes per element, ``*_bytes`` a total). Prefill reads the weights
   once and writes the KV cache of every prompt token; a decode step reads the weights once
   and the KV cache of every sequence in the batch.
 * **The batch** arrives together: its prompts are prefilled in one pass (so every request waits
@@ -50,8 +51,8 @@ from dataclasses import dataclass
 
 from . import costs
 from ._validate import positive_int, positive_number
-from .hardware import GPU, get_gpu
-from .models import ModelConfig, get_model
+from .hardware import GPU, as_gpu
+from .models import as_model
 
 #: Sizes in the models' names, the parameter counts the source's arithmetic uses.
 NOMINAL_PARAMS: dict[str, float] = {
@@ -99,14 +100,25 @@ class Conventions:
     decode_steps: str = "output"
     throughput: str = "decode"
     attention: str = "none"
-    weight_bytes: float = 2
-    kv_bytes: float = 2
+    weight_dtype_bytes: float = 2  # bytes per weight
+    kv_dtype_bytes: float = 2  # bytes per cached element
 
     def __post_init__(self) -> None:
         for name, accepted in _CHOICES.items():
             _choice(name, getattr(self, name), accepted)
-        positive_number("weight_bytes", self.weight_bytes)
-        positive_number("kv_bytes", self.kv_bytes)
+        positive_number("weight_dtype_bytes", self.weight_dtype_bytes)
+        positive_number("kv_dtype_bytes", self.kv_dtype_bytes)
+
+    # The names before the bytes naming rule, read-only, for code written against them.
+    @property
+    def weight_bytes(self) -> float:
+        """Old name of :attr:`weight_dtype_bytes` (bytes per weight)."""
+        return self.weight_dtype_bytes
+
+    @property
+    def kv_bytes(self) -> float:
+        """Old name of :attr:`kv_dtype_bytes` (bytes per cached element)."""
+        return self.kv_dtype_bytes
 
     @staticmethod
     def choices() -> dict[str, tuple[str, ...]]:
@@ -127,25 +139,9 @@ def _conventions(conventions) -> Conventions:
     return conventions
 
 
-def _model(model) -> ModelConfig:
-    if isinstance(model, str):
-        return get_model(model)
-    if not isinstance(model, ModelConfig):
-        raise ValueError(f"model must be a ModelConfig or a model name, got {type(model).__name__}")
-    return model
-
-
 def _gpu(gpu) -> GPU:
-    if gpu is None:
-        return serving_gpu()
-    if isinstance(gpu, str):
-        return get_gpu(gpu)
-    if not isinstance(gpu, GPU):
-        raise ValueError(
-            f"gpu must be a labsupport.hardware.GPU (for example serving_gpu('A100 40GB', 4)) "
-            f"or a GPU name, got {type(gpu).__name__}"
-        )
-    return gpu
+    """``None`` is the source's device (:func:`serving_gpu`); anything else goes to :func:`as_gpu`."""
+    return serving_gpu() if gpu is None else as_gpu(gpu)
 
 
 def serving_gpu(card: str = SOURCE_CARD, count: int = SOURCE_CARD_COUNT, bandwidth: str = "source") -> GPU:
@@ -155,7 +151,7 @@ def serving_gpu(card: str = SOURCE_CARD, count: int = SOURCE_CARD_COUNT, bandwid
     quotes one (:data:`SOURCE_BANDWIDTH`: 1.5 TB/s for the A100 40GB, so "6 TB/s" for four);
     every other card, and ``bandwidth="datasheet"``, use :mod:`labsupport.hardware`'s figure.
     """
-    base = get_gpu(card)
+    base = as_gpu(card)
     count = positive_int("count", count)
     _choice("bandwidth", bandwidth, BANDWIDTH_CHOICES)
     if bandwidth == "source" and base.name in SOURCE_BANDWIDTH:
@@ -173,7 +169,7 @@ def serving_gpu(card: str = SOURCE_CARD, count: int = SOURCE_CARD_COUNT, bandwid
 
 def model_params(model, params: str = "nominal") -> float:
     """Parameter count under the ``params`` convention: ``"nominal"`` (70e9) or ``"counted"``."""
-    cfg = _model(model)
+    cfg = as_model(model)
     _choice("params", params, _CHOICES["params"])
     if params == "counted":
         return float(costs.param_count(cfg))
@@ -257,9 +253,9 @@ def _phase(name: str, flops: float, nbytes: float, gpu: GPU) -> Phase:
 
 
 def weight_bytes(model, conventions: Conventions | None = None) -> float:
-    """Bytes of weights: parameters (per ``conventions.params``) times ``weight_bytes``."""
+    """Bytes of weights: parameters (per ``conventions.params``) times ``weight_dtype_bytes``."""
     conv = _conventions(conventions)
-    return model_params(model, conv.params) * conv.weight_bytes
+    return model_params(model, conv.params) * conv.weight_dtype_bytes
 
 
 def prefill(
@@ -270,14 +266,14 @@ def prefill(
     conventions: Conventions | None = None,
 ) -> Phase:
     """The prefill of ``batch`` prompts in one pass: ``2*N*B*P`` FLOPs, weights read once, cache written."""
-    cfg, gpu, conv = _model(model), _gpu(gpu), _conventions(conventions)
+    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     p, _, b = _lengths(prompt_tokens, 1, batch)
     n = model_params(cfg, conv.params)
     tokens = b * p
     flops = 2 * n * tokens
     if conv.attention != "none":
         flops += b * costs.prefill_attention_flops(cfg, p, causal=conv.attention == "causal")
-    nbytes = n * conv.weight_bytes + tokens * costs.kv_bytes_per_token(cfg, conv.kv_bytes)
+    nbytes = n * conv.weight_dtype_bytes + tokens * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
     return _phase("prefill", flops, nbytes, gpu)
 
 
@@ -293,14 +289,14 @@ def decode_step(
 
     ``2*N*B`` FLOPs; the weights read once plus ``B`` caches of that context.
     """
-    cfg, gpu, conv = _model(model), _gpu(gpu), _conventions(conventions)
+    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     p, o, b = _lengths(prompt_tokens, output_tokens, batch)
     n = model_params(cfg, conv.params)
     context = decode_context(p, o, conv)
     flops = 2 * n * b
     if conv.attention != "none":
         flops += b * 4 * cfg.n_layers * context * cfg.d_model
-    nbytes = n * conv.weight_bytes + b * context * costs.kv_bytes_per_token(cfg, conv.kv_bytes)
+    nbytes = n * conv.weight_dtype_bytes + b * context * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
     return _phase("decode", flops, nbytes, gpu)
 
 
@@ -373,9 +369,9 @@ def kv_cache_bytes(
     conventions: Conventions | None = None,
 ) -> float:
     """KV cache the batch holds at its largest, after the last token: ``B * (P + O)`` tokens."""
-    cfg, conv = _model(model), _conventions(conventions)
+    cfg, conv = as_model(model), _conventions(conventions)
     p, o, b = _lengths(prompt_tokens, output_tokens, batch)
-    return float(b * (p + o) * costs.kv_bytes_per_token(cfg, conv.kv_bytes))
+    return float(b * (p + o) * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes))
 
 
 def decode_ridge_batch(
@@ -392,15 +388,15 @@ def decode_ridge_batch(
     ``B = R*W / (2*N - R*c*k)`` when that limit lies above ``R``, and never otherwise. Attention
     FLOPs are not counted here whatever ``conventions.attention`` says.
     """
-    cfg, gpu, conv = _model(model), _gpu(gpu), _conventions(conventions)
+    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     n = model_params(cfg, conv.params)
     per_sequence = decode_context(prompt_tokens, output_tokens, conv) * costs.kv_bytes_per_token(
-        cfg, conv.kv_bytes
+        cfg, conv.kv_dtype_bytes
     )
     room = 2 * n - gpu.ridge_point * per_sequence
     if room <= 0:
         return math.inf
-    return gpu.ridge_point * n * conv.weight_bytes / room
+    return gpu.ridge_point * n * conv.weight_dtype_bytes / room
 
 
 def prefill_ridge_tokens(model, gpu=None, conventions: Conventions | None = None) -> float:
@@ -410,12 +406,12 @@ def prefill_ridge_tokens(model, gpu=None, conventions: Conventions | None = None
     batch together): below ``T = R*W / (2*N - R*k)`` prefill too is bandwidth-bound. Attention
     FLOPs are not counted here whatever ``conventions.attention`` says.
     """
-    cfg, gpu, conv = _model(model), _gpu(gpu), _conventions(conventions)
+    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     n = model_params(cfg, conv.params)
-    room = 2 * n - gpu.ridge_point * costs.kv_bytes_per_token(cfg, conv.kv_bytes)
+    room = 2 * n - gpu.ridge_point * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
     if room <= 0:
         return math.inf
-    return gpu.ridge_point * n * conv.weight_bytes / room
+    return gpu.ridge_point * n * conv.weight_dtype_bytes / room
 
 
 @dataclass(frozen=True)
@@ -469,7 +465,7 @@ def phases(
 
     ``gpu=None`` means :func:`serving_gpu` (four A100 40GB cards at the source's 6 TB/s).
     """
-    cfg, gpu, conv = _model(model), _gpu(gpu), _conventions(conventions)
+    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     p, o, b = _lengths(prompt_tokens, output_tokens, batch)
     pre = prefill(cfg, gpu, p, b, conv)
     dec = decode_step(cfg, gpu, p, o, b, conv)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from .device import cuda_available, interpreter_mode
 
 NOT_MEANINGFUL = "Triton interpreter: not meaningful for performance"
@@ -45,8 +47,6 @@ class Timing:
 
 
 def _cuda_sync() -> None:
-    import torch
-
     torch.cuda.synchronize()
 
 

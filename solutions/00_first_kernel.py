@@ -18,21 +18,8 @@
 # Colab (pick a GPU runtime). On your own Linux machine, run `make lab` in the course repository:
 # it installs everything and opens JupyterLab on the `labs/` folder.
 
-# %%
-# Setup. On Colab (or any machine without the course installed) this installs the course
-# package first; it never replaces the torch and triton that are already there.
-try:
-    import labsupport
-except ModuleNotFoundError:
-    import subprocess
-    import sys
-
-    course = "git+https://github.com/llm-serving-course/course"  # your course's repository
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], capture_output=True, text=True)
-    if pip.returncode:
-        raise RuntimeError(f"could not install the course from {course}: check the address above and that "
-                           f"this runtime can reach the internet. pip said:\n{pip.stderr[-1500:]}") from None
-    import labsupport
+# %% [setup]
+import labsupport
 
 settings = labsupport.setup()
 

@@ -21,26 +21,13 @@
 #    achieved bandwidth;
 # 6. place what you measured on your device's roofline.
 #
-# The model is `labsupport.model.Transformer`: a Llama-style decoder in one file with random
+# The model is `labsupport.transformer.Transformer`: a Llama-style decoder in one file with random
 # weights. How long a pass takes does not depend on the weights' values, so a random model times
 # exactly like a trained one of the same shape. On a GPU the lab uses the shape of Llama 3.1 8B;
 # on a CPU, small shapes chosen so the same effects appear within seconds.
 
-# %%
-# Setup. On Colab (or any machine without the course installed) this installs the course
-# package first; it never replaces the torch and triton that are already there.
-try:
-    import labsupport
-except ModuleNotFoundError:
-    import subprocess
-    import sys
-
-    course = "git+https://github.com/llm-serving-course/course"  # your course's repository
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], capture_output=True, text=True)
-    if pip.returncode:
-        raise RuntimeError(f"could not install the course from {course}: check the address above and that "
-                           f"this runtime can reach the internet. pip said:\n{pip.stderr[-1500:]}") from None
-    import labsupport
+# %% [setup]
+import labsupport
 
 settings = labsupport.setup()
 
@@ -54,7 +41,6 @@ from labsupport.checks import check_decode_bytes, check_prefill_flops
 from labsupport.costs import decode_step_flops, param_count
 from labsupport.device import device, lab_dtype
 from labsupport.hardware import match_device_name
-from labsupport.model import Transformer
 from labsupport.models import get_model
 from labsupport.phases import (
     cpu_threads,
@@ -64,17 +50,18 @@ from labsupport.phases import (
     unread_embedding_bytes,
 )
 from labsupport.roofline import measure_copy, measure_matmul, plot_roofline
+from labsupport.transformer import Transformer
 
 DEVICE = device()
 DTYPE = lab_dtype()  # bf16 (fp16 before Ampere) on a GPU, fp32 on a CPU
-ELEMENT_BYTES = torch.empty((), dtype=DTYPE).element_size()  # 2 for bf16, 4 for fp32
+DTYPE_BYTES = torch.empty((), dtype=DTYPE).element_size()  # 2 for bf16, 4 for fp32
 # On a CPU, time with one thread: on a small machine shared with other work, threads waiting for
 # a busy core make single timings erratic. On a GPU this setting does nothing.
 THREADS = settings.pick(small=1, full=None)
 LLAMA_8B = get_model("llama-3.1-8b")
 # The GPU preset measures the 8B shape: its weights, plus room for activations and caches.
 # A GPU with less than twice that (Colab's T4 has 15 GiB) measures smaller models instead.
-BIG_FITS = settings.on_gpu and settings.memory_bytes >= 2 * param_count(LLAMA_8B) * ELEMENT_BYTES
+BIG_FITS = settings.on_gpu and settings.memory_bytes >= 2 * param_count(LLAMA_8B) * DTYPE_BYTES
 if settings.on_gpu and not BIG_FITS:
     print(f"{settings.device_name} has too little memory for the 8B shape; parts 4 and 5 use smaller models")
 
@@ -305,8 +292,8 @@ by_context = measure_decode(decode_model, [1], contexts, threads=THREADS, repeat
 
 def bytes_really_read(batch, context):
     # your count, minus the embedding rows a step never touches
-    counted = decode_bytes_per_step(decode_cfg, batch, context, ELEMENT_BYTES)
-    return counted - unread_embedding_bytes(decode_cfg, batch, ELEMENT_BYTES)
+    counted = decode_bytes_per_step(decode_cfg, batch, context, DTYPE_BYTES)
+    return counted - unread_embedding_bytes(decode_cfg, batch, DTYPE_BYTES)
 
 
 def report(point):
@@ -379,7 +366,7 @@ plt.show()
 # model's attention actually does.
 
 # %%
-weight_bytes = param_count(prefill_cfg) * ELEMENT_BYTES
+weight_bytes = param_count(prefill_cfg) * DTYPE_BYTES
 points = []
 for pt in (measured[0], measured[len(measured) // 2], measured[-1]):
     flops = prefill_flops(prefill_cfg, pt.prompt_tokens, causal=True)

@@ -17,21 +17,8 @@
 # On a CPU the measurements use a tiny model (random weights: timing does not depend on their
 # values); on a GPU, the shape of Llama 3.1 8B when it fits.
 
-# %%
-# Setup. On Colab (or any machine without the course installed) this installs the course
-# package first; it never replaces the torch and triton that are already there.
-try:
-    import labsupport
-except ModuleNotFoundError:
-    import subprocess
-    import sys
-
-    course = "git+https://github.com/llm-serving-course/course"  # your course's repository
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", course], capture_output=True, text=True)
-    if pip.returncode:
-        raise RuntimeError(f"could not install the course from {course}: check the address above and that "
-                           f"this runtime can reach the internet. pip said:\n{pip.stderr[-1500:]}") from None
-    import labsupport
+# %% [setup]
+import labsupport
 
 settings = labsupport.setup()
 
@@ -45,9 +32,9 @@ from labsupport.costs import decode_step_bytes, param_count
 from labsupport.device import device, lab_dtype
 from labsupport.hardware import get_gpu
 from labsupport.kvcache import with_kv_heads
-from labsupport.model import Transformer
 from labsupport.models import get_model
 from labsupport.timing import benchmark
+from labsupport.transformer import Transformer
 
 DEVICE = device()
 if not settings.on_gpu:
@@ -61,7 +48,7 @@ if not settings.on_gpu:
 # In every layer, attention turns each token into a key vector and a value vector for each of the
 # model's **key/value heads** (`n_kv_heads`, which under grouped-query attention is smaller than
 # the number of query heads `n_heads`). Each vector has `head_dim` elements. The model in
-# `labsupport.model` allocates its cache like this, for `batch` sequences of up to `max_len`
+# `labsupport.transformer` allocates its cache like this, for `batch` sequences of up to `max_len`
 # tokens:
 
 # %%
@@ -132,14 +119,14 @@ if settings.on_gpu:
         print(f"this GPU has too little memory for the 8B shape; using {MODEL_NAME} instead")
 CFG = get_model(MODEL_NAME)
 model = Transformer(CFG, device=DEVICE, dtype=DTYPE, seed=0)
-ELEMENT_BYTES = torch.empty((), dtype=DTYPE).element_size()
+DTYPE_BYTES = torch.empty((), dtype=DTYPE).element_size()
 print(model)
 print(f"weights: {model.param_bytes() / 2**20:,.1f} MiB in {str(DTYPE)[6:]}")
 
 # %%
 batch, max_len = 4, 300
 cache = model.new_cache(batch, max_len)
-predicted = kv_bytes_per_token(CFG, ELEMENT_BYTES) * batch * max_len
+predicted = kv_bytes_per_token(CFG, DTYPE_BYTES) * batch * max_len
 print(cache)
 print(f"allocated {cache.nbytes():,} bytes; your formula predicts {predicted:,}")
 assert cache.nbytes() == predicted
@@ -149,7 +136,7 @@ del cache
 # ## 3. How many sequences fit
 #
 # The weights are stored once; the cache is per sequence. With `gpu_memory_bytes` of memory,
-# weights of `param_count(cfg) * weight_bytes` bytes and `reserve_bytes` set aside for everything
+# weights of `param_count(cfg) * weight_dtype_bytes` bytes and `reserve_bytes` set aside for everything
 # else (activations, the runtime, fragmentation), the number of sequences of `context_tokens`
 # tokens each that fit is
 #
@@ -165,9 +152,10 @@ del cache
 # for the number of weights, and your own `kv_bytes_per_token`.
 
 # %%
-def max_concurrency(cfg, gpu_memory_bytes, context_tokens, weight_bytes=2, kv_dtype_bytes=2, reserve_bytes=0):
+def max_concurrency(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes=2, kv_dtype_bytes=2,
+                    reserve_bytes=0):
     # BEGIN SOLUTION: subtract weights and reserve from memory, divide by one sequence's cache, floor, >= 0
-    free = gpu_memory_bytes - param_count(cfg) * weight_bytes - reserve_bytes
+    free = gpu_memory_bytes - param_count(cfg) * weight_dtype_bytes - reserve_bytes
     if free <= 0:
         return 0
     per_sequence = kv_bytes_per_token(cfg, kv_dtype_bytes) * context_tokens
@@ -288,16 +276,16 @@ for context in tqdm(step_contexts, desc=f"decode step, batch {step_batch}"):
             torch.cuda.empty_cache()
 
 for context, ms in step_ms.items():
-    read = decode_step_bytes(CFG, step_batch, context, weight_bytes=ELEMENT_BYTES, kv_dtype_bytes=ELEMENT_BYTES)
+    read = decode_step_bytes(CFG, step_batch, context, weight_dtype_bytes=DTYPE_BYTES, kv_dtype_bytes=DTYPE_BYTES)
     print(f"context {context:6,}: {ms:8.3f} ms per step; reads {read.total / 2**20:9.1f} MiB "
           f"({read.cache_share:4.0%} cache) -> {read.total / (ms / 1e3) / 1e9:7.1f} GB/s achieved")
 for context in out_of_memory:
-    need = kv_bytes_per_token(CFG, ELEMENT_BYTES) * step_batch * (context + 1)
+    need = kv_bytes_per_token(CFG, DTYPE_BYTES) * step_batch * (context + 1)
     print(f"context {context:6,}: out of memory (the cache alone needs {need / 2**30:.1f} GiB)")
 
 # %%
 measured = list(step_ms)
-reads = [decode_step_bytes(CFG, step_batch, c, ELEMENT_BYTES, ELEMENT_BYTES) for c in measured]
+reads = [decode_step_bytes(CFG, step_batch, c, DTYPE_BYTES, DTYPE_BYTES) for c in measured]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
 ax1.plot(measured, [step_ms[c] for c in measured], "o-")
 ax1.set(xlabel="context (tokens per sequence)", ylabel="ms per decode step",

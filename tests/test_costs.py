@@ -100,8 +100,9 @@ def test_tied_embeddings_count_once():
         (lambda: decode_step_bytes(M8, 1, -5), "context"),
         (lambda: kv_bytes_per_token(M8, dtype_bytes=0), "dtype_bytes"),
         (lambda: decode_step_bytes(M8, 1, 10, kv_dtype_bytes=-1), "kv_dtype_bytes"),
-        (lambda: decode_step_bytes(M8, 1, 10, weight_bytes=0), "weight_bytes"),
-        (lambda: param_count("llama-3.1-8b"), "ModelConfig"),
+        (lambda: decode_step_bytes(M8, 1, 10, weight_dtype_bytes=0), "weight_dtype_bytes"),
+        (lambda: decode_step_bytes(M8, 1, 10, weight_bytes=0), "weight_dtype_bytes"),  # the old name
+        (lambda: param_count(70), "ModelConfig"),
         (lambda: matmul_flops(0, 1, 1), "m"),
         (lambda: prefill_flops(M8, True), "prompt_tokens"),
     ],
@@ -113,3 +114,18 @@ def test_bad_input_names_the_argument(call, argument):
 
 def test_numbers_are_finite():
     assert all(math.isfinite(x) for x in (prefill_flops(M405, 131072), decode_step_bytes(M405, 512, 131072).total))
+
+
+def test_a_model_name_is_as_good_as_its_shape():
+    """One converter (labsupport.models.as_model) everywhere: names and ModelConfigs give the same."""
+    assert param_count("llama-3.1-8b") == param_count(M8)
+    assert prefill_flops("Llama-3.1-70B", 512) == prefill_flops(M70, 512)
+    assert decode_step_bytes("llama-3.1-8b", 4, 100) == decode_step_bytes(M8, 4, 100)
+
+
+def test_the_old_bytes_parameter_name_still_works():
+    """weight_bytes= (per element, before the bytes naming rule) is weight_dtype_bytes=."""
+    assert decode_step_bytes(M8, 2, 64, weight_bytes=1) == decode_step_bytes(M8, 2, 64, weight_dtype_bytes=1)
+    assert decode_step_bytes(M8, 2, 64, weight_bytes=1) != decode_step_bytes(M8, 2, 64)
+    with pytest.raises(TypeError, match="both"):
+        decode_step_bytes(M8, 2, 64, weight_bytes=1, weight_dtype_bytes=1)

@@ -12,9 +12,9 @@ import nbformat
 import pytest
 
 import labsupport
-from labsupport import book
+from labsupport.course import book
+from labsupport.course.notebooks import execute, load
 from labsupport.device import banner, explain_error, interpreter_mode, settings
-from labsupport.notebooks import execute, load
 from labsupport.timing import NOT_MEANINGFUL, Timing, benchmark
 
 

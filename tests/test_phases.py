@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from labsupport import phases
-from labsupport.model import Transformer
 from labsupport.models import get_model
 from labsupport.phases import cpu_threads, fit_prefill_times, measure_decode, measure_prefill
 from labsupport.timing import progress as progress_bar
+from labsupport.transformer import Transformer
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 

@@ -257,8 +257,8 @@ def test_bad_arguments_are_named(kwargs, name):
         ("decode_steps", "output+1"),
         ("throughput", "peak"),
         ("attention", True),
-        ("weight_bytes", 0),
-        ("kv_bytes", -2),
+        ("weight_dtype_bytes", 0),
+        ("kv_dtype_bytes", -2),
     ],
 )
 def test_bad_conventions_are_named(field, value):
@@ -280,3 +280,8 @@ def test_nominal_size_needs_a_published_one():
         serving.model_params(get_model("tiny-2m"))
     with pytest.raises(ValueError, match="params"):
         serving.model_params(M70, "rounded")
+
+
+def test_conventions_still_read_under_their_old_names():
+    conv = Conventions(weight_dtype_bytes=1, kv_dtype_bytes=4)
+    assert (conv.weight_bytes, conv.kv_bytes) == (1, 4)

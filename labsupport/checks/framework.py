@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from .._answers import AnswerUsed, banning
+from .._answers import AnswerUsed, banning, qualified_name
 
 RESULTS_ENV = "LABSUPPORT_RESULTS"
 
@@ -118,7 +118,7 @@ class Checker:
     def __init__(self, name: str, bans: Sequence[str] = ()):
         self.name = name
         self.cases = 0
-        self.bans = tuple(bans)  # the course's answers the learner's function may not call
+        self.bans = tuple(qualified_name(b) for b in bans)  # the answers the learner's function may not call
 
     # -- running the learner's function -------------------------------------------------------
     def call(self, fn: Callable, *args, case: Case, forbid: Sequence[str] = (), **kwargs):
@@ -367,9 +367,9 @@ class triton_launches:
 def graded(points: float, name: str | None = None, bans: Sequence[str] = ()):
     """Register a check worth ``points``; the decorated body is ``body(fn, checker, *args)``.
 
-    ``bans`` names the course's own answers (functions decorated with
-    :func:`labsupport._answers.answer`, as ``"module.function"``) that the learner's function may
-    not be, wrap or call while it is checked.
+    ``bans`` are the course's own answers (functions decorated with
+    :func:`labsupport._answers.answer`, or their qualified names ``"module.function"``) that the
+    learner's function may not be, wrap or call while it is checked.
     """
 
     def decorate(body: Callable) -> Callable:

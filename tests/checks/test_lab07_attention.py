@@ -422,7 +422,7 @@ def test_other_correct_implementations_pass(capsys):
 
 def test_bfloat16_cases_accept_naive_attention_computed_in_bfloat16(monkeypatch, capsys):
     """The GPU adds bf16 cases; their tolerances must admit attention rounded to bf16 throughout."""
-    import labsupport.checks.attention as CA
+    import labsupport.checks.lab07_attention as CA
 
     monkeypatch.setattr(CA, "_dtypes", lambda: [torch.bfloat16])  # as on a GPU, without one
     check_naive_attention(naive_in_input_dtype)
@@ -453,7 +453,7 @@ def tf32_flash(q, k, v, causal=False):
 
 
 def test_flash_check_names_tf32_on_a_gpu(monkeypatch):
-    import labsupport.checks.attention as CA
+    import labsupport.checks.lab07_attention as CA
 
     monkeypatch.setattr(CA, "_gpu_compiles", lambda: True)  # diagnose as on a GPU (no bf16 cases here)
     monkeypatch.setattr(CA, "_dtypes", lambda: [torch.float32, torch.float16])

@@ -5,7 +5,8 @@ import torch
 
 from labsupport import costs
 from labsupport.attention import flash_attention_reference
-from labsupport.model import (
+from labsupport.models import ModelConfig, get_model
+from labsupport.transformer import (
     ROPE_THETA,
     KVCache,
     Transformer,
@@ -14,7 +15,6 @@ from labsupport.model import (
     random_prompt,
     rope_cos_sin,
 )
-from labsupport.models import ModelConfig, get_model
 
 TINY = get_model("tiny-2m")
 # Untied head and a group size of 4, as in the Llama 3 models.

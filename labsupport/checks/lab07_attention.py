@@ -28,14 +28,24 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
+from ..attention import (
+    attention_spec,
+    flash_attention_reference,
+    naive_attention_reference,
+    online_softmax_reference,
+    peak_tensor_memory,
+)
+from ..device import cuda_available, device, gpu_has_bf16, interpreter_mode
 from .framework import Case, graded, triton_launches
 
 FORBID = ["scaled_dot_product_attention"]
 ANSWERS = (  # the course's own implementations: a learner's function may not be or call them
-    "labsupport.attention.attention_spec",
-    "labsupport.attention.naive_attention_reference",
-    "labsupport.attention.online_softmax_reference",
-    "labsupport.attention.flash_attention_reference",
+    attention_spec,
+    naive_attention_reference,
+    online_softmax_reference,
+    flash_attention_reference,
 )
 SEQ_LENS = (1, 2, 17, 100, 257)
 LONG_SEQ = 4096  # GPU-only memory case
@@ -48,8 +58,6 @@ _NOT_FINITE = "NaN or inf"
 
 def _make_inputs(case_fields: dict, device):
     """Signed random q, k, v for one case, on ``device``; ``sigma`` scales q and k (logits)."""
-    import torch
-
     f = case_fields
     gen = torch.Generator().manual_seed(f["seed"])
     b, h, s, d = f["B"], f["H"], f["S"], f["D"]
@@ -73,8 +81,6 @@ def _tolerances(dtype, large: bool) -> tuple[float, float, float, float]:
     large logits magnify that rounding. fp32 allows plain fp32 rounding only: on a GPU that
     means ``tl.dot(..., input_precision="ieee")``, not the default tf32.
     """
-    import torch
-
     if dtype == torch.float32:
         return 1e-4, 1e-4, 1e-4, 1e-5
     if dtype == torch.float16:
@@ -84,16 +90,10 @@ def _tolerances(dtype, large: bool) -> tuple[float, float, float, float]:
 
 def _gpu_compiles() -> bool:
     """True when Triton compiles for a CUDA GPU (not the interpreter): the GPU-only cases run."""
-    from ..device import cuda_available, interpreter_mode
-
     return cuda_available() and not interpreter_mode()
 
 
 def _dtypes():
-    import torch
-
-    from ..device import gpu_has_bf16
-
     dtypes = [torch.float32, torch.float16]
     # bf16 is broken in the Triton interpreter; on GPUs it needs compute capability 8.0 (Ampere).
     if _gpu_compiles() and gpu_has_bf16():
@@ -103,8 +103,6 @@ def _dtypes():
 
 def _cases(d_small: int = 32, d_large: int = 64) -> list[dict]:
     """The case list shared by the three checks, smallest first (failures then name the simplest)."""
-    import torch
-
     cases = []
     seed = 0
     for dtype in _dtypes():
@@ -158,8 +156,6 @@ def _variant(q, k, v, causal, *, scale=None, axis=-1, mask_offset=0, transpose_m
     ``mask_offset`` shifts the causal diagonal (``-1`` hides the diagonal, ``+1`` shows one future
     key); ``mask_when`` overrides whether a causal mask is applied at all.
     """
-    import torch
-
     s_q, s_k, d = q.shape[2], k.shape[2], q.shape[3]
     scale = 1 / math.sqrt(d) if scale is None else scale
     scores = (q.double() @ k.double().transpose(-2, -1)) * scale  # (B, H, S, S)
@@ -218,8 +214,6 @@ def _output_mistakes(q, k, v, causal) -> dict[str, tuple[object, str]]:
 
 
 def _lse_mistakes(q, k, v, causal, lse_true) -> dict[str, tuple[object, str]]:
-    import torch
-
     s_q, s_k = q.shape[2], k.shape[2]
     scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[3])
     if causal:
@@ -250,8 +244,6 @@ def _compare(checker, got, want, *, case, atol, rtol, what, mistakes, hint="", d
     ``diagnose``, if given, is called only when no mistake matched (it may run the learner's
     function on probes); a non-empty answer replaces the generic ``hint``.
     """
-    import torch
-
     if (isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(want.shape)
             and got.device == want.device):
         g, w = got.detach().double(), want.detach().double()
@@ -295,11 +287,6 @@ def _expect_pair(checker, result, case) -> tuple[object, object]:
 
 def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=None, limit_memory=False,
                require_triton=False):
-    import torch
-
-    from ..attention import attention_spec, peak_tensor_memory
-    from ..device import device
-
     dev = device()
     for fields in _cases():
         kwargs = dict(extra_kwargs(fields)) if extra_kwargs else {}
@@ -352,8 +339,6 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
 
 
 def _close(got, want, atol, rtol) -> bool:
-    import torch
-
     return (isinstance(got, torch.Tensor) and got.shape == want.shape and got.device == want.device
             and torch.allclose(got.detach().double(), want.detach().double(), atol=atol, rtol=rtol))
 
@@ -375,8 +360,6 @@ def _probe_diagnosis(call, fields, probe_len: int = 256, tail_hint: str = TAIL_H
     P2: the same length with key 0 dominating every row, so the running maximum is final after
     the first key block and never changes. If P1 is wrong and P2 right, the rescale is missing.
     """
-    from ..attention import attention_spec
-
     atol, rtol, _, _ = _tolerances(fields["dtype"], False)
     probe = dict(fields, S=probe_len, seed=fields["seed"] + 1000)  # same B, H, dtype, layout
     probe.pop("sigma", None)
@@ -417,10 +400,6 @@ def _tf32_diagnosis(call, fields) -> str:
     logic mistake makes (at S = 1, where every mistake gives the right answer, it is the only
     way to fail). Returns "" when this does not apply.
     """
-    import torch
-
-    from ..attention import attention_spec
-
     if fields["dtype"] != torch.float32 or not _gpu_compiles():
         return ""
     q, k, v = _make_inputs(fields, _device())
@@ -443,8 +422,6 @@ BLOCKWISE_HINT = (
 
 
 def _device():
-    from ..device import device
-
     return device()
 
 
@@ -481,8 +458,6 @@ def check_online_softmax(fn, checker):
 @graded(points=25, bans=ANSWERS)
 def check_flash_attention(fn, checker):
     """``fn(q, k, v, causal=False)`` must return ``(out, lse)``; on a GPU, also S = 4096 in O(S) memory."""
-    from ..device import cuda_available, interpreter_mode
-
     def diagnose(fields, _):
         def call(q, k, v, c):
             return fn(q, k, v, causal=c)
@@ -496,10 +471,6 @@ def check_flash_attention(fn, checker):
 
 def _check_long_sequence(fn, checker, seq_len: int = LONG_SEQ):
     """GPU only: S = seq_len is right, and peak memory shows no S x S tensor was allocated."""
-    import torch
-
-    from ..attention import attention_spec
-
     for causal in (False, True):
         fields = dict(B=1, H=4, S=seq_len, D=64, dtype=torch.float16, causal=causal, seed=99)
         case = _case(fields)

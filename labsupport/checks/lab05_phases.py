@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+from ..costs import decode_step_bytes, param_count, prefill_flops
+from ..models import ModelConfig, get_model
 from .framework import Case, graded
 
 PREFILL_CONVENTION = (
@@ -13,18 +15,16 @@ PREFILL_CONVENTION = (
 )
 
 
-def decode_convention(element_bytes: float = 2) -> str:
+def decode_convention(dtype_bytes: float = 2) -> str:
     """The decode-bytes convention, as the check's hint states it."""
     return (
-        f"bytes per decode step = N * {element_bytes:g} (every weight, read once for the whole batch) + "
+        f"bytes per decode step = N * {dtype_bytes:g} (every weight, read once for the whole batch) + "
         f"batch * context * kv_bytes_per_token, with kv_bytes_per_token = 2 (K and V) * n_layers * "
-        f"n_kv_heads * head_dim * {element_bytes:g} bytes."
+        f"n_kv_heads * head_dim * {dtype_bytes:g} bytes."
     )
 
 
 def _configs():
-    from ..models import ModelConfig, get_model
-
     return [
         get_model("llama-3.1-8b"),
         get_model("llama-3.1-70b"),
@@ -39,9 +39,6 @@ def _configs():
 
 def _param_count(cfg, mha: bool = False, embeddings: bool = True) -> int:
     """param_count with optional planted mistakes (all heads for K/V; embeddings left out)."""
-    from ..costs import param_count
-    from ..models import ModelConfig
-
     if mha:
         fields = {k: getattr(cfg, k) for k in ("n_layers", "d_model", "n_heads", "d_ff", "vocab_size")}
         cfg = ModelConfig(cfg.name, n_kv_heads=cfg.n_heads, tied_embeddings=cfg.tied_embeddings, **fields)
@@ -105,11 +102,9 @@ def _prefill_mistakes(cfg, p: int, causal: bool) -> dict[str, float]:
     }
 
 
-@graded(points=5, bans=("labsupport.costs.prefill_flops",))
+@graded(points=5, bans=(prefill_flops,))
 def check_prefill_flops(fn, checker):
     """``fn(cfg, prompt_tokens, causal=False)`` must return the FLOPs of prefilling the prompt."""
-    from ..costs import prefill_flops
-
     for cfg in _configs():
         for p in _PREFILL_LENGTHS[cfg.name]:
             for causal in (False, True):
@@ -178,15 +173,13 @@ def _bytes_parameters(fn) -> list[str]:
     return [p.name for p in params if p.kind in kinds and ("byte" in p.name.lower() or "dtype" in p.name.lower())]
 
 
-@graded(points=5, bans=("labsupport.costs.decode_step_bytes",))
+@graded(points=5, bans=(decode_step_bytes,))
 def check_decode_bytes(fn, checker):
     """``fn(cfg, batch, context)`` must return the bytes one decode step reads: weights + every cache, bf16.
 
     If ``fn`` takes the bytes per value (any parameter whose name mentions bytes or dtype), it is
     checked with 4 (fp32) as well, every such parameter set to 4.
     """
-    from ..costs import decode_step_bytes
-
     byte_params = _bytes_parameters(fn)
     element_sizes = (2, 4) if byte_params else (2,)
     for cfg in _configs():
@@ -195,7 +188,7 @@ def check_decode_bytes(fn, checker):
                 extra = {} if b == 2 else {name: b for name in byte_params}
                 case = Case(model=cfg.name, batch=batch, context=context, **extra)
                 got = checker.call(fn, cfg, batch, context, case=case, **extra)
-                expected = decode_step_bytes(cfg, batch, context, weight_bytes=b, kv_dtype_bytes=b).total
+                expected = decode_step_bytes(cfg, batch, context, weight_dtype_bytes=b, kv_dtype_bytes=b).total
                 wrong = _decode_mistakes(cfg, batch, context, b)
                 if b != 2:
                     wrong["dtype_bytes is ignored (2 bytes per value are always used)"] = decode_step_bytes(

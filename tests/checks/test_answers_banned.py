@@ -18,7 +18,7 @@ from labsupport.checks import (
     check_online_softmax,
     check_prefill_flops,
 )
-from labsupport.checks.roofline import reference_intensity
+from labsupport.checks.lab04_roofline import reference_intensity
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

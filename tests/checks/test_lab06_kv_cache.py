@@ -61,10 +61,11 @@ def test_max_concurrency_definition():
         (dict(gpu_memory_bytes="80GB"), "gpu_memory_bytes"),
         (dict(context_tokens=0), "context_tokens"),
         (dict(context_tokens=1.5), "context_tokens"),
-        (dict(weight_bytes=0), "weight_bytes"),
+        (dict(weight_dtype_bytes=0), "weight_dtype_bytes"),
+        (dict(weight_bytes=0), "weight_dtype_bytes"),  # the name before the bytes naming rule
         (dict(kv_dtype_bytes=-1), "dtype_bytes"),
         (dict(reserve_bytes=-1), "reserve_bytes"),
-        (dict(cfg="llama-3.1-8b"), "ModelConfig"),
+        (dict(cfg=8), "ModelConfig"),
     ],
 )
 def test_max_concurrency_rejects_bad_input(kwargs, match):
@@ -168,6 +169,26 @@ def test_concurrency_reference_passes(capsys):
     check_max_concurrency(ref_concurrency)
     check_max_concurrency(max_concurrency)
     assert "PASSED check_max_concurrency" in capsys.readouterr().out
+
+
+def test_concurrency_accepts_both_spellings_of_the_weight_bytes(capsys):
+    """A notebook released before the bytes naming rule says weight_bytes=; a new one weight_dtype_bytes=.
+    The check passes its arguments under whichever name the learner's function has."""
+
+    def new_spelling(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes=2, kv_dtype_bytes=2,
+                     reserve_bytes=0):
+        return ref_concurrency(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes, kv_dtype_bytes,
+                               reserve_bytes)
+
+    check_max_concurrency(new_spelling)
+    assert "PASSED check_max_concurrency" in capsys.readouterr().out
+
+    def new_spelling_ignores_weights_size(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes=2,
+                                          kv_dtype_bytes=2, reserve_bytes=0):
+        return ref_concurrency(cfg, gpu_memory_bytes, context_tokens, 2, kv_dtype_bytes, reserve_bytes)
+
+    with pytest.raises(CheckFailed, match="weight_dtype_bytes=1"):  # the case names the learner's spelling
+        check_max_concurrency(new_spelling_ignores_weights_size)
 
 
 def _mutant(change):

@@ -6,6 +6,7 @@ import csv
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,24 +17,18 @@ from pathlib import Path
 import nbformat
 import pytest
 
-import labsupport.grade
-import labsupport.notebooks
-from labsupport.__main__ import main
-from labsupport.grade import (
-    CSV_HEADER,
-    Row,
-    check_calls,
-    expand,
-    format_table,
-    grade_notebook,
-    identify_lab,
-    load_manifest,
-    scan_flags,
-    student_name,
-)
-from labsupport.notebooks import execute
+import labsupport.course.grade
+import labsupport.course.manifest
+import labsupport.course.notebooks
+import labsupport.course.report
+from labsupport.course.cli import main
+from labsupport.course.grade import expand, grade_notebook, identify_lab, student_name
+from labsupport.course.manifest import load_manifest
+from labsupport.course.notebooks import execute
+from labsupport.course.report import CSV_HEADER, Row, format_table
+from labsupport.course.scan import check_calls, scan_flags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.notebook  # starts Jupyter kernels
 LABS = load_manifest()
 
@@ -259,8 +254,8 @@ def test_grading_works_installed_from_a_wheel_without_the_sources(tmp_path):
 
 
 def test_grading_refuses_without_the_lab_list(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(labsupport.grade, "MANIFEST", tmp_path / "lab_checks.json")
-    monkeypatch.setattr(labsupport.grade, "grade_all", lambda *a, **k: pytest.fail("graded without lab_checks.json"))
+    monkeypatch.setattr(labsupport.course.manifest, "MANIFEST", tmp_path / "lab_checks.json")
+    monkeypatch.setattr(labsupport.course.grade, "grade_all", lambda *a, **k: pytest.fail("graded without lab_checks.json"))
     _notebook(tmp_path / "x_00_first_kernel.ipynb", "print(1)")
     assert main(["grade", str(tmp_path / "x_00_first_kernel.ipynb"), "--csv", str(tmp_path / "g.csv")]) == 2
     err = capsys.readouterr().err
@@ -276,7 +271,7 @@ def test_the_committed_lab_list_ships_with_the_package():
 
 
 def _never_run(monkeypatch):
-    monkeypatch.setattr(labsupport.grade, "execute", lambda *a, **k: pytest.fail("a notebook was run"))
+    monkeypatch.setattr(labsupport.course.grade, "execute", lambda *a, **k: pytest.fail("a notebook was run"))
 
 
 def test_the_lab_comes_from_the_file_name_and_the_metadata_and_they_must_agree(tmp_path, monkeypatch):
@@ -307,9 +302,9 @@ def test_the_lab_comes_from_the_file_name_and_the_metadata_and_they_must_agree(t
 
 
 def test_lab_option_forces_the_lab(tmp_path, monkeypatch, capsys):
-    from labsupport.notebooks import Execution
+    from labsupport.course.notebooks import Execution
 
-    monkeypatch.setattr(labsupport.grade, "execute", lambda nb, **k: Execution(nb))
+    monkeypatch.setattr(labsupport.course.grade, "execute", lambda nb, **k: Execution(nb))
     _notebook(tmp_path / "submission.ipynb", "print(1)")
     rows = grade_notebook(tmp_path / "submission.ipynb", lab="06_kv_cache")
     assert [(r.lab, r.check, r.max_points) for r in rows] == [
@@ -332,7 +327,7 @@ def test_scores_survive_a_csv_that_cannot_be_written_at_the_end(tmp_path, monkey
     """If the CSV cannot be written after grading, the scores go to a fresh temporary file."""
     bad = tmp_path / "mia_04_roofline.ipynb"
     bad.write_text("not a notebook")  # graded without a kernel: an unreadable file
-    real = labsupport.grade.write_csv
+    real = labsupport.course.report.write_csv
     calls = []
 
     def flaky(rows, path, **kw):
@@ -341,7 +336,7 @@ def test_scores_survive_a_csv_that_cannot_be_written_at_the_end(tmp_path, monkey
             raise OSError("disk full")
         return real(rows, path, **kw)
 
-    monkeypatch.setattr(labsupport.grade, "write_csv", flaky)  # the CLI imports it when it runs
+    monkeypatch.setattr(labsupport.course.report, "write_csv", flaky)  # the CLI imports it when it runs
     assert main(["grade", str(bad), "--csv", str(tmp_path / "grades.csv")]) == 1
     err = capsys.readouterr().err
     fallback = Path(err.split("the scores are in ")[1].split()[0])
@@ -370,12 +365,46 @@ def test_tampering_is_named():
         "check_naive_attention(naive_attention_reference)": "passes the course's naive_attention_reference",
         "def naive_attention(q, k, v, causal):\n    return attention_spec(q, k, v, causal)[0]\n"
         "check_naive_attention(naive_attention)": "naive_attention uses the course's attention_spec",
-        "from labsupport.checks.roofline import reference_intensity": "imports from labsupport.checks.roofline",
+        "from labsupport.checks.lab04_roofline import reference_intensity": "imports from labsupport.checks.lab04_roofline",
     }
     for code, flag in cases.items():
         found = scan_flags(_nb(code), {"check_vector_add"})
         assert any(flag in f for f in found), (code, found)
     assert scan_flags(_nb("# LABSUPPORT_RESULTS and Checker, in a comment\nx = 1")) == []
+
+
+def test_the_course_answers_are_flagged_from_their_registry():
+    """No list of names in the scan: every function decorated with @answer is the course's, wherever it
+    is defined, and a learner's own function of the same name is not."""
+    import labsupport.course.scan as scan
+    from labsupport._answers import ANSWERS, answer
+
+    assert not any(isinstance(v, re.Pattern) for v in vars(scan).values())  # no regex of names
+    cases = {
+        "from labsupport import costs\ncheck_decode_bytes(costs.decode_step_bytes)":
+            "passes the course's decode_step_bytes to check_decode_bytes",
+        "from labsupport.kvcache import max_concurrency\ncheck_max_concurrency(max_concurrency)":
+            "passes the course's max_concurrency",
+        "import labsupport.costs as c\ndef kv_bytes_per_token(cfg, dtype_bytes=2):\n"
+        "    return c.kv_bytes_per_token(cfg, dtype_bytes)\ncheck_kv_bytes_per_token(kv_bytes_per_token)":
+            "kv_bytes_per_token uses the course's kv_bytes_per_token",
+    }
+    for code, flag in cases.items():
+        found = scan_flags(_nb(code))
+        assert any(flag in f for f in found), (code, found)
+    own = "def kv_bytes_per_token(cfg, dtype_bytes=2):\n    return 2 * cfg.n_layers\ncheck_kv_bytes_per_token(kv_bytes_per_token)"
+    assert scan_flags(_nb(own)) == []
+
+    @answer
+    def chapter_16_answer_for_this_test():
+        return 1
+
+    try:
+        found = scan_flags(_nb("check_something(chapter_16_answer_for_this_test)"))
+        assert found == ["passes the course's chapter_16_answer_for_this_test to check_something"]
+    finally:
+        ANSWERS.pop(chapter_16_answer_for_this_test.answer_name)
+    assert scan_flags(_nb("check_something(chapter_16_answer_for_this_test)")) == []
 
 
 def test_a_notebook_that_hangs_is_stopped_at_its_time_limit():
@@ -389,7 +418,7 @@ def test_a_notebook_that_hangs_is_stopped_at_its_time_limit():
 def test_grading_stops_with_a_message_when_no_kernel_starts(tmp_path, monkeypatch, capsys):
     _notebook(tmp_path / "a_00_first_kernel.ipynb", "print(1)")
     for python in ("/nonexistent/python", "/bin/false"):  # cannot start; starts and dies at once
-        monkeypatch.setattr(labsupport.notebooks, "KERNEL_PYTHON", python)
+        monkeypatch.setattr(labsupport.course.notebooks, "KERNEL_PYTHON", python)
         assert main(["grade", str(tmp_path), "--csv", str(tmp_path / "g.csv")]) == 2
         err = capsys.readouterr().err
         assert f"could not start a Python kernel with {python}" in err and "Grading stopped" in err
@@ -414,7 +443,7 @@ def test_the_table_groups_checks_under_each_notebook_with_totals():
 
 
 def test_csv_is_checked_before_any_notebook_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(labsupport.grade, "grade_all", lambda *a, **k: pytest.fail("graded before checking --csv"))
+    monkeypatch.setattr(labsupport.course.grade, "grade_all", lambda *a, **k: pytest.fail("graded before checking --csv"))
     (tmp_path / "notes.csv").write_text("name,mark\n")
     _notebook(tmp_path / "x.ipynb", "print(1)")
     assert main(["grade", str(tmp_path / "x.ipynb"), "--csv", str(tmp_path / "notes.csv")]) == 2
@@ -425,7 +454,7 @@ def test_csv_is_checked_before_any_notebook_runs(tmp_path, monkeypatch, capsys):
 
 
 def test_a_path_that_is_not_there_stops_grading_before_it_starts(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(labsupport.grade, "grade_all", lambda *a, **k: pytest.fail("graded a typo"))
+    monkeypatch.setattr(labsupport.course.grade, "grade_all", lambda *a, **k: pytest.fail("graded a typo"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "grades.csv").write_text(",".join(CSV_HEADER) + "\nlast week's grades\n")
     assert main(["grade", "nothing_here"]) == 2
@@ -436,7 +465,7 @@ def test_a_path_that_is_not_there_stops_grading_before_it_starts(tmp_path, monke
 def test_an_older_grades_file_may_be_replaced(tmp_path):
     old = tmp_path / "grades.csv"
     old.write_text("notebook,check,points,max_points,status,detail\n")
-    labsupport.grade.check_csv_target(old)  # no error
+    labsupport.course.report.check_csv_target(old)  # no error
 
 
 def test_the_same_notebook_named_twice_is_graded_once(tmp_path):

@@ -18,6 +18,10 @@ calls with their points, in ``labsupport/lab_checks.json``):
   marker's indentation (for learners). In markdown, ``<!-- BEGIN SOLUTION -->`` ...
   ``<!-- END SOLUTION -->`` is dropped from the learner's copy.
 
+The lab sources' format is described in :mod:`labsupport.course.sources`; the setup cell (a line
+``# %% [setup]`` in the source) is written there once and filled in here with the repository address
+from ``_config.yml``.
+
 Every generated code cell, in both versions, must compile; one that does not stops ``release`` (and
 ``release --check``) with its source line.
 
@@ -31,7 +35,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -39,86 +42,23 @@ from pathlib import Path
 
 import nbformat
 
-CELL_MARKER = re.compile(r"^# %%(?P<rest>.*)$")
-BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?::\s*(?P<what>.*))?\s*$")
-END = re.compile(r"^\s*# END SOLUTION\s*$")
-MD_BEGIN = "<!-- BEGIN SOLUTION -->"
-MD_END = "<!-- END SOLUTION -->"
-MANIFEST = Path("labsupport") / "lab_checks.json"  # relative to the course root; package data
+from .manifest import MANIFEST_IN_REPO, lab_checks, render_manifest
+from .scan import python_source
+from .sources import (
+    ReleaseError,
+    SourceCell,
+    course_repository,
+    parse_source,
+    setup_cell,
+    strip_code_lines,
+    strip_markdown,
+)
 
-
-class ReleaseError(Exception):
-    """A source file is malformed, or a release would overwrite a learner's work."""
-
-
-@dataclass
-class SourceCell:
-    kind: str  # "code" or "markdown"
-    lines: list[str]
-    line_no: int  # where the cell starts in the source, for error messages
-
-
-def parse_source(path: Path) -> list[SourceCell]:
-    """Split a percent-format file into cells."""
-    cells: list[SourceCell] = []
-    current: SourceCell | None = None
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        marker = CELL_MARKER.match(raw)
-        if marker:
-            rest = marker.group("rest").strip()
-            kind = "markdown" if rest.startswith("[markdown]") else "code"
-            current = SourceCell(kind, [], number)
-            cells.append(current)
-            continue
-        if current is None:
-            continue  # header comment before the first cell
-        if current.kind == "markdown":
-            if raw.strip() and not raw.startswith("#"):
-                raise ReleaseError(f"{path}:{number}: markdown lines must start with '#', got {raw!r}")
-            raw = raw[2:] if raw.startswith("# ") else raw[1:]
-        current.lines.append(raw)
-    for cell in cells:
-        while cell.lines and not cell.lines[0].strip():
-            cell.lines.pop(0)
-        while cell.lines and not cell.lines[-1].strip():
-            cell.lines.pop()
-    if not cells:
-        raise ReleaseError(f"{path}: no cells found (cells start with a line '# %%')")
-    return [c for c in cells if c.lines]
-
-
-def _strip_code_lines(cell: SourceCell, path: Path, student: bool) -> list[tuple[str, int]]:
-    """The cell's lines for one version, each with the source line it comes from."""
-    out: list[tuple[str, int]] = []
-    inside: re.Match | None = None
-    begin_line = 0
-    for offset, line in enumerate(cell.lines):
-        number = cell.line_no + offset + 1
-        begin = BEGIN.match(line)
-        if begin:
-            if inside:
-                raise ReleaseError(f"{path}:{number}: nested '# BEGIN SOLUTION'")
-            inside, begin_line = begin, number
-            if student:
-                what = begin.group("what") or "replace this line with your code"
-                out.append((f'{begin.group("indent")}raise NotImplementedError("Exercise: {what}")', number))
-            continue
-        if END.match(line):
-            if not inside:
-                raise ReleaseError(f"{path}:{number}: '# END SOLUTION' without a BEGIN")
-            inside = None
-            continue
-        if not (student and inside):
-            out.append((line, number))
-    if inside:
-        raise ReleaseError(f"{path}:{begin_line}: '# BEGIN SOLUTION' is never closed")
-    return out
+__all__ = ["ReleaseError", "SourceCell", "build_notebook", "cells_digest", "plan", "release", "stale"]
 
 
 def _check_compiles(lines: list[tuple[str, int]], path: Path, student: bool) -> None:
     """Fail (ReleaseError, with the source line) unless the generated code cell compiles."""
-    from .grade import python_source
-
     text = "\n".join(line for line, _ in lines)
     code = python_source(text)  # IPython syntax (%magic, !shell) becomes plain Python, as in a kernel
     try:
@@ -139,34 +79,25 @@ def _check_compiles(lines: list[tuple[str, int]], path: Path, student: bool) -> 
         ) from None
 
 
-def _strip_markdown(cell: SourceCell, path: Path, student: bool) -> list[str]:
-    out, inside = [], False
-    for offset, line in enumerate(cell.lines):
-        if line.strip() == MD_BEGIN:
-            inside = True
-            continue
-        if line.strip() == MD_END:
-            if not inside:
-                raise ReleaseError(f"{path}:{cell.line_no + offset + 1}: {MD_END} without a BEGIN")
-            inside = False
-            continue
-        if not (student and inside):
-            out.append(line)
-    if inside:
-        raise ReleaseError(f"{path}:{cell.line_no}: {MD_BEGIN} is never closed")
-    return out
+def build_notebook(source: Path, student: bool, repository: str | None = None) -> nbformat.NotebookNode:
+    """The learner's (``student=True``) or the instructor's notebook for one source file.
 
-
-def build_notebook(source: Path, student: bool) -> nbformat.NotebookNode:
-    """The learner's (``student=True``) or the instructor's notebook for one source file."""
+    A ``# %% [setup]`` cell becomes :data:`~labsupport.course.sources.SETUP_CELL`, installing the
+    course from ``repository`` (default: ``repository.url`` in the ``_config.yml`` of the course the
+    source belongs to, ``solutions/..``).
+    """
     nb = nbformat.v4.new_notebook()
     for index, cell in enumerate(parse_source(source)):
-        if cell.kind == "code":
-            lines = _strip_code_lines(cell, source, student)
+        if cell.kind == "setup":
+            if repository is None:
+                repository = course_repository(Path(source).resolve().parent.parent)
+            new = nbformat.v4.new_code_cell(setup_cell(repository))
+        elif cell.kind == "code":
+            lines = strip_code_lines(cell, source, student)
             _check_compiles(lines, source, student)
             new = nbformat.v4.new_code_cell("\n".join(line for line, _ in lines))
         else:
-            text = "\n".join(_strip_markdown(cell, source, student))
+            text = "\n".join(strip_markdown(cell, source, student))
             new = nbformat.v4.new_markdown_cell(text)
         new["id"] = f"{source.stem[:40]}-{index:03d}".replace("_", "-")
         nb.cells.append(new)
@@ -200,33 +131,6 @@ class Planned:
     status: str  # "unchanged", "new", "update", "learner-edited"
 
 
-def lab_checks(sources: list[Path]) -> dict:
-    """What the grader needs to know of each lab: the checks its source calls, with their points."""
-    from .checks import REGISTRY
-    from .grade import check_calls
-
-    labs = {}
-    for source in sources:
-        checks: list[dict] = []
-        for cell in parse_source(source):
-            if cell.kind != "code":
-                continue
-            for name in check_calls("\n".join(cell.lines)):
-                if name in REGISTRY and all(c["check"] != name for c in checks):
-                    checks.append({"check": name, "points": REGISTRY[name].points})
-        labs[source.stem] = {"source": f"solutions/{source.name}", "checks": checks}
-    return {
-        "about": "Written by `python -m labsupport release` from solutions/*.py (do not edit): the checks "
-                 "`python -m labsupport grade` scores each lab on, also where the package is installed "
-                 "without the course's sources.",
-        "labs": labs,
-    }
-
-
-def render_manifest(data: dict) -> str:
-    return json.dumps(data, indent=2) + "\n"
-
-
 def plan(root: Path, names: list[str] | None = None) -> list[Planned]:
     """What ``release`` would write, without writing anything (only labs in ``names``, if given).
 
@@ -248,7 +152,7 @@ def plan(root: Path, names: list[str] | None = None) -> list[Planned]:
             target = root / folder / f"{source.stem}.ipynb"
             text = render(build_notebook(source, student))
             planned.append(Planned(target, text, _status(target, text)))
-    manifest = root / MANIFEST
+    manifest = root / MANIFEST_IN_REPO
     text = render_manifest(lab_checks(every))
     if not manifest.exists():
         status = "new"

@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.utils import run_sync
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 KERNEL_NAME = "labsupport-python"  # the private kernelspec's name (never "python3")
 KERNEL_PYTHON = sys.executable  # the interpreter every kernel runs
@@ -62,9 +67,6 @@ class Execution:
 
 def _kernel_manager(spec_root: Path):
     """A kernel manager whose only kernelspec runs ``KERNEL_PYTHON`` (user kernelspecs are ignored)."""
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager
-
     spec_dir = spec_root / KERNEL_NAME
     spec_dir.mkdir(parents=True)
     spec = {
@@ -101,10 +103,6 @@ def execute(
 
     Raises KernelStartError when the kernel cannot start or dies before its first cell.
     """
-    from jupyter_core.utils import run_sync
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-
     result = Execution(nb)
     state = {"cell": -1}  # the code cell running now (-1: none yet)
     timed_out_cells: list[int] = []

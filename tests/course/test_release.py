@@ -10,10 +10,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labsupport.__main__ import main
-from labsupport.release import ReleaseError, build_notebook, plan, release, stale
+from labsupport.course.cli import main
+from labsupport.course.release import ReleaseError, build_notebook, plan, release, stale
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SOURCE = textwrap.dedent(
     '''\
@@ -205,6 +205,7 @@ def test_every_learner_notebook_has_a_stub_and_no_solution_markers():
 
 def test_released_copy_of_this_repo_round_trips(tmp_path):
     shutil.copytree(ROOT / "solutions", tmp_path / "solutions", ignore=shutil.ignore_patterns("*.ipynb"))
+    shutil.copy(ROOT / "_config.yml", tmp_path / "_config.yml")  # the setup cell's repository address
     release(tmp_path, log=lambda *_: None)
     for nb in (tmp_path / "labs").glob("*.ipynb"):
         assert nb.read_text() == (ROOT / "labs" / nb.name).read_text()
@@ -212,20 +213,55 @@ def test_released_copy_of_this_repo_round_trips(tmp_path):
     assert (tmp_path / manifest).read_text() == (ROOT / manifest).read_text()
 
 
+def _setup_code(nb) -> str:
+    return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
 def test_every_lab_installs_from_the_repository_the_book_names():
-    """The Colab fallback in each lab's setup cell and the book's launch buttons must agree."""
+    """The Colab fallback in each lab's setup cell and the book's launch buttons must agree: the setup
+    cell is written once (labsupport.course.sources.SETUP_CELL) and release puts _config.yml's
+    repository.url into it."""
     import re
 
     import yaml
 
     url = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
-    for source in sorted((ROOT / "solutions").glob("[0-9]*.py")):
-        found = re.findall(r'"git\+(https://[^"]+)"', source.read_text())
-        assert found == [url], f"{source.name}: setup cell installs from {found}, _config.yml says {url}"
+    sources = sorted((ROOT / "solutions").glob("[0-9]*.py"))
+    assert sources
+    for source in sources:
+        assert source.read_text().count("\n# %% [setup]\nimport labsupport\n\nsettings = labsupport.setup()\n") == 1, \
+            f"{source.name}: no single setup cell"
+        assert "git+" not in source.read_text(), f"{source.name}: the setup cell is written by release, not by hand"
+        for folder in ("labs", "solutions"):
+            nb = nbformat.read(str(ROOT / folder / f"{source.stem}.ipynb"), as_version=4)
+            found = re.findall(r'"git\+(https://[^"]+)"', _setup_code(nb))
+            assert found == [url], f"{folder}/{source.stem}: setup cell installs from {found}, _config.yml says {url}"
+            assert "labsupport.setup()" in _setup_code(nb)
+
+
+def test_the_setup_cell_follows_the_repository_in_config(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    source = tmp_path / "solutions" / "00_demo.py"
+    source.write_text("# %% [markdown]\n# # Demo\n\n# %% [setup]\n\n# %%\nprint(settings)\n")
+    (tmp_path / "_config.yml").write_text("title: x\nrepository:\n  url: https://github.com/someone/fork  # mine\n"
+                                          "  branch: main\nlaunch_buttons:\n  colab_url: x\n")
+    nb = build_notebook(source, student=True)
+    assert [c.cell_type for c in nb.cells] == ["markdown", "code", "code"]
+    assert 'course = "git+https://github.com/someone/fork"' in nb.cells[1].source
+    compile(nb.cells[1].source, "setup", "exec")
+    (tmp_path / "_config.yml").write_text("title: x\n")
+    with pytest.raises(ReleaseError, match="repository.url"):
+        build_notebook(source, student=True)
+    source.write_text("# %% [setup]\nimport os\n\n# %%\nx = 1\n")
+    with pytest.raises(ReleaseError, match="must hold only"):
+        build_notebook(source, student=True, repository="https://example.org/r")
+    source.write_text("# %% [setup]\n\n# %% [setup]\n\n# %%\nx = 1\n")
+    with pytest.raises(ReleaseError, match="second"):
+        build_notebook(source, student=True, repository="https://example.org/r")
 
 
 def test_commands_say_what_to_install_when_notebook_tools_are_missing(monkeypatch, capsys):
-    import labsupport.__main__ as cli
+    import labsupport.course.cli as cli
 
     monkeypatch.setattr(cli, "_missing_tools", lambda: ["nbclient"])
     assert cli.main(["grade", "x.ipynb"]) == 2

@@ -10,9 +10,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labsupport.notebooks import execute
+from labsupport.course.notebooks import execute
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9]*.ipynb"))
 LABS = sorted((ROOT / "labs").glob("[0-9]*.ipynb"))
 CELL_TIMEOUT = 240  # seconds; the slowest solution cell on a 2-core CPU is far below this

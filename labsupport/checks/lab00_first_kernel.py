@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..device import cuda_available, device, interpreter_mode
 from .framework import Case, graded, triton_launches
 
 PAD = 1 << 16  # elements of guard space after every output tensor the learner's function allocates
@@ -19,8 +23,6 @@ class _guarded_allocations:
                   "new_empty", "new_zeros", "new_ones", "new_full", "empty_strided")
 
     def __init__(self):
-        from torch.overrides import TorchFunctionMode
-
         guard = self
         self.buffers: list[tuple[object, int]] = []  # (padded buffer, elements in use)
 
@@ -34,8 +36,6 @@ class _guarded_allocations:
         self.mode = Mode()
 
     def _padded(self, t):
-        import torch
-
         if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.is_contiguous()
                 or t.numel() == 0):  # Triton's interpreter itself makes empty placeholders
             return t
@@ -45,8 +45,6 @@ class _guarded_allocations:
         return buffer[: t.numel()].view(t.shape)
 
     def wrote_past_the_end(self) -> bool:
-        import torch
-
         return any(not bool(torch.isnan(buf[used:]).all()) for buf, used in self.buffers)
 
     def __enter__(self):
@@ -58,8 +56,6 @@ class _guarded_allocations:
 
 
 def _sizes() -> list[int]:
-    from ..device import cuda_available, interpreter_mode
-
     # 1000, 17, 4097: not a multiple of any power-of-two block. A mid-sized length comes first, so a
     # first failure shows where the wrong elements are (a wrong tail means a missing last block).
     sizes = [1000, 17, 4097, 2, 1]
@@ -71,10 +67,6 @@ def _sizes() -> list[int]:
 @graded(points=10)
 def check_vector_add(fn, checker):
     """``fn(x, y)`` must return a new tensor equal to ``x + y`` for any length, fp32 and fp16."""
-    import torch
-
-    from ..device import device
-
     dev = device()
     for dtype in (torch.float32, torch.float16):
         for seed, n in enumerate(_sizes()):
@@ -107,8 +99,6 @@ def check_vector_add(fn, checker):
 
 def _block_hint(out, expected, mistakes, atol) -> str:
     """A hint from where the wrong elements are: a missing last block shows as a wrong tail."""
-    import torch
-
     if not isinstance(out, torch.Tensor) or (out.shape, out.dtype, out.device) != (
         expected.shape, expected.dtype, expected.device
     ):

@@ -17,7 +17,7 @@ else:  # pragma: no cover
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("course_install", ROOT / "scripts" / "install.py")
 install = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(install)

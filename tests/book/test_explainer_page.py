@@ -18,7 +18,7 @@ from labsupport.hardware import GPUS
 from labsupport.models import get_model
 from labsupport.serving import Conventions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = "book/05_explainer"
 WIDGET = "#c05x-explainer"
 SCREENSHOTS = ROOT / "_build" / "screenshots"

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import math
 
+from ..costs import kv_bytes_per_token, param_count
+from ..hardware import get_gpu
+from ..kvcache import max_concurrency, with_kv_heads
+from ..models import ModelConfig, get_model
+from ._parameters import spelling
 from .framework import Case, graded
 
 KV_FORMULA = (
@@ -12,16 +17,13 @@ KV_FORMULA = (
     "2 * n_layers * n_kv_heads * head_dim * dtype_bytes."
 )
 CONCURRENCY_RULE = (
-    "free = gpu_memory_bytes - param_count(cfg) * weight_bytes - reserve_bytes; each sequence needs "
+    "free = gpu_memory_bytes - param_count(cfg) * weight_dtype_bytes - reserve_bytes; each sequence needs "
     "kv_bytes_per_token(cfg, kv_dtype_bytes) * context_tokens; return floor(free / per_sequence), "
     "and 0 when free is zero or negative."
 )
 
 
 def _configs():
-    from ..kvcache import with_kv_heads
-    from ..models import ModelConfig, get_model
-
     odd = ModelConfig("odd-test", n_layers=3, d_model=96, n_heads=6, n_kv_heads=3, d_ff=256, vocab_size=100)
     return get_model, with_kv_heads, odd
 
@@ -44,11 +46,9 @@ def _kv_mistakes(cfg, b) -> dict[str, float]:
     }
 
 
-@graded(points=5, bans=("labsupport.costs.kv_bytes_per_token",))
+@graded(points=5, bans=(kv_bytes_per_token,))
 def check_kv_bytes_per_token(fn, checker):
     """``fn(cfg, dtype_bytes=2)`` must return the bytes of KV cache one token adds."""
-    from ..costs import kv_bytes_per_token
-
     get_model, with_kv_heads, odd = _configs()
     cases = [
         (get_model("llama-3.1-8b"), None),  # the default dtype_bytes must be 2 (bf16)
@@ -79,8 +79,6 @@ def check_kv_bytes_per_token(fn, checker):
 
 
 def _concurrency_mistakes(cfg, memory, context, wb, kb, reserve) -> dict[str, float]:
-    from ..costs import kv_bytes_per_token, param_count
-
     weights = param_count(cfg) * wb
     per_seq = kv_bytes_per_token(cfg, kb) * context
     free = memory - weights - reserve
@@ -99,27 +97,27 @@ def _concurrency_mistakes(cfg, memory, context, wb, kb, reserve) -> dict[str, fl
         "the result is not rounded down (a fraction of a sequence cannot be served)": free / per_seq,
         "the result is rounded up instead of down": max(0, math.ceil(free / per_seq)),
         "the result is rounded to the nearest integer instead of down": max(0, round(free / per_seq)),
-        "weight_bytes and kv_dtype_bytes are swapped": clamp(
+        "weight_dtype_bytes and kv_dtype_bytes are swapped": clamp(
             (memory - param_count(cfg) * kb - reserve) / (kv_bytes_per_token(cfg, wb) * context)
         ),
         "context_tokens is ignored (one token per sequence)": clamp(free / kv_bytes_per_token(cfg, kb)),
     }
 
 
-@graded(points=5, bans=("labsupport.kvcache.max_concurrency",))
+@graded(points=5, bans=(max_concurrency,))
 def check_max_concurrency(fn, checker):
-    """``fn(cfg, gpu_memory_bytes, context_tokens, weight_bytes=2, kv_dtype_bytes=2, reserve_bytes=0)``
-    must return how many full-length sequences fit next to the weights and the reserve."""
-    from ..costs import kv_bytes_per_token, param_count
-    from ..hardware import get_gpu
-    from ..kvcache import max_concurrency
+    """``fn(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes=2, kv_dtype_bytes=2, reserve_bytes=0)``
+    must return how many full-length sequences fit next to the weights and the reserve.
 
+    A function written before the bytes parameters were renamed (``weight_bytes=2``) is called with
+    that name."""
     get_model, _, odd = _configs()
     m8, m70 = get_model("llama-3.1-8b"), get_model("llama-3.1-70b")
     h100, h200, a100, l4 = get_gpu("H100 SXM"), get_gpu("H200"), get_gpu("A100 40GB"), get_gpu("L4")
     odd_weights = param_count(odd) * 4
     odd_seq = kv_bytes_per_token(odd, 4) * 100
-    # (cfg, gpu label, memory, context, weight_bytes, kv_dtype_bytes, reserve) ; None = use the default
+    weight_name = spelling(fn, "weight_dtype_bytes", "weight_bytes")  # the name before the bytes naming rule
+    # (cfg, gpu label, memory, context, weight_dtype_bytes, kv_dtype_bytes, reserve) ; None = use the default
     cases = [
         (m8, "H100 SXM", h100.memory_bytes, 8192, None, None, None),
         (m70, "H100 SXM", h100.memory_bytes, 8192, 2, 2, 0),  # the weights alone do not fit
@@ -135,7 +133,7 @@ def check_max_concurrency(fn, checker):
     for cfg, label, memory, context, wb, kb, reserve in cases:
         kwargs = {
             k: v
-            for k, v in (("weight_bytes", wb), ("kv_dtype_bytes", kb), ("reserve_bytes", reserve))
+            for k, v in ((weight_name, wb), ("kv_dtype_bytes", kb), ("reserve_bytes", reserve))
             if v is not None
         }
         case = Case(
@@ -154,7 +152,7 @@ def check_max_concurrency(fn, checker):
             if v != expected
         }
         hint = CONCURRENCY_RULE + (
-            " Defaults: weight_bytes=2, kv_dtype_bytes=2, reserve_bytes=0." if not kwargs else ""
+            f" Defaults: {weight_name}=2, kv_dtype_bytes=2, reserve_bytes=0." if not kwargs else ""
         )
         checker.expect_number(
             got, expected, case=case, rel=1e-12, what="number of sequences", hint=hint, mistakes=mistakes

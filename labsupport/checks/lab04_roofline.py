@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .._answers import answer
+from ..roofline import matmul_intensity
 from .framework import Case, graded
 
 # (m, k, n, dtype_bytes, what the shape stands for). Decode multiplies one token (or a small
@@ -27,8 +28,6 @@ CONVENTION = (
 @answer
 def reference_intensity(m: int, k: int, n: int, dtype_bytes: float) -> float:
     """FLOP per byte of ``C = A @ B``, A ``(m, k)``, B ``(k, n)``: A and B read once, C written once."""
-    from ..roofline import matmul_intensity
-
     return matmul_intensity(m, k, n, dtype_bytes)
 
 
@@ -61,7 +60,7 @@ def _mistakes(m, k, n, b) -> dict[str, float]:
     }
 
 
-@graded(points=5, bans=("labsupport.checks.roofline.reference_intensity", "labsupport.roofline.matmul_intensity"))
+@graded(points=5, bans=(reference_intensity, matmul_intensity))
 def check_arithmetic_intensity(fn, checker):
     """``fn(m, k, n, dtype_bytes)`` must return the FLOP per byte of an ``(m, k) @ (k, n)`` matmul."""
     for m, k, n, b, what in _CASES:

@@ -1,0 +1,148 @@
+"""Course commands: ``python -m labsupport release`` and ``python -m labsupport grade``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _root() -> Path:
+    """The course repository: the current folder or one above it that has solutions/ and labs/."""
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents):
+        if (folder / "solutions").is_dir() and (folder / "_toc.yml").exists():
+            return folder
+    raise SystemExit("release: run this inside the course repository (no solutions/ and _toc.yml found)")
+
+
+def _missing_tools() -> list[str]:
+    """The notebook packages release and grade need (the 'grade' extra), if any are missing."""
+    return [name for name in ("nbformat", "nbclient", "ipykernel") if importlib.util.find_spec(name) is None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labsupport")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    rel = sub.add_parser("release", help="write labs/*.ipynb (learners) and solutions/*.ipynb from solutions/*.py")
+    rel.add_argument("labs", nargs="*", help="lab names such as 00_first_kernel (default: all)")
+    rel.add_argument("--check", action="store_true", help="write nothing; exit 1 if any notebook is out of date")
+    rel.add_argument("--force", action="store_true", help="replace edited notebooks (a .bak copy is kept)")
+
+    gr = sub.add_parser("grade", help="run notebooks headlessly and score their checks")
+    gr.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
+    gr.add_argument("--csv", default="grades.csv", help="where to write the scores (default: grades.csv)")
+    gr.add_argument("--lab", help="grade every notebook as this lab (such as 07_attention), whatever its "
+                                  "file name and metadata say")
+    gr.add_argument("--timeout", type=int, default=600,
+                    help="seconds a single cell may run before it is interrupted (default: 600)")
+    gr.add_argument("--notebook-timeout", type=int, default=None,
+                    help="seconds a whole notebook may run before it is stopped (default: 3600)")
+    gr.add_argument("--jobs", type=int, default=1,
+                    help="notebooks graded at once, each in its own kernel (default: 1)")
+
+    args = parser.parse_args(argv)
+    missing = _missing_tools()
+    if missing:
+        print(f"{args.command}: needs {', '.join(missing)}, which are not installed. Install them with "
+              "`pip install 'labsupport[grade]'` (or run `make setup` in the course repository).",
+              file=sys.stderr)
+        return 2
+    if args.command == "release":
+        from .release import ReleaseError, plan, release  # needs nbformat: only after the check above
+
+        root = _root()
+        try:
+            if args.check:
+                stale = [p for p in plan(root, args.labs) if p.status != "unchanged"]
+                for p in stale:
+                    print(f"out of date: {p.target.relative_to(root)} ({p.status})")
+                if any(p.status != "learner-edited" for p in stale):
+                    print("run `python -m labsupport release` to regenerate them")
+                if any(p.status == "learner-edited" for p in stale):
+                    print("learner-edited: changed or run since it was released, so someone's work may be in it; "
+                          "release will not overwrite it (copy your work elsewhere first, or use --force, "
+                          "which keeps a .bak copy)")
+                if stale:
+                    return 1
+                print("all released notebooks match their sources")
+                return 0
+            release(root, force=args.force, names=args.labs)
+        except ReleaseError as exc:
+            print(f"release: {exc}", file=sys.stderr)
+            return 2
+        return 0
+
+    return _grade(args)
+
+
+def _grade(args) -> int:
+    # the grader needs nbformat and nbclient: imported only once main() has found them installed
+    from .grade import NOTEBOOK_TIMEOUT, bad_paths, expand, grade_all
+    from .manifest import ManifestError, load_manifest, manifest_drift
+    from .notebooks import KernelStartError
+    from .report import check_csv_target, format_table, summary_line, write_csv
+
+    csv_path = Path(args.csv)
+    if args.notebook_timeout is None:
+        args.notebook_timeout = NOTEBOOK_TIMEOUT
+    if args.timeout < 1 or args.jobs < 1 or args.notebook_timeout < 1:
+        print("grade: --timeout, --notebook-timeout and --jobs must be 1 or more", file=sys.stderr)
+        return 2
+    try:
+        manifest = load_manifest()
+    except ManifestError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 2
+    if args.lab is not None and args.lab not in manifest:
+        print(f"grade: --lab {args.lab}: no such lab; the labs are {', '.join(manifest)}", file=sys.stderr)
+        return 2
+    try:
+        check_csv_target(csv_path)  # before grading, not after an hour of it
+    except OSError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 2
+    typos = bad_paths(args.paths)
+    if typos:
+        print(f"grade: {', '.join(typos)}: no such file or folder. Give notebooks (.ipynb) or folders of "
+              f"them; nothing was graded and {csv_path} was not written.", file=sys.stderr)
+        return 2
+    notebooks = expand(args.paths)
+    if not notebooks:
+        print("grade: no notebooks found in " + ", ".join(args.paths), file=sys.stderr)
+        return 2
+    drift = manifest_drift(manifest)
+    if drift:
+        print(f"grade: warning: {drift}", file=sys.stderr)
+    print(f"grading {len(notebooks)} notebook(s), {args.jobs} at a time; each cell may run {args.timeout} s, "
+          f"each notebook {args.notebook_timeout} s", file=sys.stderr, flush=True)
+
+    def progress(path, rows, seconds):
+        print(f"  {path}: {summary_line(rows)} [{seconds:.0f} s]", file=sys.stderr, flush=True)
+
+    try:
+        rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress, lab=args.lab,
+                         manifest=manifest, notebook_timeout=args.notebook_timeout)
+    except KernelStartError as exc:
+        print(f"grade: {exc}\nGrading stopped (every notebook needs a kernel); {csv_path} was not written.",
+              file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    try:
+        write_csv(rows, csv_path)
+    except OSError as exc:  # the folder went away or filled up while grading: keep the scores anyway
+        fd, fallback = tempfile.mkstemp(prefix="grades-", suffix=".csv")
+        os.close(fd)
+        write_csv(rows, Path(fallback), checked=False)
+        print(f"grade: could not write {csv_path} ({exc}); the scores are in {fallback}", file=sys.stderr)
+        return 1
+    print(f"\nscores written to {csv_path} (one row per notebook and check, with the full details)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""``python -m labsupport grade``: run submitted notebooks and score their checks.
+
+Each notebook runs headlessly in a fresh kernel, in a temporary folder (nothing is written next
+to the submission, and the submission itself is never modified). Every ``check_*`` call records
+its result.
+
+A notebook is graded against one of the course's labs (``solutions/NN_name.py``), found from its
+file name (``alice_07_attention.ipynb``) and its metadata (which ``release`` writes); when both
+name a lab they must agree, and ``--lab`` decides for notebooks that name none or disagree. A
+notebook whose lab is unknown is scored zero on its own row, never run. The lab's checks and
+their points come from ``labsupport/lab_checks.json``, which ``release`` writes from the sources
+and which ships with the package, so grading works where the package is installed without the
+course's sources. Only the lab's own checks score: a check of the lab that never ran (the notebook
+stopped earlier, or the call was deleted or commented out) scores zero, and checks of other labs
+are listed as ``extra`` and score nothing. One notebook's problem (missing, not a notebook, setup
+failing, a timeout) is reported on its own row and grading goes on with the rest.
+
+Code that tampers with grading (the results file, the check machinery, patched ``labsupport``
+names, the course's reference implementations handed to a check) is named in the ``flags`` column;
+the score is left alone, and a person should read those notebooks.
+
+Grading runs the submitted code with your permissions: grade work you do not trust inside a
+container or a throwaway machine.
+"""
+
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .manifest import load_manifest
+from .notebooks import KernelStartError, execute, load
+from .report import Row
+from .scan import calls_by_cell, scan_flags
+
+NOTEBOOK_TIMEOUT = 3600  # seconds a whole notebook may run, by default
+
+
+# -- the labs and their checks ----------------------------------------------------------------
+
+def _name_pattern(lab: str) -> re.Pattern:
+    return re.compile(rf"(?<![A-Za-z0-9]){re.escape(lab)}(?![A-Za-z0-9])", re.IGNORECASE)
+
+
+def labs_in_name(path: Path, labs: Iterable[str]) -> list[str]:
+    """The labs a file name names (``alice_07_attention.ipynb``: 07_attention), longest first."""
+    stem = Path(path).stem
+    found = [lab for lab in sorted(labs, key=len, reverse=True) if _name_pattern(lab).search(stem)]
+    # a lab whose name is part of a longer lab's name found at the same place is not a second one
+    return [lab for lab in found if not any(other != lab and lab in other for other in found)]
+
+
+def identify_lab(nb, path: Path, labs: Iterable[str], forced: str | None = None) -> tuple[str | None, str]:
+    """The lab to grade ``nb`` on, or None and why no lab could be chosen."""
+    labs = list(labs)
+    if forced:
+        return forced, ""
+    listed = ", ".join(labs)
+    advice = "rename the file to include its lab, or grade it with --lab NAME"
+    by_name = labs_in_name(path, labs)
+    if len(by_name) > 1:
+        return None, f"the file name names several labs ({', '.join(by_name)}); {advice}"
+    meta = None
+    recorded = nb.metadata.get("labsupport") if nb is not None else None
+    if isinstance(recorded, dict):
+        recorded = recorded.get("source")
+    if recorded is not None:
+        text = str(recorded)
+        stem = Path(text).stem
+        if stem not in labs or Path(text).as_posix() != f"solutions/{stem}.py":
+            return None, (f"the notebook's metadata (labsupport.source) names {text!r}, which is not one of "
+                          f"the course's labs ({listed}); {advice}")
+        meta = stem
+    if by_name and meta and by_name[0] != meta:
+        return None, (f"the file name says {by_name[0]} but the notebook's metadata says {meta}; "
+                      f"grade it with --lab NAME")
+    lab = meta or (by_name[0] if by_name else None)
+    if lab is None:
+        return None, (f"neither the file name nor the notebook's metadata names one of the course's labs "
+                      f"({listed}); {advice}")
+    return lab, ""
+
+
+def student_name(path: Path, lab: str | None) -> str:
+    """The file name without its lab part (``alice_07_attention.ipynb``: alice), else the file name."""
+    path = Path(path)
+    if lab:
+        rest = _name_pattern(lab).sub(" ", path.stem)
+        # a browser's "(1)", a file manager's "copy", Colab's "Copy of"
+        rest = re.sub(r"\(\d+\)|\bcopy(\s+of)?\b", " ", rest, flags=re.IGNORECASE)
+        rest = re.sub(r"[\s_\-.]+", " ", rest).strip()
+        if rest:
+            return rest.replace(" ", "_")
+    return path.name
+
+
+# -- grading ----------------------------------------------------------------------------------
+
+def expand(paths: Iterable[str]) -> list[Path]:
+    """Files as given; folders become every .ipynb below them (checkpoints skipped); no repeats."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found.extend(
+                p for p in sorted(path.rglob("*.ipynb")) if ".ipynb_checkpoints" not in p.parts
+            )
+        else:
+            found.append(path)
+    unique, seen = [], set()
+    for path in found:
+        key = path.resolve() if path.exists() else path
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
+
+
+def bad_paths(paths: Iterable[str]) -> list[str]:
+    """Arguments that are neither a folder, a file, nor a (missing) notebook: likely typos."""
+    return [raw for raw in paths if not Path(raw).exists() and not raw.endswith(".ipynb")]
+
+
+def _first_error(run, upto: int | None) -> str:
+    errors = [e for e in run.errors if upto is None or e.index <= upto] or run.errors
+    if not errors:
+        return ""
+    e = errors[0]
+    return f"in the cell starting `{e.first_line}`: {e.ename}: {str(e.evalue).strip()[:300]}"
+
+
+def grade_notebook(
+    path: Path,
+    timeout: int = 600,
+    *,
+    lab: str | None = None,
+    manifest: dict[str, list[tuple[str, float]]] | None = None,
+    notebook_timeout: float | None = NOTEBOOK_TIMEOUT,
+) -> list[Row]:
+    """Score one notebook on its lab's checks (``lab`` forces the lab). One row per check."""
+    manifest = manifest if manifest is not None else load_manifest()
+    name = str(path)
+    path = Path(path)
+
+    def rows_for(check: str, points: float, max_points: float, status: str, detail: str = "") -> Row:
+        return Row(name, check, points, max_points, status, detail, student_name(path, chosen), chosen or "")
+
+    try:
+        nb = load(path)
+    except (FileNotFoundError, ValueError) as exc:
+        status = "missing" if isinstance(exc, FileNotFoundError) else "not a notebook"
+        chosen, _ = identify_lab(None, path, manifest, lab)
+        full = sum(p for _, p in manifest.get(chosen, [])) if chosen else 0
+        return [rows_for("-", 0, full, status, str(exc))]
+
+    flags = "; ".join(scan_flags(nb, {c for checks in manifest.values() for c, _ in checks}))
+    chosen, problem = identify_lab(nb, path, manifest, lab)
+    if chosen is None:
+        row = rows_for("-", 0, 0, "unknown lab", problem)
+        row.flags = flags
+        return [row]
+    expected = manifest[chosen]
+    if not expected:
+        row = rows_for("-", 0, 0, "no checks", f"lab {chosen} has no graded checks")
+        row.flags = flags
+        return [row]
+
+    called = calls_by_cell(nb)
+    with tempfile.TemporaryDirectory(prefix="labsupport-grade-") as tmp:
+        results_file = Path(tmp) / "results.jsonl"
+        run = execute(nb, timeout=timeout, stop_on_error=False, quiet=True, notebook_timeout=notebook_timeout,
+                      env={"LABSUPPORT_RESULTS": str(results_file)})
+        recorded: dict[str, dict] = {}
+        if results_file.exists():
+            for line in results_file.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    entry = json.loads(line)
+                    recorded[str(entry["check"])] = entry  # the last call of a check counts
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line that is not a check result (the notebook wrote to the file)
+
+    setup_error = _setup_error(nb, run)
+    rows = []
+    for check, max_points in expected:
+        entry = recorded.get(check)
+        cell = called.get(check)
+        if entry is None:
+            timeouts = [t for t in run.timeouts if cell is None or t.index <= cell]
+            if check not in called:
+                status, detail = "not run", (f"the notebook does not call {check} (was the check cell "
+                                             f"deleted or commented out?)")
+            elif run.died:
+                status, detail = "not run", run.died
+            elif timeouts:
+                t = timeouts[-1]
+                status = "timeout"
+                if t.ename == "NotebookTimeout":
+                    detail = f"{run.notebook_timed_out}; it was stopped in the cell starting `{t.first_line}`"
+                else:
+                    detail = f"the cell starting `{t.first_line}` ran past {timeout} s and was interrupted"
+            elif run.notebook_timed_out:
+                status, detail = "timeout", f"{run.notebook_timed_out} before this check ran"
+            elif setup_error:
+                status, detail = "setup failed", setup_error
+            else:
+                first = _first_error(run, cell)
+                status = "not run"
+                detail = (f"the check did not run; the first error was {first}" if first else
+                          f"the cell calling {check} ran without calling it")
+            rows.append(rows_for(check, 0, max_points, status, detail))
+        elif entry.get("passed"):
+            rows.append(rows_for(check, max_points, max_points, "passed"))
+        elif entry.get("reason") == "not done":
+            rows.append(rows_for(check, 0, max_points, "not done", "the exercise still raises NotImplementedError"))
+        else:
+            detail = str(entry.get("message", "")).strip()[:2000]  # the whole diagnosis, for the CSV
+            rows.append(rows_for(check, 0, max_points, "failed", detail))
+    own = {c for c, _ in expected}
+    for check in recorded:
+        if check not in own:
+            home = next((lab_ for lab_, checks in manifest.items() if any(c == check for c, _ in checks)), None)
+            where = f"a check of lab {home}" if home else "not a check of any lab"
+            rows.append(rows_for(check, 0, 0, "extra", f"{where}, not of {chosen}: not scored"))
+    for row in rows:
+        row.flags = flags
+    return rows
+
+
+def _setup_error(nb, run) -> str:
+    """The error of the setup cell (the one calling labsupport.setup), if it failed."""
+    for error in run.errors:
+        if "setup(" in error.source or "import labsupport" in error.source:
+            return f"{error.ename}: {error.evalue}"[:300]
+    if run.died:
+        return run.died
+    return ""
+
+
+def grade_all(
+    notebooks: list[Path],
+    timeout: int = 600,
+    jobs: int = 1,
+    progress: Callable[[Path, list[Row], float], None] | None = None,
+    *,
+    lab: str | None = None,
+    manifest: dict[str, list[tuple[str, float]]] | None = None,
+    notebook_timeout: float | None = NOTEBOOK_TIMEOUT,
+) -> list[Row]:
+    """Grade every notebook (``jobs`` at a time); rows come back in the order of ``notebooks``.
+
+    Raises KernelStartError (and grades nothing more) when a kernel cannot start.
+    """
+    manifest = manifest if manifest is not None else load_manifest()
+
+    def one(path: Path) -> list[Row]:
+        start = time.perf_counter()
+        rows = grade_notebook(path, timeout=timeout, lab=lab, manifest=manifest, notebook_timeout=notebook_timeout)
+        if progress:
+            progress(path, rows, time.perf_counter() - start)
+        return rows
+
+    if jobs <= 1:
+        return [row for path in notebooks for row in one(path)]
+    pool = ThreadPoolExecutor(max_workers=jobs)  # each notebook runs in its own kernel process
+    try:
+        return [row for rows in pool.map(one, notebooks) for row in rows]
+    except KernelStartError:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+

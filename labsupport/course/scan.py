@@ -1,0 +1,225 @@
+"""Reading the code of a notebook without running it: which checks it calls, and what in it a
+person should read before trusting its score (the grader's flags).
+
+The course's own answers are found from their registry (:func:`labsupport._answers.answer_names`),
+filled by the ``@answer`` decorator where each answer is defined: no list of names is kept here.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from collections.abc import Iterable
+
+from .. import checks  # noqa: F401  (imports every check module, and with them every answer they ban)
+from .._answers import answer_names
+
+# -- reading code -----------------------------------------------------------------------------
+
+def python_source(text: str) -> str:
+    """A cell's code as the kernel runs it: IPython syntax (``%magic``, ``!shell``) made Python."""
+    if not re.search(r"^\s*[%!]|\?\s*$", text, re.MULTILINE):
+        return text
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+    except ImportError:
+        return text
+    try:
+        return TransformerManager().transform_cell(text)
+    except Exception:
+        return text
+
+
+def _tokens(text: str) -> list[tokenize.TokenInfo]:
+    """The tokens of ``text`` up to where it stops being Python (comments excluded)."""
+    out = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type != tokenize.COMMENT:
+                out.append(tok)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return out
+
+
+def _parse(text: str) -> ast.AST | None:
+    try:
+        return ast.parse(python_source(text))
+    except (SyntaxError, ValueError):
+        return None
+
+
+def check_calls(text: str) -> list[str]:
+    """Names of the ``check_*`` functions the code calls (not in comments or strings), in order."""
+    names: list[str] = []
+    tree = _parse(text)
+    if tree is not None:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = _func_name(node)
+                if name.startswith("check_") and name not in names:
+                    names.append(name)
+        names.sort(key=lambda n: _position(tree, n))
+        for node in ast.walk(tree):  # %time check_x(f), %%time: the code a magic runs
+            if isinstance(node, ast.Call) and _func_name(node) in ("run_line_magic", "run_cell_magic"):
+                for arg in node.args[1:]:
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                        names += [n for n in check_calls(arg.value) if n not in names]
+        return names
+    toks = _tokens(text)  # a cell that does not parse: the calls it spells out
+    for tok, nxt in zip(toks, toks[1:]):
+        if tok.type == tokenize.NAME and tok.string.startswith("check_") and nxt.string == "(":
+            if tok.string not in names:
+                names.append(tok.string)
+    return names
+
+
+def _position(tree: ast.AST, name: str) -> tuple[int, int]:
+    found = [(n.lineno, n.col_offset) for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)]
+    return min(found) if found else (0, 0)
+
+
+def calls_by_cell(nb) -> dict[str, int]:
+    """Each check the notebook calls, with the index of the first cell that calls it."""
+    where: dict[str, int] = {}
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            for name in check_calls(cell.source):
+                where.setdefault(name, index)
+    return where
+
+
+# -- things a person should look at -----------------------------------------------------------
+
+SUSPECT_NAMES = {
+    "LABSUPPORT_RESULTS": "LABSUPPORT_RESULTS (the grader's results file)",
+    "RESULTS_ENV": "RESULTS_ENV (the grader's results file)",
+    "Checker": "Checker (the check machinery)",
+    "REGISTRY": "REGISTRY (the check registry)",
+    "_record": "_record (writes check results)",
+    "CheckResult": "CheckResult (check results)",
+}
+FRAMEWORK = "labsupport.checks.framework (the check machinery)"
+# The course's answers by name. Not the names of the labs' own exercises (kv_bytes_per_token,
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+
+def course_answers(trees: Iterable[ast.AST]) -> tuple[set[str], set[str]]:
+    """The names that mean one of the course's registered answers in this notebook.
+
+    Returns ``(bare, every)``: ``every`` is every registered answer's name, which as an attribute
+    (``costs.kv_bytes_per_token``) always means the course's; ``bare`` leaves out the names the
+    notebook defines itself, since an exercise often has the name of the course's answer and the
+    function a learner writes under that name is theirs.
+    """
+    every = answer_names()
+    own = {node.name for tree in trees for node in ast.walk(tree)
+           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return every - own, every
+
+
+def _referenced(node: ast.AST, answers: tuple[set[str], set[str]]) -> list[str]:
+    """The course's answers named anywhere inside ``node`` (``answers`` from :func:`course_answers`)."""
+    bare, every = answers
+    names = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in bare or isinstance(sub, ast.Attribute) and sub.attr in every:
+            name = sub.id if isinstance(sub, ast.Name) else sub.attr
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _func_name(call: ast.Call) -> str:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
+    """What in the notebook's code looks like tampering with grading (for a person to read)."""
+    flags: list[str] = []
+
+    def add(text: str) -> None:
+        if text not in flags:
+            flags.append(text)
+
+    known_checks = set(known_checks)
+    cells = [c.source for c in nb.cells if c.cell_type == "code"]
+    trees = [_parse(src) for src in cells]
+    answers = course_answers(filter(None, trees))
+    for src, tree in zip(cells, trees):
+        code = " ".join(t.string for t in _tokens(python_source(src)))  # comments left out
+        if "LABSUPPORT_RESULTS" in code:  # in a name or a string
+            add(SUSPECT_NAMES["LABSUPPORT_RESULTS"])
+        for word, text in SUSPECT_NAMES.items():
+            if re.search(rf"(?<![A-Za-z0-9_]){word}(?![A-Za-z0-9_])", code):
+                add(text)
+        if re.search(r"\bchecks \. framework\b|\bchecks import\b[^\n]*?\bframework\b", code):
+            add(FRAMEWORK)
+        if tree is None and "labsupport" in code:
+            add("a cell that does not parse mentions labsupport (read it)")
+
+    bound = {"labsupport"}  # names that refer to labsupport modules or what was imported from them
+    for tree in filter(None, trees):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "labsupport":
+                        bound.add((alias.asname or alias.name).split(".")[0])
+                    if alias.name.startswith("labsupport.checks."):
+                        add(FRAMEWORK if alias.name == "labsupport.checks.framework" else f"imports {alias.name}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labsupport":
+                if (node.module or "").startswith("labsupport.checks."):
+                    add(FRAMEWORK if node.module == "labsupport.checks.framework" else f"imports from {node.module}")
+                bound.update(alias.asname or alias.name for alias in node.names)
+
+    exercises: set[str] = set()  # the functions the notebook hands to checks
+    for tree in filter(None, trees):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _func_name(node).startswith("check_") and node.args:
+                if isinstance(node.args[0], ast.Name):
+                    exercises.add(node.args[0].id)
+                for arg in [*node.args, *(k.value for k in node.keywords)]:
+                    for name in _referenced(arg, answers):
+                        add(f"passes the course's {name} to {_func_name(node)}")
+    for tree in filter(None, trees):
+        for node in ast.walk(tree):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = node.targets
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, (ast.Attribute, ast.Subscript)) and (
+                            _root_name(t) in bound or "labsupport" in ast.unparse(t)):
+                        add(f"patches {ast.unparse(t)}")
+                    elif isinstance(t, ast.Name) and t.id in known_checks:
+                        add(f"redefines {t.id}")
+                    elif isinstance(t, ast.Name) and t.id in exercises and getattr(node, "value", None) is not None:
+                        for name in _referenced(node.value, answers):
+                            add(f"{t.id} is the course's {name}")
+            if isinstance(node, ast.Call) and _func_name(node) in ("setattr", "delattr", "patch", "object") \
+                    and node.args:
+                first = node.args[0]
+                if _root_name(first) in bound or (
+                        isinstance(first, ast.Constant) and str(first.value).startswith("labsupport")):
+                    add(f"patches {ast.unparse(first)} ({ast.unparse(node.func)})")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name in known_checks:
+                    add(f"redefines {node.name}")
+                if node.name in exercises:
+                    for name in _referenced(ast.Module(body=node.body, type_ignores=[]), answers):
+                        add(f"{node.name} uses the course's {name}")
+    return flags
+
+

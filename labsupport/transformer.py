@@ -1,0 +1,481 @@
+"""A Llama-style decoder in one file, for measuring prefill and decode.
+
+The architecture follows Llama 3 (Grattafiori et al., 2024, "The Llama 3 Herd of Models"):
+RMSNorm before each block, rotary position embeddings, grouped-query attention and a SwiGLU
+feed-forward. The weights are random (seeded): how long a forward pass takes does not depend on
+their values, so a random model measures the same time as a trained one of the same shape.
+
+Shapes used in comments:
+    B batch, S tokens in this call, T tokens attended to (cache so far + S), d d_model,
+    H query heads, Hkv key/value heads, G = H // Hkv (query heads per KV head), D head_dim,
+    V vocab_size, L n_layers.
+
+Use::
+
+    from labsupport.models import get_model
+    from labsupport.transformer import Transformer
+    model = Transformer(get_model("tiny-2m"))               # fp32 on the CPU
+    cache = model.new_cache(batch=1, max_len=64)
+    prompt = model.random_prompt(batch=1, length=16)
+    logits = model.prefill(prompt, cache)                    # (1, V), cache.length == 16
+    logits = model.decode_step(logits.argmax(-1, keepdim=True), cache)   # cache.length == 17
+
+``attention`` chooses how attention is computed: ``"sdpa"`` (torch's fused
+``scaled_dot_product_attention``), ``"naive"`` (scores, mask, softmax, blend: written out), or any
+callable ``attn(q, k, v, causal) -> out`` with ``q, k, v`` of shape ``(B, H, S or T, D)``; the keys
+and values are already expanded to ``H`` heads. A callable may also return a tuple whose first
+item is ``out``, as the course's own kernels do (``labsupport.attention.flash_attention_reference``
+returns ``(out, lse)``), so they plug in directly. When ``causal`` is true and ``q`` is shorter
+than ``k`` the queries are the *last* positions (query ``i`` sits at position ``T - S + i``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._validate import positive_int
+from .models import ModelConfig, as_model
+
+ROPE_THETA = 500_000.0  # Llama 3's rotary base
+NORM_EPS = 1e-5
+INIT_STD = 0.02  # nanoGPT/GPT-2 style initialisation; values do not matter for timing
+ATTENTION_CHOICES = ("sdpa", "naive")
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+# --- attention implementations ------------------------------------------------------------
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Attention written out: ``softmax(q k^T / sqrt(D) + mask) v``, softmax in fp32.
+
+    q: (B, H, S, D); k, v: (B, H, T, D) with T >= S. Causal masks are aligned to the end:
+    query i is at position T - S + i and sees keys 0..T - S + i.
+    """
+    S, T, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(D)  # (B, H, S, T)
+    if causal:
+        q_pos = torch.arange(T - S, T, device=q.device)[:, None]  # (S, 1)
+        k_pos = torch.arange(T, device=q.device)[None, :]  # (1, T)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H, S, T)
+    return weights @ v  # (B, H, S, D)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """torch's fused attention with the same end-aligned causal convention as :func:`naive_attention`."""
+    S, T = q.shape[-2], k.shape[-2]
+    if not causal or S == 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    if S == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # A chunk of queries after cached keys: is_causal would align the mask to the start.
+    q_pos = torch.arange(T - S, T, device=q.device)[:, None]  # (S, 1)
+    k_pos = torch.arange(T, device=q.device)[None, :]  # (1, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos)
+
+
+def _resolve_attention(attention) -> tuple[str, AttentionFn]:
+    if isinstance(attention, str):
+        key = attention.strip().lower()
+        if key == "sdpa":
+            return "sdpa", sdpa_attention
+        if key == "naive":
+            return "naive", naive_attention
+    elif callable(attention):
+        return getattr(attention, "__name__", "custom"), attention
+    raise ValueError(
+        f"attention must be 'sdpa', 'naive' or a callable attn(q, k, v, causal) -> out, got {attention!r}"
+    )
+
+
+# --- the KV cache -------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for ``max_len`` positions.
+
+    ``k`` and ``v`` have shape ``(n_layers, batch, n_kv_heads, max_len, head_dim)``; positions
+    ``0 .. length-1`` hold data. ``nbytes()`` is the memory reserved (both tensors, all of
+    ``max_len``); ``used_nbytes()`` the part filled so far.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype: torch.dtype):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.batch = batch
+        self.max_len = max_len
+        self.length = 0
+
+    def nbytes(self) -> int:
+        """Bytes reserved by the cache (keys and values, all ``max_len`` positions)."""
+        return self.k.nelement() * self.k.element_size() * 2
+
+    def used_nbytes(self) -> int:
+        """Bytes holding real positions: ``length / max_len`` of :meth:`nbytes`."""
+        return self.nbytes() * self.length // self.max_len
+
+    def reset(self) -> None:
+        """Forget every position (the memory stays allocated)."""
+        self.length = 0
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Write ``k, v`` (B, Hkv, S, D) at positions ``start..start+S-1`` of ``layer``; return
+        the layer's keys and values for positions ``0..start+S-1`` as views (B, Hkv, T, D)."""
+        end = start + k.shape[-2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(batch={self.batch}, length={self.length}/{self.max_len}, "
+            f"{self.nbytes() / 2**20:.1f} MiB, dtype={self.k.dtype}, device={self.k.device})"
+        )
+
+
+# --- the building blocks ------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``: LayerNorm without the mean subtraction or bias (Zhang & Sennrich, 2019)."""
+
+    def __init__(self, dim: int, eps: float = NORM_EPS, **factory):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, **factory))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = ROPE_THETA):
+    """cos and sin of the rotary angles for ``positions`` (S,): each (S, D), in ``dtype``."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    )  # (D/2,)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (S, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (S, D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + D/2]) by the position's angle (Su et al., 2021, RoFormer).
+
+    x: (B, heads, S, D); cos, sin: (S, D).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, heads, S, D)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (Ainslie et al., 2023): H query heads share Hkv key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, **factory):
+        super().__init__()
+        d, D = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, D
+        self.wq = nn.Linear(d, cfg.n_heads * D, bias=False, **factory)
+        self.wk = nn.Linear(d, cfg.n_kv_heads * D, bias=False, **factory)
+        self.wv = nn.Linear(d, cfg.n_kv_heads * D, bias=False, **factory)
+        self.wo = nn.Linear(cfg.n_heads * D, d, bias=False, **factory)
+
+    def forward(
+        self, x, cos, sin, attn_fn: AttentionFn, fold_gqa: bool, cache: KVCache | None, layer: int, start: int
+    ):
+        B, S, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        G = H // Hkv
+        q = self.wq(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+        k = self.wk(x).view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.wv(x).view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, start, k, v)  # (B, Hkv, T, D), T = start + S
+
+        if fold_gqa and S == 1 and G > 1:
+            # One new token: it may see every cached key, so no mask is needed and the G query
+            # heads of a group can sit in the "sequence" slot. The cache is read once, unexpanded.
+            out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v)  # (B, Hkv, G, D)
+            out = out.reshape(B, H, 1, D)  # (B, H, S=1, D)
+        else:
+            if G > 1:
+                k = k.repeat_interleave(G, dim=1)  # (B, H, T, D)
+                v = v.repeat_interleave(G, dim=1)  # (B, H, T, D)
+            out = attn_fn(q, k, v, S > 1)  # (B, H, S, D)
+            if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+                out = out[0]  # the course's kernels return (out, lse)
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(
+                    f"attention function returned {got}; expected a tensor of shape {tuple(q.shape)}"
+                )
+        out = out.transpose(1, 2).reshape(B, S, H * D)  # (B, S, d)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer, 2020): ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, cfg: ModelConfig, **factory):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False, **factory)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False, **factory)  # up
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False, **factory)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, S, d_ff) inside, (B, S, d) out
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention and pre-norm feed-forward, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig, **factory):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, **factory)
+        self.attention = Attention(cfg, **factory)
+        self.ffn_norm = RMSNorm(cfg.d_model, **factory)
+        self.feed_forward = FeedForward(cfg, **factory)
+
+    def forward(self, x, cos, sin, attn_fn, fold_gqa, cache, layer, start):
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn_fn, fold_gqa, cache, layer, start)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+# --- the model ----------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """A Llama-style decoder with random (seeded) weights, built from a :class:`ModelConfig`.
+
+    The weights are created directly on ``device`` (first on torch's ``meta`` device, which
+    allocates nothing), so an 8B shape in bf16 (about 16 GB) never passes through CPU memory.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        attention="sdpa",
+    ):
+        super().__init__()
+        cfg = as_model(cfg)  # a ModelConfig, or a model name such as "tiny-2m"
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"dtype must be a floating torch.dtype (torch.float32, torch.bfloat16...), got {dtype!r}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be 'cpu', 'cuda' or a torch.device, got {device!r}") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+        self.cfg = cfg
+        self.attention = attention  # validated by the setter below
+
+        factory = {"device": "meta", "dtype": dtype}
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, **factory)
+        self.layers = nn.ModuleList(Block(cfg, **factory) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, **factory)
+        self.output = (
+            None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **factory)
+        )
+        self.to_empty(device=device)  # allocate on the target device; values filled next
+        self._init_weights(seed)
+        self.eval()
+
+    # -- construction helpers --
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, INIT_STD, generator=gen)
+                if name.endswith(("wo.weight", "w2.weight")):  # GPT-2's residual scaling
+                    p.mul_(1 / math.sqrt(2 * self.cfg.n_layers))
+
+    @property
+    def attention(self):
+        """The attention in use: ``'sdpa'``, ``'naive'`` or a callable. Assign to change it."""
+        return self._attention
+
+    @attention.setter
+    def attention(self, value) -> None:
+        self._attention_name, self._attn_fn = _resolve_attention(value)
+        self._attention = value
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    def param_bytes(self) -> int:
+        """Bytes of all weights (a tied embedding counted once)."""
+        return sum(p.nelement() * p.element_size() for p in self.parameters())
+
+    def param_count(self) -> int:
+        """Number of weights; equals :func:`labsupport.costs.param_count` for the same config."""
+        return sum(p.nelement() for p in self.parameters())
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` sequences of up to ``max_len`` positions."""
+        batch = _positive("batch", batch)
+        max_len = _positive("max_len", max_len)
+        return KVCache(self.cfg, batch, max_len, self.device, self.dtype)
+
+    def random_prompt(self, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+        """Random token ids, shape (batch, length), int64, on the model's device."""
+        return random_prompt(self.cfg, batch, length, seed=seed, device=self.device)
+
+    # -- the forward passes --
+
+    def _tokens(self, tokens, what: str) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(
+                f"{what}: tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}"
+            )
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ValueError(
+                f"{what}: tokens must hold integer token ids (torch.int64), got dtype {tokens.dtype}"
+            )
+        if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+            raise ValueError(
+                f"{what}: tokens must have shape (batch, length) with both >= 1, got {tuple(tokens.shape)}"
+            )
+        if tokens.device.type == "cpu":  # checking on the GPU would force a sync every step
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(
+                    f"{what}: token ids must be in [0, {self.cfg.vocab_size - 1}] (vocab_size of "
+                    f"{self.cfg.name}), got values from {lo} to {hi}"
+                )
+        return tokens.to(self.device, torch.long)
+
+    def _run(self, tokens: torch.Tensor, cache: KVCache | None, start: int) -> torch.Tensor:
+        """Run positions ``start .. start+S-1``; return the last position's logits (B, V) in fp32."""
+        B, S = tokens.shape
+        positions = torch.arange(start, start + S, device=self.device)  # (S,)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.dtype)  # (S, D) each
+        fold_gqa = self._attention_name == "sdpa"
+        x = self.tok_embeddings(tokens)  # (B, S, d)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self._attn_fn, fold_gqa, cache, i, start)  # (B, S, d)
+        x = self.norm(x[:, -1])  # (B, d): only the last position's logits are needed
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, d)
+        return (x @ head.T).float()  # (B, V)
+
+    def _check_cache(self, cache, batch: int, start: int, new: int, what: str) -> None:
+        if not isinstance(cache, KVCache):
+            raise ValueError(
+                f"{what}: cache must be a KVCache from model.new_cache(batch, max_len), got {type(cache).__name__}"
+            )
+        cfg = self.cfg
+        expected = (cfg.n_layers, cache.batch, cfg.n_kv_heads, cache.max_len, cfg.head_dim)
+        if cache.k.device != self.device or cache.k.dtype != self.dtype or tuple(cache.k.shape) != expected:
+            raise ValueError(
+                f"{what}: this cache was not made by this model ({cache!r}); use model.new_cache(batch, max_len)"
+            )
+        if cache.batch != batch:
+            raise ValueError(
+                f"{what}: tokens have batch {batch} but the cache was made for batch {cache.batch}"
+            )
+        if start + new > cache.max_len:
+            raise ValueError(
+                f"{what}: KV cache overflow: the cache holds max_len={cache.max_len} positions, "
+                f"{start} are used and {new} more were asked for; make a bigger one with "
+                f"model.new_cache(batch, max_len={start + new})"
+            )
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, start: int = 0) -> torch.Tensor:
+        """Process a whole prompt (B, P) at once; write its keys and values to ``cache[start:start+P]``.
+
+        Returns the logits of the last position, (B, V). With the default ``start=0`` the cache is
+        refilled from the beginning; ``start=cache.length`` appends a chunk (chunked prefill).
+        """
+        tokens = self._tokens(tokens, "prefill")
+        start = _positive("start", start, allow_zero=True)
+        self._check_cache(cache, tokens.shape[0], start, tokens.shape[1], "prefill")
+        if start > cache.length:
+            raise ValueError(f"prefill: start={start} leaves a gap after the {cache.length} cached positions")
+        logits = self._run(tokens, cache, start)
+        cache.length = start + tokens.shape[1]
+        return logits
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One new token per sequence (B, 1), attending to everything cached; returns (B, V)."""
+        tokens = self._tokens(tokens, "decode_step")
+        if tokens.shape[1] != 1:
+            raise ValueError(f"decode_step: tokens must have shape (batch, 1), got {tuple(tokens.shape)}")
+        self._check_cache(cache, tokens.shape[0], getattr(cache, "length", 0), 1, "decode_step")
+        if cache.length == 0:
+            raise ValueError("decode_step: the cache is empty; call model.prefill(prompt, cache) first")
+        logits = self._run(tokens, cache, cache.length)
+        cache.length += 1
+        return logits
+
+    @torch.no_grad()
+    def forward_no_cache(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Recompute every position from scratch (B, P), no cache; returns the last logits (B, V)."""
+        return self._run(self._tokens(tokens, "forward_no_cache"), None, 0)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, use_cache: bool = True) -> torch.Tensor:
+        """Greedy decoding: returns (B, P + max_new_tokens) token ids, prompt included.
+
+        ``use_cache=False`` is the naive baseline: every new token reruns the whole sequence.
+        """
+        prompt = self._tokens(prompt, "generate")
+        n = _positive("max_new_tokens", max_new_tokens, allow_zero=True)
+        tokens = prompt
+        if n == 0:
+            return tokens
+        if use_cache:
+            cache = self.new_cache(prompt.shape[0], prompt.shape[1] + n)
+            logits = self.prefill(prompt, cache)
+        else:
+            logits = self.forward_no_cache(prompt)
+        for step in range(n):
+            next_token = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            tokens = torch.cat([tokens, next_token], dim=1)  # (B, P + step + 1)
+            if step + 1 < n:
+                logits = self.decode_step(next_token, cache) if use_cache else self.forward_no_cache(tokens)
+        return tokens
+
+    def extra_repr(self) -> str:
+        return f"{self.cfg.name}, attention={self._attention_name}, {self.param_count() / 1e6:.2f}M params"
+
+
+def _positive(name: str, value, *, allow_zero: bool = False) -> int:
+    return positive_int(name, value, allow_zero=allow_zero)
+
+
+def random_prompt(cfg: ModelConfig, batch: int, length: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """Random token ids in ``[0, cfg.vocab_size)``, shape (batch, length), int64, seeded."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    batch, length = _positive("batch", batch), _positive("length", length)
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, cfg.vocab_size, (batch, length), generator=gen).to(device)
