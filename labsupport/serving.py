@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 
 from . import costs
-from ._validate import positive_int, positive_number
+from ._validate import positive_int, positive_number, renamed_parameters
 from .hardware import GPU, as_gpu
 from .models import as_model
 
@@ -124,6 +124,12 @@ class Conventions:
     def choices() -> dict[str, tuple[str, ...]]:
         """Accepted values of each string option, default first."""
         return dict(_CHOICES)
+
+
+# Conventions(weight_bytes=..., kv_bytes=...), as written before the bytes naming rule, still works.
+Conventions.__init__ = renamed_parameters(weight_bytes="weight_dtype_bytes", kv_bytes="kv_dtype_bytes")(
+    Conventions.__init__
+)
 
 
 SOURCE = Conventions()

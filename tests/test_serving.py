@@ -285,3 +285,4 @@ def test_nominal_size_needs_a_published_one():
 def test_conventions_still_read_under_their_old_names():
     conv = Conventions(weight_dtype_bytes=1, kv_dtype_bytes=4)
     assert (conv.weight_bytes, conv.kv_bytes) == (1, 4)
+    assert Conventions(weight_bytes=1, kv_bytes=4) == conv != Conventions()

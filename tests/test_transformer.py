@@ -208,7 +208,8 @@ def test_random_prompt():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"cfg": "tiny-2m"}, "cfg must be a labsupport.models.ModelConfig"),
+        ({"cfg": 2}, "model must be a ModelConfig"),
+        ({"cfg": "tiny-9m"}, "unknown model 'tiny-9m'"),
         ({"attention": "flash"}, "attention must be 'sdpa', 'naive' or a callable"),
         ({"dtype": torch.int32}, "dtype must be a floating torch.dtype"),
         ({"seed": 1.5}, "seed must be an integer"),
@@ -254,3 +255,17 @@ def test_half_precision_runs_on_cpu():
     out = model.generate(prompt, 3)
     assert out.shape == (1, 9)
     assert model.new_cache(1, 4).k.dtype == torch.bfloat16
+
+
+def test_a_model_name_builds_the_same_model():
+    """The Transformer takes a shape through labsupport.models.as_model, like every other function."""
+    by_name, by_shape = Transformer("tiny-2m"), Transformer(TINY)
+    assert by_name.cfg == TINY
+    assert all(torch.equal(a, b) for a, b in zip(by_name.state_dict().values(), by_shape.state_dict().values()))
+
+
+def test_the_old_module_name_still_imports():
+    """Notebooks released before the rename say `from labsupport.model import Transformer`."""
+    from labsupport import model
+
+    assert model.Transformer is Transformer
