@@ -17,7 +17,6 @@ Conventions used here (and in labs 04 and 05):
 
 ``measure_matmul`` and ``measure_copy`` time with :func:`labsupport.timing.benchmark`, so on a GPU
 they use ``triton.testing.do_bench`` (warm-up, synchronisation, L2 flush) and on a CPU a wall clock.
-torch is imported only when something is measured, so a book page can draw rooflines without it.
 """
 
 from __future__ import annotations
@@ -30,10 +29,11 @@ import numpy as np
 import torch
 
 from ._answers import answer
-from ._validate import positive_int, positive_number
+from ._validate import non_negative_number, positive_int, positive_number
 from .costs import matmul_flops
 from .device import device as default_device
 from .device import lab_dtype
+from .hardware import as_gpu
 from .timing import benchmark
 from .timing import progress as progress_bar
 
@@ -66,13 +66,9 @@ def matmul_intensity(m: int, k: int, n: int, dtype_bytes: float) -> float:
 
 def roofline_time(flops: float, bytes_moved: float, peak_flops: float, bandwidth: float) -> float:
     """Lower bound on the time of a kernel, in seconds: ``max(flops / peak, bytes / bandwidth)``."""
-    if isinstance(flops, bool) or not isinstance(flops, numbers.Real) or flops < 0:
-        raise ValueError(f"flops must be a number >= 0, got {flops!r}")
-    if isinstance(bytes_moved, bool) or not isinstance(bytes_moved, numbers.Real) or bytes_moved < 0:
-        raise ValueError(f"bytes_moved must be a number >= 0, got {bytes_moved!r}")
     return max(
-        flops / positive_number("peak_flops", peak_flops),
-        bytes_moved / positive_number("bandwidth", bandwidth),
+        non_negative_number("flops", flops) / positive_number("peak_flops", peak_flops),
+        non_negative_number("bytes_moved", bytes_moved) / positive_number("bandwidth", bandwidth),
     )
 
 
@@ -235,7 +231,7 @@ def plot_roofline(
     """Draw a roofline on the matplotlib axes ``ax`` and return ``ax``.
 
     ``peak_flops`` (FLOP/s) and ``bandwidth`` (bytes/s) give the solid roof, usually your
-    measured values. ``published`` (a :class:`labsupport.hardware.GPU`, or None) adds its
+    measured values. ``published`` (a :class:`labsupport.hardware.GPU` or a GPU name, or None) adds its
     datasheet roof dashed, so measured and published can be compared side by side. ``points``
     are kernels to place: a list of ``(label, intensity)`` or ``(label, intensity,
     achieved_flops)`` tuples, :class:`RooflinePoint` objects, or a dict ``{label: intensity}``
@@ -249,13 +245,7 @@ def plot_roofline(
         raise ValueError(
             f"ax must be a matplotlib Axes (for example from plt.subplots()), got {type(ax).__name__}"
         )
-    if published is not None and not all(
-        hasattr(published, a) for a in ("peak_flops", "hbm_bandwidth", "name")
-    ):
-        raise ValueError(
-            f"published must be a labsupport.hardware.GPU (for example get_gpu('H100 SXM')) or None, "
-            f"got {type(published).__name__}"
-        )
+    published = None if published is None else as_gpu(published)  # a GPU or a GPU name
     pts = _points(points)
 
     roofs = [(label, peak_flops, bandwidth, "-", "C0")]

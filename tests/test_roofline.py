@@ -127,7 +127,8 @@ def test_plot_roofline_dict_points_and_no_published():
         (dict(points=[("x",)]), "each point"),
         (dict(points=[("x", -1.0)]), "intensity of point 'x'"),
         (dict(points=[("x", 1.0, 0)]), "achieved FLOP/s"),
-        (dict(published="H100"), "published must be"),
+        (dict(published=42), "gpu must be a labsupport.hardware.GPU"),
+        (dict(published="H1000"), "unknown GPU 'H1000'"),
         (dict(intensity_range=(10, 1)), "low < high"),
     ],
 )
