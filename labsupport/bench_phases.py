@@ -36,7 +36,6 @@ import torch
 
 from . import costs
 from .device import configure_triton, interpreter_mode
-from .transformer import Transformer
 from .models import get_model
 from .phases import (
     fit_prefill_times,
@@ -50,6 +49,7 @@ from .phases import (
 )
 from .roofline import measure_copy, measure_matmul
 from .timing import benchmark
+from .transformer import Transformer
 
 # The sweeps: (GPU, dry run). The dry run uses a tiny model on the CPU and measures nothing.
 MODEL = ("llama-3.1-8b", "tiny-2m")
