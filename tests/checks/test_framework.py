@@ -1,4 +1,5 @@
-"""The check framework and check_vector_add: right answers pass, planted wrong ones fail clearly."""
+"""The check framework (recording, messages, guards, launch counting), driven through check_vector_add;
+the vector add's own planted mistakes are in test_lab00_first_kernel.py."""
 
 from __future__ import annotations
 
@@ -20,128 +21,14 @@ def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
 
 
-def triton_add(x, y, block=128):
-    out = torch.empty_like(x)
-    _add_kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
-    return out
-
-
-@triton.jit
-def _add_kernel_unmasked_store(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask, other=0.0) + tl.load(y_ptr + offsets, mask=mask,
-                                                                                       other=0.0))
-
-
-@triton.jit
-def _add_kernel_mask_off_by_one(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n - 1
-    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
-
-
-@triton.jit
-def _add_kernel_pid_offsets(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) + tl.arange(0, BLOCK)  # forgot to multiply by BLOCK
-    mask = offsets < n
-    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
-
-
-def _launch_new_empty(kernel, block=128):
-    def add(x, y):
-        out = x.new_empty(x.shape)
-        kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
-        return out
-
-    return add
-
-
-def _launch(kernel, block=128):
-    def add(x, y):
-        out = torch.zeros_like(x)
-        kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
-        return out
-
-    return add
-
-
-def triton_add_floor_grid(x, y, block=128):
-    """Mutation: the grid rounds down, so the last partial block is never computed."""
-    out = torch.zeros_like(x)
-    if x.numel() // block:
-        _add_kernel[(x.numel() // block,)](x, y, out, x.numel(), BLOCK=block)
-    return out
-
-
-def test_reference_triton_kernel_passes(capsys):
-    check_vector_add(triton_add)
-    assert "PASSED check_vector_add" in capsys.readouterr().out
-
-
-def test_any_correct_kernel_passes():
-    check_vector_add(lambda x, y: triton_add(x, y, block=1024))
-    check_vector_add(lambda x, y: triton_add(x, y, block=16))
-
-
 def _stub(x, y):
     raise NotImplementedError("Exercise: write it")
 
 
-MUTANTS = {
-    "floor_grid_drops_tail": (triton_add_floor_grid, "(?s)n=1000.*elements 0..895 are right.*partial block.*cdiv"),
-    "adds_x_twice": (lambda x, y: x + x, "(?s)every element is wrong: check that you store x \\+ y"),
-    "skips_every_other_element": (lambda x, y: (x + y).index_fill(0, torch.arange(0, x.numel(), 2), 0),
-                                  "some elements are right and others wrong"),
-    "subtracts": (lambda x, y: x - y, "x - y is computed"),
-    "returns_x": (lambda x, y: x.clone(), "x is returned"),
-    "in_place": (lambda x, y: x.add_(y), "changed its inputs"),
-    "wrong_dtype": (lambda x, y: triton_add(x.float(), y.float()), "dtype float32, expected float16"),
-    "torch_not_triton": (lambda x, y: x + y, "no Triton kernel was launched"),
-    "unmasked_store": (_launch(_add_kernel_unmasked_store), "(?s)wrote past the end of the output.*mask the store"),
-    "unmasked_store_new_empty": (_launch_new_empty(_add_kernel_unmasked_store),
-                                 "(?s)wrote past the end of the output.*mask the store"),
-    "mask_off_by_one": (_launch(_add_kernel_mask_off_by_one), "mask is off by one"),
-    "offsets_not_scaled_by_block": (_launch(_add_kernel_pid_offsets), "check the offsets"),
-    "returns_list": (lambda x, y: (x + y).tolist(), "expected a torch.Tensor"),
-    "drops_last_element": (lambda x, y: (x + y)[:-1] if x.numel() > 1 else x + y, "shape"),
-    "nan_output": (lambda x, y: (x + y) * float("nan"), "non-finite"),
-    "stub": (_stub, "still raises NotImplementedError"),
-    "crashes": (lambda x, y: x + y[:2] if x.numel() > 2 else x + y, "raised RuntimeError.*n=1000"),
-    "fp16_precision_loss": (lambda x, y: (x + y).to(torch.bfloat16).to(x.dtype), "wrong at"),
-}
-
-
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_check_vector_add_rejects(name):
-    fn, message = MUTANTS[name]
-    with pytest.raises(CheckFailed, match=message):
-        check_vector_add(fn)
-
-
-def test_tail_hint_names_the_first_wrong_element():
-    def tail_dropped(x, y):
-        out = triton_add(x, y)
-        if x.numel() >= 8:
-            out[(x.numel() // 8) * 8 :] = 0  # blocks of 8; the partial last block is skipped
-        return out
-
-    with pytest.raises(CheckFailed, match="(?s)n=17.*every element from index 16.*partial block"):
-        check_vector_add(tail_dropped)
-
-
-def test_a_tiny_length_gets_the_only_block_is_partial_hint():
-    def nothing_below_8(x, y):
-        return triton_add(x, y) if x.numel() >= 8 else torch.zeros_like(x)
-
-    with pytest.raises(CheckFailed, match="(?s)n=2.*smaller than any block.*cdiv"):
-        check_vector_add(nothing_below_8)
-
-
-def test_a_named_mistake_gets_no_misleading_block_hint():
-    with pytest.raises(CheckFailed) as info:
-        check_vector_add(lambda x, y: x - y)
-    assert "x - y is computed" in str(info.value) and "Hint" not in str(info.value)
+def triton_add(x, y, block=128):
+    out = torch.empty_like(x)
+    _add_kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
+    return out
 
 
 def test_failure_names_the_case():
@@ -248,17 +135,6 @@ def test_a_crash_is_located_in_the_learners_code_not_in_torch():
     assert "site-packages" not in message
 
 
-def test_kernels_launched_any_way_count():
-    """kernel.run(...), a helper, new_empty: a right answer from a Triton kernel passes."""
-    def via_run(x, y):
-        out = x.new_empty(x.shape)
-        _add_kernel.run(x, y, out, x.numel(), grid=(triton.cdiv(x.numel(), 64),), warmup=False, BLOCK=64)
-        return out
-
-    check_vector_add(via_run)
-    check_vector_add(_launch_new_empty(_add_kernel))
-
-
 def test_launch_counting_is_undone_even_after_an_exception():
     import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
@@ -272,3 +148,4 @@ def test_launch_counting_is_undone_even_after_an_exception():
             assert launches.count > 0
             raise RuntimeError("a learner's exception")
     assert (jit.JITFunction.__dict__["run"], interpreter.GridExecutor.__dict__["__call__"]) == before
+
