@@ -22,8 +22,6 @@ class ManifestError(Exception):
     """labsupport/lab_checks.json is missing or unreadable: grading would not know the labs' checks."""
 
 
-
-
 def load_manifest(path: Path | None = None) -> dict[str, list[tuple[str, float]]]:
     """Each lab's checks and points, from ``lab_checks.json`` (written by ``release``)."""
     path = Path(path or MANIFEST)
@@ -42,8 +40,6 @@ def load_manifest(path: Path | None = None) -> dict[str, list[tuple[str, float]]
             f"{path} cannot be read ({type(exc).__name__}: {exc}). In the course repository run "
             f"`python -m labsupport release` to write it again."
         ) from None
-
-
 
 
 def lab_checks(sources: list[Path]) -> dict:

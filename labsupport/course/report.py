@@ -26,7 +26,6 @@ class Row:
     flags: str = ""
 
 
-
 def check_csv_target(path: Path) -> None:
     """Refuse, before any grading, a path the scores could not be written to, or a foreign file."""
     path = Path(path)

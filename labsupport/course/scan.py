@@ -110,7 +110,6 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-
 def course_answers(trees: Iterable[ast.AST]) -> tuple[set[str], set[str]]:
     """The names that mean one of the course's registered answers in this notebook.
 
