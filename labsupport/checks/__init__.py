@@ -1,8 +1,10 @@
 """Graded checks. Each ``check_*`` takes the learner's function, raises AssertionError with a
 diagnosis when something is wrong, and prints one pass line when everything is right.
 
-Every module in this package is imported here and its ``check_*`` functions re-exported, so a
-new lab's checks only need a new module (``labsupport/checks/<topic>.py``).
+One module per lab, named like the lab (``lab07_attention.py`` for ``solutions/07_attention.py``),
+on the shared core in ``framework.py``. Every module in this package is imported here and its
+``check_*`` functions re-exported, so a new lab's checks only need a new module
+(``labsupport/checks/labNN_topic.py``; see CONTRIBUTING.md).
 """
 
 import importlib as _importlib
