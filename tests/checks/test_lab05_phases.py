@@ -146,13 +146,17 @@ DECODE_MUTANTS = {
 
 
 def test_decode_check_accepts_correct_functions_with_other_parameters():
-    def split_bytes(cfg, batch, context, weight_bytes=2, kv_dtype_bytes=2):  # like labsupport.costs
+    def split_bytes(cfg, batch, context, weight_bytes=2, kv_dtype_bytes=2):  # labsupport.costs before the rename
         return _n(cfg) * weight_bytes + batch * context * _kv(cfg, b=kv_dtype_bytes)
+
+    def split_dtype_bytes(cfg, batch, context, weight_dtype_bytes=2, kv_dtype_bytes=2):  # like labsupport.costs
+        return _n(cfg) * weight_dtype_bytes + batch * context * _kv(cfg, b=kv_dtype_bytes)
 
     def with_a_flag(cfg, batch, context, verbose=False):  # not a bytes parameter: bf16 only
         return _n(cfg) * 2 + batch * context * _kv(cfg)
 
     check_decode_bytes(split_bytes)
+    check_decode_bytes(split_dtype_bytes)
     check_decode_bytes(with_a_flag)
 
 
