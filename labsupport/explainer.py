@@ -6,10 +6,11 @@ Two versions of one thing, both driven by :mod:`labsupport.serving`:
   and a matplotlib roofline with prefill and decode placed on it. ``from labsupport.explainer
   import show; show()``.
 * :func:`static_html` (the HTML book, no kernel): one self-contained HTML snippet with range
-  sliders, selects, the metrics and an SVG roofline. Its JavaScript re-implements
-  :func:`labsupport.serving.phases` operation for operation, and its model and GPU tables are
-  JSON generated here from :mod:`labsupport.models`, :mod:`labsupport.hardware` and
-  :mod:`labsupport.costs`. It loads nothing from the network.
+  sliders, selects, the metrics and an SVG roofline. Its script and styles are the package files
+  ``explainer_static/explainer.js`` and ``explainer.css``, inlined; the JavaScript
+  re-implements :func:`labsupport.serving.phases` operation for operation, and reads its model
+  and GPU tables from a JSON block generated here from :mod:`labsupport.models`,
+  :mod:`labsupport.hardware` and :mod:`labsupport.costs`. It loads nothing from the network.
 
 :func:`display_values` gives the exact strings both versions show for a setting; the browser
 test compares the page with it. Numbers are rounded half away from zero on their exact binary
@@ -24,6 +25,7 @@ import json
 import math
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
+from importlib import resources
 
 from . import costs, serving
 from .hardware import GPUS
@@ -131,6 +133,37 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def _bound_note(phase: serving.Phase, what: str) -> str:
+    if phase.bound != "mixed":
+        return f"{what}, {phase.bound}-bound"
+    return f"{what}: matmuls {phase.matmuls.bound}-bound, attention {phase.attention.bound}-bound"
+
+
+def _split(phase: serving.Phase, what: str) -> str:
+    m, a = phase.matmuls, phase.attention
+    return (
+        f"{what} = weight matmuls {format_seconds(m.time)} ({m.bound}-bound) + "
+        f"attention {format_seconds(a.time)} ({a.bound}-bound)"
+    )
+
+
+def roofline_points(report: serving.PhaseReport) -> list[tuple[str, serving.Kernel | serving.Phase, str]]:
+    """``(key, point, phase name)`` for each point the roofline shows.
+
+    Merged: one point per phase. Per kernel: each phase's weight matmuls, and its attention when
+    attention FLOPs are counted (a kernel with no FLOPs has no place on a log-scale roofline; its
+    time still counts).
+    """
+    if report.conventions.roofline == "merged":
+        return [("prefill", report.prefill, "prefill"), ("decode", report.decode, "decode")]
+    out = []
+    for phase in (report.prefill, report.decode):
+        out.append((phase.name, phase.matmuls, phase.name))
+        if phase.attention.flops > 0:
+            out.append((f"{phase.name}-attention", phase.attention, phase.name))
+    return out
+
+
 def display_values(report: serving.PhaseReport) -> dict[str, str]:
     """Every string the explainer shows for ``report`` (keys match the page's ``data-out``)."""
     pre, dec = report.prefill, report.decode
@@ -150,20 +183,16 @@ def display_values(report: serving.PhaseReport) -> dict[str, str]:
             f"{_plural(report.batch, 'request')}, against {format_gb(report.free_bytes)} left after "
             f"{format_gb(report.weight_bytes)} of weights: {verdict}."
         )
-    return {
+    out = {
         "ttft": format_seconds(report.ttft),
-        "ttft-note": f"prefill, {pre.bound}-bound",
+        "ttft-note": _bound_note(pre, "prefill"),
         "itl": format_seconds(report.itl),
-        "itl-note": f"one decode step, {dec.bound}-bound",
+        "itl-note": _bound_note(dec, "one decode step"),
         "latency": format_seconds(report.request_latency),
         "latency-note": f"{_plural(report.output_tokens, 'token')} end to end",
         "throughput": format_rate(report.throughput),
         "throughput-note": f"across {_plural(report.batch, 'request')}",
         "steps": f"prefill = {_fixed(report.prefill_in_decode_steps, 1)} decode steps",
-        "prefill-label": f"prefill, {prefill_what}",
-        "prefill-point": f"{format_intensity(pre.intensity)}, {format_percent(pre.fraction_of_peak)} of peak",
-        "decode-label": f"decode, batch {report.batch}",
-        "decode-point": f"{format_intensity(dec.intensity)}, {format_percent(dec.fraction_of_peak)} of peak",
         "ridge": f"ridge {format_intensity(report.ridge_point)}",
         "device": (
             f"{model_label(report.model)} in {dtype} on {report.gpu}: "
@@ -172,6 +201,25 @@ def display_values(report: serving.PhaseReport) -> dict[str, str]:
         ),
         "memory": memory,
     }
+    if report.conventions.roofline == "merged":
+        out["prefill-label"] = f"prefill, {prefill_what}"
+        out["decode-label"] = f"decode, batch {report.batch}"
+    else:
+        out["prefill-label"] = f"prefill matmuls, {prefill_what}"
+        out["prefill-attention-label"] = "prefill attention"
+        out["decode-label"] = f"decode matmuls, batch {report.batch}"
+        out["decode-attention-label"] = "decode attention"
+        out["prefill-split"] = _split(pre, "prefill")
+        out["decode-split"] = _split(dec, "one decode step")
+    for key, point, _ in roofline_points(report):
+        out[f"{key}-point"] = (
+            f"{format_intensity(point.intensity)}, {format_percent(point.fraction_of_peak)} of peak"
+        )
+    # the labels of points not drawn (attention with no FLOPs counted) are not shown either
+    for key in ("prefill-attention", "decode-attention"):
+        if f"{key}-point" not in out:
+            out.pop(f"{key}-label", None)
+    return out
 
 
 # --- one setting, computed ---------------------------------------------------------------------
@@ -184,11 +232,10 @@ def compute(
     prompt_tokens: int = serving.SOURCE_PROMPT,
     output_tokens: int = serving.SOURCE_OUTPUT,
     batch: int = serving.SOURCE_BATCH,
-    bandwidth: str = "source",
     conventions: serving.Conventions | None = None,
 ) -> tuple[serving.PhaseReport, dict[str, str]]:
     """The report and the display strings for one setting of the controls."""
-    gpu = serving.serving_gpu(card, count, bandwidth)
+    gpu = serving.serving_gpu(card, count)
     report = serving.phases(model, gpu, prompt_tokens, output_tokens, batch, conventions)
     return report, display_values(report)
 
@@ -210,13 +257,12 @@ def explainer_data() -> dict:
         name: {
             "peak_flops": gpu.peak_flops,
             "bandwidth": gpu.hbm_bandwidth,
-            "source_bandwidth": serving.SOURCE_BANDWIDTH.get(name),
             "memory_bytes": gpu.memory_bytes,
             "source": gpu.source,
         }
         for name, gpu in GPUS.items()
     }
-    defaults = serving.SOURCE
+    defaults = serving.DEFAULT
     return {
         "models": models,
         "cards": cards,
@@ -224,19 +270,19 @@ def explainer_data() -> dict:
         "prompts": PROMPTS,
         "outputs": OUTPUTS,
         "batches": BATCHES,
-        "choices": {**serving.Conventions.choices(), "bandwidth": list(serving.BANDWIDTH_CHOICES)},
+        "choices": serving.Conventions.choices(),
         "weight_bytes": defaults.weight_bytes,
         "kv_bytes": defaults.kv_bytes,
         "colours": {"prefill": PREFILL_COLOUR, "decode": DECODE_COLOUR},
     }
 
 
-def _settings(model, card, count, prompt_tokens, output_tokens, batch, bandwidth, conventions) -> dict:
+def _settings(model, card, count, prompt_tokens, output_tokens, batch, conventions) -> dict:
     """Check a starting setting against the controls' choices; return it as the page's JSON."""
-    conv = conventions if conventions is not None else serving.SOURCE
+    conv = conventions if conventions is not None else serving.DEFAULT
     if not isinstance(conv, serving.Conventions):
         raise ValueError(f"conventions must be a labsupport.serving.Conventions, got {type(conv).__name__}")
-    if (conv.weight_bytes, conv.kv_bytes) != (serving.SOURCE.weight_bytes, serving.SOURCE.kv_bytes):
+    if (conv.weight_bytes, conv.kv_bytes) != (serving.DEFAULT.weight_bytes, serving.DEFAULT.kv_bytes):
         raise ValueError(
             "the explainer shows bf16 weights and cache: conventions.weight_bytes and kv_bytes must be 2"
         )
@@ -247,7 +293,6 @@ def _settings(model, card, count, prompt_tokens, output_tokens, batch, bandwidth
         ("prompt_tokens", prompt_tokens, PROMPTS),
         ("output_tokens", output_tokens, OUTPUTS),
         ("batch", batch, BATCHES),
-        ("bandwidth", bandwidth, list(serving.BANDWIDTH_CHOICES)),
     ):
         if value not in accepted:
             raise ValueError(f"{name} must be one of {', '.join(map(str, accepted))}; got {value!r}")
@@ -258,7 +303,6 @@ def _settings(model, card, count, prompt_tokens, output_tokens, batch, bandwidth
         "prompt": prompt_tokens,
         "output": output_tokens,
         "batch": batch,
-        "bandwidth": bandwidth,
         **{name: getattr(conv, name) for name in serving.Conventions.choices()},
     }
 
@@ -267,15 +311,15 @@ def _settings(model, card, count, prompt_tokens, output_tokens, batch, bandwidth
 
 
 def roofline_frame(report: serving.PhaseReport) -> tuple[float, float, float, float]:
-    """Log-axis limits ``(x_min, x_max, y_min, y_max)`` that hold the roof and both points."""
-    pts = (report.prefill, report.decode)
+    """Log-axis limits ``(x_min, x_max, y_min, y_max)`` that hold the roof and every point."""
+    pts = [point for _, point, _ in roofline_points(report)]
     lo = min(min(p.intensity for p in pts), report.ridge_point)
     hi = max(max(p.intensity for p in pts), report.ridge_point)
     x_min = 10 ** math.floor(math.log10(lo / 2))
     x_max = 10 ** math.ceil(math.log10(hi * 2))
     y_low = min(min(p.attained_flops for p in pts), report.hbm_bandwidth * x_min)
     y_min = 10 ** math.floor(math.log10(y_low))
-    y_max = 10 ** math.ceil(math.log10(report.peak_flops * 2))
+    y_max = 10 ** math.ceil(math.log10(report.peak_flops * 4))
     return x_min, x_max, y_min, y_max
 
 
@@ -308,23 +352,40 @@ def roofline_figure(report: serving.PhaseReport, values: dict[str, str] | None =
         color="#333",
     )
     middle = math.sqrt(x_min * x_max)
-    for phase, colour in ((report.prefill, PREFILL_COLOUR), (report.decode, DECODE_COLOUR)):
-        align = "right" if phase.intensity > middle else "left"
-        ax.plot([phase.intensity], [phase.attained_flops], "o", ms=10, color=colour, zorder=3)
+    colours = {"prefill": PREFILL_COLOUR, "decode": DECODE_COLOUR}
+    for key, point, phase in roofline_points(report):
+        colour = colours[phase]
+        hollow = key.endswith("-attention")
+        align = "right" if point.intensity > middle else "left"
+        ax.plot(
+            [point.intensity],
+            [point.attained_flops],
+            "o",
+            ms=10,
+            color=colour,
+            markerfacecolor="white" if hollow else colour,
+            markeredgewidth=2.5,
+            zorder=3,
+        )
         offset = 0.8 if align == "right" else 1.25
         ax.text(
-            phase.intensity * offset,
-            phase.attained_flops / 1.6,
-            f"{values[phase.name + '-label']}\n{values[phase.name + '-point']}",
+            point.intensity * offset,
+            point.attained_flops * (1.8 if hollow else 1 / 1.6),
+            f"{values[key + '-label']}\n{values[key + '-point']}",
             ha=align,
-            va="top",
+            va="bottom" if hollow else "top",
             fontsize=9,
             color=colour,
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
         )
     ax.set_xlabel("arithmetic intensity (FLOP per byte read from memory)")
     ax.set_ylabel("attained FLOP/s")
-    ax.set_title("Prefill and decode on the roofline", fontsize=11)
+    title = (
+        "Prefill and decode on the roofline"
+        if report.conventions.roofline == "merged"
+        else "Each kernel on the roofline (filled: weight matmuls; hollow: attention)"
+    )
+    ax.set_title(title, fontsize=11)
     ax.grid(True, which="major", alpha=0.3)
     fig.tight_layout()
     return fig
@@ -332,230 +393,15 @@ def roofline_figure(report: serving.PhaseReport, values: dict[str, str] | None =
 
 # --- the static version (HTML book, no kernel) -------------------------------------------------
 
-_CSS = """
-#ID { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; border: 1px solid #d0d7de;
-  border-radius: 8px; padding: 1rem 1.2rem; margin: 1rem 0; color: #1f2328; background: #fff; }
-#ID .xp-controls { display: grid; grid-template-columns: repeat(auto-fit, minmax(15rem, 1fr)); gap: .6rem 1.4rem; }
-#ID label { display: flex; flex-direction: column; font-size: .85rem; gap: .2rem; }
-#ID label span.xp-head { display: flex; justify-content: space-between; }
-#ID output { font-weight: 600; }
-#ID input[type=range] { width: 100%; }
-#ID select { font-size: .9rem; padding: .15rem; }
-#ID details { margin-top: .6rem; font-size: .85rem; }
-#ID details .xp-controls { margin-top: .5rem; }
-#ID .xp-bar { display: flex; height: 1.1rem; margin: 1rem 0 .2rem; border-radius: 3px; overflow: hidden; }
-#ID .xp-bar div { min-width: 2px; }
-#ID .xp-bar-legend { font-size: .8rem; color: #57606a; }
-#ID .xp-metrics { display: grid; grid-template-columns: repeat(4, minmax(0, 1fr)); gap: .6rem; margin: .8rem 0; }
-@media (max-width: 640px) { #ID .xp-metrics { grid-template-columns: repeat(2, minmax(0, 1fr)); } }
-#ID .xp-metric { border: 1px solid #d0d7de; border-radius: 6px; padding: .5rem .7rem; }
-#ID .xp-metric .xp-name { font-size: .8rem; color: #57606a; }
-#ID .xp-metric .xp-value { font-size: 1.25rem; white-space: nowrap; font-weight: 650; font-variant-numeric: tabular-nums; }
-#ID .xp-metric .xp-note { font-size: .8rem; color: #57606a; }
-#ID .xp-memory { font-size: .9rem; }
-#ID .xp-memory.xp-bad { color: #b42318; font-weight: 600; }
-#ID .xp-device { font-size: .8rem; color: #57606a; }
-#ID svg { width: 100%; height: auto; max-width: 720px; display: block; }
-"""
 
-_JS = r"""
-(function () {
-  "use strict";
-  const root = document.getElementById("__ID__");
-  const DATA = __DATA__;
-  const START = __START__;
-  const $ = (sel) => root.querySelector(sel);
+def _static(name: str) -> str:
+    """A file of ``labsupport/explainer_static/`` (package data), as text."""
+    return resources.files("labsupport").joinpath("explainer_static", name).read_text(encoding="utf-8")
 
-  // Number formatting: toFixed rounds ties away from zero on the exact value, as the Python side.
-  const fixed = (x, d) => x.toFixed(d);
-  function group(text) {
-    let [whole, frac] = text.split(".");
-    const sign = whole.startsWith("-") ? "-" : "";
-    whole = whole.replace("-", "").replace(/\B(?=(\d{3})+(?!\d))/g, ",");
-    return sign + whole + (frac === undefined ? "" : "." + frac);
-  }
-  function seconds(s) {
-    const ms = s * 1000;
-    if (ms < 1) return fixed(ms, 2) + " ms";
-    if (s < 1) return fixed(ms, 1) + " ms";
-    if (s < 100) return fixed(s, 2) + " s";
-    if (s < 3600) return fixed(s / 60, 1) + " min";
-    return group(fixed(s / 3600, 1)) + " h";
-  }
-  const rate = (r) => group(fixed(r, r < 10 ? 1 : 0)) + " tok/s";
-  const intensity = (x) => { const t = fixed(x, x < 10 ? 1 : 0); return (x >= 10000 ? group(t) : t) + " FLOP/B"; };
-  const percent = (f) => { const p = f * 100; return fixed(p, p < 10 ? 1 : 0) + "%"; };
-  function gb(b) { const g = b / 1e9; return group(fixed(g, g < 10 ? 2 : g < 100 ? 1 : 0)) + " GB"; }
-  function three(v) {
-    let t = fixed(v, v < 10 ? 2 : v < 100 ? 1 : 0);
-    if (t.includes(".")) t = t.replace(/0+$/, "").replace(/\.$/, "");
-    return t;
-  }
-  function si(v, unit) {
-    for (const [f, p] of [[1e15, "P"], [1e12, "T"], [1e9, "G"]]) if (v >= f) return three(v / f) + " " + p + unit;
-    return three(v) + " " + unit;
-  }
-  const tokens = (n) => (n >= 1024 && n % 1024 === 0 ? n / 1024 + "K" : String(n));
-  const plural = (n, w) => n + " " + w + (n === 1 ? "" : "s");
 
-  // The phase model: labsupport.serving.phases, operation for operation.
-  function phase(name, flops, bytes, peak, bw) {
-    const compute = flops / peak, memory = bytes / bw;
-    const time = Math.max(compute, memory);
-    const attained = flops / time;
-    return { name, flops, bytes, time, intensity: flops / bytes, attained, fraction: attained / peak,
-             bound: compute >= memory ? "compute" : "memory" };
-  }
-  function model(s) {
-    const m = DATA.models[s.model], c = DATA.cards[s.card];
-    const n = s.params === "nominal" ? m.nominal_params : m.counted_params;
-    const perCard = s.bandwidth === "source" && c.source_bandwidth !== null ? c.source_bandwidth : c.bandwidth;
-    const peak = c.peak_flops * s.count, bw = perCard * s.count, mem = c.memory_bytes * s.count;
-    const kv = m.kv_values_per_token * DATA.kv_bytes;
-    const p = s.prompt, o = s.output, b = s.batch;
-    const tokensIn = b * p;
-    let pf = 2 * n * tokensIn;
-    if (s.attention !== "none") {
-      const attn = 4 * m.n_layers * p * p * m.d_model;
-      pf += b * (s.attention === "causal" ? attn / 2 : attn);
-    }
-    const pre = phase("prefill", pf, n * DATA.weight_bytes + tokensIn * kv, peak, bw);
-    const ctx = s.decode_context === "start" ? p : s.decode_context === "end" ? p + o - 1 : p + (o - 1) / 2;
-    let df = 2 * n * b;
-    if (s.attention !== "none") df += b * 4 * m.n_layers * ctx * m.d_model;
-    const dec = phase("decode", df, n * DATA.weight_bytes + b * ctx * kv, peak, bw);
-    const ttft = pre.time, itl = dec.time;
-    const steps = s.decode_steps === "output" ? o : o - 1;
-    const latency = ttft + steps * itl;
-    const throughput = s.throughput === "decode" ? b / itl : b * o / latency;
-    const weights = n * DATA.weight_bytes, cache = b * (p + o) * kv;
-    return { s, pre, dec, ttft, itl, latency, throughput, peak, bw, mem, weights, cache,
-             ridge: peak / bw, free: mem - weights, fits: weights + cache <= mem };
-  }
-  function texts(r) {
-    const s = r.s, m = DATA.models[s.model];
-    const what = s.batch === 1 ? tokens(s.prompt) + " tokens" : s.batch + " x " + tokens(s.prompt) + " tokens";
-    let memory;
-    if (r.weights > r.mem) {
-      memory = "The weights alone (" + gb(r.weights) + ") exceed the " + gb(r.mem) + " of memory: this setting cannot run.";
-    } else {
-      memory = "KV cache at the last token: " + gb(r.cache) + " for " + plural(s.batch, "request") + ", against " +
-        gb(r.free) + " left after " + gb(r.weights) + " of weights: " + (r.fits ? "fits" : "does not fit") + ".";
-    }
-    const dtype = DATA.weight_bytes === 2 ? "bf16" : three(DATA.weight_bytes) + "-byte weights";
-    return {
-      "ttft": seconds(r.ttft), "ttft-note": "prefill, " + r.pre.bound + "-bound",
-      "itl": seconds(r.itl), "itl-note": "one decode step, " + r.dec.bound + "-bound",
-      "latency": seconds(r.latency), "latency-note": plural(s.output, "token") + " end to end",
-      "throughput": rate(r.throughput), "throughput-note": "across " + plural(s.batch, "request"),
-      "steps": "prefill = " + fixed(r.ttft / r.itl, 1) + " decode steps",
-      "prefill-label": "prefill, " + what,
-      "prefill-point": intensity(r.pre.intensity) + ", " + percent(r.pre.fraction) + " of peak",
-      "decode-label": "decode, batch " + s.batch,
-      "decode-point": intensity(r.dec.intensity) + ", " + percent(r.dec.fraction) + " of peak",
-      "ridge": "ridge " + intensity(r.ridge),
-      "device": m.label + " in " + dtype + " on " + s.count + "x " + s.card + ": " + si(r.peak, "FLOP/s") +
-        " dense peak against " + si(r.bw, "B/s") + ".",
-      "memory": memory,
-    };
-  }
-
-  // The roofline, drawn as SVG on log axes (the frame as labsupport.explainer.roofline_frame).
-  const HALO = 'stroke="#fff" stroke-width="4" stroke-linejoin="round" paint-order="stroke"';
-  const esc = (t) => String(t).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
-  function axisLabel(v, unit) {
-    const e = Math.round(Math.log10(v));
-    const names = { 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E" };
-    if (unit === "") {
-      if (e < 0) return String(v);
-      const base = 3 * Math.floor(e / 3);
-      return Math.pow(10, e - base) + names[base];
-    }
-    const base = 3 * Math.floor(e / 3);
-    return Math.pow(10, e - base) + " " + (names[base] || "") + unit;
-  }
-  function roofline(r, t) {
-    const pts = [r.pre, r.dec];
-    const lo = Math.min(Math.min(...pts.map((p) => p.intensity)), r.ridge);
-    const hi = Math.max(Math.max(...pts.map((p) => p.intensity)), r.ridge);
-    const xLo = Math.floor(Math.log10(lo / 2)), xHi = Math.ceil(Math.log10(hi * 2));
-    const xMin = Math.pow(10, xLo), xMax = Math.pow(10, xHi);
-    const yLow = Math.min(Math.min(...pts.map((p) => p.attained)), r.bw * xMin);
-    const yLo = Math.floor(Math.log10(yLow)), yHi = Math.ceil(Math.log10(r.peak * 2));
-    const yMin = Math.pow(10, yLo), yMax = Math.pow(10, yHi);
-    const W = 720, H = 400, L = 72, R = 20, T = 30, B = 50;
-    const X = (v) => L + (Math.log10(v) - xLo) / (xHi - xLo) * (W - L - R);
-    const Y = (v) => H - B - (Math.log10(v) - yLo) / (yHi - yLo) * (H - T - B);
-    const f = (v) => v.toFixed(1);
-    let svg = '<svg viewBox="0 0 ' + W + " " + H + '" role="img" aria-label="roofline with prefill and decode">';
-    svg += '<text x="' + L + '" y="18" font-size="14" font-weight="600">Prefill and decode on the roofline</text>';
-    for (let e = xLo; e <= xHi; e++) {
-      const v = Math.pow(10, e);
-      svg += '<line x1="' + f(X(v)) + '" x2="' + f(X(v)) + '" y1="' + T + '" y2="' + (H - B) + '" stroke="#eaeef2"/>';
-      svg += '<text x="' + f(X(v)) + '" y="' + (H - B + 16) + '" font-size="11" text-anchor="middle" fill="#57606a">' +
-        axisLabel(v, "") + "</text>";
-    }
-    for (let e = yLo; e <= yHi; e++) {
-      const v = Math.pow(10, e);
-      svg += '<line x1="' + L + '" x2="' + (W - R) + '" y1="' + f(Y(v)) + '" y2="' + f(Y(v)) + '" stroke="#eaeef2"/>';
-      svg += '<text x="' + (L - 6) + '" y="' + f(Y(v) + 4) + '" font-size="11" text-anchor="end" fill="#57606a">' +
-        axisLabel(v, "F") + "</text>";
-    }
-    svg += '<text x="' + ((L + W - R) / 2) + '" y="' + (H - 12) + '" font-size="12" text-anchor="middle">' +
-      "arithmetic intensity (FLOP per byte read from memory)</text>";
-    svg += '<text transform="translate(16,' + ((T + H - B) / 2) + ') rotate(-90)" font-size="12" text-anchor="middle">' +
-      "attained FLOP/s</text>";
-    svg += '<polyline fill="none" stroke="#24292f" stroke-width="2.5" points="' + f(X(xMin)) + "," + f(Y(r.bw * xMin)) +
-      " " + f(X(r.ridge)) + "," + f(Y(r.peak)) + " " + f(X(xMax)) + "," + f(Y(r.peak)) + '"/>';
-    svg += '<line x1="' + f(X(r.ridge)) + '" x2="' + f(X(r.ridge)) + '" y1="' + f(Y(r.peak)) + '" y2="' + (H - B) +
-      '" stroke="#8c959f" stroke-dasharray="4 4"/>';
-    svg += '<text data-out="ridge" x="' + f(X(r.ridge) + 5) + '" y="' + (H - B - 8) + '" font-size="11" fill="#57606a" ' + HALO + ">" +
-      esc(t["ridge"]) + "</text>";
-    svg += '<text x="' + f(X(r.ridge) - 8) + '" y="' + f(Y(r.peak) - 8) + '" font-size="11" text-anchor="end" fill="#57606a">memory-bound</text>';
-    svg += '<text x="' + f(X(r.ridge) + 8) + '" y="' + f(Y(r.peak) - 8) + '" font-size="11" fill="#57606a">compute-bound, ' +
-      esc(si(r.peak, "FLOP/s")) + " peak</text>";
-    for (const [p, colour] of [[r.pre, DATA.colours.prefill], [r.dec, DATA.colours.decode]]) {
-      const cx = X(p.intensity), cy = Y(p.attained);
-      const anchor = cx > (L + W - R) / 2 ? "end" : "start";
-      const dx = anchor === "end" ? -12 : 12;
-      svg += '<circle cx="' + f(cx) + '" cy="' + f(cy) + '" r="7" fill="' + colour + '"/>';
-      svg += '<text x="' + f(cx + dx) + '" y="' + f(cy + 20) + '" font-size="12" text-anchor="' + anchor + '" fill="' + colour + '" ' + HALO + ">";
-      svg += '<tspan data-out="' + p.name + '-label" font-weight="600">' + esc(t[p.name + "-label"]) + "</tspan>";
-      svg += '<tspan data-out="' + p.name + '-point" x="' + f(cx + dx) + '" dy="15">' + esc(t[p.name + "-point"]) + "</tspan></text>";
-    }
-    return svg + "</svg>";
-  }
-
-  // Controls.
-  const state = Object.assign({}, START);
-  const ranges = { prompt: DATA.prompts, output: DATA.outputs, batch: DATA.batches };
-  const rangeText = { prompt: (v) => tokens(v) + " tokens", output: (v) => tokens(v) + " tokens",
-                      batch: (v) => plural(v, "request") };
-  function render() {
-    const r = model(state), t = texts(r);
-    for (const key of Object.keys(rangeText)) root.querySelector('output[data-for="' + key + '"]').textContent = rangeText[key](state[key]);
-    $(".xp-svg").innerHTML = roofline(r, t);
-    for (const el of root.querySelectorAll(".xp-text[data-out]")) el.textContent = t[el.dataset.out];
-    $(".xp-memory").classList.toggle("xp-bad", !(r.weights <= r.mem && r.fits));
-    const share = r.ttft / r.latency;
-    $(".xp-bar-prefill").style.width = (100 * share).toFixed(2) + "%";
-    $(".xp-bar-decode").style.width = (100 * (1 - share)).toFixed(2) + "%";
-  }
-  for (const el of root.querySelectorAll("[data-control]")) {
-    const key = el.dataset.control;
-    if (key in ranges) {
-      el.max = String(ranges[key].length - 1);
-      el.value = String(ranges[key].indexOf(state[key]));
-      el.addEventListener("input", () => { state[key] = ranges[key][Number(el.value)]; render(); });
-    } else {
-      el.value = String(state[key]);
-      el.addEventListener("change", () => { state[key] = key === "count" ? Number(el.value) : el.value; render(); });
-    }
-  }
-  render();
-  root.dataset.ready = "1";
-})();
-"""
+def _json_block(name: str, value) -> str:
+    text = json.dumps(value).replace("</", "<\\/")  # JSON allows "\/"; "</script>" must not appear
+    return f'<script type="application/json" data-xp="{name}">{text}</script>'
 
 
 def _options(values, selected, label=str) -> str:
@@ -577,11 +423,21 @@ def _select(key: str, title: str, options: str) -> str:
 
 
 _CONVENTION_TITLES = {
+    "roofline": (
+        "Roofline",
+        {
+            "per-kernel": "each kernel on its own, times summed",
+            "merged": "one point per phase (the source's)",
+        },
+    ),
+    "attention": (
+        "Attention FLOPs",
+        {"causal": "counted, causal", "full": "counted, no mask", "none": "left out (the source's)"},
+    ),
     "params": (
         "Parameters",
         {"nominal": "nominal (the size in the name)", "counted": "counted (every weight)"},
     ),
-    "bandwidth": ("Bandwidth", {"source": "as the source rounds it", "datasheet": "datasheet"}),
     "decode_context": (
         "Decode step costed at",
         {
@@ -595,10 +451,6 @@ _CONVENTION_TITLES = {
         {"output": "TTFT + output x ITL", "output-1": "TTFT + (output - 1) x ITL"},
     ),
     "throughput": ("Throughput", {"decode": "batch / ITL", "request": "batch x output / request latency"}),
-    "attention": (
-        "Attention FLOPs",
-        {"none": "left out", "causal": "counted, causal", "full": "counted, no mask"},
-    ),
 }
 
 
@@ -609,7 +461,6 @@ def static_html(
     prompt_tokens: int = serving.SOURCE_PROMPT,
     output_tokens: int = serving.SOURCE_OUTPUT,
     batch: int = serving.SOURCE_BATCH,
-    bandwidth: str = "source",
     conventions: serving.Conventions | None = None,
     element_id: str | None = None,
 ) -> str:
@@ -618,13 +469,13 @@ def static_html(
     Slider values must be among :data:`PROMPTS`, :data:`OUTPUTS` and :data:`BATCHES`; ``card`` a
     name in :data:`labsupport.hardware.GPUS`; ``count`` in :data:`CARD_COUNTS`.
     """
-    start = _settings(model, card, count, prompt_tokens, output_tokens, batch, bandwidth, conventions)
+    start = _settings(model, card, count, prompt_tokens, output_tokens, batch, conventions)
     data = explainer_data()
     element_id = element_id or f"c05x-{uuid.uuid4().hex[:8]}"
     if not element_id.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"element_id must be letters, digits, '-' or '_', got {element_id!r}")
     # Starting values are rendered server-side too, so the page reads right before the script runs.
-    _, text = compute(model, card, count, prompt_tokens, output_tokens, batch, bandwidth, conventions)
+    _, text = compute(model, card, count, prompt_tokens, output_tokens, batch, conventions)
 
     def metric(key: str, name: str) -> str:
         return (
@@ -640,14 +491,19 @@ def static_html(
         _select(key, title, _options(data["choices"][key], start[key], lambda v, labels=labels: labels[v]))
         for key, (title, labels) in _CONVENTION_TITLES.items()
     )
-    js = (
-        _JS.replace("__ID__", element_id)
-        .replace("__DATA__", json.dumps(data).replace("</", "<\\/"))
-        .replace("__START__", json.dumps(start).replace("</", "<\\/"))
-    )
+
+    def split(key: str) -> str:
+        shown = key in text
+        return (
+            f'<p class="xp-split" data-split="{key}"'
+            + (f' data-out="{key}">' if shown else " hidden>")
+            + (html.escape(text[key]) if shown else "")
+            + "</p>"
+        )
+
     return (
         f'<div id="{element_id}" class="c05x-explainer">'
-        f"<style>{_CSS.replace('#ID', '#' + element_id)}</style>"
+        f"<style>{_static('explainer.css')}</style>"
         '<div class="xp-controls">'
         + _range("prompt", "Prompt")
         + _range("output", "Output")
@@ -656,7 +512,7 @@ def static_html(
         + _select("card", "GPU", cards)
         + _select("count", "Cards", counts)
         + "</div>"
-        f"<details><summary>Conventions (the defaults reproduce the source)</summary>"
+        f"<details><summary>Conventions (how the numbers are counted)</summary>"
         f'<div class="xp-controls">{conventions_html}</div></details>'
         f'<div class="xp-bar"><div class="xp-bar-prefill" style="background:{PREFILL_COLOUR}"></div>'
         f'<div class="xp-bar-decode" style="background:{DECODE_COLOUR}"></div></div>'
@@ -670,10 +526,15 @@ def static_html(
         + metric("latency", "Request latency")
         + metric("throughput", "Throughput")
         + "</div>"
-        f'<p class="xp-memory xp-text" data-out="memory">{html.escape(text["memory"])}</p>'
+        + split("prefill-split")
+        + split("decode-split")
+        + f'<p class="xp-memory xp-text" data-out="memory">{html.escape(text["memory"])}</p>'
         '<div class="xp-svg"></div>'
         f'<p class="xp-device xp-text" data-out="device">{html.escape(text["device"])}</p>'
-        f"<script>{js}</script></div>"
+        + _json_block("data", data)
+        + _json_block("start", start)
+        + f"<script>{_static('explainer.js')}\nlabsupportExplainer(document.getElementById({json.dumps(element_id)}));</script>"
+        "</div>"
     )
 
 
@@ -700,7 +561,12 @@ def metrics_html(values: dict[str, str], fits: bool = True) -> str:
         + card("throughput", "Throughput")
         + "</div>"
         f'<div style="font-size:13px;color:#57606a">{html.escape(values["steps"])}</div>'
-        f'<div style="font-size:13px;color:{colour}">{html.escape(values["memory"])}</div>'
+        + "".join(
+            f'<div style="font-size:13px;color:#57606a">{html.escape(values[key])}</div>'
+            for key in ("prefill-split", "decode-split")
+            if key in values
+        )
+        + f'<div style="font-size:13px;color:{colour}">{html.escape(values["memory"])}</div>'
         f'<div style="font-size:12px;color:#57606a">{html.escape(values["device"])}</div>'
     )
 
@@ -719,12 +585,11 @@ class LiveExplainer:
         prompt_tokens: int = serving.SOURCE_PROMPT,
         output_tokens: int = serving.SOURCE_OUTPUT,
         batch: int = serving.SOURCE_BATCH,
-        bandwidth: str = "source",
         conventions: serving.Conventions | None = None,
     ) -> None:
         import ipywidgets as w
 
-        start = _settings(model, card, count, prompt_tokens, output_tokens, batch, bandwidth, conventions)
+        start = _settings(model, card, count, prompt_tokens, output_tokens, batch, conventions)
         wide = {"description_width": "150px"}
         layout = w.Layout(width="420px")
 
@@ -754,14 +619,7 @@ class LiveExplainer:
         )
         self.conventions = {
             key: w.Dropdown(
-                options=[
-                    (labels[v], v)
-                    for v in (
-                        serving.BANDWIDTH_CHOICES
-                        if key == "bandwidth"
-                        else serving.Conventions.choices()[key]
-                    )
-                ],
+                options=[(labels[v], v) for v in serving.Conventions.choices()[key]],
                 value=start[key],
                 description=title,
                 style=wide,
@@ -783,7 +641,7 @@ class LiveExplainer:
         for control in controls:
             control.observe(lambda _change: self.update(), names="value")
         conventions_box = w.Accordion(children=[w.VBox(list(self.conventions.values()))])
-        conventions_box.set_title(0, "Conventions (the defaults reproduce the source)")
+        conventions_box.set_title(0, "Conventions (how the numbers are counted)")
         conventions_box.selected_index = None
         self.widget = w.VBox(
             [
@@ -804,7 +662,7 @@ class LiveExplainer:
 
     def update(self) -> serving.PhaseReport:
         """Recompute from the controls, refresh the metrics and the roofline, return the report."""
-        conv = serving.Conventions(**{k: c.value for k, c in self.conventions.items() if k != "bandwidth"})
+        conv = serving.Conventions(**{k: c.value for k, c in self.conventions.items()})
         report, values = compute(
             self.model.value,
             self.card.value,
@@ -812,7 +670,6 @@ class LiveExplainer:
             self.prompt.value,
             self.output.value,
             self.batch.value,
-            self.conventions["bandwidth"].value,
             conv,
         )
         self.report, self.values = report, values

@@ -2,15 +2,17 @@
 
 ``peak_flops`` is the dense (no sparsity) bf16 tensor-core peak in FLOP/s, except where a card has
 no bf16 tensor cores (T4): there it is the fp16 peak, and ``notes`` says so. ``hbm_bandwidth`` is
-the memory bandwidth in bytes/s and ``memory_bytes`` the memory size, both in decimal units as the
-datasheets give them. Each row names its source. Published peaks are ceilings, never measurements:
+the memory bandwidth in bytes/s, in decimal units as the datasheets give it (3.35 TB/s is
+3.35e12 bytes/s). Each row names its source. Published peaks are ceilings, never measurements:
 the labs measure your own device and show both side by side.
 
-The datasheets' memory sizes are rounded labels, not byte counts: an "80GB" H100 holds 81,559 MiB
-(85.5e9 bytes) and a "141GB" H200 143,771 MiB (150.8e9 bytes). ``reported_bytes`` is that
-``memory.total`` as ``nvidia-smi`` reports it, the memory software can actually allocate (before
-the CUDA context and the engine's own reserve). Capacity planning uses it; ``memory_bytes`` stays
-for the runbook's worked examples, which use the rounded labels.
+Memory capacities are binary, whatever the product name's "GB" says: an "A100 80GB" has 80 GiB
+(80 x 2**30 = 85.9e9 bytes) of HBM, and ``nvidia-smi`` reports exactly 81,920 MiB for it.
+``memory_bytes`` is the capacity in the name, read as GiB. ``reported_bytes`` is ``memory.total``
+as ``nvidia-smi`` reports it, the memory software can actually allocate (before the CUDA context
+and the engine's own reserve); on some cards it is a little less than the name (an H100 SXM
+reports 81,559 MiB, 79.6 GiB, of its 80 GiB; an H200 143,771 MiB, 140.4 GiB, of its 141).
+Capacity planning uses it; ``memory_bytes`` serves the worked examples that use the name.
 
 ``compute_capability`` and ``shared_memory_per_block`` (the opt-in maximum one thread block may
 use) come from the CUDA C++ Programming Guide's table of technical specifications per compute
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from ._validate import positive_int
 
 TERA = 1e12
-GB = 1e9
+GIB = 2**30  # memory capacities are binary
 MIB = 2**20
 KIB = 2**10
 
@@ -72,21 +74,21 @@ class GPU:
 GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
-        GPU("H100 SXM", 989.4 * TERA, 3.35e12, 80 * GB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+        GPU("H100 SXM", 989.4 * TERA, 3.35e12, 80 * GIB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
             reported_bytes=81_559 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB),
-        GPU("H200", 989.4 * TERA, 4.8e12, 141 * GB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+        GPU("H200", 989.4 * TERA, 4.8e12, 141 * GIB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
             reported_bytes=143_771 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB),
-        GPU("A100 40GB", 312 * TERA, 1.555e12, 40 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
+        GPU("A100 40GB", 312 * TERA, 1.555e12, 40 * GIB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
             reported_bytes=40_960 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB),
-        GPU("A100 80GB", 312 * TERA, 2.039e12, 80 * GB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
+        GPU("A100 80GB", 312 * TERA, 2.039e12, 80 * GIB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
             reported_bytes=81_920 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB),
-        GPU("L4", 121 * TERA, 300e9, 24 * GB, "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOP/s is with sparsity)",
+        GPU("L4", 121 * TERA, 300e9, 24 * GIB, "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOP/s is with sparsity)",
             reported_bytes=23_034 * MIB, compute_capability=(8, 9), shared_memory_per_block=99 * KIB),
         GPU(
             "T4",
             65 * TERA,
             320e9,
-            16 * GB,
+            16 * GIB,
             "NVIDIA T4 Tensor Core GPU datasheet",
             notes="no bf16 tensor cores: peak is fp16 with fp32 accumulation",
             reported_bytes=15_360 * MIB,

@@ -1,47 +1,58 @@
 """One request in two phases, costed on a roofline: the arithmetic behind the phase explainer.
 
 A request is served in two phases. *Prefill* runs the whole prompt through the model in one
-pass and produces the first token; *decode* then produces one token per step. Each phase is
-costed here as the roofline does it: its time is the larger of its arithmetic time
-(FLOPs / peak FLOP/s) and its memory time (bytes / bandwidth). Nothing is measured.
+pass and produces the first token; *decode* then produces one token per step. Each phase runs
+two kinds of kernel with very different arithmetic intensity, and each is costed here as the
+roofline does it: a kernel's time is the larger of its arithmetic time (FLOPs / peak FLOP/s)
+and its memory time (bytes / bandwidth), and a phase's time is the sum of its kernels' times.
+Nothing is measured.
+
+* **The weight matmuls** (every linear layer: the attention projections, the feed-forward
+  network, the output head): for each token, a multiply and an add per weight (2 FLOPs for
+  every parameter), the weights read once per pass, and the new tokens' keys and values written to the
+  cache.
+* **Attention** (scores and the weighted sum of values): ``costs.prefill_attention_flops`` for a
+  prompt (causal by default), ``4*L*context*d`` per sequence for a decode step; it reads each
+  cached key and value once (the optimistic bound of chapter 07: K and V tiles shared through
+  the L2 cache). Its intensity is about the grouped-query group size in decode (8 for the Llama
+  3.1 70B), whatever the batch, because every sequence brings its own cache.
 
 The functions take a model (a :class:`~labsupport.models.ModelConfig` or a name), a device (a
-:class:`~labsupport.hardware.GPU`, possibly several cards as one, ``GPU.times(n)``), the prompt
-and output lengths in tokens and the batch size. What they count, and the defaults, which
-reproduce the explainer in the course's source material (Llama 3 70B in bf16 on four A100 40GB
-cards, a 1,024-token prompt, 128 output tokens, batch 1: 114.9 ms to the first token, 23.4 ms
-per token, 3.11 s per request, 43 tokens/s):
+:class:`~labsupport.hardware.GPU`, possibly several cards as one, ``GPU.times(n)``; every figure
+comes from :mod:`labsupport.hardware`), the prompt and output lengths in tokens and the batch
+size. The defaults are the setting of the explainer in the course's source material: Llama 3 70B
+(bf16 weights) split over four A100 40GB cards, a 1,024-token prompt, 128 output tokens, batch 1. The
+conventions (:class:`Conventions`, each an explicit option):
 
-* **FLOPs.** Two per parameter per token (a multiply and an add per weight). Attention's own
-  arithmetic is left out by default (``attention="none"``); ``"causal"`` or ``"full"`` adds
-  ``labsupport.costs.prefill_attention_flops`` to prefill and ``4*L*context*d`` per sequence to a
-  decode step.
-* **Parameters.** ``params="nominal"`` uses the size in the model's name (70e9 for the 70B),
-  as the source does; ``"counted"`` uses :func:`labsupport.costs.param_count` (70.55e9).
-* **Bytes.** Weights at ``weight_dtype_bytes`` per parameter (2 for bf16), the cache at
-  ``kv_dtype_bytes`` per element (``*_dtype_bytes`` is bytes per element, ``*_bytes`` a total). Prefill reads the weights
-  once and writes the KV cache of every prompt token; a decode step reads the weights once
-  and the KV cache of every sequence in the batch.
+* **Roofline.** ``roofline="per-kernel"`` (default) as above. ``"merged"`` is the source's
+  simplification: one point per phase, all FLOPs over all bytes, one ``max``. It hides that the
+  weight matmuls alone reach the ridge at a batch near the ridge point whatever the context,
+  while attention never does, and it makes decode reach the ridge far later than its matmuls do.
+* **Attention FLOPs.** ``attention="causal"`` (default), ``"full"`` (no mask) or ``"none"`` (the
+  source leaves attention arithmetic out; its memory traffic is still counted).
+* **Parameters.** ``params="nominal"`` uses the size in the model's name (70e9 for the 70B), as
+  the source does; ``"counted"`` uses :func:`labsupport.costs.param_count` (70.55e9).
+* **Bytes.** Weights at ``weight_dtype_bytes`` per parameter and the cache at ``kv_dtype_bytes``
+  per element (2 each, bf16; ``*_dtype_bytes`` is bytes per element, ``*_bytes`` a total).
+  Activations are not counted.
 * **The batch** arrives together: its prompts are prefilled in one pass (so every request waits
   for the whole batch's prefill), then decoded in lockstep.
 * **Decode context.** The ``output`` decode steps see ``prompt, prompt + 1, ...,
-  prompt + output - 1`` tokens of context. One step is costed at the midpoint of that growing
-  context, their mean ``prompt + (output - 1)/2`` (``decode_context="midpoint"``: 1,087.5 tokens
-  in the source setting, which also gives its 182 GB of cache at 512 requests); ``"start"``
-  and ``"end"`` cost it at the first step's or the last step's context instead.
+  prompt + output - 1`` tokens of context. One step stands for all of them, priced at
+  their mean context ``prompt + (output - 1)/2`` (``decode_context="midpoint"``: 1,087.5 tokens
+  in the source setting); ``"start"`` and ``"end"`` cost it at the first or last step's context.
 * **Request latency** is ``TTFT + output * ITL`` (``decode_steps="output"``), as the source
   counts it. Strictly the prefill pass already yields the first token, so only ``output - 1``
-  decode steps follow; ``decode_steps="output-1"`` counts that way (3.09 s instead of 3.11 s).
+  decode steps follow; ``decode_steps="output-1"`` counts that way.
 * **Throughput** is output tokens per second across the batch while decoding,
-  ``batch / ITL`` (``throughput="decode"``, the source's 43 tok/s). ``"request"`` spreads the
-  prefill over the request as well: ``batch * output / request_latency``.
-* **The device.** :func:`serving_gpu` builds it. The source quotes 1.25 PFLOP/s (4 x 312 TFLOP/s
-  dense bf16, computed as 1.248) against "6 TB/s" for four A100 40GB cards: 1.5 TB/s per card,
-  a little under the datasheet's 1.555 TB/s. ``bandwidth="source"`` uses the source's figure for
-  the cards it quotes; ``"datasheet"`` uses :mod:`labsupport.hardware`'s.
+  ``batch / ITL`` (``throughput="decode"``). ``"request"`` spreads the prefill over the request
+  as well: ``batch * output / request_latency``.
 * **Memory.** The KV cache needed is its size at the end of the request,
   ``batch * (prompt + output)`` tokens; it fits when weights plus cache are within the cards'
   memory (activations, workspace and fragmentation are not counted).
+
+The source quotes "6 TB/s" for its four cards, 1.5 TB/s each, a rounding of the datasheet's
+1.555 TB/s; this module uses the datasheet figure from :mod:`labsupport.hardware`.
 """
 
 from __future__ import annotations
@@ -61,9 +72,6 @@ NOMINAL_PARAMS: dict[str, float] = {
     "llama-3.1-405b": 405e9,
 }
 
-#: Per-card bandwidth (bytes/s) where the source explainer quotes its own figure.
-SOURCE_BANDWIDTH: dict[str, float] = {"A100 40GB": 1.5e12}
-
 #: The source explainer's setup.
 SOURCE_MODEL = "llama-3.1-70b"
 SOURCE_CARD = "A100 40GB"
@@ -73,13 +81,13 @@ SOURCE_OUTPUT = 128
 SOURCE_BATCH = 1
 
 _CHOICES = {
+    "roofline": ("per-kernel", "merged"),
+    "attention": ("causal", "full", "none"),
     "params": ("nominal", "counted"),
     "decode_context": ("midpoint", "start", "end"),
     "decode_steps": ("output", "output-1"),
     "throughput": ("decode", "request"),
-    "attention": ("none", "causal", "full"),
 }
-BANDWIDTH_CHOICES = ("source", "datasheet")
 
 
 def _choice(name: str, value, accepted) -> str:
@@ -90,16 +98,18 @@ def _choice(name: str, value, accepted) -> str:
 
 @dataclass(frozen=True)
 class Conventions:
-    """How the phase model counts; the defaults reproduce the source explainer.
+    """How the phase model counts. See the module docstring for what each choice means.
 
-    See the module docstring for what each choice means.
+    The defaults are the course's (each kernel on its own roofline, causal attention counted);
+    :data:`SOURCE` is the source explainer's (one merged point, attention arithmetic left out).
     """
 
+    roofline: str = "per-kernel"
+    attention: str = "causal"
     params: str = "nominal"
     decode_context: str = "midpoint"
     decode_steps: str = "output"
     throughput: str = "decode"
-    attention: str = "none"
     weight_dtype_bytes: float = 2  # bytes per weight
     kv_dtype_bytes: float = 2  # bytes per cached element
 
@@ -132,12 +142,13 @@ Conventions.__init__ = renamed_parameters(weight_bytes="weight_dtype_bytes", kv_
 )
 
 
-SOURCE = Conventions()
+DEFAULT = Conventions()
+SOURCE = Conventions(roofline="merged", attention="none")
 
 
 def _conventions(conventions) -> Conventions:
     if conventions is None:
-        return SOURCE
+        return DEFAULT
     if not isinstance(conventions, Conventions):
         raise ValueError(
             f"conventions must be a labsupport.serving.Conventions, got {type(conventions).__name__}"
@@ -150,27 +161,9 @@ def _gpu(gpu) -> GPU:
     return serving_gpu() if gpu is None else as_gpu(gpu)
 
 
-def serving_gpu(card: str = SOURCE_CARD, count: int = SOURCE_CARD_COUNT, bandwidth: str = "source") -> GPU:
-    """``count`` cards of type ``card`` treated as one device.
-
-    ``bandwidth="source"`` uses the per-card bandwidth the source explainer quotes where it
-    quotes one (:data:`SOURCE_BANDWIDTH`: 1.5 TB/s for the A100 40GB, so "6 TB/s" for four);
-    every other card, and ``bandwidth="datasheet"``, use :mod:`labsupport.hardware`'s figure.
-    """
-    base = as_gpu(card)
-    count = positive_int("count", count)
-    _choice("bandwidth", bandwidth, BANDWIDTH_CHOICES)
-    if bandwidth == "source" and base.name in SOURCE_BANDWIDTH:
-        base = GPU(
-            name=base.name,
-            peak_flops=base.peak_flops,
-            hbm_bandwidth=SOURCE_BANDWIDTH[base.name],
-            memory_bytes=base.memory_bytes,
-            source=base.source,
-            notes=f"bandwidth {SOURCE_BANDWIDTH[base.name] / 1e12:g} TB/s as the source explainer rounds it "
-            f"(datasheet {base.hbm_bandwidth / 1e12:g} TB/s)",
-        )
-    return base.times(count)
+def serving_gpu(card: str = SOURCE_CARD, count: int = SOURCE_CARD_COUNT) -> GPU:
+    """``count`` cards of type ``card`` (a :mod:`labsupport.hardware` name) treated as one device."""
+    return as_gpu(card).times(positive_int("count", count))
 
 
 def model_params(model, params: str = "nominal") -> float:
@@ -211,15 +204,22 @@ def decode_context(prompt_tokens: int, output_tokens: int, conventions: Conventi
 
 
 @dataclass(frozen=True)
-class Phase:
-    """One phase placed on the roofline."""
+class Kernel:
+    """One kind of kernel in a phase, placed on the roofline on its own."""
 
-    name: str
+    name: str  # "weight matmuls" or "attention"
     flops: float
     bytes: float
-    compute_time: float  # flops / peak
-    memory_time: float  # bytes / bandwidth
     peak_flops: float
+    hbm_bandwidth: float
+
+    @property
+    def compute_time(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def memory_time(self) -> float:
+        return self.bytes / self.hbm_bandwidth
 
     @property
     def time(self) -> float:
@@ -233,28 +233,94 @@ class Phase:
 
     @property
     def attained_flops(self) -> float:
-        """FLOP/s the phase reaches on the roofline: ``flops / time``."""
         return self.flops / self.time
 
     @property
     def fraction_of_peak(self) -> float:
-        """Attained FLOP/s over the peak (1.0 when compute-bound)."""
         return self.attained_flops / self.peak_flops
 
     @property
     def bound(self) -> str:
-        """``"compute"`` or ``"memory"``: which floor sets the time."""
         return "compute" if self.compute_time >= self.memory_time else "memory"
 
 
-def _phase(name: str, flops: float, nbytes: float, gpu: GPU) -> Phase:
+@dataclass(frozen=True)
+class Phase:
+    """One phase: its kernels, and its time under the ``roofline`` convention.
+
+    ``"per-kernel"``: the sum of each kernel's own roofline time. ``"merged"``: one point for
+    the phase, all its FLOPs over all its bytes.
+    """
+
+    name: str
+    kernels: tuple[Kernel, ...]
+    roofline: str
+    peak_flops: float
+    hbm_bandwidth: float
+
+    @property
+    def flops(self) -> float:
+        return sum(k.flops for k in self.kernels)
+
+    @property
+    def bytes(self) -> float:
+        return sum(k.bytes for k in self.kernels)
+
+    @property
+    def compute_time(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def memory_time(self) -> float:
+        return self.bytes / self.hbm_bandwidth
+
+    @property
+    def time(self) -> float:
+        """Seconds: the sum of the kernels' roofline times, or the merged point's."""
+        if self.roofline == "merged":
+            return max(self.compute_time, self.memory_time)
+        return sum(k.time for k in self.kernels)
+
+    @property
+    def intensity(self) -> float:
+        """The whole phase's FLOPs over its bytes (the merged point's intensity)."""
+        return self.flops / self.bytes
+
+    @property
+    def attained_flops(self) -> float:
+        return self.flops / self.time
+
+    @property
+    def fraction_of_peak(self) -> float:
+        return self.attained_flops / self.peak_flops
+
+    @property
+    def matmuls(self) -> Kernel:
+        return self.kernels[0]
+
+    @property
+    def attention(self) -> Kernel:
+        return self.kernels[1]
+
+    @property
+    def bound(self) -> str:
+        """``"compute"``, ``"memory"``, or ``"mixed"`` when the kernels are bound differently."""
+        if self.roofline == "merged":
+            return "compute" if self.compute_time >= self.memory_time else "memory"
+        bounds = {k.bound for k in self.kernels}
+        return bounds.pop() if len(bounds) == 1 else "mixed"
+
+
+def _phase(name: str, kernels, gpu: GPU, conv: Conventions) -> Phase:
     return Phase(
         name=name,
-        flops=flops,
-        bytes=nbytes,
-        compute_time=flops / gpu.peak_flops,
-        memory_time=nbytes / gpu.hbm_bandwidth,
+        kernels=tuple(
+            Kernel(kname, float(flops), float(nbytes), gpu.peak_flops, gpu.hbm_bandwidth)
+            for kname, flops, nbytes in kernels
+        ),
+        roofline=conv.roofline,
         peak_flops=gpu.peak_flops,
+        hbm_bandwidth=gpu.hbm_bandwidth,
     )
 
 
@@ -271,16 +337,24 @@ def prefill(
     batch: int = SOURCE_BATCH,
     conventions: Conventions | None = None,
 ) -> Phase:
-    """The prefill of ``batch`` prompts in one pass: ``2*N*B*P`` FLOPs, weights read once, cache written."""
+    """The prefill of ``batch`` prompts in one pass: the weight matmuls, then attention.
+
+    Matmuls: ``2*N*B*P`` FLOPs, the weights read once and the prompts' cache written. Attention:
+    the prompts' attention FLOPs (per ``conventions.attention``), their cache read once.
+    """
     cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     p, _, b = _lengths(prompt_tokens, 1, batch)
     n = model_params(cfg, conv.params)
     tokens = b * p
-    flops = 2 * n * tokens
+    cache = tokens * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
+    attention = 0.0
     if conv.attention != "none":
-        flops += b * costs.prefill_attention_flops(cfg, p, causal=conv.attention == "causal")
-    nbytes = n * conv.weight_dtype_bytes + tokens * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
-    return _phase("prefill", flops, nbytes, gpu)
+        attention = b * costs.prefill_attention_flops(cfg, p, causal=conv.attention == "causal")
+    kernels = (
+        ("weight matmuls", 2 * n * tokens, n * conv.weight_dtype_bytes + cache),
+        ("attention", attention, cache),
+    )
+    return _phase("prefill", kernels, gpu, conv)
 
 
 def decode_step(
@@ -293,17 +367,23 @@ def decode_step(
 ) -> Phase:
     """One decode step for the batch, at :func:`decode_context` tokens of context per sequence.
 
-    ``2*N*B`` FLOPs; the weights read once plus ``B`` caches of that context.
+    Matmuls: ``2*N*B`` FLOPs, the weights read once and ``B`` new tokens' cache written.
+    Attention: ``4*L*context*d`` FLOPs per sequence (unless ``conventions.attention`` is
+    ``"none"``), ``B`` caches of that context read.
     """
     cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     p, o, b = _lengths(prompt_tokens, output_tokens, batch)
     n = model_params(cfg, conv.params)
     context = decode_context(p, o, conv)
-    flops = 2 * n * b
+    per_token = costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
+    attention = 0.0
     if conv.attention != "none":
-        flops += b * 4 * cfg.n_layers * context * cfg.d_model
-    nbytes = n * conv.weight_dtype_bytes + b * context * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
-    return _phase("decode", flops, nbytes, gpu)
+        attention = b * 4 * cfg.n_layers * context * cfg.d_model
+    kernels = (
+        ("weight matmuls", 2 * n * b, n * conv.weight_dtype_bytes + b * per_token),
+        ("attention", attention, b * context * per_token),
+    )
+    return _phase("decode", kernels, gpu, conv)
 
 
 def time_to_first_token(
@@ -380,6 +460,12 @@ def kv_cache_bytes(
     return float(b * (p + o) * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes))
 
 
+def _ridge_count(ridge: float, fixed_bytes: float, flops_each: float, bytes_each: float) -> float:
+    """Smallest ``x`` with ``x*flops_each / (fixed_bytes + x*bytes_each) >= ridge``; inf if none."""
+    room = flops_each - ridge * bytes_each
+    return math.inf if room <= 0 else ridge * fixed_bytes / room
+
+
 def decode_ridge_batch(
     model,
     gpu=None,
@@ -387,37 +473,35 @@ def decode_ridge_batch(
     output_tokens: int = SOURCE_OUTPUT,
     conventions: Conventions | None = None,
 ) -> float:
-    """Batch at which a decode step's intensity reaches the ridge point; ``math.inf`` if never.
+    """Batch at which decode reaches the ridge point; ``math.inf`` if never.
 
-    Intensity is ``2*N*B / (W + B*c*k)`` (``W`` weight bytes, ``c`` context, ``k`` cache bytes per
-    token): it grows with ``B`` towards ``2*N / (c*k)``, so it reaches the ridge ``R`` at
-    ``B = R*W / (2*N - R*c*k)`` when that limit lies above ``R``, and never otherwise. Attention
-    FLOPs are not counted here whatever ``conventions.attention`` says.
+    Per kernel (the default), the weight matmuls: intensity ``2*N*B / (W + B*k)`` reaches the
+    ridge ``R`` at ``B = R*W / (2*N - R*k)``, near ``R`` for bf16 weights, whatever the context.
+    (Decode attention's intensity does not grow with the batch at all.) Merged, the whole step:
+    every sequence adds its cache of ``c`` tokens to the bytes, so ``B = R*W / (f - R*b)`` with
+    ``f`` the FLOPs and ``b`` the bytes each sequence adds, and never when ``f <= R*b``.
     """
     cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
-    n = model_params(cfg, conv.params)
-    per_sequence = decode_context(prompt_tokens, output_tokens, conv) * costs.kv_bytes_per_token(
-        cfg, conv.kv_dtype_bytes
-    )
-    room = 2 * n - gpu.ridge_point * per_sequence
-    if room <= 0:
-        return math.inf
-    return gpu.ridge_point * n * conv.weight_dtype_bytes / room
+    step = decode_step(cfg, gpu, prompt_tokens, output_tokens, 1, conv)
+    weights = model_params(cfg, conv.params) * conv.weight_dtype_bytes
+    if conv.roofline == "per-kernel":
+        m = step.matmuls
+        return _ridge_count(gpu.ridge_point, weights, m.flops, m.bytes - weights)
+    return _ridge_count(gpu.ridge_point, weights, step.flops, step.bytes - weights)
 
 
 def prefill_ridge_tokens(model, gpu=None, conventions: Conventions | None = None) -> float:
-    """Tokens per prefill pass at which prefill reaches the ridge point; ``math.inf`` if never.
+    """Tokens per prefill pass at which prefill's weight matmuls reach the ridge point.
 
-    Prefill intensity is ``2*N*T / (W + T*k)`` for ``T`` tokens in the pass (all prompts of the
-    batch together): below ``T = R*W / (2*N - R*k)`` prefill too is bandwidth-bound. Attention
-    FLOPs are not counted here whatever ``conventions.attention`` says.
+    Their intensity is ``2*N*T / (W + T*k)`` for ``T`` tokens in the pass (all prompts of the
+    batch together): below ``T = R*W / (2*N - R*k)`` they are bandwidth-bound, and a batch of
+    such prompts prefilled together runs faster per token. Attention is left aside.
     """
     cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     n = model_params(cfg, conv.params)
-    room = 2 * n - gpu.ridge_point * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
-    if room <= 0:
-        return math.inf
-    return gpu.ridge_point * n * conv.weight_dtype_bytes / room
+    return _ridge_count(
+        gpu.ridge_point, n * conv.weight_dtype_bytes, 2 * n, costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
+    )
 
 
 @dataclass(frozen=True)
@@ -469,7 +553,7 @@ def phases(
 ) -> PhaseReport:
     """Cost both phases of a request; with no arguments, the source explainer's setting.
 
-    ``gpu=None`` means :func:`serving_gpu` (four A100 40GB cards at the source's 6 TB/s).
+    ``gpu=None`` means :func:`serving_gpu` (four A100 40GB cards, datasheet figures).
     """
     cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
     p, o, b = _lengths(prompt_tokens, output_tokens, batch)

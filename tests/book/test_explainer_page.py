@@ -81,11 +81,13 @@ def test_built_page_matches_python_and_follows_the_sliders(page, book_url):
     assert response is not None and response.ok
     page.wait_for_selector(f"{WIDGET}[data-ready='1']", timeout=10_000)
 
-    # The source's setting, exactly as Python formats it.
+    # The source's setting, exactly as Python formats it, each kernel on its own roofline.
     default = shown(page)
     assert default == expected(), "the page's numbers differ from labsupport.serving's"
-    assert default["ttft"] == "114.9 ms" and default["itl"] == "23.4 ms"
-    assert default["latency"] == "3.11 s" and default["throughput"] == "43 tok/s"
+    assert default["ttft"] == "116.0 ms" and default["itl"] == "22.6 ms"
+    assert default["latency"] == "3.00 s" and default["throughput"] == "44 tok/s"
+    assert default["prefill-split"] == "prefill = weight matmuls 114.9 ms (compute-bound) + attention 1.1 ms (compute-bound)"
+    assert default["decode-attention-point"] == "8.0 FLOP/B, 4.0% of peak"  # the GQA group size
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.locator(WIDGET).screenshot(path=str(SCREENSHOTS / "05_explainer_widget.png"))
 
@@ -106,10 +108,21 @@ def test_built_page_matches_python_and_follows_the_sliders(page, book_url):
     assert shown(page) == expected(batch=64, prompt=512)
     assert page.locator(f"{WIDGET} output[data-for='prompt']").inner_text() == "512 tokens"
 
-    # And a select in the conventions panel: the datasheet's bandwidth instead of the source's rounding.
+    # Past the ridge batch the decode matmuls turn compute-bound while attention stays memory-bound.
+    for _ in range(2):
+        batch.focus()
+        page.keyboard.press("ArrowRight")
+    past = shown(page)
+    assert past == expected(batch=256, prompt=512)
+    assert past["itl-note"] == "one decode step: matmuls compute-bound, attention memory-bound"
+
+    # And a select in the conventions panel: the source's single merged point per phase.
     page.locator(f"{WIDGET} details summary").click()
-    page.locator(f"{WIDGET} [data-control='bandwidth']").select_option("datasheet")
-    assert shown(page) == expected(batch=64, prompt=512, bandwidth="datasheet")
+    page.locator(f"{WIDGET} [data-control='roofline']").select_option("merged")
+    merged = shown(page)
+    assert merged == expected(batch=256, prompt=512, roofline="merged")
+    assert "decode-split" not in merged and "decode-attention-point" not in merged
+    assert merged["itl-note"] == "one decode step, memory-bound"  # the merged point hides the matmuls' bound
 
     page.locator(WIDGET).screenshot(path=str(SCREENSHOTS / "05_explainer_widget_moved.png"))
     page.screenshot(path=str(SCREENSHOTS / "05_explainer.png"), full_page=True)
@@ -129,7 +142,11 @@ SWEEP = [
     {"model": "llama-3.1-405b", "card": "A100 80GB", "count": 8, "prompt": 4096},
     {"model": "llama-3.1-405b", "card": "T4", "count": 1},  # the weights do not fit
     {"card": "L4", "count": 2, "prompt": 32768, "output": 512},
-    {"bandwidth": "datasheet"},
+    {"roofline": "merged"},
+    {"roofline": "merged", "attention": "none"},
+    {"attention": "none"},
+    {"attention": "none", "batch": 512},
+    {"roofline": "merged", "batch": 1024, "prompt": 4096},
     {"params": "counted"},
     {"decode_context": "start"},
     {"decode_context": "end", "output": 4096},
@@ -140,7 +157,7 @@ SWEEP = [
     {"attention": "full", "prompt": 131072, "batch": 4, "output": 2048},
     {
         "params": "counted",
-        "bandwidth": "datasheet",
+        "roofline": "merged",
         "attention": "causal",
         "decode_context": "end",
         "batch": 16,
@@ -162,8 +179,7 @@ def test_javascript_agrees_with_python_over_a_sweep(page):
             "model": "llama-3.1-70b",
             "card": "A100 40GB",
             "count": 4,
-            "bandwidth": "source",
-            **{k: getattr(serving.SOURCE, k) for k in Conventions.choices()},
+            **{k: getattr(serving.DEFAULT, k) for k in Conventions.choices()},
         }
         full.update(settings)
         root.evaluate(SET, full)
@@ -179,13 +195,27 @@ def test_static_snippet_is_self_contained():
     assert "http" not in snippet and "<script src" not in snippet and "<link" not in snippet
     assert snippet.count("<script>") == 1 and 'id="c05x-test"' in snippet
     # The starting numbers are in the HTML itself, before any script runs.
-    for text in ("114.9 ms", "23.4 ms", "3.11 s", "43 tok/s"):
+    for text in ("116.0 ms", "22.6 ms", "3.00 s", "44 tok/s"):
         assert text in snippet
+
+
+def test_script_and_styles_are_package_files_inlined():
+    from importlib import resources
+
+    static = resources.files("labsupport").joinpath("explainer_static")
+    js, css = (static.joinpath(name).read_text() for name in ("explainer.js", "explainer.css"))
+    assert "function labsupportExplainer(root)" in js and ".c05x-explainer" in css
+    snippet = explainer.static_html(element_id="c05x-test")
+    assert js in snippet and css in snippet
+    assert not hasattr(explainer, "_JS") and not hasattr(explainer, "_CSS")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "explainer_static/*.js" in pyproject and "explainer_static/*.css" in pyproject
 
 
 def test_embedded_tables_come_from_labsupport():
     snippet = explainer.static_html()
-    data = json.loads(re.search(r"const DATA = (\{.*?\});\n", snippet).group(1))
+    block = re.search(r'<script type="application/json" data-xp="data">(.*?)</script>', snippet).group(1)
+    data = json.loads(block)
     assert data == json.loads(json.dumps(explainer.explainer_data()))
     assert set(data["cards"]) == set(GPUS)
     for name, gpu in GPUS.items():
@@ -205,7 +235,7 @@ def test_embedded_tables_come_from_labsupport():
         ({"count": 3}, "count"),
         ({"card": "B200"}, "card"),
         ({"model": "tiny-2m"}, "model"),
-        ({"bandwidth": "rounded"}, "bandwidth"),
+        ({"batch": 1000}, "batch"),
         ({"conventions": "source"}, "conventions"),
         ({"conventions": Conventions(weight_bytes=1)}, "weight_bytes"),
         ({"element_id": "a b<"}, "element_id"),
@@ -235,7 +265,8 @@ def test_formatting_rounds_like_javascript():
 def test_live_widget_builds_and_updates():
     app = explainer.LiveExplainer()
     assert app.values == expected()
-    assert "114.9 ms" in app.metrics.value and "43 tok/s" in app.metrics.value
+    assert "116.0 ms" in app.metrics.value and "44 tok/s" in app.metrics.value
+    assert app.values["decode-split"] in app.metrics.value
     assert app.figure.value[:8] == b"\x89PNG\r\n\x1a\n"
     first_png = app.figure.value
 
@@ -244,18 +275,18 @@ def test_live_widget_builds_and_updates():
     assert app.report.batch == 64 and app.figure.value != first_png
 
     app.prompt.value = 4096
-    app.conventions["bandwidth"].value = "datasheet"
+    app.conventions["roofline"].value = "merged"
     app.conventions["decode_steps"].value = "output-1"
     report = app.update()  # and update() can be called directly
     assert report == serving.phases(
         "llama-3.1-70b",
-        serving.serving_gpu(bandwidth="datasheet"),
+        serving.serving_gpu(),
         4096,
         128,
         64,
-        Conventions(decode_steps="output-1"),
+        Conventions(roofline="merged", decode_steps="output-1"),
     )
-    assert app.values == expected(batch=64, prompt=4096, bandwidth="datasheet", decode_steps="output-1")
+    assert app.values == expected(batch=64, prompt=4096, roofline="merged", decode_steps="output-1")
     assert app.values["latency"] in app.metrics.value
 
 
