@@ -577,28 +577,40 @@ def naive_attention_hbm_bytes(seq_len: int, head_dim: int, dtype_bytes: float = 
 
 
 def flash_attention_hbm_bytes(seq_len: int, head_dim: int, block_m: int = 128, dtype_bytes: float = 2,
-                              *, kv_reuse: bool = False) -> float:
-    """Bytes one head of tiled attention moves to and from HBM, forward pass.
+                              *, kv_reuse: bool = False, group_size: int = 1) -> float:
+    """Bytes one query head of tiled attention moves to and from HBM, forward pass.
 
     Each of the ``ceil(S / block_m)`` query blocks reads its Q tile once and every K and V tile
     once, and writes its O tile and ``block_m`` fp32 log-sum-exps. Nothing of size ``S**2`` is
     ever written. With ``kv_reuse=False`` every K and V re-read counts (no cache at all: the upper
     bound). With ``kv_reuse=True`` K and V are fetched from HBM once per head, as when the
     programs working on one head find each other's tiles in the GPU's L2 cache (the lower bound).
+
+    Under grouped-query attention ``group_size`` query heads share one K and V head. A kernel
+    that serves the whole group from each K and V tile it loads (one program per group, or
+    programs that meet in L2) reads K and V once per group, so each query head is charged
+    ``1/group_size`` of those reads; ``group_size=1`` charges every query head in full, which
+    overstates the K and V traffic of a GQA model up to ``group_size`` times.
     """
     s = positive_int("seq_len", seq_len)
     d = positive_int("head_dim", head_dim)
     bm = positive_int("block_m", block_m)
     b = positive_number("dtype_bytes", dtype_bytes)
+    g = positive_int("group_size", group_size)
     kv_reads = 1 if kv_reuse else math.ceil(s / bm)
-    return float((2 * s * d + kv_reads * 2 * s * d) * b + 4 * s)
+    return float((2 * s * d + kv_reads * 2 * s * d / g) * b + 4 * s)
 
 
 def attention_intensity(seq_len: int, head_dim: int, *, tiled: bool, block_m: int = 128,
-                        dtype_bytes: float = 2, kv_reuse: bool = False) -> float:
-    """FLOPs per HBM byte of one head's forward pass (``4*S**2*D`` FLOPs, non-causal)."""
+                        dtype_bytes: float = 2, kv_reuse: bool = False, group_size: int = 1) -> float:
+    """FLOPs per HBM byte of one query head's forward pass (``4*S**2*D`` FLOPs, non-causal).
+
+    ``group_size`` (tiled only): query heads sharing each K and V head, see
+    :func:`flash_attention_hbm_bytes`.
+    """
     flops = 4 * positive_int("seq_len", seq_len) ** 2 * positive_int("head_dim", head_dim)
-    moved = (flash_attention_hbm_bytes(seq_len, head_dim, block_m, dtype_bytes, kv_reuse=kv_reuse) if tiled
+    moved = (flash_attention_hbm_bytes(seq_len, head_dim, block_m, dtype_bytes, kv_reuse=kv_reuse,
+                                       group_size=group_size) if tiled
              else naive_attention_hbm_bytes(seq_len, head_dim, dtype_bytes))
     return flops / moved
 

@@ -115,6 +115,11 @@ def test_hbm_traffic_and_intensity():
     naive = A.attention_intensity(s, d, tiled=False)
     tiled = A.attention_intensity(s, d, tiled=True)
     assert naive < d / 2 < tiled  # naive tends to D/2 FLOP per byte in bf16; tiled to about block_m
+    # grouped-query attention: K and V reads shared by the group's query heads
+    assert A.flash_attention_hbm_bytes(s, d, 128, group_size=4) == (2 * s * d + 32 * 2 * s * d / 4) * 2 + 4 * s
+    assert A.attention_intensity(s, d, tiled=True, group_size=4) > 3 * tiled
+    with pytest.raises(ValueError, match="group_size"):
+        A.flash_attention_hbm_bytes(s, d, group_size=0)
     with pytest.raises(ValueError, match="dtype_bytes"):
         A.naive_attention_hbm_bytes(s, d, dtype_bytes=0)
 
