@@ -21,8 +21,9 @@ from ._answers import answer
 from ._validate import positive_int, positive_number, renamed_parameters
 from .models import ModelConfig, as_model
 
-# The fraction of the tensor-core peak a tuned prefill is planned at (the runbook's convention;
-# published eager stacks reach 35-50%, tuned ones 65-80%). Estimates, never measurements.
+# The fraction of the dense tensor-core peak a prefill is planned at: the runbook's planning
+# convention for a well-tuned server, an assumption to replace with a measurement (lab 05 measures
+# prefill on the learner's own device), never a measurement itself.
 PLANNING_MFU = 0.4
 
 

@@ -3,8 +3,14 @@
 A :class:`ModelConfig` holds only the numbers that set cost: layers, widths, heads and
 vocabulary. The real Llama 3.1 shapes come from the models' published ``config.json`` files
 (meta-llama/Llama-3.1-8B, -70B, -405B on the Hugging Face Hub). The ``tiny-*`` presets are
-small enough to run on a laptop CPU in seconds and keep the same proportions that matter
-(grouped-query attention, a SwiGLU feed-forward about 3.5x the width).
+small enough to run on a laptop CPU in seconds and keep the proportions that matter
+(grouped-query attention, a SwiGLU feed-forward several times wider than the model).
+
+``d_ff`` is the SwiGLU hidden width. The original recipe (Shazeer, "GLU Variants Improve
+Transformer", 2020) takes 8/3 of ``d_model``, so that three matrices cost what a plain
+feed-forward's two at 4x do; Llama 3.1 scales that up and rounds it (``ffn_dim_multiplier`` and
+``multiple_of`` in Meta's code): 3.5x for the 8B and 70B, 3.25x for the 405B. The CPU presets use
+3.5x (``tiny-2m``, ``small-63m``) and 8/3 (``tiny-20m``).
 """
 
 from __future__ import annotations
