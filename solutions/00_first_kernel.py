@@ -193,7 +193,7 @@ if published:
 # The ratio of the two numbers, FLOPs per byte, is your device's *ridge point*. A computation
 # that does fewer FLOPs per byte it reads than the ridge point waits on memory; one that does
 # more waits on arithmetic. Chapter 04 turns this into a roofline, and chapter 05 shows that
-# prefill sits far to the right of the ridge and decode far to the left.
+# prefill lands well past the ridge and decode far below it.
 #
 # On a CPU these numbers describe your CPU, not a GPU: the shape of the argument is the same,
 # the values are not. Matmul timings here are real; a Triton kernel timed in the interpreter

@@ -145,7 +145,7 @@ print(f"32k / 2k: {ratio:.1f}x ({ratio_causal:.1f}x causal); crossover N/2Ld = {
 # %%
 def decode_bytes_per_step(cfg, batch, context, dtype_bytes=2):
     """Bytes read by one decode step: every weight once, plus `batch` caches of `context` tokens."""
-    # BEGIN SOLUTION: return the bytes of every weight and every cached key and value that one step reads
+    # BEGIN SOLUTION: return the bytes one step reads: all weights, plus each sequence's cached keys and values
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
     return param_count(cfg) * dtype_bytes + batch * context * per_token
     # END SOLUTION
