@@ -127,7 +127,9 @@ def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **b
     ``(m, k) @ (k, n)`` product. FLOPs are counted as ``2*m*k*n``. ``dtype`` defaults to what the
     device's tensor cores take (:func:`labsupport.device.lab_dtype`: bfloat16 from Ampere on,
     float16 before) on a GPU, and float32 on a CPU; ``device`` defaults to :func:`labsupport.device.device`.
-    Extra keyword arguments go to :func:`labsupport.timing.benchmark` (``repeats=``, ...).
+    Extra keyword arguments go to :func:`labsupport.timing.benchmark` (``repeats=``, ...). A
+    point whose timing is unstable (a busy machine; :attr:`labsupport.timing.Timing.unstable`)
+    prints a warning line.
     """
     shapes = [_shape(s) for s in _sizes(sizes, "sizes")]
     dev = _device(device)
@@ -139,6 +141,8 @@ def measure_matmul(sizes, dtype=None, device=None, *, progress: bool = True, **b
         a = torch.randn(m, k, device=dev, dtype=dtype)
         b = torch.randn(k, n, device=dev, dtype=dtype)
         timing = benchmark(lambda: a @ b, gpu=dev.type == "cuda", **bench)
+        if timing.unstable:  # say so on screen: a median from a busy machine is not a ceiling
+            print(f"matmul ({m}, {k}) @ ({k}, {n}): {timing.warning()}")
         return matmul_flops(m, k, n) / timing.median_s
 
     return [rate(m, k, n) for m, k, n in progress_bar(shapes, "matmul", progress)]
@@ -148,7 +152,8 @@ def measure_copy(sizes_bytes, device=None, *, progress: bool = True, **bench) ->
     """Achieved bandwidth in bytes/s of ``dst.copy_(src)`` for each buffer size in bytes.
 
     A copy of ``b`` bytes reads ``b`` and writes ``b``, so it is credited with ``2*b`` bytes moved.
-    Extra keyword arguments go to :func:`labsupport.timing.benchmark`.
+    Extra keyword arguments go to :func:`labsupport.timing.benchmark`; an unstable point prints a
+    warning line.
     """
     sizes = [positive_int("size in bytes", s) for s in _sizes(sizes_bytes, "sizes_bytes")]
     dev = _device(device)
@@ -157,6 +162,8 @@ def measure_copy(sizes_bytes, device=None, *, progress: bool = True, **bench) ->
         src = torch.empty(size, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         timing = benchmark(lambda: dst.copy_(src), gpu=dev.type == "cuda", **bench)
+        if timing.unstable:
+            print(f"copy of {size / 2**20:g} MiB: {timing.warning()}")
         return 2 * size / timing.median_s
 
     return [rate(size) for size in progress_bar(sizes, "copy", progress)]

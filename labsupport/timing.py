@@ -2,7 +2,14 @@
 
 On a GPU it uses ``triton.testing.do_bench``: warm-up, CUDA synchronisation and an L2 flush
 before every repetition. On a CPU (where ``do_bench`` cannot run) it uses ``time.perf_counter``
-with a warm-up call. Either way it reports the median and the 20th/80th percentiles.
+with a warm-up call, and keeps calling for at least ``min_time_s`` (0.2 s) so that one point is
+never a handful of calls. Either way it reports the median and the 20th/80th percentiles.
+
+A shared CPU (other processes, a notebook kernel beside a test run) can slow some calls many
+times over. So the calls are also split into :data:`ROUNDS` consecutive rounds, and ``spread``
+is the largest of the rounds' medians over the smallest. Above :data:`SPREAD_LIMIT` the timing
+is ``unstable``, and printing it says so: the median is then not a number to build on. (On a
+GPU, ``do_bench``'s own repetitions stand; ``spread`` stays 1.)
 
 A Triton kernel timed in the interpreter measures Python, not the kernel: pass
 ``uses_triton=True`` and the result says so wherever it is printed.
@@ -20,6 +27,8 @@ import torch
 from .device import cuda_available, interpreter_mode
 
 NOT_MEANINGFUL = "Triton interpreter: not meaningful for performance"
+ROUNDS = 5  # consecutive rounds the CPU calls are split into to judge their stability
+SPREAD_LIMIT = 1.5  # slowest round's median over the fastest's above which a timing is unstable
 
 
 @dataclass(frozen=True)
@@ -30,13 +39,29 @@ class Timing:
     repeats: int  # timed calls; 0 when do_bench chose the count itself
     method: str  # "cuda (do_bench)" or "cpu (perf_counter)"
     meaningful: bool = True
+    spread: float = 1.0  # CPU: slowest round's median over the fastest's; 1 on a GPU
 
     @property
     def median_ms(self) -> float:
         return self.median_s * 1e3
 
+    @property
+    def unstable(self) -> bool:
+        """True when the rounds disagree by more than :data:`SPREAD_LIMIT`: do not trust the median."""
+        return self.spread > SPREAD_LIMIT
+
+    def warning(self) -> str:
+        """A sentence for the screen when the timing is unstable; empty otherwise."""
+        if not self.unstable:
+            return ""
+        return (
+            f"timings spread {self.spread:.1f}x between rounds (limit {SPREAD_LIMIT}x): too wide to trust; "
+            f"something else is using this machine's cores, so rerun the cell when it is idle"
+        )
+
     def label(self) -> str:
-        return "" if self.meaningful else f" [{NOT_MEANINGFUL}]"
+        text = "" if self.meaningful else f" [{NOT_MEANINGFUL}]"
+        return text + (f" [UNSTABLE: {self.warning()}]" if self.unstable else "")
 
     def __str__(self) -> str:
         runs = f"{self.repeats} runs, " if self.repeats > 0 else ""
@@ -62,7 +87,7 @@ def benchmark(
     uses_triton: bool = False,
     repeats: int | None = None,
     warmup: int = 1,
-    min_time_s: float = 0.05,
+    min_time_s: float = 0.2,
     max_time_s: float = 2.0,
     gpu: bool | None = None,
     min_gpu_repeats: int = 5,
@@ -72,10 +97,12 @@ def benchmark(
     ``repeats`` fixes the number of timed calls (after ``warmup`` untimed ones), on a CPU or a
     GPU: a long call such as a whole ``generate`` loop is timed that many times with the wall
     clock, synchronising the GPU around each call. Without it the CPU path repeats until
-    ``min_time_s`` has passed (at least 3 calls, at most ``max_time_s`` in total), and the GPU
-    path uses ``do_bench``, which sizes its repetitions from a 100 ms budget: a call longer than
+    ``min_time_s`` has passed (at least :data:`ROUNDS` calls, at most ``max_time_s`` in total),
+    and the GPU path uses ``do_bench``, which sizes its repetitions from a 100 ms budget: a call longer than
     that (a long prefill) would be timed once, so the budget is raised to cover at least
     ``min_gpu_repeats`` calls.
+    ``spread`` (CPU only) compares the medians of :data:`ROUNDS` consecutive rounds of calls (see
+    the module docstring); with fewer calls than rounds, each call is its own round.
     """
     if not callable(fn):
         raise ValueError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
@@ -113,13 +140,35 @@ def benchmark(
         if repeats is not None:
             if len(times) >= repeats:
                 break
-        elif (len(times) >= 3 and elapsed >= min_time_s) or elapsed >= max_time_s:
+        elif (len(times) >= ROUNDS and elapsed >= min_time_s) or elapsed >= max_time_s:
             break
+    spread = 1.0 if use_gpu else round_spread(times)  # judged on a CPU only (see the module docstring)
     times.sort()
     method = "cuda (perf_counter + synchronize)" if use_gpu else "cpu (perf_counter)"
     return Timing(
-        statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8), len(times), method, meaningful
+        statistics.median(times),
+        _quantile(times, 0.2),
+        _quantile(times, 0.8),
+        len(times),
+        method,
+        meaningful,
+        spread,
     )
+
+
+def round_spread(times: list[float], rounds: int = ROUNDS) -> float:
+    """Largest over smallest median of ``rounds`` consecutive rounds of ``times`` (in call order).
+
+    A machine that is busy for part of a measurement makes some rounds slower than others even
+    when the overall median looks plausible; this is what catches it.
+    """
+    if len(times) < 2:
+        return 1.0
+    rounds = min(rounds, len(times))
+    size = len(times) / rounds
+    medians = [statistics.median(times[round(i * size) : round((i + 1) * size)]) for i in range(rounds)]
+    low = min(medians)
+    return max(medians) / low if low > 0 else float("inf")
 
 
 def progress(items, desc: str, enabled: bool = True):

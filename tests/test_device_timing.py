@@ -229,3 +229,41 @@ def test_lab_dtype_follows_the_hardware(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, c=capability: c)
         assert dev.lab_dtype() == want, capability
         assert dev.gpu_has_bf16() == (want == torch.bfloat16)
+
+
+def test_round_spread_compares_consecutive_rounds():
+    from labsupport.timing import round_spread
+
+    steady = [1.0, 1.1, 0.9, 1.0, 1.05] * 20
+    assert round_spread(steady) < 1.1
+    # the machine got busy for the last fifth of the measurement: that round is 4x slower
+    busy = [1.0] * 80 + [4.0] * 20
+    assert round_spread(busy) == pytest.approx(4.0)
+    assert round_spread([2.0]) == 1.0 and round_spread([1.0, 3.0]) == pytest.approx(3.0)
+
+
+def test_an_unstable_timing_says_so_on_screen():
+    from labsupport.timing import SPREAD_LIMIT
+
+    calm = Timing(1e-3, 0.9e-3, 1.1e-3, 50, "cpu (perf_counter)", spread=1.1)
+    assert not calm.unstable and calm.warning() == "" and "UNSTABLE" not in str(calm)
+    noisy = Timing(1e-3, 0.9e-3, 9e-3, 50, "cpu (perf_counter)", spread=SPREAD_LIMIT * 2)
+    assert noisy.unstable and "too wide to trust" in noisy.warning() and "UNSTABLE" in str(noisy)
+
+
+def test_benchmark_flags_a_machine_that_gets_busy_mid_measurement():
+    import time as _time
+
+    calls = []
+
+    def fn():  # the last rounds of calls are ten times slower, as when another job starts
+        calls.append(1)
+        _time.sleep(0.0002 if len(calls) <= 30 else 0.002)
+
+    t = benchmark(fn, repeats=60, warmup=0, gpu=False)
+    assert t.unstable and t.spread > 3
+
+
+def test_cpu_benchmark_times_each_point_long_enough():
+    t = benchmark(lambda: None, gpu=False)
+    assert t.repeats >= 5  # at least one call per round, and at least min_time_s of calls
