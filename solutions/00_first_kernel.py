@@ -7,12 +7,18 @@
 # In this lab you will
 #
 # 1. check where your code runs (a GPU, or Triton's interpreter on the CPU);
-# 2. write a Triton kernel that adds two vectors of any length, and have it graded;
-# 3. take your device's first two measurements: how many FLOP/s a matrix multiply reaches, and
-#    how many bytes per second a copy moves. Every later lab compares against these two numbers.
+# 2. take your device's first two measurements: how many FLOP/s a matrix multiply reaches, and
+#    how many bytes per second a copy moves. Every later lab compares against these two numbers;
+# 3. write a Triton kernel that adds two vectors of any length, and have it graded.
 #
 # Run the cells from top to bottom. Cells that say **Exercise** are yours to complete; the cell
 # after each one checks your work and tells you precisely what is wrong if something is.
+#
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
+# that raises an error. Until you have written an exercise, its check cell raises, and nothing
+# below it runs; JupyterLab may still scroll to the bottom of the notebook, so scroll back up to
+# the first cell with a red error. This lab takes its measurements (section 1) before the
+# exercise, so a first Run All already gives you your device's numbers.
 #
 # *Where to run it:* in the book, the rocket button at the top of the page opens this notebook in
 # Colab (pick a GPU runtime). On your own Linux machine, run `make lab` in the course repository:
@@ -41,12 +47,113 @@ from labsupport.checks import check_vector_add
 from labsupport.costs import matmul_flops
 from labsupport.device import device
 from labsupport.hardware import match_device_name
+from labsupport.phases import cpu_threads
 from labsupport.timing import benchmark
 
 DEVICE = device()
+# On a CPU, time with one thread: on a small machine shared with other work, threads that wait for
+# a busy core make timings erratic. On a GPU this does nothing.
+THREADS = settings.pick(small=1, full=None)
 
 # %% [markdown]
-# ## 1. How a Triton kernel sees the data
+# ## 1. Your device's first two numbers
+#
+# Two measurements frame the whole course:
+#
+# * **Compute**: how many floating-point operations per second a large matrix multiply reaches.
+#   Multiplying an $(n \times n)$ matrix by another costs $2n^3$ FLOPs (a multiply and an add
+#   for each of $n$ terms of $n^2$ outputs).
+# * **Bandwidth**: how many bytes per second a plain copy moves. Copying $b$ bytes reads $b$ and
+#   writes $b$, so it moves $2b$.
+#
+# Prefill lives near the first number, decode near the second. The sweeps below use
+# `labsupport.timing.benchmark`, which on a GPU warms up, synchronises and flushes the L2 cache
+# between repetitions. On a CPU it uses a wall clock, calls the operation for at least 0.2 s, and
+# compares five consecutive rounds of calls: when they disagree by more than half (another program
+# took the cores for a while), the printed timing says **UNSTABLE**, and that point should be
+# measured again on a quiet machine. Both report the median.
+
+# %%
+matmul_sizes = settings.pick(small=[64, 128, 256, 512], full=[512, 1024, 2048, 4096, 8192])
+if DEVICE.type == "cpu":
+    matmul_dtype = torch.float32
+elif torch.cuda.get_device_capability()[0] >= 8:  # Ampere and newer have bf16 tensor cores
+    matmul_dtype = torch.bfloat16
+else:  # older GPUs such as the T4: fp16 is what their tensor cores (and datasheets) use
+    matmul_dtype = torch.float16
+
+matmul_tflops = []
+unstable = 0
+with cpu_threads(THREADS):
+    for n in tqdm(matmul_sizes, desc="matmul sweep"):
+        a = torch.randn(n, n, device=DEVICE, dtype=matmul_dtype)
+        b = torch.randn(n, n, device=DEVICE, dtype=matmul_dtype)
+        timing = benchmark(lambda: a @ b)
+        unstable += timing.unstable
+        matmul_tflops.append(matmul_flops(n, n, n) / timing.median_s / 1e12)
+        print(f"n={n:5d}: {timing}  ->  {matmul_tflops[-1]:.3f} TFLOP/s")
+
+# %%
+# Buffers up to a quarter of the GPU's memory (src and dst together take half).
+copy_mib = settings.pick(small=[4, 16, 64, 256], full=[16, 64, 256, 1024, 4096])
+if settings.on_gpu:
+    copy_mib = [m for m in copy_mib if m * 2**20 * 4 <= settings.memory_bytes] or copy_mib[:1]
+
+copy_gbps = []
+with cpu_threads(THREADS):
+    for mib in tqdm(copy_mib, desc="copy sweep"):
+        src = torch.empty(mib * 2**20, dtype=torch.uint8, device=DEVICE)
+        dst = torch.empty_like(src)
+        timing = benchmark(lambda: dst.copy_(src))
+        unstable += timing.unstable
+        copy_gbps.append(2 * src.numel() / timing.median_s / 1e9)  # read + write
+        print(f"{mib:5d} MiB: {timing}  ->  {copy_gbps[-1]:.1f} GB/s")
+        src = dst = None  # free this pair before allocating the next, larger one
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+ax1.plot(matmul_sizes, matmul_tflops, "o-")
+ax1.set(xscale="log", xlabel="matrix size n", ylabel="TFLOP/s", title=f"matmul ({str(matmul_dtype)[6:]})")
+ax2.plot(copy_mib, copy_gbps, "o-", color="C1")
+ax2.set(xscale="log", xlabel="buffer size (MiB)", ylabel="GB/s", title="copy (read + write)")
+published = match_device_name(settings.device_name) if settings.on_gpu else None
+if published:
+    ax1.axhline(published.peak_flops / 1e12, ls="--", color="gray", label=f"{published.name} datasheet")
+    ax2.axhline(published.hbm_bandwidth / 1e9, ls="--", color="gray", label=f"{published.name} datasheet")
+    ax1.legend()
+    ax2.legend()
+fig.suptitle(f"Measured on {settings.device_name}")
+fig.tight_layout()
+
+# %%
+# Only the largest buffer measures the memory the weights live in. On a CPU, small buffers can
+# sit in its L2/L3 cache and copy faster than main memory allows. On a GPU, `benchmark` flushes
+# the L2 cache before every call, so small copies are not cache hits there: they are too short to
+# hide the fixed cost of launching a kernel, and read slower, not faster.
+best_tflops, best_gbps = max(matmul_tflops), copy_gbps[-1]
+print(f"best matmul: {best_tflops:.3f} TFLOP/s   copy of the largest buffer: {best_gbps:.1f} GB/s")
+print(f"their ratio, the ridge point of your device: {best_tflops * 1e12 / (best_gbps * 1e9):.1f} FLOP per byte")
+if unstable:
+    print(f"WARNING: {unstable} of the points above were UNSTABLE (their rounds disagreed): these numbers are "
+          f"not yet your device's. Close other programs and run the two sweeps again.")
+if published:
+    print(f"datasheet ({published.name}): {published.peak_flops / 1e12:.0f} TFLOP/s, "
+          f"{published.hbm_bandwidth / 1e9:.0f} GB/s, ridge {published.ridge_point:.0f} FLOP/byte")
+
+# %% [markdown]
+# ## What you measured
+#
+# The ratio of the two numbers, FLOPs per byte, is your device's *ridge point*. A computation
+# that does fewer FLOPs per byte it reads than the ridge point waits on memory; one that does
+# more waits on arithmetic. Chapter 04 turns this into a roofline, and chapter 05 shows that
+# prefill lands well past the ridge and decode far below it.
+#
+# On a CPU these numbers describe your CPU, not a GPU: the shape of the argument is the same,
+# the values are not. Matmul timings here are real; a Triton kernel timed in the interpreter
+# would not be.
+
+# %% [markdown]
+# ## 2. How a Triton kernel sees the data
 #
 # A Triton kernel is a function that many *programs* run at once. Each program handles one
 # block of `BLOCK_SIZE` elements: it asks which program it is (`tl.program_id(0)`), works out
@@ -112,89 +219,3 @@ def vector_add(x: torch.Tensor, y: torch.Tensor, block_size: int = 256) -> torch
 
 # %%
 check_vector_add(vector_add)
-
-# %% [markdown]
-# ## 2. Your device's first two numbers
-#
-# Two measurements frame the whole course:
-#
-# * **Compute**: how many floating-point operations per second a large matrix multiply reaches.
-#   Multiplying an $(n \times n)$ matrix by another costs $2n^3$ FLOPs (a multiply and an add
-#   for each of $n$ terms of $n^2$ outputs).
-# * **Bandwidth**: how many bytes per second a plain copy moves. Copying $b$ bytes reads $b$ and
-#   writes $b$, so it moves $2b$.
-#
-# Prefill lives near the first number, decode near the second. The sweeps below use
-# `labsupport.timing.benchmark`, which on a GPU warms up, synchronises and flushes the L2 cache
-# between repetitions, and on a CPU uses a wall clock. Both report the median.
-
-# %%
-matmul_sizes = settings.pick(small=[64, 128, 256, 512], full=[512, 1024, 2048, 4096, 8192])
-if DEVICE.type == "cpu":
-    matmul_dtype = torch.float32
-elif torch.cuda.get_device_capability()[0] >= 8:  # Ampere and newer have bf16 tensor cores
-    matmul_dtype = torch.bfloat16
-else:  # older GPUs such as the T4: fp16 is what their tensor cores (and datasheets) use
-    matmul_dtype = torch.float16
-
-matmul_tflops = []
-for n in tqdm(matmul_sizes, desc="matmul sweep"):
-    a = torch.randn(n, n, device=DEVICE, dtype=matmul_dtype)
-    b = torch.randn(n, n, device=DEVICE, dtype=matmul_dtype)
-    timing = benchmark(lambda: a @ b)
-    matmul_tflops.append(matmul_flops(n, n, n) / timing.median_s / 1e12)
-    print(f"n={n:5d}: {timing}  ->  {matmul_tflops[-1]:.3f} TFLOP/s")
-
-# %%
-# Buffers up to a quarter of the GPU's memory (src and dst together take half).
-copy_mib = settings.pick(small=[4, 16, 64, 256], full=[16, 64, 256, 1024, 4096])
-if settings.on_gpu:
-    copy_mib = [m for m in copy_mib if m * 2**20 * 4 <= settings.memory_bytes] or copy_mib[:1]
-
-copy_gbps = []
-for mib in tqdm(copy_mib, desc="copy sweep"):
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    timing = benchmark(lambda: dst.copy_(src))
-    copy_gbps.append(2 * src.numel() / timing.median_s / 1e9)  # read + write
-    print(f"{mib:5d} MiB: {timing}  ->  {copy_gbps[-1]:.1f} GB/s")
-    src = dst = None  # free this pair before allocating the next, larger one
-
-# %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-ax1.plot(matmul_sizes, matmul_tflops, "o-")
-ax1.set(xscale="log", xlabel="matrix size n", ylabel="TFLOP/s", title=f"matmul ({str(matmul_dtype)[6:]})")
-ax2.plot(copy_mib, copy_gbps, "o-", color="C1")
-ax2.set(xscale="log", xlabel="buffer size (MiB)", ylabel="GB/s", title="copy (read + write)")
-published = match_device_name(settings.device_name) if settings.on_gpu else None
-if published:
-    ax1.axhline(published.peak_flops / 1e12, ls="--", color="gray", label=f"{published.name} datasheet")
-    ax2.axhline(published.hbm_bandwidth / 1e9, ls="--", color="gray", label=f"{published.name} datasheet")
-    ax1.legend()
-    ax2.legend()
-fig.suptitle(f"Measured on {settings.device_name}")
-fig.tight_layout()
-
-# %%
-# Only the largest buffer measures the memory the weights live in. On a CPU, small buffers can
-# sit in its L2/L3 cache and copy faster than main memory allows. On a GPU, `benchmark` flushes
-# the L2 cache before every call, so small copies are not cache hits there: they are too short to
-# hide the fixed cost of launching a kernel, and read slower, not faster.
-best_tflops, best_gbps = max(matmul_tflops), copy_gbps[-1]
-print(f"best matmul: {best_tflops:.3f} TFLOP/s   copy of the largest buffer: {best_gbps:.1f} GB/s")
-print(f"their ratio, the ridge point of your device: {best_tflops * 1e12 / (best_gbps * 1e9):.1f} FLOP per byte")
-if published:
-    print(f"datasheet ({published.name}): {published.peak_flops / 1e12:.0f} TFLOP/s, "
-          f"{published.hbm_bandwidth / 1e9:.0f} GB/s, ridge {published.ridge_point:.0f} FLOP/byte")
-
-# %% [markdown]
-# ## What you measured
-#
-# The ratio of the two numbers, FLOPs per byte, is your device's *ridge point*. A computation
-# that does fewer FLOPs per byte it reads than the ridge point waits on memory; one that does
-# more waits on arithmetic. Chapter 04 turns this into a roofline, and chapter 05 shows that
-# prefill lands well past the ridge and decode far below it.
-#
-# On a CPU these numbers describe your CPU, not a GPU: the shape of the argument is the same,
-# the values are not. Matmul timings here are real; a Triton kernel timed in the interpreter
-# would not be.

@@ -9,12 +9,18 @@
 # 1. measure the two ceilings of the device you are on: the FLOP/s a matrix multiply reaches, and
 #    the bytes per second a copy moves;
 # 2. compute your device's *ridge point* and draw its roofline next to the published one;
-# 3. write `arithmetic_intensity` for a matmul, and have it checked;
-# 4. place a few matmul shapes, from decode-like to prefill-like, on your roofline and see how
-#    close each one gets to its roof.
+# 3. time a few matmul shapes, from decode-like to prefill-like;
+# 4. write `arithmetic_intensity` for a matmul, have it checked, and use it to place those shapes
+#    on your roofline and see how close each one gets to its roof.
 #
 # Run the cells from top to bottom. On a CPU everything runs in seconds with small sizes; the
 # numbers then describe your CPU, not a GPU, but the shape of the argument is the same.
+#
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
+# that raises an error. Until you have written the exercise, its check cell raises, and nothing
+# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
+# with a red error. Every measurement in this lab comes before the exercise, so a first Run All
+# already measures your device; only the last section waits for your function.
 
 # %% [setup]
 import labsupport
@@ -28,12 +34,16 @@ import torch
 from labsupport.checks import check_arithmetic_intensity
 from labsupport.device import device, lab_dtype
 from labsupport.hardware import match_device_name
+from labsupport.phases import cpu_threads
 from labsupport.roofline import attainable_flops, measure_copy, measure_matmul, plot_roofline, ridge_point
 
 DEVICE = device()
 DTYPE = lab_dtype()  # what each device is fast at: bf16 (fp16 before Ampere) on a GPU, fp32 on a CPU
 DTYPE_BYTES = torch.empty((), dtype=DTYPE).element_size()
 PUBLISHED = match_device_name(settings.device_name) if settings.on_gpu else None
+# On a CPU, time with one thread: on a small machine shared with other work, threads that wait for
+# a busy core make timings erratic. On a GPU this does nothing.
+THREADS = settings.pick(small=1, full=None)
 print(f"measuring on {settings.device_name} in {str(DTYPE)[6:]} ({DTYPE_BYTES} bytes per element)")
 print(f"published numbers for this device: {PUBLISHED.name if PUBLISHED else 'none in labsupport.hardware'}")
 
@@ -61,11 +71,14 @@ print(f"published numbers for this device: {PUBLISHED.name if PUBLISHED else 'no
 # Small matrices cannot keep every core busy, and fixed overheads (a kernel launch on a GPU, a
 # thread wake-up on a CPU) dominate them. As the size grows, FLOP/s climbs towards a plateau:
 # that plateau is your practical peak. `measure_matmul` times each size with
-# `labsupport.timing.benchmark` and returns FLOP/s.
+# `labsupport.timing.benchmark` and returns FLOP/s. On a CPU each point is timed for at least
+# 0.2 s in five rounds; a point whose rounds disagree prints a warning that it is too unstable to
+# trust (close other programs and run the cell again).
 
 # %%
 matmul_sizes = settings.pick(small=[64, 128, 256, 512, 1024], full=[512, 1024, 2048, 4096, 8192, 16384])
-matmul_rates = measure_matmul(matmul_sizes, dtype=DTYPE, device=DEVICE)  # FLOP/s, one per size
+with cpu_threads(THREADS):
+    matmul_rates = measure_matmul(matmul_sizes, dtype=DTYPE, device=DEVICE)  # FLOP/s, one per size
 for n, rate in zip(matmul_sizes, matmul_rates):
     print(f"n = {n:6,d}: {rate / 1e12:8.3f} TFLOP/s")
 
@@ -80,7 +93,8 @@ for n, rate in zip(matmul_sizes, matmul_rates):
 copy_mib = settings.pick(small=[4, 16, 64, 256], full=[16, 64, 256, 1024, 4096])
 if settings.on_gpu:  # buffers up to a quarter of the GPU's memory (src and dst together take half)
     copy_mib = [m for m in copy_mib if m * 2**20 * 4 <= settings.memory_bytes] or copy_mib[:1]
-copy_rates = measure_copy([mib * 2**20 for mib in copy_mib], device=DEVICE)  # bytes/s, one per size
+with cpu_threads(THREADS):
+    copy_rates = measure_copy([mib * 2**20 for mib in copy_mib], device=DEVICE)  # bytes/s, one per size
 for mib, rate in zip(copy_mib, copy_rates):
     print(f"{mib:5d} MiB: {rate / 1e9:8.1f} GB/s (read + write)")
 
@@ -127,7 +141,24 @@ ax.set_title("Your roofline" + (" beside the datasheet's" if PUBLISHED else ""))
 fig.tight_layout()
 
 # %% [markdown]
-# ## 5. Exercise: the arithmetic intensity of a matmul
+# ## 5. Matmuls from decode-like to prefill-like, timed
+#
+# A decode step multiplies a few token vectors by each weight matrix; prefill multiplies a whole
+# prompt by it. Both are $(m, d) \times (d, d)$ matmuls that differ only in the number of rows
+# $m$. `measure_matmul` (which accepts `(m, k, n)` shapes) times each; section 7 places them on
+# your roofline once your `arithmetic_intensity` says where each should land.
+
+# %%
+d = settings.pick(small=1024, full=4096)  # hidden size: 4096 is Llama 3.1 8B's
+rows = settings.pick(small=[1, 8, 64, 512, 1024], full=[1, 8, 64, 512, 4096])
+shapes = [(m, d, d) for m in rows]
+with cpu_threads(THREADS):
+    achieved = measure_matmul(shapes, dtype=DTYPE, device=DEVICE)  # FLOP/s
+for shape, rate in zip(shapes, achieved):
+    print(f"{str(shape):>20}: {rate / 1e12:8.3f} TFLOP/s")
+
+# %% [markdown]
+# ## 6. Exercise: the arithmetic intensity of a matmul
 #
 # Where does a given kernel sit on that roof? For $C = A B$ with $A$ of shape $(m, k)$, $B$ of
 # shape $(k, n)$ and every element taking `dtype_bytes` bytes, use this convention:
@@ -167,19 +198,13 @@ def arithmetic_intensity(m: int, k: int, n: int, dtype_bytes: float) -> float:
 check_arithmetic_intensity(arithmetic_intensity)
 
 # %% [markdown]
-# ## 6. Placing matmuls on your roofline
+# ## 7. Placing matmuls on your roofline
 #
-# A decode step multiplies a few token vectors by each weight matrix; prefill multiplies a whole
-# prompt by it. Both are $(m, d) \times (d, d)$ matmuls that differ only in the number of rows
-# $m$. Your function predicts where each lands; `measure_matmul` (which accepts `(m, k, n)`
-# shapes) says where it really lands.
+# Your function predicts where each shape of section 5 lands; the timing says where it really
+# landed.
 
 # %%
-d = settings.pick(small=1024, full=4096)  # hidden size: 4096 is Llama 3.1 8B's
-rows = settings.pick(small=[1, 8, 64, 512, 1024], full=[1, 8, 64, 512, 4096])
-shapes = [(m, d, d) for m in rows]
 intensities = [arithmetic_intensity(m, k, n, DTYPE_BYTES) for m, k, n in shapes]
-achieved = measure_matmul(shapes, dtype=DTYPE, device=DEVICE)  # FLOP/s
 
 print(f"{'shape (m, k, n)':>20} {'FLOP/byte':>10} {'roof TFLOP/s':>13} {'measured':>10} {'of roof':>8}")
 for shape, ai, rate in zip(shapes, intensities, achieved):

@@ -5,21 +5,29 @@
 # # Lab 05: prefill and decode, measured
 #
 # A request is served in two phases. **Prefill** runs every prompt position through the model
-# together, in a single forward pass; **decode** then adds the answer one token at a time, a full
+# together, in a single forward pass; **decode** then adds the answer token by token, a full
 # forward pass for each. Chapter 05 argues from arithmetic that the
 # first is limited by arithmetic and the second by memory traffic. In this lab you check that
 # argument against a real model running on your device.
 #
 # You will
 #
-# 1. write the FLOP count of a prefill, with its quadratic attention term, and have it graded;
-# 2. write the bytes one decode step reads, weights plus every sequence's KV cache, graded too;
-# 3. measure your device's two ceilings: a copy's bandwidth and a matmul's FLOP/s;
-# 4. time prefill against prompt length, fit a linear and a quadratic term, and compare the
+# 1. measure your device's two ceilings: a copy's bandwidth and a matmul's FLOP/s;
+# 2. time prefill against prompt length, fit a linear and a quadratic term, and compare the
 #    measured crossover with the predicted one, $N / 2Ld$;
-# 5. time decode steps against batch size and against context length, and turn the times into
-#    achieved bandwidth;
-# 6. place what you measured on your device's roofline.
+# 3. time decode steps against batch size and against context length;
+# 4. write the FLOP count of a prefill, with its quadratic attention term, have it graded, and
+#    hold your measured prefill times against it;
+# 5. write the bytes one decode step reads, weights plus every sequence's KV cache, have it graded,
+#    and turn the decode times into achieved bandwidth;
+# 6. place what you measured on your device's roofline, and try the phase explainer.
+#
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
+# that raises an error. Until you have written an exercise, its check cell raises, and nothing
+# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
+# with a red error. This lab takes all its measurements (sections 1 to 3) before the first
+# exercise, so a first Run All already times both phases on your device; the analysis that needs
+# your functions follows each exercise.
 #
 # The model is `labsupport.transformer.Transformer`: a Llama-style decoder in one file with random
 # weights. How long a pass takes does not depend on the weights' values, so a random model times
@@ -66,107 +74,7 @@ if settings.on_gpu and not BIG_FITS:
     print(f"{settings.device_name} has too little memory for the 8B shape; parts 4 and 5 use smaller models")
 
 # %% [markdown]
-# ## 1. The FLOPs of a prefill
-#
-# Prefill applies every weight to every prompt position: a weight is one multiply and one add per
-# position, so a model of $N$ parameters costs $2NP$ FLOPs for a prompt of $P$ tokens. That is
-# the *linear* term.
-#
-# Attention adds work that no weight accounts for. In each of the $L$ layers, every position's
-# query is scored against every position's key, a $(P \times d) \cdot (d \times P)$ product
-# costing $2P^2d$ FLOPs across all heads, and the resulting weights then blend the values, the
-# same again. That is the *quadratic* term, $4LP^2d$:
-#
-# $$\text{prefill FLOPs} = 2NP + 4LP^2d.$$
-#
-# This counts attention as if every query saw every key, the convention the course's source
-# material uses. A causal model only lets a query see the keys before it, so a kernel that skips
-# the masked half does half the attention work: with `causal=True`, halve the quadratic term.
-#
-# The prompt length at which the quadratic term catches up with the linear one is the
-# **crossover**, $P = N / 2Ld$. Short of it, a prompt twice as long costs about twice as much;
-# far beyond it, close to four times as much.
-#
-# `param_count(cfg)` gives $N$ (every weight, embeddings included); `cfg.n_layers` is $L$ and
-# `cfg.d_model` is $d$.
-
-# %% [markdown]
-# ### Exercise 1: count the FLOPs of a prefill
-
-# %%
-def prefill_flops(cfg, prompt_tokens, causal=False):
-    """FLOPs to prefill `prompt_tokens` positions: 2*N*P + 4*L*P**2*d, attention halved if causal."""
-    # BEGIN SOLUTION: return the FLOPs of the weights plus those of attention, as derived above (mind causal)
-    n = param_count(cfg)
-    attention = 4 * cfg.n_layers * prompt_tokens**2 * cfg.d_model
-    if causal:
-        attention /= 2
-    return 2 * n * prompt_tokens + attention
-    # END SOLUTION
-
-
-# %%
-check_prefill_flops(prefill_flops)
-
-# %% [markdown]
-# Your function now gives the runbook's figures for Llama 3.1 8B. Notice how the ratio of a 32k
-# prefill to a 2k one is far above 16, the ratio of the lengths.
-
-# %%
-for p in (2048, 32768):
-    full, causal = prefill_flops(LLAMA_8B, p), prefill_flops(LLAMA_8B, p, causal=True)
-    share = 1 - 2 * param_count(LLAMA_8B) * p / full
-    print(f"8B, {p:>6,} tokens: {full / 1e12:7.1f} TFLOP ({causal / 1e12:6.1f} causal); attention {share:.0%}")
-ratio = prefill_flops(LLAMA_8B, 32768) / prefill_flops(LLAMA_8B, 2048)
-ratio_causal = prefill_flops(LLAMA_8B, 32768, causal=True) / prefill_flops(LLAMA_8B, 2048, causal=True)
-crossover_8b = param_count(LLAMA_8B) / (2 * LLAMA_8B.n_layers * LLAMA_8B.d_model)
-print(f"32k / 2k: {ratio:.1f}x ({ratio_causal:.1f}x causal); crossover N/2Ld = {crossover_8b:,.0f} tokens")
-
-# %% [markdown]
-# ## 2. The bytes a decode step reads
-#
-# A decode step produces one token for each of the `batch` sequences. To do it, the GPU reads
-# every weight once (the whole batch shares that read) and, for attention, the keys and values
-# of every earlier token of **every** sequence: each sequence has its own cache.
-#
-# One token's cache is a key and a value vector in every layer for every *key/value* head.
-# Under grouped-query attention several query heads share one key/value head, so the cache uses
-# `cfg.n_kv_heads`, not `cfg.n_heads`:
-#
-# $$\text{cache bytes per token} = 2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot b, \qquad
-#   \text{bytes per step} = N b + \text{batch} \cdot \text{context} \cdot 2 L H_{kv} d_{head} b,$$
-#
-# with $b$ bytes per value: 2 for bf16, the default. `cfg.head_dim` is $d_{head}$. (Activations
-# are tiny at decode and are left out.)
-
-# %% [markdown]
-# ### Exercise 2: count the bytes one decode step reads
-
-# %%
-def decode_bytes_per_step(cfg, batch, context, dtype_bytes=2):
-    """Bytes read by one decode step: every weight once, plus `batch` caches of `context` tokens."""
-    # BEGIN SOLUTION: return the bytes one step reads: all weights, plus each sequence's cached keys and values
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
-    return param_count(cfg) * dtype_bytes + batch * context * per_token
-    # END SOLUTION
-
-
-# %%
-check_decode_bytes(decode_bytes_per_step)
-
-# %% [markdown]
-# At a batch of 64 sequences of 8,192 tokens each, the cache is most of what a step reads:
-
-# %%
-weights_only = decode_bytes_per_step(LLAMA_8B, 64, 0)
-total = decode_bytes_per_step(LLAMA_8B, 64, 8192)
-print(
-    f"8B, batch 64 x 8,192: weights {weights_only / 1e9:.2f} GB, cache {(total - weights_only) / 1e9:.1f} GB, "
-    f"cache share {1 - weights_only / total:.0%}, {total / weights_only:.1f}x the weights-only read"
-)
-
-# %% [markdown]
-# ## 3. Your device's two ceilings
+# ## 1. Your device's two ceilings
 #
 # To judge a measurement you need the ceilings it is measured against. Lab 04 measures them in
 # detail; here a quick version: the FLOP/s of a large matmul, and the bandwidth of a large copy
@@ -182,10 +90,12 @@ with cpu_threads(THREADS):
 print(f"matmul: {peak / 1e12:.3f} TFLOP/s   copy: {copy_bandwidth / 1e9:.1f} GB/s   ridge: {peak / copy_bandwidth:.0f} FLOP/B")
 
 # %% [markdown]
-# ## 4. Prefill time against prompt length
+# ## 2. Prefill time against prompt length
 #
 # If the time of a prefill follows its FLOPs, it should be `a*P + b*P**2` plus a small fixed
-# overhead: the linear term from the weights, the quadratic one from attention. Fit those terms to
+# overhead: the linear term from the weights (a multiply and an add per weight per token), the
+# quadratic one from attention (every position scored against every other); section 4 has you
+# write the full count. Fit those terms to
 # measured times and the *measured* crossover is `a / b`, the length at which attention takes
 # as long as everything else.
 #
@@ -234,6 +144,93 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
+# ## 3. Decode step time against batch and against context
+#
+# A decode step reads every weight and every cache. Each step is timed at a fixed context: the
+# cache is allocated and declared full up to that context (its values are zeros, which take as
+# long to read as any others). Section 5 turns these times into achieved bandwidth, once you
+# have counted the bytes a step reads.
+#
+# On a CPU this part uses `small-63m`, about 250 MB of fp32 weights: several times a CPU's
+# last-level cache, so the weights really stream from memory each step. On a GPU it uses the
+# 8B shape, and large batch x context points may not fit: a point that runs out of memory is
+# recorded as such. That is the **cache wall**, and it is a result, not a crash.
+
+# %%
+decode_cfg = get_model(settings.pick(small="small-63m", full="llama-3.1-8b" if BIG_FITS else "small-63m"))
+if decode_cfg is prefill_cfg:
+    decode_model = prefill_model
+else:
+    del prefill_model
+    decode_model = Transformer(decode_cfg, device=DEVICE, dtype=DTYPE)
+fixed_context = 128  # short, so the weights are nearly all of the read: this sweep is about the batch
+batches = settings.pick(small=[1, 2, 4, 8, 16, 32], full=[1, 8, 32, 64, 128])
+by_batch = measure_decode(decode_model, batches, [fixed_context], threads=THREADS, repeats=3)
+contexts = settings.pick(small=[128, 2048, 8192, 32768], full=[1024, 8192, 32768, 131072])
+by_context = measure_decode(decode_model, [1], contexts, threads=THREADS, repeats=3)
+
+# %%
+for point in by_batch + by_context:
+    where = f"batch {point.batch:>3} x context {point.context:>7,}"
+    print(f"{where}: " + ("out of memory" if point.oom else f"{point.seconds * 1e3:8.2f} ms/step"))
+
+# %% [markdown]
+# ## 4. The FLOPs of a prefill
+#
+# Prefill applies every weight to every prompt position: a weight is one multiply and one add per
+# position, so a model of $N$ parameters costs $2NP$ FLOPs for a prompt of $P$ tokens. That is
+# the *linear* term.
+#
+# Attention adds work that no weight accounts for. In each of the $L$ layers, every position's
+# query is scored against every position's key, a $(P \times d) \cdot (d \times P)$ product
+# costing $2P^2d$ FLOPs across all heads, and the resulting weights then blend the values, the
+# same again. That is the *quadratic* term, $4LP^2d$:
+#
+# $$\text{prefill FLOPs} = 2NP + 4LP^2d.$$
+#
+# This counts attention as if every query saw every key, the convention the course's source
+# material uses. A causal model only lets a query see the keys before it, so a kernel that skips
+# the masked half does half the attention work: with `causal=True`, halve the quadratic term.
+#
+# The prompt length at which the quadratic term catches up with the linear one is the
+# **crossover**, $P = N / 2Ld$. Short of it, a prompt twice as long costs about twice as much;
+# far beyond it, close to four times as much.
+#
+# `param_count(cfg)` gives $N$ (every weight, embeddings included); `cfg.n_layers` is $L$ and
+# `cfg.d_model` is $d$.
+
+# %% [markdown]
+# ### Exercise 1: count the FLOPs of a prefill
+
+# %%
+def prefill_flops(cfg, prompt_tokens, causal=False):
+    """FLOPs to prefill `prompt_tokens` positions: 2*N*P + 4*L*P**2*d, attention halved if causal."""
+    # BEGIN SOLUTION: return the FLOPs of the weights plus those of attention, as derived above (mind causal)
+    n = param_count(cfg)
+    attention = 4 * cfg.n_layers * prompt_tokens**2 * cfg.d_model
+    if causal:
+        attention /= 2
+    return 2 * n * prompt_tokens + attention
+    # END SOLUTION
+
+# %%
+check_prefill_flops(prefill_flops)
+
+# %% [markdown]
+# Your function now gives the runbook's figures for Llama 3.1 8B. Notice how the ratio of a 32k
+# prefill to a 2k one is far above 16, the ratio of the lengths.
+
+# %%
+for p in (2048, 32768):
+    full, causal = prefill_flops(LLAMA_8B, p), prefill_flops(LLAMA_8B, p, causal=True)
+    share = 1 - 2 * param_count(LLAMA_8B) * p / full
+    print(f"8B, {p:>6,} tokens: {full / 1e12:7.1f} TFLOP ({causal / 1e12:6.1f} causal); attention {share:.0%}")
+ratio = prefill_flops(LLAMA_8B, 32768) / prefill_flops(LLAMA_8B, 2048)
+ratio_causal = prefill_flops(LLAMA_8B, 32768, causal=True) / prefill_flops(LLAMA_8B, 2048, causal=True)
+crossover_8b = param_count(LLAMA_8B) / (2 * LLAMA_8B.n_layers * LLAMA_8B.d_model)
+print(f"32k / 2k: {ratio:.1f}x ({ratio_causal:.1f}x causal); crossover N/2Ld = {crossover_8b:,.0f} tokens")
+
+# %% [markdown]
 # Why might the measured crossover differ from $N / 2Ld$? Three reasons, each worth checking
 # against your numbers:
 #
@@ -255,41 +252,61 @@ print(
 )
 
 # %% [markdown]
-# ## 5. Decode step time against batch and against context
+# ## 5. The bytes a decode step reads
 #
-# A decode step reads every weight and every cache. If it is limited by memory, its time is
-# about bytes read divided by bandwidth, and **achieved bandwidth**, your
-# `decode_bytes_per_step` over the measured step time, should be a large fraction of the copy
-# bandwidth measured above.
+# A decode step produces one token for each of the `batch` sequences. To do it, the GPU reads
+# every weight once (the whole batch shares that read) and, for attention, the keys and values
+# of every earlier token of **every** sequence: each sequence has its own cache.
 #
-# Each step is timed at a fixed context: the cache is allocated and declared full up to that
-# context (its values are zeros, which take as long to read as any others).
+# One token's cache is a key and a value vector in every layer for every *key/value* head.
+# Under grouped-query attention several query heads share one key/value head, so the cache uses
+# `cfg.n_kv_heads`, not `cfg.n_heads`:
+#
+# $$\text{cache bytes per token} = 2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot b, \qquad
+#   \text{bytes per step} = N b + \text{batch} \cdot \text{context} \cdot 2 L H_{kv} d_{head} b,$$
+#
+# with $b$ bytes per value: 2 for bf16, the default. `cfg.head_dim` is $d_{head}$. (Activations
+# are tiny at decode and are left out.)
+
+# %% [markdown]
+# ### Exercise 2: count the bytes one decode step reads
+
+# %%
+def decode_bytes_per_step(cfg, batch, context, dtype_bytes=2):
+    """Bytes read by one decode step: every weight once, plus `batch` caches of `context` tokens."""
+    # BEGIN SOLUTION: return the bytes one step reads: all weights, plus each sequence's cached keys and values
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    return param_count(cfg) * dtype_bytes + batch * context * per_token
+    # END SOLUTION
+
+# %%
+check_decode_bytes(decode_bytes_per_step)
+
+# %% [markdown]
+# At a batch of 64 sequences of 8,192 tokens each, the cache is most of what a step reads:
+
+# %%
+weights_only = decode_bytes_per_step(LLAMA_8B, 64, 0)
+total = decode_bytes_per_step(LLAMA_8B, 64, 8192)
+print(
+    f"8B, batch 64 x 8,192: weights {weights_only / 1e9:.2f} GB, cache {(total - weights_only) / 1e9:.1f} GB, "
+    f"cache share {1 - weights_only / total:.0%}, {total / weights_only:.1f}x the weights-only read"
+)
+
+# %% [markdown]
+# ### Achieved bandwidth
+#
+# If a decode step is limited by memory, its time is about bytes read divided by bandwidth, and
+# **achieved bandwidth**, your `decode_bytes_per_step` over the measured step time (section 3),
+# should be a large fraction of the copy bandwidth of section 1.
 #
 # One correction before dividing: your count charges every weight to every step, as the runbook
 # does. But a step looks up only one row of the *input* embedding table per sequence. Where that
 # table is separate from the output head (Llama 3.1 8B: about 1 GB in bf16) the rest of it is
 # never read, so `unread_embedding_bytes` subtracts it. For the CPU preset, whose table doubles as
 # the output head and is read in full, it is zero.
-#
-# On a CPU this part uses `small-63m`, about 250 MB of fp32 weights: several times a CPU's
-# last-level cache, so the weights really stream from memory each step. On a GPU it uses the
-# 8B shape, and large batch x context points may not fit: a point that runs out of memory is
-# recorded as such. That is the **cache wall**, and it is a result, not a crash.
 
 # %%
-decode_cfg = get_model(settings.pick(small="small-63m", full="llama-3.1-8b" if BIG_FITS else "small-63m"))
-if decode_cfg is prefill_cfg:
-    decode_model = prefill_model
-else:
-    del prefill_model
-    decode_model = Transformer(decode_cfg, device=DEVICE, dtype=DTYPE)
-fixed_context = 128  # short, so the weights are nearly all of the read: this sweep is about the batch
-batches = settings.pick(small=[1, 2, 4, 8, 16, 32], full=[1, 8, 32, 64, 128])
-by_batch = measure_decode(decode_model, batches, [fixed_context], threads=THREADS, repeats=3)
-contexts = settings.pick(small=[128, 2048, 8192, 32768], full=[1024, 8192, 32768, 131072])
-by_context = measure_decode(decode_model, [1], contexts, threads=THREADS, repeats=3)
-
-
 def bytes_really_read(batch, context):
     # your count, minus the embedding rows a step never touches
     counted = decode_bytes_per_step(decode_cfg, batch, context, DTYPE_BYTES)
@@ -383,6 +400,27 @@ ax.set_title(f"Prefill and decode on {settings.device_name}")
 plt.show()
 
 # %% [markdown]
+# ## 7. The same questions on a data-centre deployment
+#
+# Your measurements describe one device and small models. Chapter 05's explainer costs both
+# phases of a real deployment (by default the Llama 3 70B shape on four A100 40GB cards) on a
+# roofline, each kernel on its own, and shows the four metrics a serving team is judged on.
+# Move the prompt, output and batch sliders, switch GPU or model, and watch which kernel is bound
+# by what. It needs ipywidgets (installed by `make setup`; Colab has it); without them the cell
+# says so, and the same numbers come from `labsupport.serving.phases(...)`.
+
+# %%
+try:
+    from labsupport.explainer import show
+
+    show()
+except ImportError as exc:  # ipywidgets missing: the numbers are still one call away
+    from labsupport.serving import phases
+
+    print(f"the live explainer needs ipywidgets ({exc}); the starting point as numbers:")
+    print(phases())
+
+# %% [markdown]
 # ## Questions
 #
 # 1. Your measured crossover and $N/2Ld$: which is larger, and which of the three reasons above
@@ -396,10 +434,19 @@ plt.show()
 # <!-- BEGIN SOLUTION -->
 # **Answers (instructor notes).**
 #
-# 1. Usually the measured crossover is larger on a GPU (the causal kernel skips half the
-#    scores, moving it towards $2 \cdot N/2Ld$) and can fall on either side on a CPU, where
-#    attention's small per-head products run slower than the big matmuls; the embedding table
-#    in $N$ pushes the prediction up in every case.
+# 1. This depends on the device, and the course has not yet recorded a GPU run of this lab, so
+#    what follows is a prediction with its reasons, not a measurement. On a GPU, expect the
+#    measured crossover *above* $N/2Ld$, somewhere towards $2 \cdot N/2Ld$: PyTorch's fused
+#    attention skips most of the masked half of the scores, so the quadratic work actually done
+#    is about half of $4LP^2d$; and a flash kernel at long prompts runs at a good fraction of the
+#    matmuls' speed, so its FLOPs cost about what matmul FLOPs cost. Two effects pull the other
+#    way: $N$ counts the embedding table and the output head, which a prefill does not multiply
+#    through every position (the linear work, and so the crossover, is a few percent lower than
+#    $2NP$ suggests), and at the shortest prompts fixed overheads bend the fit. On a CPU it can
+#    fall on either side: attention's many small per-head products and its softmax run well
+#    below the large matmuls' FLOP/s, which pulls the crossover to shorter prompts, while the
+#    causal skip pushes it out. Compare your fit's $a$ and $b$ with the two FLOP counts before
+#    deciding which effect won.
 # 2. A decode step does about $2NB$ FLOPs for $N b$ bytes of weights: intensity $2B/b$, which is
 #    $B$ in bf16 and $B/2$ in fp32. Time starts to grow once that passes the ridge point: a
 #    batch of a few on a CPU with a low ridge; hundreds on an H100 (ridge about 300).
