@@ -7,15 +7,21 @@
 # Decode keeps the keys and values of every earlier token so that each step only has to process
 # the new one. In this lab you will
 #
-# 1. write `kv_bytes_per_token`, the size of that cache per token, and have it checked;
-# 2. confirm that a real model's cache takes exactly the memory your formula predicts;
-# 3. write `max_concurrency`, how many full-length sequences fit next to the weights, and use it
-#    on real GPUs;
-# 4. measure generation with the cache against recomputing everything without it;
-# 5. measure how a decode step slows down as the context grows, and why.
+# 1. measure generation with the cache against recomputing everything without it;
+# 2. measure how a decode step slows down as the context grows, and why;
+# 3. write `kv_bytes_per_token`, the size of that cache per token, and have it checked;
+# 4. confirm that a real model's cache takes exactly the memory your formula predicts;
+# 5. write `max_concurrency`, how many full-length sequences fit next to the weights, and use it
+#    on real GPUs.
 #
 # On a CPU the measurements use a tiny model (random weights: timing does not depend on their
 # values); on a GPU, the shape of Llama 3.1 8B when it fits.
+#
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
+# that raises an error. Until you have written an exercise, its check cell raises, and nothing
+# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
+# with a red error. This lab takes its measurements (sections 1 and 2) before the first exercise,
+# so a first Run All already times decode on your device.
 
 # %% [setup]
 import labsupport
@@ -43,71 +49,10 @@ if not settings.on_gpu:
     torch.set_num_threads(1)
 
 # %% [markdown]
-# ## 1. What the cache holds
+# ## The model this lab measures
 #
-# In every layer, attention turns each token into a key vector and a value vector for each of the
-# model's **key/value heads** (`n_kv_heads`, which under grouped-query attention is smaller than
-# the number of query heads `n_heads`). Each vector has `head_dim` elements. The model in
-# `labsupport.transformer` allocates its cache like this, for `batch` sequences of up to `max_len`
-# tokens:
-
-# %%
-def kv_cache_spec(cfg, batch: int, max_len: int, dtype: torch.dtype):
-    # keys and values: (n_layers, batch, n_kv_heads, max_len, head_dim) each.
-    # device="meta" describes the tensors without allocating any memory.
-    k = torch.empty(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype=dtype, device="meta")
-    v = torch.empty_like(k)
-    return k, v
-
-
-k, v = kv_cache_spec(get_model("llama-3.1-8b"), batch=1, max_len=1, dtype=torch.bfloat16)
-print("one token of Llama 3.1 8B in bf16: k", tuple(k.shape), "and v", tuple(v.shape))
-
-# %% [markdown]
-# ### Exercise 1: bytes per token
-#
-# Complete `kv_bytes_per_token(cfg, dtype_bytes=2)`: the bytes of cache **one token** adds, with
-# every element taking `dtype_bytes` bytes (2 for bf16, the default; 1 for an fp8 cache).
-# `cfg` is a `labsupport.models.ModelConfig` with fields `n_layers`, `n_heads`, `n_kv_heads` and
-# the property `head_dim`.
-#
-# $$\text{KV bytes per token} = 2 \times n_{\text{layers}} \times n_{\text{kv heads}} \times d_{\text{head}} \times \text{dtype\_bytes}$$
-#
-# (the 2: one key and one value).
-
-# %%
-def kv_bytes_per_token(cfg, dtype_bytes=2):
-    # BEGIN SOLUTION: return the bytes of keys and values that one token adds to the cache, all layers together
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
-    # END SOLUTION
-
-
-# %%
-check_kv_bytes_per_token(kv_bytes_per_token)
-
-# %% [markdown]
-# Your function on the real models. A KiB is 1,024 bytes and a GiB 1,024³; the "8k" context is
-# 8,192 tokens.
-
-# %%
-for name, context in [("llama-3.1-8b", 2000), ("llama-3.1-70b", 8192), ("llama-3.1-405b", 8192)]:
-    cfg = get_model(name)
-    per_token = kv_bytes_per_token(cfg)
-    print(f"{name:15s}: {per_token / 2**10:6.0f} KiB per token, {per_token * context / 2**30:6.2f} GiB "
-          f"for one sequence of {context:,} tokens")
-
-# Grouped-query attention: the same models with one KV head per query head.
-for name in ["llama-3.1-8b", "llama-3.1-70b"]:
-    cfg = get_model(name)
-    mha = with_kv_heads(cfg, cfg.n_heads)
-    print(f"{name:15s}: {cfg.n_kv_heads} KV heads -> {kv_bytes_per_token(cfg) / 2**10:.0f} KiB per token; "
-          f"{mha.n_kv_heads} KV heads -> {kv_bytes_per_token(mha) / 2**10:.0f} KiB")
-
-# %% [markdown]
-# ## 2. The formula against a real cache
-#
-# Build the model this lab measures and ask its cache how many bytes it allocated. It should be
-# exactly your bytes per token, times the batch, times the positions reserved.
+# A Llama-style decoder with random weights (`labsupport.model.Transformer`): the tiny preset on a
+# CPU, the Llama 3.1 8B shape on a GPU with room for it.
 
 # %%
 MODEL_NAME = settings.pick(small="tiny-2m", full="llama-3.1-8b")
@@ -123,77 +68,8 @@ DTYPE_BYTES = torch.empty((), dtype=DTYPE).element_size()
 print(model)
 print(f"weights: {model.param_bytes() / 2**20:,.1f} MiB in {str(DTYPE)[6:]}")
 
-# %%
-batch, max_len = 4, 300
-cache = model.new_cache(batch, max_len)
-predicted = kv_bytes_per_token(CFG, DTYPE_BYTES) * batch * max_len
-print(cache)
-print(f"allocated {cache.nbytes():,} bytes; your formula predicts {predicted:,}")
-assert cache.nbytes() == predicted
-del cache
-
 # %% [markdown]
-# ## 3. How many sequences fit
-#
-# The weights are stored once; the cache is per sequence. With `gpu_memory_bytes` of memory,
-# weights of `param_count(cfg) * weight_dtype_bytes` bytes and `reserve_bytes` set aside for everything
-# else (activations, the runtime, fragmentation), the number of sequences of `context_tokens`
-# tokens each that fit is
-#
-# $$\left\lfloor \frac{\text{gpu\_memory\_bytes} - \text{weights} - \text{reserve\_bytes}}
-#   {\text{kv\_bytes\_per\_token}(\text{cfg}, \text{kv\_dtype\_bytes}) \times \text{context\_tokens}} \right\rfloor$$
-#
-# and **0** when the weights and the reserve leave nothing (never a negative number). A count of
-# sequences is a whole number: round down, since a fraction of a sequence cannot be served.
-#
-# ### Exercise 2: a concurrency calculator
-#
-# Complete `max_concurrency`. Use `param_count(cfg)` (imported above from `labsupport.costs`)
-# for the number of weights, and your own `kv_bytes_per_token`.
-
-# %%
-def max_concurrency(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes=2, kv_dtype_bytes=2,
-                    reserve_bytes=0):
-    # BEGIN SOLUTION: subtract weights and reserve from memory, divide by one sequence's cache, floor, >= 0
-    free = gpu_memory_bytes - param_count(cfg) * weight_dtype_bytes - reserve_bytes
-    if free <= 0:
-        return 0
-    per_sequence = kv_bytes_per_token(cfg, kv_dtype_bytes) * context_tokens
-    return int(free // per_sequence)
-    # END SOLUTION
-
-
-# %%
-check_max_concurrency(max_concurrency)
-
-# %% [markdown]
-# Now the table the chapter argues from: full-length sequences that fit after the bf16 weights,
-# with no reserve (an upper bound), on the GPUs in `labsupport.hardware`. Several GPUs add their
-# memory together.
-
-# %%
-deployments = [
-    ("llama-3.1-8b", "H100 SXM", 1), ("llama-3.1-8b", "H200", 1), ("llama-3.1-8b", "A100 80GB", 1),
-    ("llama-3.1-70b", "H100 SXM", 1), ("llama-3.1-70b", "H200", 2), ("llama-3.1-70b", "H100 SXM", 4),
-]
-contexts = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
-
-fig, ax = plt.subplots(figsize=(8, 4.2))
-print(f"{'model':15s} {'GPUs':12s}" + "".join(f"{c:>8,}" for c in contexts))
-for model_name, gpu_name, count in deployments:
-    cfg, gpu = get_model(model_name), get_gpu(gpu_name)
-    gpu = gpu.times(count) if count > 1 else gpu
-    fits = [max_concurrency(cfg, gpu.memory_bytes, c) for c in contexts]
-    print(f"{model_name:15s} {gpu.name:12s}" + "".join(f"{n:8,}" for n in fits))
-    if any(fits):
-        ax.plot(contexts, fits, "o-", label=f"{model_name} on {gpu.name}")
-ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="sequences that fit",
-       title="Concurrency after the weights (bf16 weights and cache, no reserve)")
-ax.legend(fontsize=8)
-fig.tight_layout()
-
-# %% [markdown]
-# ## 4. Decode with the cache, and without it
+# ## 1. Decode with the cache, and without it
 #
 # Without a cache, every new token means running the **whole** sequence through the model
 # again: the work of step $t$ grows with $P + t$, and generating $n$ tokens grows with $n^2$ (and
@@ -242,10 +118,11 @@ fig.tight_layout()
 # the sequence, so the total grows faster than linearly. (The prefill is included in both, which
 # is why short generations are close.)
 #
-# ## 5. A decode step slows as the context grows
+# ## 2. A decode step slows as the context grows
 #
 # Each decode step reads every weight and the cache of every sequence in the batch. The weights
-# are a constant; the cache grows by `kv_bytes_per_token` per token per sequence. We time one
+# are a constant; the cache grows by a fixed number of bytes per token per sequence (section 3
+# has you count them). We time one
 # decode step at several context lengths. The cache's *contents* do not change how long a step
 # takes, so instead of running a long prefill we allocate a cache of the right size and declare
 # its first `context` positions filled (`cache.length = context`).
@@ -263,8 +140,8 @@ for context in tqdm(step_contexts, desc=f"decode step, batch {step_batch}"):
     try:
         cache = model.new_cache(step_batch, context + 1)
 
-        def step():
-            cache.length = context  # noqa: B023 (the cache of this iteration)
+        def step(cache=cache, context=context):  # this iteration's cache and context
+            cache.length = context
             model.decode_step(token, cache)  # attends to `context` cached positions, adds one
 
         step_ms[context] = benchmark(step).median_s * 1e3
@@ -280,7 +157,7 @@ for context, ms in step_ms.items():
     print(f"context {context:6,}: {ms:8.3f} ms per step; reads {read.total / 2**20:9.1f} MiB "
           f"({read.cache_share:4.0%} cache) -> {read.total / (ms / 1e3) / 1e9:7.1f} GB/s achieved")
 for context in out_of_memory:
-    need = kv_bytes_per_token(CFG, DTYPE_BYTES) * step_batch * (context + 1)
+    need = decode_step_bytes(CFG, step_batch, context + 1, DTYPE_BYTES, DTYPE_BYTES).cache
     print(f"context {context:6,}: out of memory (the cache alone needs {need / 2**30:.1f} GiB)")
 
 # %%
@@ -297,6 +174,140 @@ ax2.bar(range(len(measured)), [r.cache / 2**20 for r in reads], bottom=[r.weight
 ax2.set_xticks(range(len(measured)), [f"{c:,}" for c in measured], rotation=45)
 ax2.set(xlabel="context", ylabel="MiB read per step", title="what each step reads")
 ax2.legend()
+fig.tight_layout()
+
+# %% [markdown]
+# ## 3. What the cache holds
+#
+# In every layer, attention turns each token into a key vector and a value vector for each of the
+# model's **key/value heads** (`n_kv_heads`, which under grouped-query attention is smaller than
+# the number of query heads `n_heads`). Each vector has `head_dim` elements. The model in
+# `labsupport.transformer` allocates its cache like this, for `batch` sequences of up to `max_len`
+# tokens:
+
+# %%
+def kv_cache_spec(cfg, batch: int, max_len: int, dtype: torch.dtype):
+    # keys and values: (n_layers, batch, n_kv_heads, max_len, head_dim) each.
+    # device="meta" describes the tensors without allocating any memory.
+    k = torch.empty(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim, dtype=dtype, device="meta")
+    v = torch.empty_like(k)
+    return k, v
+
+
+k, v = kv_cache_spec(get_model("llama-3.1-8b"), batch=1, max_len=1, dtype=torch.bfloat16)
+print("one token of Llama 3.1 8B in bf16: k", tuple(k.shape), "and v", tuple(v.shape))
+
+# %% [markdown]
+# ### Exercise 1: bytes per token
+#
+# Complete `kv_bytes_per_token(cfg, dtype_bytes=2)`: the bytes of cache **one token** adds, with
+# every element taking `dtype_bytes` bytes (2 for bf16, the default; 1 for an fp8 cache).
+# `cfg` is a `labsupport.models.ModelConfig` with fields `n_layers`, `n_heads`, `n_kv_heads` and
+# the property `head_dim`.
+#
+# $$\text{KV bytes per token} = 2 \times n_{\text{layers}} \times n_{\text{kv heads}} \times d_{\text{head}} \times \text{dtype\_bytes}$$
+#
+# (the 2: one key and one value).
+
+# %%
+def kv_bytes_per_token(cfg, dtype_bytes=2):
+    # BEGIN SOLUTION: return the bytes of keys and values that one token adds to the cache, all layers together
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    # END SOLUTION
+
+# %%
+check_kv_bytes_per_token(kv_bytes_per_token)
+
+# %% [markdown]
+# Your function on the real models. A KiB is 1,024 bytes and a GiB 1,024³; the "8k" context is
+# 8,192 tokens.
+
+# %%
+for name, context in [("llama-3.1-8b", 2000), ("llama-3.1-70b", 8192), ("llama-3.1-405b", 8192)]:
+    cfg = get_model(name)
+    per_token = kv_bytes_per_token(cfg)
+    print(f"{name:15s}: {per_token / 2**10:6.0f} KiB per token, {per_token * context / 2**30:6.2f} GiB "
+          f"for one sequence of {context:,} tokens")
+
+# Grouped-query attention: the same models with one KV head per query head.
+for name in ["llama-3.1-8b", "llama-3.1-70b"]:
+    cfg = get_model(name)
+    mha = with_kv_heads(cfg, cfg.n_heads)
+    print(f"{name:15s}: {cfg.n_kv_heads} KV heads -> {kv_bytes_per_token(cfg) / 2**10:.0f} KiB per token; "
+          f"{mha.n_kv_heads} KV heads -> {kv_bytes_per_token(mha) / 2**10:.0f} KiB")
+
+# %% [markdown]
+# ## 4. The formula against a real cache
+#
+# Ask the cache of the model measured in sections 1 and 2 how many bytes it allocated. It should
+# be exactly your bytes per token, times the batch, times the positions reserved.
+
+# %%
+batch, max_len = 4, 300
+cache = model.new_cache(batch, max_len)
+predicted = kv_bytes_per_token(CFG, DTYPE_BYTES) * batch * max_len
+print(cache)
+print(f"allocated {cache.nbytes():,} bytes; your formula predicts {predicted:,}")
+assert cache.nbytes() == predicted
+del cache
+
+# %% [markdown]
+# ## 5. How many sequences fit
+#
+# The weights are stored once; the cache is per sequence. With `gpu_memory_bytes` of memory,
+# weights of `param_count(cfg) * weight_dtype_bytes` bytes and `reserve_bytes` set aside for everything
+# else (activations, the runtime, fragmentation), the number of sequences of `context_tokens`
+# tokens each that fit is
+#
+# $$\left\lfloor \frac{\text{gpu\_memory\_bytes} - \text{weights} - \text{reserve\_bytes}}
+#   {\text{kv\_bytes\_per\_token}(\text{cfg}, \text{kv\_dtype\_bytes}) \times \text{context\_tokens}} \right\rfloor$$
+#
+# and **0** when the weights and the reserve leave nothing (never a negative number). A count of
+# sequences is a whole number: round down, since a fraction of a sequence cannot be served.
+#
+# ### Exercise 2: a concurrency calculator
+#
+# Complete `max_concurrency`. Use `param_count(cfg)` (imported above from `labsupport.costs`)
+# for the number of weights, and your own `kv_bytes_per_token`.
+
+# %%
+def max_concurrency(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes=2, kv_dtype_bytes=2,
+                    reserve_bytes=0):
+    # BEGIN SOLUTION: subtract weights and reserve from memory, divide by one sequence's cache, floor, >= 0
+    free = gpu_memory_bytes - param_count(cfg) * weight_dtype_bytes - reserve_bytes
+    if free <= 0:
+        return 0
+    per_sequence = kv_bytes_per_token(cfg, kv_dtype_bytes) * context_tokens
+    return int(free // per_sequence)
+    # END SOLUTION
+
+# %%
+check_max_concurrency(max_concurrency)
+
+# %% [markdown]
+# Now the table the chapter argues from: full-length sequences that fit after the bf16 weights,
+# with no reserve (an upper bound), on the GPUs in `labsupport.hardware`. Several GPUs add their
+# memory together.
+
+# %%
+deployments = [
+    ("llama-3.1-8b", "H100 SXM", 1), ("llama-3.1-8b", "H200", 1), ("llama-3.1-8b", "A100 80GB", 1),
+    ("llama-3.1-70b", "H100 SXM", 1), ("llama-3.1-70b", "H200", 2), ("llama-3.1-70b", "H100 SXM", 4),
+]
+contexts = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+
+fig, ax = plt.subplots(figsize=(8, 4.2))
+print(f"{'model':15s} {'GPUs':12s}" + "".join(f"{c:>8,}" for c in contexts))
+for model_name, gpu_name, count in deployments:
+    cfg, gpu = get_model(model_name), get_gpu(gpu_name)
+    gpu = gpu.times(count) if count > 1 else gpu
+    fits = [max_concurrency(cfg, gpu.memory_bytes, c) for c in contexts]
+    print(f"{model_name:15s} {gpu.name:12s}" + "".join(f"{n:8,}" for n in fits))
+    if any(fits):
+        ax.plot(contexts, fits, "o-", label=f"{model_name} on {gpu.name}")
+ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="sequences that fit",
+       title="Concurrency after the weights (bf16 weights and cache, no reserve)")
+ax.legend(fontsize=8)
 fig.tight_layout()
 
 # %% [markdown]
