@@ -6,8 +6,9 @@
 #
 # In this lab you will
 #
-# 1. write attention the way the formula reads it, and have it graded;
-# 2. measure what that costs as the sequence grows: the memory wall of the $S \times S$ score matrix;
+# 1. measure what attention by its formula costs as the sequence grows: the memory wall of the
+#    $S \times S$ score matrix;
+# 2. write attention the way the formula reads it, and have it graded;
 # 3. compute the same attention one block of keys at a time with an *online softmax*, in plain torch;
 # 4. turn that loop into a Triton kernel, FlashAttention's forward pass, which never writes the
 #    score matrix anywhere;
@@ -15,6 +16,13 @@
 #
 # Chapter 07 of the book explains the ideas in more depth. Run the cells from top to bottom; cells
 # marked **Exercise** are yours, and the check after each one says precisely what is wrong.
+#
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
+# that raises an error. Until you have written an exercise, its check cell raises, and nothing
+# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
+# with a red error. The memory-wall measurement (section 2) needs none of your code and comes
+# before the first exercise. The later measurements time *your* kernels, so they wait for them:
+# each exercise's check must pass before the sections after it run.
 
 # %% [setup]
 import labsupport
@@ -80,46 +88,15 @@ print("exp in float32:", torch.exp(torch.tensor([88.0, 89.0])))
 print("exp in float16:", torch.exp(torch.tensor([11.0, 12.0], dtype=torch.float16)))
 
 # %% [markdown]
-# The last two lines show why a softmax of large numbers needs care: the exponential overflows
-# to `inf` at modest scores, sooner in float16. Subtracting each row's maximum first changes
-# nothing mathematically (the factor
-# $e^{-m}$ cancels between numerator and denominator) and keeps every exponent at or below 0.
-# `torch.softmax` does this for you; if you write the exponentials yourself, do it too.
-#
-# ### Exercise 1: naive attention
-#
-# Write `naive_attention(q, k, v, causal=False)` in plain torch: compute the `(B, H, S, S)` score
-# matrix, mask it when `causal`, take the softmax over the keys, multiply by `v`. Return a tensor
-# of the inputs' shape and dtype. (Computing the scores in float32 and casting back at the end is
-# the safe choice.) `F.scaled_dot_product_attention` is off limits: the check will notice.
-
-# %%
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    # BEGIN SOLUTION: scores = q @ k^T / sqrt(D), causal mask, softmax over keys, @ v
-    d, s = q.shape[-1], q.shape[-2]
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(d)  # (B, H, S, S)
-    if causal:
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # True above the diagonal
-        scores = scores.masked_fill(future, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # each row sums to 1 over the keys
-    return (weights @ v.float()).to(q.dtype)  # (B, H, S, D)
-    # END SOLUTION
-
-
-# %% [markdown]
-# The check runs lengths 1, 2, 17, 100 and 257, causal and not, float32 and float16, with
-# signed inputs, large logits, several seeds, and a batch and head count above 1.
-
-# %%
-check_naive_attention(naive_attention)
-
-# %% [markdown]
 # ## 2. The $S^2$ wall
 #
-# The score matrix has $S \times S$ entries for every head of every layer. Your function holds
-# at least that (the scores, then the softmax weights) at once. Below we measure, for growing
-# $S$, the peak memory your `naive_attention` allocates and its run time, with the bytes of one
-# `(B, H, S, S)` score matrix in float32 beside them.
+# The score matrix has $S \times S$ entries for every head of every layer, and attention computed
+# the way the formula reads holds at least that (the scores, then the softmax weights) at once.
+# Below we measure, for growing $S$, the peak memory and the run time of the course's plain-torch
+# spec, `attention_spec` (the formula, in float32), with the bytes of one `(B, H, S, S)` score
+# matrix in float32 beside them. The naive attention you write in section 3 holds the same
+# matrices: once its check passes, set `wall_fn = naive_attention` and run these cells again to
+# measure yours.
 #
 # How the peak is measured: on a GPU, `torch.cuda.max_memory_allocated` (after resetting it) minus
 # what was allocated before the call. On a CPU, `labsupport.attention.peak_tensor_memory` watches
@@ -143,12 +120,13 @@ mem_batch, mem_heads, mem_dim = settings.pick(small=(1, 4, 64), full=(1, 16, 128
 mem_dtype = settings.pick(small=torch.float32, full=torch.bfloat16 if AMPERE else torch.float16)
 mem_lens = settings.pick(small=[128, 256, 512, 1024, 2048], full=[1024, 2048, 4096, 8192, 16384])
 
+wall_fn = attention_spec  # the formula in plain torch; after Exercise 1, try your naive_attention
 measured = []  # (S, peak bytes or None if out of memory, seconds or None)
-for s in tqdm(mem_lens, desc="naive attention vs S"):
+for s in tqdm(mem_lens, desc=f"{wall_fn.__name__} vs S"):
     q, k, v = (torch.randn(mem_batch, mem_heads, s, mem_dim, device=DEVICE, dtype=mem_dtype) for _ in range(3))
     try:
-        peak = peak_bytes(naive_attention, q, k, v, causal=True)
-        seconds = benchmark(functools.partial(naive_attention, q, k, v, causal=True), max_time_s=1.0).median_s
+        peak = peak_bytes(wall_fn, q, k, v, causal=True)
+        seconds = benchmark(functools.partial(wall_fn, q, k, v, causal=True), max_time_s=1.0).median_s
     except torch.cuda.OutOfMemoryError:  # a real outcome of naive attention at long context
         peak, seconds = None, None
     measured.append((s, peak, seconds))
@@ -176,13 +154,12 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
 ax1.plot(lens, [p / 2**20 for _, p, _ in ok], "o-", label="measured peak")
 ax1.plot(mem_lens, [mem_batch * mem_heads * score_matrix_elements(s) * 4 / 2**20 for s in mem_lens], "--",
          color="gray", label="one fp32 score matrix, B*H*S^2*4 bytes")
-ax1.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="MiB", title="naive attention: memory")
+ax1.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="MiB", title=f"{wall_fn.__name__}: memory")
 ax1.legend(fontsize=8)
 ax2.plot(lens, [t * 1e3 for _, _, t in ok], "o-", color="C1")
-ax2.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="ms", title="naive attention: time")
+ax2.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="ms", title=f"{wall_fn.__name__}: time")
 fig.suptitle(f"Measured on {settings.device_name}")
 fig.tight_layout()
-
 
 # %%
 def loglog_slope(points):
@@ -204,8 +181,44 @@ if len(ok) >= 2:
 # make it steeper for a while. Compare the two slopes printed above. The last line
 # of the table scales one head's matrix to a long context: no GPU holds that for every head of a
 # layer. The cure is to never hold the matrix at all.
+
+# %% [markdown]
+# ## 3. Naive attention, yours
 #
-# ## 3. The online softmax
+# The exponentials printed in section 1 show why a softmax of large numbers needs care: the exponential overflows
+# to `inf` at modest scores, sooner in float16. Subtracting each row's maximum first changes
+# nothing mathematically (the factor
+# $e^{-m}$ cancels between numerator and denominator) and keeps every exponent at or below 0.
+# `torch.softmax` does this for you; if you write the exponentials yourself, do it too.
+#
+# ### Exercise 1: naive attention
+#
+# Write `naive_attention(q, k, v, causal=False)` in plain torch: compute the `(B, H, S, S)` score
+# matrix, mask it when `causal`, take the softmax over the keys, multiply by `v`. Return a tensor
+# of the inputs' shape and dtype. (Computing the scores in float32 and casting back at the end is
+# the safe choice.) `F.scaled_dot_product_attention` is off limits: the check will notice.
+
+# %%
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    # BEGIN SOLUTION: scores = q @ k^T / sqrt(D), causal mask, softmax over keys, @ v
+    d, s = q.shape[-1], q.shape[-2]
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(d)  # (B, H, S, S)
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)  # True above the diagonal
+        scores = scores.masked_fill(future, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # each row sums to 1 over the keys
+    return (weights @ v.float()).to(q.dtype)  # (B, H, S, D)
+    # END SOLUTION
+
+# %% [markdown]
+# The check runs lengths 1, 2, 17, 100 and 257, causal and not, float32 and float16, with
+# signed inputs, large logits, several seeds, and a batch and head count above 1.
+
+# %%
+check_naive_attention(naive_attention)
+
+# %% [markdown]
+# ## 4. The online softmax
 #
 # Take one query row and split its keys into blocks. Suppose we have processed some blocks and
 # kept three things: the largest score so far $m$, the sum $\ell = \sum_j e^{s_j - m}$ over the
@@ -300,12 +313,11 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.to(q.dtype), lse
     # END SOLUTION
 
-
 # %%
 check_online_softmax(online_softmax_attention)
 
 # %% [markdown]
-# ## 4. FlashAttention in Triton
+# ## 5. FlashAttention in Triton
 #
 # The loop you just wrote is FlashAttention's forward pass (Dao et al. 2022), with the loop order
 # of FlashAttention-2 (Dao 2023): each Triton program owns one block of `BLOCK_M` query rows of one
@@ -432,7 +444,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse
     # END SOLUTION
 
-
 # %% [markdown]
 # The check runs the same cases as before through your kernel (in the interpreter on a CPU:
 # expect it to take several seconds). On a GPU it adds bfloat16 cases and a sequence of 4,096
@@ -442,7 +453,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 check_flash_attention(flash_attention)
 
 # %% [markdown]
-# ## 5. Naive vs your kernel vs PyTorch's fused attention
+# ## 6. Naive vs your kernel vs PyTorch's fused attention
 #
 # `F.scaled_dot_product_attention` (SDPA) is PyTorch's fused attention; on a GPU we pin its
 # FlashAttention backend (Ampere or newer). The naive baseline is

@@ -99,3 +99,24 @@ def test_reported_memory_is_what_the_cards_really_hold():
     assert h100.times(4).usable_bytes == 4 * h100.usable_bytes
     for gpu in GPUS.values():
         assert 0.9 < gpu.usable_bytes / gpu.memory_bytes < 1.1, gpu.name
+
+
+def test_swiglu_widths_are_what_models_py_says():
+    from labsupport.models import get_model
+
+    ratios = {name: get_model(name).d_ff / get_model(name).d_model for name in
+              ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "tiny-2m", "tiny-20m", "small-63m")}
+    assert ratios["llama-3.1-8b"] == ratios["llama-3.1-70b"] == 3.5
+    assert ratios["llama-3.1-405b"] == 3.25
+    assert ratios["tiny-2m"] == ratios["small-63m"] == 3.5
+    assert ratios["tiny-20m"] == pytest.approx(8 / 3)
+
+
+def test_memory_capacities_are_binary():
+    from labsupport.hardware import GPUS
+
+    for name, label in (("H100 SXM", 80), ("H200", 141), ("A100 40GB", 40), ("A100 80GB", 80), ("L4", 24), ("T4", 16)):
+        assert GPUS[name].memory_bytes == label * 2**30, name
+    # an A100 80GB reports exactly its 80 GiB; an H100 a little less than its label
+    assert GPUS["A100 80GB"].reported_bytes == GPUS["A100 80GB"].memory_bytes
+    assert GPUS["H100 SXM"].reported_bytes < GPUS["H100 SXM"].memory_bytes

@@ -1,0 +1,51 @@
+"""Run All in a learner notebook stops at the first unfinished exercise, so every lab puts the
+measurements that need none of the learner's code before its first check, and says so at the top.
+
+Static checks on the released learner notebooks (nothing is executed here; test_notebooks.py runs
+them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LABS = sorted((ROOT / "labs").glob("[0-9]*.ipynb"))
+# What counts as a measurement: a timing or a memory measurement of the device.
+MEASUREMENT = re.compile(r"\b(benchmark|measure_matmul|measure_copy|measure_prefill|measure_decode|peak_bytes)\(")
+
+
+def _cells(path):
+    return nbformat.read(str(path), as_version=4).cells
+
+
+@pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
+def test_opening_explains_run_all(path):
+    opening = next(c.source for c in _cells(path) if c.cell_type == "markdown")
+    assert "Run All" in opening and "stops at the first" in opening, (
+        f"{path.name}: the first markdown cell should tell learners how Run All behaves"
+    )
+
+
+@pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
+def test_a_measurement_runs_before_the_first_exercise_check(path):
+    cells = _cells(path)
+    code = [(i, c.source) for i, c in enumerate(cells) if c.cell_type == "code"]
+    first_stub = next(i for i, src in code if "raise NotImplementedError" in src)
+    first_check = next(i for i, src in code if i > first_stub and re.search(r"^check_\w+\(", src, re.M))
+    before = [src for i, src in code if i < first_check]
+    assert any(MEASUREMENT.search(src) for src in before), (
+        f"{path.name}: no measurement runs before the first check (cell {first_check}); Run All on a "
+        f"fresh notebook would measure nothing"
+    )
+    # and none of those measurements calls a function the learner has not written yet
+    stubs = {m.group(1) for i, src in code if i >= first_stub for m in re.finditer(r"^def (\w+)\(", src, re.M)}
+    for src in before:
+        for call in MEASUREMENT.finditer(src):
+            line = src[call.start() : src.find("\n", call.start())]
+            assert not any(re.search(rf"\b{name}\b", line) for name in stubs), (
+                f"{path.name}: a measurement before the first check uses an exercise: {line.strip()}"
+            )
