@@ -51,7 +51,7 @@ if not settings.on_gpu:
 # %% [markdown]
 # ## The model this lab measures
 #
-# A Llama-style decoder with random weights (`labsupport.model.Transformer`): the tiny preset on a
+# A Llama-style decoder with random weights (`labsupport.transformer.Transformer`): the tiny preset on a
 # CPU, the Llama 3.1 8B shape on a GPU with room for it.
 
 # %%
