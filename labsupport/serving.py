@@ -14,7 +14,7 @@ Nothing is measured.
 * **Attention** (scores and the weighted sum of values): ``costs.prefill_attention_flops`` for a
   prompt (causal by default), ``4*L*context*d`` per sequence for a decode step; it reads each
   cached key and value once (the optimistic bound of chapter 07: K and V tiles shared through
-  the L2 cache). Its intensity is about the grouped-query group size in decode (8 for the Llama
+  the L2 cache), and each new token's queries, and writes its output (``2*L*d`` values a token). Its intensity is about the grouped-query group size in decode (8 for the Llama
   3.1 70B), whatever the batch, because every sequence brings its own cache.
 
 The functions take a model (a :class:`~labsupport.models.ModelConfig` or a name), a device (a
@@ -324,6 +324,13 @@ def _phase(name: str, kernels, gpu: GPU, conv: Conventions) -> Phase:
     )
 
 
+def _query_and_output_bytes(cfg, tokens: int, conv: Conventions) -> float:
+    """Attention reads each token's queries and writes its output, ``d`` values each per layer (in
+    the weights' dtype). Under grouped-query attention these are ``g`` times the token's keys and
+    values, so a prompt's attention is far less intense than its cached K and V alone suggest."""
+    return 2.0 * cfg.n_layers * tokens * cfg.d_model * conv.weight_dtype_bytes
+
+
 def weight_bytes(model, conventions: Conventions | None = None) -> float:
     """Bytes of weights: parameters (per ``conventions.params``) times ``weight_dtype_bytes``."""
     conv = _conventions(conventions)
@@ -352,7 +359,7 @@ def prefill(
         attention = b * costs.prefill_attention_flops(cfg, p, causal=conv.attention == "causal")
     kernels = (
         ("weight matmuls", 2 * n * tokens, n * conv.weight_dtype_bytes + cache),
-        ("attention", attention, cache),
+        ("attention", attention, cache + _query_and_output_bytes(cfg, tokens, conv)),
     )
     return _phase("prefill", kernels, gpu, conv)
 
@@ -381,7 +388,7 @@ def decode_step(
         attention = b * 4 * cfg.n_layers * context * cfg.d_model
     kernels = (
         ("weight matmuls", 2 * n * b, n * conv.weight_dtype_bytes + b * per_token),
-        ("attention", attention, b * context * per_token),
+        ("attention", attention, b * context * per_token + _query_and_output_bytes(cfg, b, conv)),
     )
     return _phase("decode", kernels, gpu, conv)
 

@@ -8,8 +8,10 @@ never a handful of calls. Either way it reports the median and the 20th/80th per
 A shared CPU (other processes, a notebook kernel beside a test run) can slow some calls many
 times over. So the calls are also split into :data:`ROUNDS` consecutive rounds, and ``spread``
 is the largest of the rounds' medians over the smallest. Above :data:`SPREAD_LIMIT` the timing
-is ``unstable``, and printing it says so: the median is then not a number to build on. (On a
-GPU, ``do_bench``'s own repetitions stand; ``spread`` stays 1.)
+is ``unstable``, and printing it says so: the median is then not a number to build on. It
+catches a machine busy for part of a point, not one busy throughout (that looks stable but slow:
+measure twice). On a GPU ``spread`` stays 1 and nothing is judged: ``do_bench``'s repetitions,
+or the ``repeats`` wall-clock calls, are reported as they are.
 
 A Triton kernel timed in the interpreter measures Python, not the kernel: pass
 ``uses_triton=True`` and the result says so wherever it is printed.

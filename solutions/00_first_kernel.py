@@ -148,9 +148,11 @@ if published:
 # more waits on arithmetic. Chapter 04 turns this into a roofline, and chapter 05 shows that
 # prefill lands well past the ridge and decode far below it.
 #
-# On a CPU these numbers describe your CPU, not a GPU: the shape of the argument is the same,
-# the values are not. Matmul timings here are real; a Triton kernel timed in the interpreter
-# would not be.
+# On a CPU the sweeps use one thread, so these numbers describe one core of your CPU, not a GPU:
+# the shape of the argument is the same, the values are not. The UNSTABLE flag catches a machine
+# that was busy for part of a point; one that was busy throughout looks stable but slow, so run
+# the two sweeps twice and compare. Matmul timings here are real; a Triton kernel timed in the
+# interpreter would not be.
 
 # %% [markdown]
 # ## 2. How a Triton kernel sees the data

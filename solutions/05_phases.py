@@ -434,27 +434,32 @@ except ImportError as exc:  # ipywidgets missing: the numbers are still one call
 # <!-- BEGIN SOLUTION -->
 # **Answers (instructor notes).**
 #
-# 1. This depends on the device, and the course has not yet recorded a GPU run of this lab, so
-#    what follows is a prediction with its reasons, not a measurement. On a GPU, expect the
-#    measured crossover *above* $N/2Ld$, somewhere towards $2 \cdot N/2Ld$: PyTorch's fused
+# 1. This depends on the device. The course's own GPU run (chapter 05, "Measured on a GPU",
+#    with its device and date) fitted a crossover between $N/2Ld$ and $2 \cdot N/2Ld$, and so
+#    did this lab run as a script on the same GPU, as the reasons below predict. On a GPU, expect
+#    the measured crossover *above* $N/2Ld$, somewhere towards $2 \cdot N/2Ld$: PyTorch's fused
 #    attention skips most of the masked half of the scores, so the quadratic work actually done
-#    is about half of $4LP^2d$; and a flash kernel at long prompts runs at a good fraction of the
-#    matmuls' speed, so its FLOPs cost about what matmul FLOPs cost. Two effects pull the other
-#    way: $N$ counts the embedding table and the output head, which a prefill does not multiply
-#    through every position (the linear work, and so the crossover, is a few percent lower than
-#    $2NP$ suggests), and at the shortest prompts fixed overheads bend the fit. On a CPU it can
+#    is about half of $4LP^2d$. Effects pull the other way: $N$ counts the embedding table and
+#    the output head, which a prefill does not multiply through every position (the linear work,
+#    and so the crossover, is lower than $2NP$ suggests; chapter 05 computes both counts); the
+#    attention kernel does fewer FLOP/s than the large matmuls (on the course's H200 run, enough
+#    to land the crossover below the performed-FLOP prediction); and at the shortest prompts
+#    fixed overheads bend the fit. On a CPU it can
 #    fall on either side: attention's many small per-head products and its softmax run well
 #    below the large matmuls' FLOP/s, which pulls the crossover to shorter prompts, while the
 #    causal skip pushes it out. Compare your fit's $a$ and $b$ with the two FLOP counts before
 #    deciding which effect won.
 # 2. A decode step does about $2NB$ FLOPs for $N b$ bytes of weights: intensity $2B/b$, which is
 #    $B$ in bf16 and $B/2$ in fp32. Time starts to grow once that passes the ridge point: a
-#    batch of a few on a CPU with a low ridge; hundreds on an H100 (ridge about 300).
-# 3. Where `context * kv_bytes_per_token = N * b`, i.e. context $= N / (2 L H_{kv} d_{head})$:
-#    about 30,700 tokens for `small-63m` and about 122,500 for the 8B. At that context the read
-#    doubles, so a bandwidth-bound step takes about twice as long.
-# 4. For every position but the last, the next token is already known: it is the next prompt
-#    token. Those positions are run only so that their keys and values land in the cache; the
-#    last position is the only one whose successor is unknown, so the output head runs on it
-#    alone.
+#    batch of a few on a CPU with a low ridge; hundreds on an H100. On a GPU in eager PyTorch,
+#    small-batch steps are also launch-bound (the CPU issuing kernels sets their time; chapter
+#    05's GPU run shows it), so expect little growth until the cache read dominates.
+# 3. Where `context * kv_bytes_per_token = N * b`, i.e. context $= N / (2 L H_{kv} d_{head})$ with
+#    the same bytes per element for weights and cache: compute it in a cell with
+#    `param_count(cfg) / (kv_bytes_per_token(cfg, 1))` (tens of thousands of tokens for
+#    `small-63m`, over a hundred thousand for the 8B). At that context the read doubles, so a
+#    bandwidth-bound step takes about twice as long.
+# 4. Look at `Transformer._run`: the output layer is applied to `x[:, -1]`. The prompt's other
+#    positions already have their successors (the rest of the prompt); they are computed only for
+#    the keys and values the cache keeps for later steps.
 # <!-- END SOLUTION -->

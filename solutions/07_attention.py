@@ -339,7 +339,7 @@ check_online_softmax(online_softmax_attention)
 #   program's query block: every later key block is entirely in the future, and skipping it
 #   saves almost half the work.
 # * **Precision**: load in the input dtype, accumulate in float32 (`tl.dot` does), and for float32
-#   inputs pass `input_precision="ieee"` to `tl.dot`. On NVIDIA GPUs with tensor cores, Triton's
+#   inputs pass `input_precision="ieee"` to `tl.dot`. On NVIDIA GPUs from Ampere on, Triton's
 #   `tl.dot` multiplies float32 inputs in tf32 by default (10-bit mantissas), while PyTorch's own
 #   float32 matmul, which the check's reference uses, does not (`torch.backends.cuda.matmul.allow_tf32`
 #   is off by default): the check's float32 tolerance would notice the difference.

@@ -65,6 +65,8 @@ function labsupportExplainer(root) {
     return { name, kernels, matmuls: kernels[0], attention: kernels[1], flops, bytes, time,
              intensity: flops / bytes, attained, fraction: attained / peak, bound, merged };
   }
+  // Attention reads each token's queries and writes its output: d values each, every layer.
+  function qo(m, tokens) { return 2 * m.n_layers * tokens * m.d_model * DATA.weight_bytes; }
   function model(s) {
     const m = DATA.models[s.model], c = DATA.cards[s.card];
     const n = s.params === "nominal" ? m.nominal_params : m.counted_params;
@@ -80,14 +82,14 @@ function labsupportExplainer(root) {
     }
     const pre = phase("prefill", [
       kernel("weight matmuls", 2 * n * tokensIn, n * DATA.weight_bytes + cacheIn, peak, bw),
-      kernel("attention", preAttn, cacheIn, peak, bw),
+      kernel("attention", preAttn, cacheIn + qo(m, tokensIn), peak, bw),
     ], s.roofline, peak, bw);
     const ctx = s.decode_context === "start" ? p : s.decode_context === "end" ? p + o - 1 : p + (o - 1) / 2;
     let decAttn = 0;
     if (s.attention !== "none") decAttn = b * 4 * m.n_layers * ctx * m.d_model;
     const dec = phase("decode", [
       kernel("weight matmuls", 2 * n * b, n * DATA.weight_bytes + b * kv, peak, bw),
-      kernel("attention", decAttn, b * ctx * kv, peak, bw),
+      kernel("attention", decAttn, b * ctx * kv + qo(m, b), peak, bw),
     ], s.roofline, peak, bw);
     const ttft = pre.time, itl = dec.time;
     const steps = s.decode_steps === "output" ? o : o - 1;
