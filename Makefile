@@ -4,14 +4,28 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 JOBS   ?= 2
+PORT   ?= 8000
+# The version matrix's second combination: the newest Triton and numpy (requirements-latest.txt).
+VENV_LATEST  ?= .venv-latest
+STAMP_LATEST := $(VENV_LATEST)/.installed
+# nbval runs every notebook: solutions top to bottom, learner notebooks up to their first exercise
+# (release writes the tags). A cell past CELL_TIMEOUT seconds fails (labsupport.course.nbval_plugin).
+CELL_TIMEOUT ?= 120
+NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --ignore-glob='*/tests/*.ipynb'
 
-.PHONY: setup book test test-fast lab release release-check grade lint format clean
+.PHONY: setup setup-latest book serve test test-fast test-matrix test-latest lab release release-check record-outputs grade lint format clean
 
 $(STAMP): requirements.txt requirements-cpu.txt pyproject.toml scripts/install.py
 	$(PYTHON) scripts/install.py --venv $(VENV)
 	@touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install everything
+
+$(STAMP_LATEST): requirements.txt requirements-latest.txt pyproject.toml scripts/install.py
+	$(PYTHON) scripts/install.py --venv $(VENV_LATEST) --cpu-requirements requirements-latest.txt
+	@touch $(STAMP_LATEST)
+
+setup-latest: $(STAMP_LATEST)  ## create .venv-latest: the newest Triton and numpy (requirements-latest.txt)
 
 BOOK_STAMP := _build/.book-built
 
@@ -24,23 +38,46 @@ book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
 	$(VENV)/bin/jupyter-book build . -W --keep-going
 	@touch $(BOOK_STAMP)
 
+serve: $(STAMP)  ## serve the built book on http://127.0.0.1:$(PORT) (search needs a server, not file://)
+	@test -f _build/html/index.html || $(MAKE) book
+	$(PY) scripts/serve_book.py --port $(PORT) _build/html
+
 test: $(STAMP)  ## lint, release drift, unit tests, every notebook, the built book in Chromium
 	$(VENV)/bin/ruff check .
 	$(PY) -m labsupport release --check
 	$(MAKE) book
-	$(PY) -m pytest -n $(JOBS) --durations=15
+	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=15 $(NBVAL) tests solutions labs
 
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no book)
 	$(PY) -m pytest -m "not notebook and not book"
 
-lab: $(STAMP)  ## JupyterLab on the learner notebooks
-	$(VENV)/bin/jupyter lab labs/
+# The version matrix: the checks' tests (test files under a path naming checks or answers) and
+# every solution notebook, in Triton's interpreter, under one venv's torch/triton/numpy.
+MATRIX_TESTS = $$(find tests -name 'test_*.py' \( -path '*check*' -o -path '*answer*' \) | sort)
+define matrix_run
+	@echo "== $(1): $$($(1)/bin/python -c 'import torch, triton, numpy; print("torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)')"
+	$(1)/bin/python -m pytest -n $(JOBS) --dist loadscope -q $(NBVAL) $(MATRIX_TESTS) solutions
+endef
+
+test-latest: $(STAMP_LATEST)  ## the matrix's second combination only: the newest Triton and numpy (CI runs it)
+	$(call matrix_run,$(VENV_LATEST))
+
+test-matrix: $(STAMP) $(STAMP_LATEST)  ## checks' tests + solution notebooks under the pinned and the newest Triton/numpy
+	$(call matrix_run,$(VENV))
+	$(call matrix_run,$(VENV_LATEST))
+
+lab: $(STAMP)  ## JupyterLab on my-labs/, your own copy of labs/ (made once; never overwritten)
+	$(PY) scripts/my_labs.py labs my-labs
+	$(VENV)/bin/jupyter lab my-labs/
 
 release: $(STAMP)  ## regenerate labs/*.ipynb and solutions/*.ipynb from solutions/*.py
 	$(PY) -m labsupport release
 
 release-check: $(STAMP)
 	$(PY) -m labsupport release --check
+
+record-outputs: $(STAMP)  ## run the solution notebooks and store the outputs nbval compares, then release
+	$(PY) -m labsupport release --record
 
 grade: $(STAMP)  ## make grade SUBMISSIONS=folder/ [GRADE_ARGS="--jobs 4 --csv out.csv --lab 07_attention"]
 	@if [ -z "$(SUBMISSIONS)" ]; then echo "usage: make grade SUBMISSIONS=folder/ (one notebook or folder; for several, python -m labsupport grade A B ...)"; exit 2; fi

@@ -1,9 +1,10 @@
 """Create the course's virtual environment and install everything into it.
 
-    python3 scripts/install.py [--venv .venv]
+    python3 scripts/install.py [--venv .venv] [--cpu-requirements requirements-cpu.txt]
 
 * No CUDA torch available (CI, most laptops): install the CPU torch and the pinned triton from
-  requirements-cpu.txt. On Linux, PyPI's default torch wheel is a CUDA build that pulls several GB
+  requirements-cpu.txt (``--cpu-requirements requirements-latest.txt`` for the newest Triton and
+  numpy, the version matrix's second combination: ``make test-matrix``). On Linux, PyPI's default torch wheel is a CUDA build that pulls several GB
   of nvidia-* wheels; when pip would pick it, PyTorch's CPU index is added for that one install.
 * A CUDA torch already installed for this python (a GPU server): the venv is created with
   ``--system-site-packages`` and torch and triton are left exactly as they are.
@@ -63,10 +64,10 @@ def pip(python: Path, *args: str) -> None:
         sys.exit(f"install failed: {' '.join(cmd)} exited with {result.returncode}")
 
 
-def cpu_torch_args(python: Path) -> list[str]:
+def cpu_torch_args(python: Path, requirements: str = "requirements-cpu.txt") -> list[str]:
     """Extra pip arguments that keep pip from choosing a CUDA torch on a machine without CUDA."""
     cmd = [str(python), "-m", "pip", "install", "--dry-run", "--disable-pip-version-check",
-           "-r", "requirements-cpu.txt"]
+           "-r", requirements]
     probe = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if "no such option" in probe.stderr:
         return []  # pip older than 22.2 cannot tell in advance; requirements-cpu.txt's pins still apply
@@ -85,6 +86,8 @@ def cpu_torch_args(python: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--venv", default=".venv")
+    parser.add_argument("--cpu-requirements", default="requirements-cpu.txt",
+                        help="torch, triton and numpy for machines without CUDA (default: the pinned set)")
     args = parser.parse_args()
     problem = unsupported_platform(platform.system(), sys.version_info[:2])
     if problem:
@@ -100,12 +103,12 @@ def main() -> None:
     if has_cuda_torch(str(python)):
         print("CUDA torch found: leaving torch and triton as they are", flush=True)
     else:
-        pip(python, *cpu_torch_args(python), "-r", "requirements-cpu.txt")
+        pip(python, *cpu_torch_args(python, args.cpu_requirements), "-r", args.cpu_requirements)
     pip(python, "-r", "requirements.txt")
     pip(python, "--no-deps", "-e", ".")
     check = subprocess.run(
-        [str(python), "-c", "import torch, triton, labsupport; print('torch', torch.__version__, "
-         "'triton', triton.__version__, 'cuda', torch.version.cuda)"],
+        [str(python), "-c", "import numpy, torch, triton, labsupport; print('torch', torch.__version__, "
+         "'triton', triton.__version__, 'numpy', numpy.__version__, 'cuda', torch.version.cuda)"],
         capture_output=True, text=True,
     )
     print(check.stdout.strip() or check.stderr.strip())

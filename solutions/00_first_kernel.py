@@ -22,7 +22,7 @@
 #
 # *Where to run it:* in the book, the rocket button at the top of the page opens this notebook in
 # Colab (pick a GPU runtime). On your own Linux machine, run `make lab` in the course repository:
-# it installs everything and opens JupyterLab on the `labs/` folder.
+# it installs everything and opens JupyterLab on `my-labs/`, your own copy of the labs.
 
 # %% [setup]
 import labsupport

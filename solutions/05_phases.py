@@ -220,7 +220,7 @@ check_prefill_flops(prefill_flops)
 # Your function now gives the runbook's figures for Llama 3.1 8B. Notice how the ratio of a 32k
 # prefill to a 2k one is far above 16, the ratio of the lengths.
 
-# %%
+# %% tags=["nbval-check-output"]
 for p in (2048, 32768):
     full, causal = prefill_flops(LLAMA_8B, p), prefill_flops(LLAMA_8B, p, causal=True)
     share = 1 - 2 * param_count(LLAMA_8B) * p / full
@@ -285,7 +285,7 @@ check_decode_bytes(decode_bytes_per_step)
 # %% [markdown]
 # At a batch of 64 sequences of 8,192 tokens each, the cache is most of what a step reads:
 
-# %%
+# %% tags=["nbval-check-output"]
 weights_only = decode_bytes_per_step(LLAMA_8B, 64, 0)
 total = decode_bytes_per_step(LLAMA_8B, 64, 8192)
 print(

@@ -185,7 +185,7 @@ fig.tight_layout()
 # `labsupport.transformer` allocates its cache like this, for `batch` sequences of up to `max_len`
 # tokens:
 
-# %%
+# %% tags=["nbval-check-output"]
 def kv_cache_spec(cfg, batch: int, max_len: int, dtype: torch.dtype):
     # keys and values: (n_layers, batch, n_kv_heads, max_len, head_dim) each.
     # device="meta" describes the tensors without allocating any memory.
@@ -222,7 +222,7 @@ check_kv_bytes_per_token(kv_bytes_per_token)
 # Your function on the real models. A KiB is 1,024 bytes and a GiB 1,024³; the "8k" context is
 # 8,192 tokens.
 
-# %%
+# %% tags=["nbval-check-output"]
 for name, context in [("llama-3.1-8b", 2000), ("llama-3.1-70b", 8192), ("llama-3.1-405b", 8192)]:
     cfg = get_model(name)
     per_token = kv_bytes_per_token(cfg)
@@ -242,7 +242,7 @@ for name in ["llama-3.1-8b", "llama-3.1-70b"]:
 # Ask the cache of the model measured in sections 1 and 2 how many bytes it allocated. It should
 # be exactly your bytes per token, times the batch, times the positions reserved.
 
-# %%
+# %% tags=["nbval-check-output"]
 batch, max_len = 4, 300
 cache = model.new_cache(batch, max_len)
 predicted = kv_bytes_per_token(CFG, DTYPE_BYTES) * batch * max_len
@@ -289,7 +289,7 @@ check_max_concurrency(max_concurrency)
 # with no reserve (an upper bound), on the GPUs in `labsupport.hardware`. Several GPUs add their
 # memory together.
 
-# %%
+# %% tags=["nbval-check-output"]
 deployments = [
     ("llama-3.1-8b", "H100 SXM", 1), ("llama-3.1-8b", "H200", 1), ("llama-3.1-8b", "A100 80GB", 1),
     ("llama-3.1-70b", "H100 SXM", 1), ("llama-3.1-70b", "H200", 2), ("llama-3.1-70b", "H100 SXM", 4),

@@ -77,7 +77,7 @@ AMPERE = gpu_has_bf16()
 #
 # Here is the causal mask for a sequence of five tokens (`True` = may look):
 
-# %%
+# %% tags=["nbval-check-output"]
 S_demo = 5
 rows = torch.arange(S_demo)[:, None]  # (S, 1): query positions
 cols = torch.arange(S_demo)[None, :]  # (1, S): key positions
@@ -236,7 +236,7 @@ check_naive_attention(naive_attention)
 #
 # Two blocks by hand, for one row of four scores:
 
-# %%
+# %% tags=["nbval-check-output"]
 scores_demo = torch.tensor([1.0, 3.0, 2.0, 5.0])
 values_demo = torch.tensor([10.0, 20.0, 30.0, 40.0])
 m, l_run, acc = float("-inf"), 0.0, 0.0

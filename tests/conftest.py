@@ -5,8 +5,7 @@ import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import functools  # noqa: E402
-import http.server  # noqa: E402
+import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -16,6 +15,17 @@ import pytest  # noqa: E402
 import labsupport  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no CUDA device)
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    """A module from scripts/ (not a package), imported by path."""
+    spec = importlib.util.spec_from_file_location(f"course_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+serve_book = load_script("serve_book")
 BUILT_BOOK = ROOT / "_build" / "html"
 CHROMIUM_FLAGS = [
     "--no-sandbox",
@@ -37,16 +47,10 @@ def _missing(reason: str):
 
 @pytest.fixture(scope="session")
 def book_url():
-    """The built book (``make book``) served on 127.0.0.1; yields the base URL."""
+    """The built book (``make book``) served on 127.0.0.1 as ``make serve`` does; yields the base URL."""
     if not (BUILT_BOOK / "index.html").exists():
         _missing(f"the book is not built ({BUILT_BOOK} missing): run `make book` first")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(BUILT_BOOK))
-
-    class Quiet(handler.func):
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(BUILT_BOOK)))
+    server = serve_book.make_server(BUILT_BOOK, port=0)  # what `make serve` runs, on a free port
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from .._answers import AnswerUsed, banning, qualified_name
+from . import _display
 
 RESULTS_ENV = "LABSUPPORT_RESULTS"
 
@@ -39,6 +40,15 @@ class CheckFailed(AssertionError):
     def __init__(self, message: str = "", reason: str = "failed"):
         super().__init__(message)
         self.reason = reason
+
+    @property
+    def _render_traceback_(self):
+        """How IPython shows this failure: the message, the hint and one line of the learner's own
+        code, without the framework's traceback. With ``LABSUPPORT_FULL_TRACEBACK=1`` the attribute
+        is missing, so IPython prints the full traceback (see :mod:`labsupport.checks._display`)."""
+        if _display.full_traceback_wanted():
+            raise AttributeError("_render_traceback_")
+        return lambda: _display.learner_view(self, _is_learner_frame)
 
 
 class ForbiddenCall(RuntimeError):

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     rel.add_argument("labs", nargs="*", help="lab names such as 00_first_kernel (default: all)")
     rel.add_argument("--check", action="store_true", help="write nothing; exit 1 if any notebook is out of date")
     rel.add_argument("--force", action="store_true", help="replace edited notebooks (a .bak copy is kept)")
+    rel.add_argument("--record", action="store_true",
+                     help="first run the solution notebooks and store the outputs nbval compares "
+                          "(solutions/outputs/), then release")
 
     gr = sub.add_parser("grade", help="run notebooks headlessly and score their checks")
     gr.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.command == "release":
-        from .release import ReleaseError, plan, release  # needs nbformat: only after the check above
+        # needs nbformat: only after the check above
+        from .release import ReleaseError, plan, record_outputs, release, unrecorded
 
         root = _root()
         try:
@@ -61,17 +65,26 @@ def main(argv: list[str] | None = None) -> int:
                 stale = [p for p in plan(root, args.labs) if p.status != "unchanged"]
                 for p in stale:
                     print(f"out of date: {p.target.relative_to(root)} ({p.status})")
+                missing = unrecorded(root, args.labs)
+                for line in missing:
+                    print(f"no stored output: {line}")
+                if missing:
+                    print("run `make record-outputs` (python -m labsupport release --record) to record them")
                 if any(p.status != "learner-edited" for p in stale):
                     print("run `python -m labsupport release` to regenerate them")
                 if any(p.status == "learner-edited" for p in stale):
                     print("learner-edited: changed or run since it was released, so someone's work may be in it; "
                           "release will not overwrite it (copy your work elsewhere first, or use --force, "
                           "which keeps a .bak copy)")
-                if stale:
+                if stale or missing:
                     return 1
                 print("all released notebooks match their sources")
                 return 0
+            if args.record:
+                record_outputs(root, args.labs)
             release(root, force=args.force, names=args.labs)
+            for line in unrecorded(root, args.labs):
+                print(f"warning: no stored output: {line}; run `make record-outputs`")
         except ReleaseError as exc:
             print(f"release: {exc}", file=sys.stderr)
             return 2

@@ -25,6 +25,15 @@ from ``_config.yml``.
 Every generated code cell, in both versions, must compile; one that does not stops ``release`` (and
 ``release --check``) with its source line.
 
+The notebooks carry nbval's cell tags, so ``pytest --nbval-lax`` runs them as tests
+(``make test``): in the solution notebook, every cell that calls a graded check, and every cell
+whose marker line tags it (``# %% tags=["nbval-check-output"]``), has its output compared with
+the one recorded in ``solutions/outputs/NN_name.json`` (see :mod:`labsupport.course.stored_outputs`;
+``release --record`` records them). In the learner's notebook the first cell that fails because
+an exercise is not done (the first check after the first exercise, or the exercise itself when it
+raises at the top level) is tagged ``raises-exception`` and every code cell after it
+``nbval-skip``: nbval runs a fresh learner notebook up to its first exercise.
+
 A learner's edits are never overwritten: every released notebook records a digest of its cells,
 and ``release`` refuses to replace a notebook whose cells no longer match it (unless ``force``,
 which first saves a timestamped backup).
@@ -42,9 +51,13 @@ from pathlib import Path
 
 import nbformat
 
+from ..checks import REGISTRY
+from . import stored_outputs
 from .manifest import MANIFEST_IN_REPO, lab_checks, render_manifest
-from .scan import python_source
+from .notebooks import execute
+from .scan import check_calls, python_source
 from .sources import (
+    BEGIN,
     ReleaseError,
     SourceCell,
     course_repository,
@@ -54,7 +67,8 @@ from .sources import (
     strip_markdown,
 )
 
-__all__ = ["ReleaseError", "SourceCell", "build_notebook", "cells_digest", "plan", "release", "stale"]
+__all__ = ["ReleaseError", "SourceCell", "build_notebook", "cells_digest", "plan", "record_outputs", "release",
+           "stale", "unrecorded"]
 
 
 def _check_compiles(lines: list[tuple[str, int]], path: Path, student: bool) -> None:
@@ -79,28 +93,64 @@ def _check_compiles(lines: list[tuple[str, int]], path: Path, student: bool) -> 
         ) from None
 
 
-def build_notebook(source: Path, student: bool, repository: str | None = None) -> nbformat.NotebookNode:
+def _raises_at_top_level(text: str) -> bool:
+    """True if a cell has a ``raise`` that runs with the cell (an exercise's stub at the top level),
+    not only inside a function or class it defines."""
+    try:
+        tree = ast.parse(python_source(text))
+    except SyntaxError:
+        return False
+    inside_defs = {id(node) for outer in ast.walk(tree)
+                   if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
+                   for node in ast.walk(outer) if node is not outer}
+    return any(isinstance(node, ast.Raise) and id(node) not in inside_defs for node in ast.walk(tree))
+
+
+def build_notebook(source: Path, student: bool, repository: str | None = None,
+                   recording: dict | None = None) -> nbformat.NotebookNode:
     """The learner's (``student=True``) or the instructor's notebook for one source file.
 
     A ``# %% [setup]`` cell becomes :data:`~labsupport.course.sources.SETUP_CELL`, installing the
     course from ``repository`` (default: ``repository.url`` in the ``_config.yml`` of the course the
-    source belongs to, ``solutions/..``).
+    source belongs to, ``solutions/..``). ``recording`` (:func:`labsupport.course.stored_outputs.load`)
+    fills the solution notebook's compared cells with their stored outputs.
     """
     nb = nbformat.v4.new_notebook()
+    stopped = False  # learner's version: past the first cell that fails until an exercise is done
+    seen_exercise = False
     for index, cell in enumerate(parse_source(source)):
+        tags = list(cell.tags)
         if cell.kind == "setup":
             if repository is None:
                 repository = course_repository(Path(source).resolve().parent.parent)
             new = nbformat.v4.new_code_cell(setup_cell(repository))
+            if student and stopped:
+                tags.append(stored_outputs.SKIP)
         elif cell.kind == "code":
             lines = strip_code_lines(cell, source, student)
             _check_compiles(lines, source, student)
-            new = nbformat.v4.new_code_cell("\n".join(line for line, _ in lines))
+            text = "\n".join(line for line, _ in lines)
+            new = nbformat.v4.new_code_cell(text)
+            calls_check = any(name in REGISTRY for name in check_calls(text))  # a graded check
+            if student:
+                tags = [t for t in tags if t != stored_outputs.CHECK_OUTPUT]  # learners' copies store nothing
+                seen_exercise = seen_exercise or any(BEGIN.match(line) for line in cell.lines)
+                if stopped:
+                    tags.append(stored_outputs.SKIP)
+                elif seen_exercise and (calls_check or _raises_at_top_level(text)):
+                    tags.append(stored_outputs.RAISES)
+                    stopped = True
+            elif calls_check and stored_outputs.CHECK_OUTPUT not in tags:
+                tags.append(stored_outputs.CHECK_OUTPUT)
         else:
             text = "\n".join(strip_markdown(cell, source, student))
             new = nbformat.v4.new_markdown_cell(text)
+        if tags:
+            new.metadata["tags"] = tags
         new["id"] = f"{source.stem[:40]}-{index:03d}".replace("_", "-")
         nb.cells.append(new)
+    if not student and recording:
+        stored_outputs.apply(nb, recording)
     nb.metadata = {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
@@ -148,9 +198,10 @@ def plan(root: Path, names: list[str] | None = None) -> list[Planned]:
         sources = [s for s in sources if s.stem in names]
     planned = []
     for source in sources:
+        recording = stored_outputs.load(stored_outputs.path_for(root, source.stem))
         for student, folder in ((True, "labs"), (False, "solutions")):
             target = root / folder / f"{source.stem}.ipynb"
-            text = render(build_notebook(source, student))
+            text = render(build_notebook(source, student, recording=recording))
             planned.append(Planned(target, text, _status(target, text)))
     manifest = root / MANIFEST_IN_REPO
     text = render_manifest(lab_checks(every))
@@ -175,7 +226,8 @@ def _status(target: Path, text: str) -> str:
         return "learner-edited"
     if recorded is None or recorded != cells_digest(nb):
         return "learner-edited"
-    has_outputs = any(c.get("outputs") for c in nb.cells if c.cell_type == "code")
+    # outputs someone ran into it (not the stored ones release writes into compared cells)
+    has_outputs = any(c.get("outputs") for c in nb.cells if c.cell_type == "code" and not stored_outputs.is_recorded(c))
     return "learner-edited" if has_outputs else "update"
 
 
@@ -207,3 +259,55 @@ def release(root: Path, force: bool = False, log=print, names: list[str] | None 
 def stale(root: Path) -> list[Path]:
     """Notebooks (and lab_checks.json) that differ from what the sources produce (the drift test)."""
     return [p.target for p in plan(root) if p.status != "unchanged"]
+
+
+def unrecorded(root: Path, names: list[str] | None = None) -> list[str]:
+    """Compared cells of the solution notebooks that have no stored output (``release --check``)."""
+    problems = []
+    for source in sorted((root / "solutions").glob("[0-9]*.py")):
+        if names and source.stem not in names:
+            continue
+        recording = stored_outputs.load(stored_outputs.path_for(root, source.stem))
+        nb = build_notebook(source, student=False)
+        for i in stored_outputs.apply(nb, recording):
+            first = next((line for line in nb.cells[i].source.splitlines() if line.strip()), "")
+            problems.append(f"{source.relative_to(root)}: the cell starting `{first[:60]}` (cell {i}) has its "
+                            "output compared but none is recorded")
+    return problems
+
+
+def record_outputs(root: Path, names: list[str] | None = None, log=print, timeout: int = 240) -> list[Path]:
+    """Run each solution notebook and store the outputs of its compared cells (``release --record``).
+
+    The kernels run Triton's interpreter on the CPU (so the small preset), whatever this machine
+    has, because that is where ``make test`` compares them. A notebook that fails records nothing.
+    """
+    import platform
+
+    import numpy
+    import torch
+    import triton
+
+    sources = sorted((root / "solutions").glob("[0-9]*.py"))
+    if names:
+        sources = [s for s in sources if s.stem in names]
+    environment = {"python": platform.python_version(), "torch": torch.__version__,
+                   "triton": triton.__version__, "numpy": numpy.__version__,
+                   "where": "CPU, Triton interpreter, small preset"}
+    cpu = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg"}
+    written = []
+    for source in sources:
+        nb = build_notebook(source, student=False)
+        log(f"running {source.stem} ...")
+        run = execute(nb, cwd=source.parent, timeout=timeout, env=cpu, quiet=True)
+        if not run.ok:
+            what = run.timed_out or (run.errors[0] if run.errors else None)
+            detail = run.died or (f"{what.ename}: {what.evalue} in the cell starting `{what.first_line}`"
+                                  if what else "unknown")
+            raise ReleaseError(f"{source.name}: the solution notebook failed, nothing recorded ({detail})")
+        target = stored_outputs.path_for(root, source.stem)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(stored_outputs.render(nb, environment), encoding="utf-8")
+        log(f"wrote {target.relative_to(root)} ({len(stored_outputs.compared_cells(nb))} compared cells)")
+        written.append(target)
+    return written

@@ -1,6 +1,7 @@
 """Lab sources: one percent-format Python file per lab, ``solutions/NN_name.py``.
 
-Cells start with ``# %%`` (code) or ``# %% [markdown]`` (prose, each line starting with ``# ``).
+Cells start with ``# %%`` (code) or ``# %% [markdown]`` (prose, each line starting with ``# ``);
+a marker line may give the notebook cell tags, jupytext's way: ``# %% tags=["nbval-check-output"]``.
 Solution regions are marked inside code cells (``# BEGIN SOLUTION: what to do`` ... ``# END
 SOLUTION``) and inside markdown (``<!-- BEGIN SOLUTION -->`` ... ``<!-- END SOLUTION -->``).
 
@@ -13,11 +14,13 @@ for linters and for running the source as a script); release replaces it whole.
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CELL_MARKER = re.compile(r"^# %%(?P<rest>.*)$")
+TAGS = re.compile(r"\btags\s*=\s*(?P<tags>\[.*?\])")  # jupytext's spelling: # %% tags=["a", "b"]
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?::\s*(?P<what>.*))?\s*$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 MD_BEGIN = "<!-- BEGIN SOLUTION -->"
@@ -55,6 +58,7 @@ class SourceCell:
     kind: str  # "code", "markdown" or "setup" (where release puts SETUP_CELL)
     lines: list[str]
     line_no: int  # where the cell starts in the source, for error messages
+    tags: list[str] = field(default_factory=list)  # from the marker line: # %% tags=["..."]
 
 
 def parse_source(path: Path) -> list[SourceCell]:
@@ -66,7 +70,7 @@ def parse_source(path: Path) -> list[SourceCell]:
         if marker:
             rest = marker.group("rest").strip()
             kind = "markdown" if rest.startswith("[markdown]") else "setup" if rest == SETUP_MARKER else "code"
-            current = SourceCell(kind, [], number)
+            current = SourceCell(kind, [], number, marker_tags(rest, path, number))
             cells.append(current)
             continue
         if current is None:
@@ -94,6 +98,20 @@ def parse_source(path: Path) -> list[SourceCell]:
         raise ReleaseError(f"{path}:{setups[1].line_no}: a second '# %% {SETUP_MARKER}' cell; a lab has one "
                            f"setup cell, where its first code cell goes")
     return [c for c in cells if c.lines or c.kind == "setup"]
+
+
+def marker_tags(rest: str, path: Path, number: int) -> list[str]:
+    """The notebook cell tags a marker line declares (``# %% tags=["nbval-check-output"]``)."""
+    found = TAGS.search(rest)
+    if not found:
+        return []
+    try:
+        tags = json.loads(found.group("tags"))
+    except json.JSONDecodeError:
+        tags = None
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ReleaseError(f'{path}:{number}: write cell tags as a JSON list of strings: # %% tags=["name"]')
+    return tags
 
 
 def course_repository(root: Path) -> str:

@@ -1,32 +1,30 @@
-"""Every lab notebook runs: solutions top to bottom, learner versions up to their first exercise.
-
-Each cell has a timeout; a cell that runs past it fails the test (it is never reported as a pass).
+"""The notebook tests themselves run under nbval (``make test`` passes ``--nbval-lax`` with the
+solutions/ and labs/ folders). This file tests that arrangement: the tags release writes, the
+stored outputs, and that labsupport.course.nbval_plugin turns every way a cell can go wrong into a
+failure (a timeout above all, which nbval alone can let pass).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from labsupport.course.notebooks import execute
+from labsupport.course import stored_outputs
+from labsupport.course.scan import check_calls
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9]*.ipynb"))
 LABS = sorted((ROOT / "labs").glob("[0-9]*.ipynb"))
-CELL_TIMEOUT = 240  # seconds; the slowest solution cell on a 2-core CPU is far below this
-
-pytestmark = pytest.mark.notebook
 
 
-def _describe(run) -> str:
-    if run.timed_out:
-        return f"cell {run.timed_out.index} timed out:\n{run.timed_out.source}"
-    if run.died:
-        return run.died
-    e = run.errors[0]
-    return f"cell {e.index} raised {e.ename}: {e.evalue}\n--- cell source ---\n{e.source}"
+def _tags(cell) -> list[str]:
+    return cell.get("metadata", {}).get("tags", [])
 
 
 def test_there_are_labs():
@@ -34,31 +32,172 @@ def test_there_are_labs():
     assert [p.name for p in SOLUTIONS] == [p.name for p in LABS], "every solution needs a learner notebook"
 
 
-@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
-def test_solution_notebook_runs_top_to_bottom(path):
-    nb = nbformat.read(str(path), as_version=4)
-    run = execute(nb, cwd=path.parent, timeout=CELL_TIMEOUT)
-    assert run.ok, f"{path.name}: {_describe(run)}"
-    passed = "".join(
-        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-    )
-    assert "PASSED check_" in passed, f"{path.name}: no check printed a pass line"
+def test_make_test_runs_the_notebooks_under_nbval():
+    makefile = (ROOT / "Makefile").read_text()
+    test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "$(NBVAL)" in test_recipe and "solutions labs" in test_recipe
+    assert "--nbval-lax" in makefile and "--nbval-cell-timeout=" in makefile and "--dist loadscope" in test_recipe
 
 
 @pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
-def test_learner_notebook_stops_at_first_exercise(path):
+def test_learner_notebook_is_tagged_to_stop_at_its_first_exercise(path):
     nb = nbformat.read(str(path), as_version=4)
-    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    first_stub = next(i for i in code if "raise NotImplementedError" in nb.cells[i].source)
-    first_check = next(i for i in code if i > first_stub and "check_" in nb.cells[i].source)
-    run = execute(nb, cwd=path.parent, timeout=CELL_TIMEOUT)
-    assert not run.timed_out and not run.died, _describe(run)
-    assert run.errors, f"{path.name}: ran to the end although its exercises are not done"
-    first = run.errors[0]
-    assert first.index == first_check, (
-        f"{path.name}: the first error is in cell {first.index}, expected the first check (cell "
-        f"{first_check}): {first.ename}: {first.evalue}"
-    )
-    assert first.ename == "CheckFailed" and "NotImplementedError" in first.evalue, (
-        f"{path.name}: the first check failed for another reason: {first.ename}: {first.evalue}"
-    )
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    first_stub = next(i for i, c in enumerate(code) if "raise NotImplementedError" in c.source)
+    first_check = next(i for i, c in enumerate(code) if i >= first_stub and check_calls(c.source))
+    raises = [i for i, c in enumerate(code) if stored_outputs.RAISES in _tags(c)]
+    assert raises == [first_check], f"{path.name}: raises-exception on code cells {raises}, expected [{first_check}]"
+    skipped = [i for i, c in enumerate(code) if stored_outputs.SKIP in _tags(c)]
+    assert skipped == list(range(first_check + 1, len(code))), f"{path.name}: nbval-skip on {skipped}"
+    assert not any(c.get("outputs") for c in code), f"{path.name}: a learner notebook carries outputs"
+    assert not any(stored_outputs.CHECK_OUTPUT in _tags(c) for c in code)
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_solution_notebook_compares_every_check_against_a_stored_pass_line(path):
+    nb = nbformat.read(str(path), as_version=4)
+    checks = [c for c in nb.cells if c.cell_type == "code" and check_calls(c.source)]
+    assert checks, f"{path.name}: no check cells"
+    for cell in checks:
+        assert stored_outputs.CHECK_OUTPUT in _tags(cell), f"{path.name}: `{cell.source[:40]}` is not compared"
+        text = "".join(o.get("text", "") for o in cell.outputs)
+        assert cell.execution_count is not None and text.startswith("PASSED check_"), (
+            f"{path.name}: `{cell.source[:40]}` has no stored PASSED line: run `make record-outputs`")
+    # only compared cells carry outputs; nothing that varies (timings) is stored
+    for cell in nb.cells:
+        if cell.cell_type == "code" and stored_outputs.CHECK_OUTPUT not in _tags(cell):
+            assert not cell.outputs and cell.execution_count is None
+
+
+# --- the plugin, on small notebooks run by nbval in a pytest of their own ----------------------
+
+def _notebook(path: Path, cells: list[tuple[str, list[str], list[dict] | None]], student=False) -> None:
+    nb = nbformat.v4.new_notebook()
+    for number, (source, tags, outputs) in enumerate(cells, start=1):
+        cell = nbformat.v4.new_code_cell(source)
+        if tags:
+            cell.metadata["tags"] = tags
+        if outputs is not None:
+            cell.outputs = [nbformat.from_dict(o) for o in outputs]
+            cell.execution_count = number
+        nb.cells.append(cell)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    if student:
+        nb.metadata["labsupport"] = {"version": "student"}
+    nbformat.write(nb, str(path))
+
+
+def _run_nbval(folder: Path, *extra: str, plugin: bool = True) -> dict[str, str]:
+    """Run pytest --nbval-lax on ``folder`` in a fresh process; returns {test id: outcome}."""
+    report = folder / "report.xml"
+    cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=3",
+           "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", f"--junitxml={report}",
+           "--rootdir", str(folder), *extra, str(folder)]
+    if plugin:
+        cmd[3:3] = ["-p", "labsupport.course.nbval_plugin"]
+    done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=300)
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kind = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = kind  # rootdir is the folder
+    outcomes["_output"] = done.stdout + done.stderr
+    return outcomes
+
+
+HANG = "import time\ntime.sleep(60)"
+SWALLOW = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass  # a loop that 'handles' Ctrl+C"
+
+
+@pytest.fixture(scope="module")
+def plugin_cases(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("nbval_cases")
+    _notebook(folder / "hang.ipynb", [("x = 1", [], None), (HANG, [], None)])
+    _notebook(folder / "swallow.ipynb", [(SWALLOW, [], None)])
+    _notebook(folder / "hang_tagged.ipynb", [(HANG, ["raises-exception"], None)])
+    stored = [{"output_type": "stream", "name": "stdout", "text": "4\n"}]
+    _notebook(folder / "outputs.ipynb", [
+        ("print(2 + 2)", ["nbval-check-output"], stored),  # same as stored: passes
+        ("print(2 + 3)", ["nbval-check-output"], stored),  # differs: fails
+        ("print(7)", ["nbval-check-output"], None),  # tagged, nothing stored: fails
+        ("import time; print(time.time())", [], None),  # untagged: never compared
+    ])
+    _notebook(folder / "learner.ipynb", [
+        ("def f():\n    raise NotImplementedError('Exercise')", [], None),
+        ("f()", ["raises-exception"], None),  # not done: the expected failure
+        ("print('after')", ["nbval-skip"], None),
+    ], student=True)
+    _notebook(folder / "learner_other_error.ipynb", [("1 / 0", ["raises-exception"], None)], student=True)
+    _notebook(folder / "learner_no_error.ipynb", [("x = 1", ["raises-exception"], None)], student=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def with_plugin(plugin_cases):
+    return _run_nbval(plugin_cases)
+
+
+def _outcome(results, name):
+    found = {k: v for k, v in results.items() if k.startswith(name)}
+    assert found, f"{name} not in the report: {sorted(results)}\n{results['_output'][-3000:]}"
+    return found
+
+
+@pytest.mark.notebook
+def test_a_hung_cell_fails(with_plugin):
+    assert _outcome(with_plugin, "hang.ipynb::Cell 1") == {"hang.ipynb::Cell 1": "failure"}
+    assert "Timeout of 3 seconds exceeded" in with_plugin["_output"] or "cell timeout" in with_plugin["_output"]
+
+
+@pytest.mark.notebook
+def test_a_cell_that_swallows_the_interrupt_still_fails_on_timeout(with_plugin):
+    assert _outcome(with_plugin, "swallow.ipynb::Cell 0") == {"swallow.ipynb::Cell 0": "failure"}
+    assert "ran past the 3 s cell timeout" in with_plugin["_output"]
+
+
+@pytest.mark.notebook
+def test_a_hung_cell_tagged_raises_exception_fails(with_plugin):
+    assert _outcome(with_plugin, "hang_tagged.ipynb::Cell 0") == {"hang_tagged.ipynb::Cell 0": "failure"}
+
+
+@pytest.mark.notebook
+def test_without_the_plugin_nbval_lets_timeouts_pass(plugin_cases):
+    """Why the plugin exists. If this starts failing, nbval fixed it and the guard may go."""
+    bare = _run_nbval(plugin_cases, "-k", "swallow or hang_tagged", plugin=False)
+    assert _outcome(bare, "swallow.ipynb::Cell 0") == {"swallow.ipynb::Cell 0": "passed"}
+    assert _outcome(bare, "hang_tagged.ipynb::Cell 0") == {"hang_tagged.ipynb::Cell 0": "passed"}
+
+
+@pytest.mark.notebook
+def test_stored_outputs_are_compared(with_plugin):
+    assert _outcome(with_plugin, "outputs.ipynb") == {
+        "outputs.ipynb::Cell 0": "passed",
+        "outputs.ipynb::Cell 1": "failure",
+        "outputs.ipynb::Cell 2": "failure",
+        "outputs.ipynb::Cell 3": "passed",
+    }
+    assert "Cell outputs differ" in with_plugin["_output"]
+    assert "stores no output for it" in with_plugin["_output"]
+
+
+@pytest.mark.notebook
+def test_learner_notebook_must_stop_because_the_exercise_is_not_done(with_plugin):
+    assert _outcome(with_plugin, "learner.ipynb") == {
+        "learner.ipynb::Cell 0": "passed", "learner.ipynb::Cell 1": "passed", "learner.ipynb::Cell 2": "skipped"}
+    assert _outcome(with_plugin, "learner_other_error.ipynb") == {"learner_other_error.ipynb::Cell 0": "failure"}
+    assert "raised ZeroDivisionError" in with_plugin["_output"]
+    assert _outcome(with_plugin, "learner_no_error.ipynb") == {"learner_no_error.ipynb::Cell 0": "failure"}
+
+
+@pytest.mark.notebook
+def test_all_cells_switch_runs_past_the_first_exercise(plugin_cases):
+    results = _run_nbval(plugin_cases, "--nbval-all-cells", "-k", "learner and not other and not no_error")
+    assert _outcome(results, "learner.ipynb") == {
+        "learner.ipynb::Cell 0": "passed", "learner.ipynb::Cell 1": "failure", "learner.ipynb::Cell 2": "passed"}
+
+
+def test_recorded_outputs_file_matches_the_solution_notebooks():
+    for path in SOLUTIONS:
+        recording = json.loads(stored_outputs.path_for(ROOT, path.stem).read_text())
+        assert recording["recorded_with"]["where"].startswith("CPU, Triton interpreter")
+        nb = nbformat.read(str(path), as_version=4)
+        assert len(recording["cells"]) == len(stored_outputs.compared_cells(nb)), path.name
