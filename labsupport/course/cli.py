@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -39,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     gr = sub.add_parser("grade", help="run notebooks headlessly and score their checks")
     gr.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
     gr.add_argument("--csv", default="grades.csv", help="where to write the scores (default: grades.csv)")
+    gr.add_argument("--overwrite", action="store_true",
+                    help="replace an existing --csv file (the old one is kept as FILE.bak)")
     gr.add_argument("--lab", help="grade every notebook as this lab (such as 07_attention), whatever its "
                                   "file name and metadata say")
     gr.add_argument("--timeout", type=int, default=600,
@@ -98,7 +98,7 @@ def _grade(args) -> int:
     from .grade import NOTEBOOK_TIMEOUT, bad_paths, expand, grade_all
     from .manifest import ManifestError, load_manifest, manifest_drift
     from .notebooks import KernelStartError
-    from .report import check_csv_target, format_table, summary_line, write_csv
+    from .report import GradesFile, escape_surrogates, format_table, summary_line
 
     csv_path = Path(args.csv)
     if args.notebook_timeout is None:
@@ -114,15 +114,16 @@ def _grade(args) -> int:
     if args.lab is not None and args.lab not in manifest:
         print(f"grade: --lab {args.lab}: no such lab; the labs are {', '.join(manifest)}", file=sys.stderr)
         return 2
-    try:
-        check_csv_target(csv_path)  # before grading, not after an hour of it
-    except OSError as exc:
-        print(f"grade: {exc}", file=sys.stderr)
-        return 2
     typos = bad_paths(args.paths)
     if typos:
         print(f"grade: {', '.join(typos)}: no such file or folder. Give notebooks (.ipynb) or folders of "
               f"them; nothing was graded and {csv_path} was not written.", file=sys.stderr)
+        return 2
+    grades = GradesFile(csv_path, overwrite=args.overwrite)
+    try:
+        grades.check()  # before grading, not after an hour of it
+    except OSError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
         return 2
     notebooks = expand(args.paths)
     if not notebooks:
@@ -135,23 +136,26 @@ def _grade(args) -> int:
           f"each notebook {args.notebook_timeout} s", file=sys.stderr, flush=True)
 
     def progress(path, rows, seconds):
-        print(f"  {path}: {summary_line(rows)} [{seconds:.0f} s]", file=sys.stderr, flush=True)
+        grades.add(rows)  # the CSV is rewritten after each notebook: a crash keeps what was graded
+        print(escape_surrogates(f"  {path}: {summary_line(rows)} [{seconds:.0f} s]"), file=sys.stderr, flush=True)
 
+    try:
+        grades.start()
+    except OSError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 2
     try:
         rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress, lab=args.lab,
                          manifest=manifest, notebook_timeout=args.notebook_timeout)
     except KernelStartError as exc:
-        print(f"grade: {exc}\nGrading stopped (every notebook needs a kernel); {csv_path} was not written.",
-              file=sys.stderr)
+        kept = (f"the {len(grades.rows)} row(s) graded before are in {grades.fallback or csv_path}" if grades.rows
+                else f"{csv_path} was not written")
+        print(f"grade: {exc}\nGrading stopped (every notebook needs a kernel); {kept}.", file=sys.stderr)
         return 2
     print(format_table(rows))
-    try:
-        write_csv(rows, csv_path)
-    except OSError as exc:  # the folder went away or filled up while grading: keep the scores anyway
-        fd, fallback = tempfile.mkstemp(prefix="grades-", suffix=".csv")
-        os.close(fd)
-        write_csv(rows, Path(fallback), checked=False)
-        print(f"grade: could not write {csv_path} ({exc}); the scores are in {fallback}", file=sys.stderr)
+    where = grades.finish(rows)
+    if grades.fallback is not None:  # the folder went away or filled up while grading: scores kept anyway
+        print(f"grade: could not write {csv_path} ({grades.error}); the scores are in {where}", file=sys.stderr)
         return 1
     print(f"\nscores written to {csv_path} (one row per notebook and check, with the full details)")
     return 0

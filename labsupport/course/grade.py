@@ -30,13 +30,15 @@ import json
 import re
 import tempfile
 import time
+import traceback
+import unicodedata
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .manifest import load_manifest
 from .notebooks import KernelStartError, execute, load
-from .report import Row
+from .report import Row, escape_surrogates
 from .scan import calls_by_cell, scan_flags
 
 NOTEBOOK_TIMEOUT = 3600  # seconds a whole notebook may run, by default
@@ -87,9 +89,42 @@ def identify_lab(nb, path: Path, labs: Iterable[str], forced: str | None = None)
     return lab, ""
 
 
+def guess_lab(nb, path: Path, manifest: dict[str, list[tuple[str, float]]]) -> str | None:
+    """For a notebook whose lab is unknown: the one lab it most likely is, or None.
+
+    The candidates are the labs its file name and metadata name; the checks it calls decide
+    between several, or name the lab when nothing else does.
+    """
+    labs = list(manifest)
+    named = labs_in_name(path, labs)
+    recorded = nb.metadata.get("labsupport") if nb is not None else None
+    if isinstance(recorded, dict):
+        stem = Path(str(recorded.get("source", ""))).stem
+        if stem in labs and stem not in named:
+            named.append(stem)
+    called: list[str] = []
+    if nb is not None:
+        for check in calls_by_cell(nb):
+            called += [lab for lab, checks in manifest.items() if any(c == check for c, _ in checks)]
+    if len(named) == 1:
+        return named[0]
+    narrowed = [lab for lab in (named or labs) if lab in called]
+    return narrowed[0] if len(set(narrowed)) == 1 else None
+
+
+def _visible(text: str) -> str:
+    """``text`` without invisible characters (zero-width, direction marks, controls), NFC-normalised."""
+    text = unicodedata.normalize("NFC", text)
+    return "".join(ch for ch in text if unicodedata.category(ch) not in ("Cf", "Cc", "Co", "Cn"))
+
+
 def student_name(path: Path, lab: str | None) -> str:
-    """The file name without its lab part (``alice_07_attention.ipynb``: alice), else the file name."""
-    path = Path(path)
+    """The file name without its lab part (``alice_07_attention.ipynb``: alice), else the file name.
+
+    Invisible characters are dropped, and a name that is not valid UTF-8 keeps its odd bytes as
+    ``\\udcff`` escapes.
+    """
+    path = Path(escape_surrogates(_visible(str(path))))
     if lab:
         rest = _name_pattern(lab).sub(" ", path.stem)
         # a browser's "(1)", a file manager's "copy", Colab's "Copy of"
@@ -156,13 +191,18 @@ def grade_notebook(
     except (FileNotFoundError, ValueError) as exc:
         status = "missing" if isinstance(exc, FileNotFoundError) else "not a notebook"
         chosen, _ = identify_lab(None, path, manifest, lab)
+        chosen = chosen or guess_lab(None, path, manifest)
         full = sum(p for _, p in manifest.get(chosen, [])) if chosen else 0
         return [rows_for("-", 0, full, status, str(exc))]
 
     flags = "; ".join(scan_flags(nb, {c for checks in manifest.values() for c, _ in checks}))
     chosen, problem = identify_lab(nb, path, manifest, lab)
     if chosen is None:
-        row = rows_for("-", 0, 0, "unknown lab", problem)
+        guessed = guess_lab(nb, path, manifest)
+        full = sum(p for _, p in manifest.get(guessed, [])) if guessed else 0
+        if guessed:
+            problem += f" (it looks like lab {guessed}, whose {full:g} points count in its maximum)"
+        row = Row(name, "-", 0, full, "unknown lab", problem, student_name(path, None), guessed or "")
         row.flags = flags
         return [row]
     expected = manifest[chosen]
@@ -257,10 +297,20 @@ def grade_all(
     Raises KernelStartError (and grades nothing more) when a kernel cannot start.
     """
     manifest = manifest if manifest is not None else load_manifest()
+    folders = _folders_for_shared_names(notebooks)
 
     def one(path: Path) -> list[Row]:
         start = time.perf_counter()
-        rows = grade_notebook(path, timeout=timeout, lab=lab, manifest=manifest, notebook_timeout=notebook_timeout)
+        try:  # each notebook inside its own error boundary: nothing in one stops the others
+            rows = grade_notebook(path, timeout=timeout, lab=lab, manifest=manifest,
+                                  notebook_timeout=notebook_timeout)
+        except KernelStartError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (any failure of the grader on this notebook)
+            rows = grader_error(path, exc, manifest, lab)
+        if path in folders:
+            for row in rows:
+                row.student = f"{folders[path]}/{row.student}"
         if progress:
             progress(path, rows, time.perf_counter() - start)
         return rows
@@ -277,3 +327,35 @@ def grade_all(
         pool.shutdown(wait=True)
 
 
+
+
+def grader_error(path: Path, exc: BaseException, manifest: dict[str, list[tuple[str, float]]],
+                 lab: str | None = None) -> list[Row]:
+    """The row of a notebook the grader itself failed on: scored 0 of its lab's points, with why."""
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" (at {Path(where[0].filename).name}:{where[0].lineno})" if where else ""
+    message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    detail = (f"the grader failed on this notebook: {type(exc).__name__}: {message}{at}. It was not scored; "
+              f"read it by hand, or grade it again alone")
+    try:
+        guessed = lab or guess_lab(None, Path(path), manifest)
+        student = student_name(Path(path), guessed)
+    except Exception:  # noqa: BLE001 (even the file name may be what broke the grader)
+        guessed, student = None, escape_surrogates(repr(str(path)))
+    full = sum(p for _, p in manifest.get(guessed, [])) if guessed else 0
+    return [Row(str(path), "-", 0, full, "grader error", detail, student, guessed or "")]
+
+
+def _folders_for_shared_names(notebooks: list[Path]) -> dict[Path, str]:
+    """The folder to put before the student name of files that share a file name with another."""
+    by_name: dict[str, list[Path]] = {}
+    for path in notebooks:
+        by_name.setdefault(Path(path).name, []).append(Path(path))
+    out: dict[Path, str] = {}
+    for paths in by_name.values():
+        if len(paths) > 1:
+            short = {p: p.parent.name for p in paths}
+            unique = len(set(short.values())) == len(paths)
+            for p in paths:
+                out[p] = escape_surrogates(_visible(short[p] if unique else p.parent.as_posix()))
+    return out

@@ -27,6 +27,31 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 KERNEL_NAME = "labsupport-python"  # the private kernelspec's name (never "python3")
 KERNEL_PYTHON = sys.executable  # the interpreter every kernel runs
+# What the kernel runs: ipykernel, with a message packer that cannot fail on text. jupyter_client's
+# own refuses a lone surrogate (``raise ValueError('\ud800')``), and the kernel then drops the
+# message, or never answers; this one falls back to ASCII JSON, where a surrogate is an escape. And
+# a cell too deeply nested to compile (``x = 1+1+...+1``) is an error of that cell, where IPython's
+# own test for ``await`` would fail outside it and leave the cell without an answer until its timeout.
+KERNEL_MAIN = """\
+import json, jupyter_client.session as s
+_packer = s.json_packer
+def json_packer(obj):
+    try:
+        return _packer(obj)
+    except ValueError:
+        return json.dumps(s.json_clean(obj), default=s.json_default, ensure_ascii=True, allow_nan=False).encode()
+s.json_packer = s.Session.pack.default_value = json_packer
+from IPython.core.interactiveshell import InteractiveShell
+_should_run_async = InteractiveShell.should_run_async
+def should_run_async(self, *args, **kwargs):
+    try:
+        return _should_run_async(self, *args, **kwargs)
+    except (RecursionError, MemoryError):
+        return False
+InteractiveShell.should_run_async = should_run_async
+from ipykernel import kernelapp
+kernelapp.launch_new_instance()
+"""
 
 
 class KernelStartError(RuntimeError):
@@ -70,7 +95,7 @@ def _kernel_manager(spec_root: Path):
     spec_dir = spec_root / KERNEL_NAME
     spec_dir.mkdir(parents=True)
     spec = {
-        "argv": [KERNEL_PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [KERNEL_PYTHON, "-c", KERNEL_MAIN, "-f", "{connection_file}"],
         "display_name": f"Python ({KERNEL_PYTHON})",
         "language": "python",
     }

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 CSV_HEADER = ["notebook", "student", "lab", "check", "points", "max_points", "status", "detail", "flags"]
 OLD_CSV_HEADERS = (["notebook", "check", "points", "max_points", "status", "detail"],)  # earlier versions
 STATUSES = ("passed", "failed", "not done", "not run", "timeout", "setup failed", "missing",
-            "not a notebook", "unknown lab", "no checks", "extra")
+            "not a notebook", "unknown lab", "no checks", "grader error", "extra")
+
+
+def escape_surrogates(text: str) -> str:
+    """``text`` with lone surrogates (a non-UTF-8 file name, a crafted message) as ``\\udcff`` escapes,
+    so it can be printed and written as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass
@@ -25,9 +34,13 @@ class Row:
     lab: str = ""
     flags: str = ""
 
+    def __setattr__(self, name, value):  # every text a row holds can be printed and written
+        super().__setattr__(name, escape_surrogates(value) if isinstance(value, str) else value)
 
-def check_csv_target(path: Path) -> None:
-    """Refuse, before any grading, a path the scores could not be written to, or a foreign file."""
+
+def check_csv_target(path: Path, overwrite: bool = False) -> None:
+    """Refuse, before any grading, a path the scores could not be written to, a foreign file, or
+    (without ``overwrite``) an existing grades file."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; give --csv a file name")
@@ -43,6 +56,9 @@ def check_csv_target(path: Path) -> None:
                 f"{path} exists and is not a grades file written by this command; "
                 f"choose another path with --csv"
             )
+        if not overwrite:
+            raise FileExistsError(f"{path} already exists (earlier grades?); choose another path with --csv, "
+                                  f"or give --overwrite to replace it (the old file is kept as {path.name}.bak)")
         if not os.access(path, os.W_OK):
             raise PermissionError(f"cannot write {path}: it is not writable; choose another path with --csv")
     elif not os.access(parent, os.W_OK | os.X_OK):
@@ -50,16 +66,79 @@ def check_csv_target(path: Path) -> None:
                               f"path with --csv")
 
 
-def write_csv(rows: list[Row], path: Path, *, checked: bool = True) -> None:
-    """Write the scores; ``checked=False`` skips :func:`check_csv_target` (for a fresh temp file)."""
+def write_csv(rows: list[Row], path: Path, *, checked: bool = True, overwrite: bool = True) -> None:
+    """Write the scores atomically (a reader sees the old file or the new one, never half of one);
+    ``checked=False`` skips :func:`check_csv_target` (for a fresh temp file)."""
+    path = Path(path)
     if checked:
-        check_csv_target(path)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(CSV_HEADER)
-        for r in rows:
-            writer.writerow([r.notebook, r.student, r.lab, r.check, f"{r.points:g}", f"{r.max_points:g}",
-                             r.status, r.detail, r.flags])
+        check_csv_target(path, overwrite=overwrite)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(fd, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
+            writer = csv.writer(f)
+            writer.writerow(CSV_HEADER)
+            for r in rows:
+                writer.writerow([escape_surrogates(str(x)) for x in (
+                    r.notebook, r.student, r.lab, r.check, f"{r.points:g}", f"{r.max_points:g}", r.status,
+                    r.detail, r.flags)])
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class GradesFile:
+    """The CSV, rewritten (atomically) after every notebook, so a crash keeps the rows graded so far.
+
+    ``start`` refuses an existing file unless ``overwrite`` (then the old one is kept as ``.bak``).
+    If the file cannot be written mid-way (the disk filled, the folder went away), the rows go on to
+    a fresh temporary file, named in ``fallback``. Safe to call from several threads.
+    """
+
+    def __init__(self, path: Path, overwrite: bool = False):
+        self.path = Path(path)
+        self.overwrite = overwrite
+        self.rows: list[Row] = []
+        self.fallback: Path | None = None
+        self.error: OSError | None = None
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        """Raise OSError if the file could not or should not be written (before any grading)."""
+        check_csv_target(self.path, overwrite=self.overwrite)
+
+    def start(self) -> None:
+        """Check again, and keep a copy of the file about to be replaced (only with ``overwrite``)."""
+        self.check()
+        if self.path.exists():
+            shutil.copy2(self.path, self.path.with_name(self.path.name + ".bak"))
+
+    def add(self, rows: list[Row]) -> None:
+        with self._lock:
+            self.rows.extend(rows)
+            self._write(self.rows)
+
+    def finish(self, rows: list[Row]) -> Path:
+        """Write ``rows`` (every notebook's, in order) as the final file; returns where they went."""
+        with self._lock:
+            self.rows = list(rows)
+            self._write(self.rows)
+            return self.fallback or self.path
+
+    def _write(self, rows: list[Row]) -> None:
+        if self.fallback is None:
+            try:
+                write_csv(rows, self.path, checked=False)
+                return
+            except OSError as exc:
+                self.error = exc
+                fd, name = tempfile.mkstemp(prefix="grades-", suffix=".csv")
+                os.close(fd)
+                self.fallback = Path(name)
+        write_csv(rows, self.fallback, checked=False)
 
 
 def totals(rows: list[Row]) -> dict[str, tuple[float, float]]:
@@ -70,6 +149,14 @@ def totals(rows: list[Row]) -> dict[str, tuple[float, float]]:
         t[0] += r.points
         t[1] += r.max_points
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def unplaced(rows: list[Row]) -> list[str]:
+    """Notebooks on no lab at all (the lab is unknown and could not be guessed), listed apart."""
+    names: dict[str, bool] = {}
+    for r in rows:
+        names[r.notebook] = names.get(r.notebook, True) and not r.lab and r.check == "-"
+    return [n for n, apart in names.items() if apart]
 
 
 def _short(text: str, width: int) -> str:
@@ -95,8 +182,13 @@ def format_table(rows: list[Row], detail_width: int = 90) -> str:
     lines = []
     sums = totals(rows)
     flagged = []
+    apart = unplaced(rows)
     for nb_name, (got, out_of) in sums.items():
         mine = [r for r in rows if r.notebook == nb_name]
+        if nb_name in apart:
+            if mine[0].flags:
+                flagged.append(nb_name)
+            continue
         lab = f"  [{mine[0].lab}]" if mine[0].lab else ""
         lines.append(f"{nb_name}  {got:g}/{out_of:g}{lab}")
         for r in mine:
@@ -106,6 +198,14 @@ def format_table(rows: list[Row], detail_width: int = 90) -> str:
         if mine[0].flags:
             flagged.append(nb_name)
             lines.append(f"    flags: {_short(mine[0].flags, detail_width + 20)}")
+    if apart:
+        lines += ["", f"{len(apart)} notebook(s) whose lab could not be guessed (in no lab's totals; grade "
+                      f"them with --lab NAME):"]
+        for nb_name in apart:
+            r = next(r for r in rows if r.notebook == nb_name)
+            lines.append(f"    {nb_name}: {_short(r.detail, detail_width)}")
+            if r.flags:
+                lines.append(f"        flags: {_short(r.flags, detail_width + 20)}")
     full = sum(1 for got, out_of in sums.values() if out_of and got == out_of)
     counts = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
     tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)

@@ -47,7 +47,7 @@ def _tokens(text: str) -> list[tokenize.TokenInfo]:
 def _parse(text: str) -> ast.AST | None:
     try:
         return ast.parse(python_source(text))
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # RecursionError: `x = 1+1+...+1`
         return None
 
 

@@ -329,11 +329,10 @@ def test_scores_survive_a_csv_that_cannot_be_written_at_the_end(tmp_path, monkey
     bad = tmp_path / "mia_04_roofline.ipynb"
     bad.write_text("not a notebook")  # graded without a kernel: an unreadable file
     real = labsupport.course.report.write_csv
-    calls = []
+    target = tmp_path / "grades.csv"
 
     def flaky(rows, path, **kw):
-        calls.append(kw)
-        if kw.get("checked", True):
+        if Path(path) == target:
             raise OSError("disk full")
         return real(rows, path, **kw)
 
@@ -463,10 +462,12 @@ def test_a_path_that_is_not_there_stops_grading_before_it_starts(tmp_path, monke
     assert "last week's grades" in (tmp_path / "grades.csv").read_text()
 
 
-def test_an_older_grades_file_may_be_replaced(tmp_path):
+def test_an_older_grades_file_may_be_replaced_with_overwrite(tmp_path):
     old = tmp_path / "grades.csv"
     old.write_text("notebook,check,points,max_points,status,detail\n")
-    labsupport.course.report.check_csv_target(old)  # no error
+    labsupport.course.report.check_csv_target(old, overwrite=True)  # no error
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        labsupport.course.report.check_csv_target(old)
 
 
 def test_the_same_notebook_named_twice_is_graded_once(tmp_path):
