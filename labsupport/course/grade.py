@@ -37,9 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .manifest import load_manifest
-from .notebooks import KernelStartError, execute, load
+from .notebooks import KernelStartError, execute, first_line, load
 from .report import Row, escape_surrogates
-from .scan import calls_by_cell, scan_flags
+from .scan import calls_by_cell, exercises_checked, names_used_and_bound, scan_flags
 
 NOTEBOOK_TIMEOUT = 3600  # seconds a whole notebook may run, by default
 
@@ -162,6 +162,28 @@ def bad_paths(paths: Iterable[str]) -> list[str]:
     return [raw for raw in paths if not Path(raw).exists() and not raw.endswith(".ipynb")]
 
 
+def skip_what_hung(timeout: float) -> Callable[[str], Callable[[str], str] | None]:
+    """For ``execute(after_timeout=...)``: once a cell checking ``f`` ran past its limit, later cells
+    that use ``f`` are not run (they would hang again), until a cell defines ``f`` anew."""
+
+    def after_timeout(source: str):
+        hung = set(exercises_checked(source))
+        if not hung:
+            return None
+        where = first_line(source)
+
+        def test(later: str) -> str:
+            used, bound = names_used_and_bound(later)
+            again = sorted((hung & used) - bound)
+            hung.difference_update(bound)
+            return (f"`{again[0]}` already ran past {timeout:g} s in the cell starting `{where}`, so this cell "
+                    f"was not run (it would hang again)") if again else ""
+
+        return test
+
+    return after_timeout
+
+
 def _first_error(run, upto: int | None) -> str:
     errors = [e for e in run.errors if upto is None or e.index <= upto] or run.errors
     if not errors:
@@ -215,7 +237,7 @@ def grade_notebook(
     with tempfile.TemporaryDirectory(prefix="labsupport-grade-") as tmp:
         results_file = Path(tmp) / "results.jsonl"
         run = execute(nb, timeout=timeout, stop_on_error=False, quiet=True, notebook_timeout=notebook_timeout,
-                      env={"LABSUPPORT_RESULTS": str(results_file)})
+                      env={"LABSUPPORT_RESULTS": str(results_file)}, after_timeout=skip_what_hung(timeout))
         recorded: dict[str, dict] = {}
         if results_file.exists():
             for line in results_file.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -232,11 +254,14 @@ def grade_notebook(
         cell = called.get(check)
         if entry is None:
             timeouts = [t for t in run.timeouts if cell is None or t.index <= cell]
+            skipped = [s for s in run.skipped if s.index == cell]
             if check not in called:
                 status, detail = "not run", (f"the notebook does not call {check} (was the check cell "
                                              f"deleted or commented out?)")
             elif run.died:
                 status, detail = "not run", run.died
+            elif skipped:
+                status, detail = "timeout", skipped[0].evalue
             elif timeouts:
                 t = timeouts[-1]
                 status = "timeout"

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class Execution:
     timeouts: list[CellError] = field(default_factory=list)  # every cell interrupted at its limit
     notebook_timed_out: str | None = None  # the whole notebook ran past its limit
     died: str | None = None  # the kernel died
+    skipped: list[CellError] = field(default_factory=list)  # cells not run after a timeout (``after_timeout``)
 
     @property
     def ok(self) -> bool:
@@ -113,6 +115,7 @@ def execute(
     env: dict[str, str] | None = None,
     quiet: bool = False,
     notebook_timeout: float | None = None,
+    after_timeout: Callable[[str], Callable[[str], str] | None] | None = None,
 ) -> Execution:
     """Run every code cell of ``nb`` in a fresh kernel (in place) and report what failed.
 
@@ -122,6 +125,9 @@ def execute(
     (``KeyboardInterrupt``) and the next cell runs. ``notebook_timeout`` bounds the whole run:
     past it the kernel is shut down and the cell then running is ``timed_out``.
     ``cwd`` defaults to a fresh temporary folder, so nothing is written next to the notebook.
+    ``after_timeout(source)`` is asked about each cell interrupted at its limit; it may return a
+    test of later cells' sources, and a later cell for which that test returns a reason is not run
+    (it is listed in ``skipped`` with the reason): what hung once is not run again.
     ``env`` adds variables to the kernel's environment (this process's own is left alone, so
     several notebooks can run at once); ``quiet`` drops the kernel process's own stderr (start-up
     warnings), which never holds a cell's output.
@@ -132,11 +138,24 @@ def execute(
     state = {"cell": -1}  # the code cell running now (-1: none yet)
     timed_out_cells: list[int] = []
 
+    skip_tests: list[Callable[[str], str]] = []
+
     class Client(NotebookClient):
         async def _async_handle_timeout(self, timeout, cell=None):
             if cell is not None and state["cell"] not in timed_out_cells:
                 timed_out_cells.append(state["cell"])
+                test = after_timeout(nb.cells[state["cell"]].source) if after_timeout else None
+                if test is not None:
+                    skip_tests.append(test)
             return await super()._async_handle_timeout(timeout, cell)
+
+        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
+            if cell.cell_type == "code":
+                reason = next((r for r in (test(cell.source) for test in skip_tests) if r), "")
+                if reason:
+                    result.skipped.append(CellError(cell_index, "Skipped", reason, cell.source))
+                    return cell
+            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
 
     def started(cell, cell_index, **_):
         state["cell"] = cell_index

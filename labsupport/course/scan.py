@@ -76,6 +76,33 @@ def check_calls(text: str) -> list[str]:
     return names
 
 
+def exercises_checked(text: str) -> list[str]:
+    """The names handed to ``check_*`` calls in the code (``check_x(my_fn)``: my_fn), in order."""
+    tree = _parse(text)
+    names: list[str] = []
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call) and _func_name(node).startswith("check_") and node.args:
+            if isinstance(node.args[0], ast.Name) and node.args[0].id not in names:
+                names.append(node.args[0].id)
+    return names
+
+
+def names_used_and_bound(text: str) -> tuple[set[str], set[str]]:
+    """The names the code reads, and those it binds (``def f``, ``f = ...``, ``import f``)."""
+    tree = _parse(text)
+    if tree is None:  # does not parse: every name it spells, and nothing bound
+        return {t.string for t in _tokens(text) if t.type == tokenize.NAME}, set()
+    used, bound = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (bound if isinstance(node.ctx, (ast.Store, ast.Del)) else used).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return used, bound
+
+
 def _position(tree: ast.AST, name: str) -> tuple[int, int]:
     found = [(n.lineno, n.col_offset) for n in ast.walk(tree) if isinstance(n, ast.Call)
              and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)]

@@ -223,3 +223,30 @@ def test_a_cell_too_deep_to_compile_is_that_cells_error_not_a_stall():
                   notebook_timeout=60)
     assert [(e.index, e.ename) for e in run.errors] == [(0, "RecursionError")]
     assert not run.timeouts and run.notebook.cells[1].outputs[0]["text"] == "after\n"
+
+
+def test_what_hung_once_is_not_run_again_until_it_is_defined_anew():
+    from labsupport.course.grade import skip_what_hung
+
+    test = skip_what_hung(20)("check_kv_bytes_per_token(slow)")
+    assert "`slow` already ran past 20 s in the cell starting `check_kv_bytes_per_token(slow)`" in test(
+        "check_max_concurrency(slow)")
+    assert test("x = slow") and test("print(slower)") == ""
+    assert test("def slow(*a):\n    return 1") == ""  # defined anew: runs, and so do later cells using it
+    assert test("check_max_concurrency(slow)") == ""
+    assert skip_what_hung(20)("import time\ntime.sleep(100)") is None  # nothing named: skip nothing
+
+
+@pytest.mark.notebook
+def test_a_hanging_exercise_function_costs_one_timeout(tmp_path):
+    from labsupport.course.grade import grade_notebook
+
+    path = _write(tmp_path / "hang_06_kv_cache.ipynb", SETUP,
+                  "import time\nfrom labsupport.checks import check_kv_bytes_per_token, check_max_concurrency",
+                  "def slow(*a, **k):\n    time.sleep(300)", "check_kv_bytes_per_token(slow)",
+                  "check_max_concurrency(slow)", "print('the notebook went on')")
+    rows = grade_notebook(path, timeout=15, manifest=LABS)
+    first, second = rows
+    assert (first.status, second.status) == ("timeout", "timeout")
+    assert "ran past 15 s and was interrupted" in first.detail
+    assert second.detail.startswith("`slow` already ran past 15 s in the cell starting `check_kv_bytes_per_token(slow)`")
