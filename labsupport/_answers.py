@@ -24,6 +24,13 @@ _banned: contextvars.ContextVar[frozenset] = contextvars.ContextVar("labsupport_
 
 # Every answer defined so far (modules register theirs when imported), by qualified name.
 ANSWERS: dict[str, object] = {}
+# The undecorated functions under those guards (what ``__wrapped__`` reaches), by id.
+_RAW: dict[int, tuple[object, str]] = {}
+
+# True while the course checks its own answers (the GPU bench, the course's tests): then a check
+# accepts a function that is, or holds, an answer. Set only through :class:`course_checks_its_answers`.
+_course_self_check: contextvars.ContextVar[bool] = contextvars.ContextVar("labsupport_course_self_check",
+                                                                         default=False)
 
 
 class AnswerUsed(Exception):
@@ -45,6 +52,7 @@ def answer(fn):
 
     guarded.answer_name = qualified
     ANSWERS[qualified] = guarded
+    _RAW[id(fn)] = (fn, qualified)
     return guarded
 
 
@@ -81,3 +89,87 @@ def unguarded(fn):
     """The function under an :func:`answer` guard: for the course's own tests and GPU runs, which
     check the answers themselves."""
     return getattr(fn, "__wrapped__", fn)
+
+
+class course_checks_its_answers:
+    """Context manager: the sanctioned way for the course to hand its own answers to a check
+    (``labsupport.bench_attention.run_checks`` on a GPU, the course's tests). While active,
+    :func:`reached_answer` finds nothing. ``course_checks_its_answers(False)`` turns it off again."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.token = None
+
+    def __enter__(self):
+        self.token = _course_self_check.set(self.enabled)
+        return self
+
+    def __exit__(self, *exc):
+        _course_self_check.reset(self.token)
+        return False
+
+
+def _answer_of(obj) -> str | None:
+    """The answer's qualified name if ``obj`` is an answer, guarded or not; else None."""
+    try:
+        name = obj.__dict__.get("answer_name") if hasattr(obj, "__dict__") else None
+    except Exception:
+        name = None
+    if isinstance(name, str) and name in ANSWERS:
+        return name
+    raw = _RAW.get(id(obj))
+    return raw[1] if raw is not None and raw[0] is obj else None
+
+
+def _children(obj):
+    """What a callable holds that could itself be, or hold, an answer."""
+    import functools as _ft
+
+    out = []
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, _ft.partial):
+        out += [obj.func, *obj.args, *obj.keywords.values()]
+    for attr in ("__wrapped__", "__func__", "__self__", "__defaults__", "__kwdefaults__"):
+        try:
+            value = object.__getattribute__(obj, attr) if not isinstance(obj, type) else None
+        except Exception:
+            continue
+        if value is not None:
+            out.append(value)
+    closure = getattr(obj, "__closure__", None) if callable(obj) else None
+    for cell in closure or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    if callable(obj) and not isinstance(obj, type) and not hasattr(obj, "__code__"):
+        try:  # a callable object: what its instance attributes hold
+            out += list(vars(obj).values())
+        except TypeError:
+            pass
+    return out
+
+
+def reached_answer(fn, names, max_nodes: int = 500) -> str | None:
+    """The qualified name of an answer among ``names`` that ``fn`` is or reaches through ``__wrapped__``,
+    ``functools.partial``, a bound method, closure cells, default arguments or a callable object's
+    attributes; None if it reaches none, or while :class:`course_checks_its_answers` is active."""
+    names = frozenset(qualified_name(n) for n in names)
+    if _course_self_check.get() or not names:
+        return None
+    seen: set[int] = set()
+    todo = [fn]
+    while todo and len(seen) < max_nodes:
+        obj = todo.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
+            continue
+        seen.add(id(obj))
+        name = _answer_of(obj)
+        if name in names:
+            return name
+        if isinstance(obj, (tuple, list, set, frozenset, dict)) or callable(obj):
+            todo.extend(_children(obj))
+    return None

@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from .._answers import AnswerUsed, banning, qualified_name
+from .._answers import AnswerUsed, banning, qualified_name, reached_answer
 from . import _display
 
 RESULTS_ENV = "LABSUPPORT_RESULTS"
@@ -141,8 +141,9 @@ class Checker:
             with banning(self.bans):
                 if forbid:
                     with _forbid(forbid):
-                        return fn(*args, **kwargs)
-                return fn(*args, **kwargs)
+                        result = fn(*args, **kwargs)
+                else:
+                    result = fn(*args, **kwargs)
         except AnswerUsed as exc:
             raise CheckFailed(f"{self.name}: on case [{case}] {exc}") from exc
         except NotImplementedError as exc:
@@ -166,8 +167,26 @@ class Checker:
                 "\nHint: run your function on that case yourself to see the full traceback."
             )
             raise CheckFailed(message) from exc
+        _refuse_tensor_subclass(self.name, result, case)
+        return result
 
     # -- comparing results --------------------------------------------------------------------
+    def expect_kernel_work(self, case: Case, launches: "triton_launches", calls: "torch_calls | None",
+                           returned: dict[str, object], hint: str) -> None:
+        """For a Triton exercise whose result was right: fail unless every tensor in ``returned``
+        (name -> tensor) shares storage with a tensor passed to a kernel launched during the call,
+        and no torch function that computes the answer (``calls``) was called."""
+        import torch
+
+        unwritten = [name for name, t in returned.items() if isinstance(t, torch.Tensor) and not launches.wrote(t)]
+        if unwritten:
+            self.fail(case, f"your function returned a tensor that no Triton kernel you launched wrote to: "
+                            f"{', '.join(unwritten)} (its storage was not passed to any launch).", hint)
+        if calls is not None and calls.used:
+            names = ", ".join(f"`{n}`" for n in calls.used)
+            self.fail(case, f"the result is right, but your function called {names} in torch: in this exercise "
+                            f"the Triton kernel computes the answer.", hint)
+
     def fail(self, case: Case, problem: str, hint: str = "") -> None:
         message = f"{self.name}: case [{case}]: {problem}"
         if hint:
@@ -292,6 +311,56 @@ class Checker:
             self.fail(case, problem, hint)
 
 
+def _refuse_tensor_subclass(check: str, result, case: Case, depth: int = 0) -> None:
+    """Fail when ``result`` (or a tuple or list in it) holds a subclass of torch.Tensor: a subclass
+    can redefine the very operations (comparisons, ``allclose``) a check compares with."""
+    import torch
+
+    if isinstance(result, torch.Tensor) and type(result) not in (torch.Tensor, torch.nn.Parameter):
+        raise CheckFailed(
+            f"{check}: on case [{case}] your function returned a {type(result).__name__}, a subclass of "
+            f"torch.Tensor (or an object posing as one). Return a plain torch.Tensor: the result itself, "
+            f"not wrapped in a class of your own."
+        )
+    if depth < 3 and isinstance(result, (tuple, list)):
+        for item in result:
+            _refuse_tensor_subclass(check, item, case, depth + 1)
+
+
+class torch_calls:
+    """Context manager recording which of the torch functions named in ``names`` (exact names:
+    ``"matmul"``, ``"__add__"``) were called while it was active: ``with torch_calls(names) as
+    calls: ...; calls.used``. Unlike :class:`_forbid` it does not stop the call, so a check can
+    first say what is wrong with the result, and only then that the answer was computed in torch.
+    """
+
+    def __init__(self, names: Sequence[str]):
+        from torch.overrides import TorchFunctionMode
+
+        watched, used = frozenset(names), []
+        self.used = used
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in watched and name not in used:
+                    used.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 class _forbid:
     """Context manager: calling any torch function named in ``names`` raises ForbiddenCall.
 
@@ -334,6 +403,9 @@ class triton_launches:
     ``InterpretedFunction.run``) for interpreted ones. A launch may be counted more than once;
     only zero matters. ``count`` is None when none of these exist in this Triton (then nothing
     is required of the learner's function).
+
+    It also records the storage of every tensor passed to a launch: :meth:`wrote` says whether a
+    returned tensor shares storage with one of them (a tensor some launched kernel could write).
     """
 
     HOOKS = (
@@ -344,12 +416,29 @@ class triton_launches:
 
     def __init__(self):
         self.count: int | None = None
+        self.storages: set[int] = set()
         self._patched: list[tuple[type, str, object]] = []
+
+    def wrote(self, t) -> bool:
+        """Whether tensor ``t`` shares storage with a tensor argument of a launch seen so far
+        (True when launches cannot be watched in this Triton)."""
+        return self.count is None or _storage(t) in self.storages
 
     def __enter__(self):
         import importlib
 
+        import torch
+
         counter = self
+
+        def remember(values):
+            for value in values:
+                if isinstance(value, torch.Tensor):
+                    try:
+                        counter.storages.add(_storage(value))
+                    except RuntimeError:  # a tensor without storage (a fake or meta tensor)
+                        pass
+
         for module_name, class_name, method in self.HOOKS:
             try:
                 cls = getattr(importlib.import_module(module_name), class_name)
@@ -359,6 +448,8 @@ class triton_launches:
 
             def counted(*args, __original=original, **kwargs):
                 counter.count += 1
+                remember(args)
+                remember(kwargs.values())
                 return __original(*args, **kwargs)
 
             setattr(cls, method, counted)
@@ -392,6 +483,16 @@ def graded(points: float, name: str | None = None, bans: Sequence[str] = ()):
                 message = (
                     f"{check_name} takes your function itself, got a {type(fn).__name__}. "
                     f"Pass the function without calling it: {check_name}(my_function)."
+                )
+                _record(CheckResult(check_name, False, 0, points, 0, message, "failed"))
+                raise CheckFailed(message)
+            held = reached_answer(fn, bans)
+            if held:
+                message = (
+                    f"{check_name}: your function is, wraps or holds `{held}`, the course's own answer "
+                    f"(reached through __wrapped__, functools.partial, a closure, a default argument or "
+                    f"an attribute). Write the exercise yourself; the check compares your version with "
+                    f"that one."
                 )
                 _record(CheckResult(check_name, False, 0, points, 0, message, "failed"))
                 raise CheckFailed(message)

@@ -6,9 +6,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..device import cuda_available, device, interpreter_mode
-from .framework import Case, graded, triton_launches
+from .framework import Case, graded, torch_calls, triton_launches
 
 PAD = 1 << 16  # elements of guard space after every output tensor the learner's function allocates
+# torch functions that compute the sum: the learner's function may allocate and reshape, not add
+ADDS = ("add", "add_", "__add__", "__radd__", "__iadd__")
 NO_KERNEL_HINT = ("compute the sum with your Triton kernel: allocate `out`, launch "
                   "`add_kernel[grid](x, y, out, n, BLOCK_SIZE=...)` and return `out`.")
 
@@ -75,7 +77,7 @@ def check_vector_add(fn, checker):
             y = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
             x_before, y_before = x.clone(), y.clone()
             case = Case(n=n, dtype=dtype, seed=seed)
-            with triton_launches() as launches, _guarded_allocations() as guard:
+            with triton_launches() as launches, torch_calls(ADDS) as calls, _guarded_allocations() as guard:
                 out = checker.call(fn, x, y, case=case)
             if guard.wrote_past_the_end():
                 checker.fail(case, f"your kernel wrote past the end of the output (n={n}): the last block's "
@@ -95,6 +97,7 @@ def check_vector_add(fn, checker):
             if launches.count == 0:
                 checker.fail(case, "the result is right, but no Triton kernel was launched: the sum was "
                                    "computed some other way (in torch?).", NO_KERNEL_HINT)
+            checker.expect_kernel_work(case, launches, calls, {"out": out}, NO_KERNEL_HINT)
 
 
 def _block_hint(out, expected, mistakes, atol) -> str:

@@ -25,6 +25,7 @@ runs S = 4096 and must not allocate an S x S score matrix (``torch.cuda.max_memo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -38,7 +39,7 @@ from ..attention import (
     peak_tensor_memory,
 )
 from ..device import cuda_available, device, gpu_has_bf16, interpreter_mode
-from .framework import Case, graded, triton_launches
+from .framework import Case, graded, torch_calls, triton_launches
 
 FORBID = ["scaled_dot_product_attention"]
 ANSWERS = (  # the course's own implementations: a learner's function may not be or call them
@@ -47,6 +48,12 @@ ANSWERS = (  # the course's own implementations: a learner's function may not be
     online_softmax_reference,
     flash_attention_reference,
 )
+# torch functions that compute attention: FlashAttention's wrapper may allocate, reshape and make
+# contiguous, but the kernel computes the scores, the softmax and the output
+COMPUTES = ("matmul", "__matmul__", "__rmatmul__", "__imatmul__", "mm", "bmm", "baddbmm", "einsum", "tensordot",
+            "softmax", "log_softmax", "_softmax", "exp", "exp_", "exp2", "logsumexp")
+TRITON_HINT = ("this exercise is the Triton kernel: launch flash_attention_kernel[grid](...) from your wrapper, "
+               "let it write out and lse, and return those tensors.")
 SEQ_LENS = (1, 2, 17, 100, 257)
 LONG_SEQ = 4096  # GPU-only memory case
 
@@ -299,7 +306,7 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
         def watched(*args, **kw):
             return peak_tensor_memory(fn, *args, **kw)
 
-        with triton_launches() as launches:
+        with triton_launches() as launches, (torch_calls(COMPUTES) if require_triton else contextlib.nullcontext()) as calls:
             if watch:
                 result, report = checker.call(watched, q, k, v, causal=fields["causal"], case=case,
                                               forbid=FORBID, **kwargs)
@@ -311,6 +318,7 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
         large = bool(fields.get("sigma"))
         atol, rtol, lse_atol, lse_rtol = _tolerances(fields["dtype"], large)
         out, lse = _expect_pair(checker, result, case) if returns_lse else (result, None)
+        returned_lse = lse  # before any conversion below: the tensor the function returned
         _compare(checker, out, want_out, case=case, atol=atol, rtol=rtol, what="output",
                  mistakes=_output_mistakes(q, k, v, fields["causal"]), hint=BLOCKWISE_HINT if diagnose else "",
                  diagnose=(lambda f=fields, kw=kwargs: diagnose(f, kw)) if diagnose else None, large=large)
@@ -326,9 +334,9 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
                      mistakes=_lse_mistakes(q, k, v, fields["causal"], want_lse), hint=lse_hint)
         if require_triton and launches.count == 0:
             checker.fail(case, "the result is right, but no Triton kernel was launched: it was computed some "
-                               "other way (in torch?).",
-                         "this exercise is the Triton kernel: launch flash_attention_kernel[grid](...) from "
-                         "your wrapper and return what it wrote.")
+                               "other way (in torch?).", TRITON_HINT)
+        if require_triton:
+            checker.expect_kernel_work(case, launches, calls, {"out": out, "lse": returned_lse}, TRITON_HINT)
         if watch:
             limit = fields["S"] * fields["S"]
             if report.largest_numel >= limit:
@@ -481,10 +489,11 @@ def _check_long_sequence(fn, checker, seq_len: int = LONG_SEQ):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        result = checker.call(fn, q, k, v, causal=causal, case=case, forbid=FORBID)
+        with triton_launches() as launches, torch_calls(COMPUTES) as calls:
+            result = checker.call(fn, q, k, v, causal=causal, case=case, forbid=FORBID)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
-        out, _ = _expect_pair(checker, result, case)
+        out, lse = _expect_pair(checker, result, case)
         score_bytes = seq_len * seq_len * 2  # one head's score matrix in 16-bit
         if extra >= score_bytes:
             checker.fail(case, f"the call allocated {extra / 2**20:,.1f} MiB at its peak, at least one "
@@ -496,3 +505,4 @@ def _check_long_sequence(fn, checker, seq_len: int = LONG_SEQ):
                               hint="short sequences pass but this one does not: check that the grid covers "
                                    "every query block (cdiv(S, BLOCK_M) of them) and that the key loop "
                                    "runs to the last key.")
+        checker.expect_kernel_work(case, launches, calls, {"out": out, "lse": lse}, TRITON_HINT)

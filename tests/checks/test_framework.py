@@ -149,3 +149,129 @@ def test_launch_counting_is_undone_even_after_an_exception():
             raise RuntimeError("a learner's exception")
     assert (jit.JITFunction.__dict__["run"], interpreter.GridExecutor.__dict__["__call__"]) == before
 
+
+
+# --- the learner's own work (issue 9) ---------------------------------------------------------------
+
+
+def _answer_reached(through):
+    """The naive attention answer, reached through one of the ways a callable can hold another."""
+    import functools
+
+    from labsupport import attention as A
+
+    raw = A.naive_attention_reference.__wrapped__  # the function under the guard
+
+    def closing_over(q, k, v, causal=False):
+        return raw(q, k, v, causal)
+
+    def by_default(q, k, v, causal=False, _impl=raw):
+        return _impl(q, k, v, causal)
+
+    class Holder:
+        def __init__(self):
+            self.impl = raw
+
+        def __call__(self, q, k, v, causal=False):
+            return self.impl(q, k, v, causal)
+
+    @functools.wraps(raw)
+    def wrapped(q, k, v, causal=False):
+        return q  # wrong, but its __wrapped__ is the answer
+
+    return {
+        "guarded": A.naive_attention_reference,
+        "__wrapped__": raw,
+        "partial": functools.partial(raw),
+        "closure": closing_over,
+        "default": by_default,
+        "callable object": Holder(),
+        "wraps": wrapped,
+        "partial of a closure": functools.partial(closing_over),
+    }[through]
+
+
+@pytest.mark.parametrize("through", ["guarded", "__wrapped__", "partial", "closure", "default", "callable object",
+                                     "wraps", "partial of a closure"])
+def test_an_answer_reached_through_any_attribute_chain_is_refused(through):
+    from labsupport._answers import course_checks_its_answers
+    from labsupport.checks import check_naive_attention
+
+    with course_checks_its_answers(False), pytest.raises(
+            CheckFailed, match="is, wraps or holds `labsupport.attention.naive_attention_reference`"):
+        check_naive_attention(_answer_reached(through))
+
+
+def test_the_course_may_check_its_own_answer_in_the_sanctioned_context(capsys):
+    from labsupport import attention as A
+    from labsupport._answers import course_checks_its_answers, unguarded
+    from labsupport.checks import check_naive_attention
+
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="the course's own answer"):
+            check_naive_attention(unguarded(A.naive_attention_reference))
+        with course_checks_its_answers():
+            check_naive_attention(unguarded(A.naive_attention_reference))
+    assert "PASSED check_naive_attention" in capsys.readouterr().out
+
+
+def test_the_gpu_bench_checks_the_answers_in_the_sanctioned_context(monkeypatch):
+    """bench_attention.run_checks hands the unguarded answers in; the checks must see them allowed."""
+    from labsupport import bench_attention, checks
+    from labsupport._answers import ANSWERS, course_checks_its_answers, reached_answer
+
+    seen = []
+    for name in ("check_naive_attention", "check_online_softmax", "check_flash_attention"):
+        monkeypatch.setattr(checks, name, lambda fn, name=name: seen.append((name, reached_answer(fn, ANSWERS))))
+    monkeypatch.setattr(bench_attention, "check_launch_ladder", lambda: True)
+    with course_checks_its_answers(False):
+        assert bench_attention.run_checks()
+        assert [held for _, held in seen] == [None, None, None]
+        # outside it, the same function is refused
+        from labsupport._answers import unguarded
+        from labsupport.attention import flash_attention_reference
+
+        assert reached_answer(unguarded(flash_attention_reference), ANSWERS) == \
+            "labsupport.attention.flash_attention_reference"
+    assert len(seen) == 3
+
+
+@triton.jit
+def _writes_nothing(x_ptr):
+    tl.load(x_ptr)
+
+
+class _Agreeable(torch.Tensor):
+    """A tensor whose comparisons always succeed: any() is False, allclose and equal are True."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("allclose", "equal"):
+            return True
+        if name == "any":
+            return torch.tensor(False)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_a_tensor_subclass_whose_comparisons_always_succeed_is_refused():
+    def zeros_that_agree(x, y):
+        out = torch.zeros_like(x)
+        _writes_nothing[(1,)](out)
+        return out.as_subclass(_Agreeable)
+
+    with pytest.raises(CheckFailed, match="returned a _Agreeable, a subclass of torch.Tensor"):
+        check_vector_add(zeros_that_agree)
+    from labsupport.checks import check_naive_attention
+
+    with pytest.raises(CheckFailed, match="subclass of torch.Tensor"):
+        check_naive_attention(lambda q, k, v, causal=False: torch.zeros_like(q).as_subclass(_Agreeable))
+
+
+def test_an_object_posing_as_a_tensor_is_refused():
+    class Posing:
+        __class__ = property(lambda self: torch.Tensor)  # isinstance(obj, torch.Tensor) is True
+
+    assert isinstance(Posing(), torch.Tensor)
+    with pytest.raises(CheckFailed, match="posing as one"):
+        check_vector_add(lambda x, y: Posing())

@@ -152,3 +152,44 @@ def test_kernels_launched_any_way_count():
     check_vector_add(via_run)
     check_vector_add(_launch_new_empty(_add_kernel))
 
+
+
+# --- the sum must come from the learner's kernel (issue 9) ---------------------------------------
+
+
+@triton.jit
+def _does_nothing(x_ptr, n, BLOCK: tl.constexpr):
+    tl.load(x_ptr + tl.arange(0, BLOCK), mask=tl.arange(0, BLOCK) < n)  # reads, stores nothing
+
+
+def torch_sum_then_idle_kernel(x, y):
+    out = x + y  # computed in torch ...
+    _does_nothing[(1,)](x, x.numel(), BLOCK=16)  # ... then any launch, to be counted
+    return out
+
+
+def torch_sum_into_a_launched_tensor(x, y):
+    out = torch.empty_like(x)
+    torch.add(x, y, out=out)  # out is passed to a launch below, but that kernel writes nothing
+    _does_nothing[(1,)](out, x.numel(), BLOCK=16)
+    return out
+
+
+def test_a_torch_sum_beside_an_idle_kernel_fails():
+    with pytest.raises(CheckFailed, match="returned a tensor that no Triton kernel you launched wrote to: out"):
+        check_vector_add(torch_sum_then_idle_kernel)
+
+
+def test_a_torch_sum_written_into_a_launched_tensor_fails():
+    with pytest.raises(CheckFailed, match="(?s)the result is right, but your function called `add` in torch"):
+        check_vector_add(torch_sum_into_a_launched_tensor)
+
+
+def test_a_kernel_writing_a_view_of_its_output_passes(capsys):
+    def through_views(x, y):
+        out = torch.empty(x.numel() + 8, dtype=x.dtype)[: x.numel()]  # a view; the kernel writes its storage
+        _add_kernel[(triton.cdiv(x.numel(), 64),)](x, y, out, x.numel(), BLOCK=64)
+        return out.view(x.shape)
+
+    check_vector_add(through_views)
+    assert "PASSED check_vector_add" in capsys.readouterr().out

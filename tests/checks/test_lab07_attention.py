@@ -308,6 +308,53 @@ def test_flash_check_rejects(name):
     assert expected in str(info.value), str(info.value)
 
 
+@triton.jit
+def _idle_kernel(x_ptr):
+    tl.load(x_ptr)  # reads one element, writes nothing
+
+
+def _torch_attention(q, k, v, causal):
+    """Attention computed with torch matmul and softmax (what the flash exercise replaces)."""
+    s = q.shape[2]
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype), torch.logsumexp(scores, dim=-1)
+
+
+def torch_attention_beside_an_idle_kernel(q, k, v, causal=False):
+    out, lse = _torch_attention(q, k, v, causal)
+    _idle_kernel[(1,)](q)
+    return out, lse
+
+
+def torch_attention_into_launched_tensors(q, k, v, causal=False):
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32)
+    got_out, got_lse = _torch_attention(q, k, v, causal)
+    out.copy_(got_out)
+    lse.copy_(got_lse)
+    _idle_kernel[(1,)](out)
+    _idle_kernel[(1,)](lse)
+    return out, lse
+
+
+def test_flash_check_rejects_torch_attention_beside_an_idle_kernel():
+    with pytest.raises(CheckFailed, match="returned a tensor that no Triton kernel you launched wrote to: out, lse"):
+        check_flash_attention(torch_attention_beside_an_idle_kernel)
+
+
+def test_flash_check_rejects_torch_attention_copied_into_launched_tensors():
+    with pytest.raises(CheckFailed, match="(?s)the result is right, but your function called `matmul`.*"
+                                          "`softmax`.*the Triton kernel computes the answer"):
+        check_flash_attention(torch_attention_into_launched_tensors)
+
+
+def test_naive_and_online_checks_still_allow_torch_matmul(capsys):
+    """Only the Triton exercise forbids computing in torch; the torch exercises are made of it."""
+    check_naive_attention(lambda q, k, v, causal=False: _torch_attention(q, k, v, causal)[0])
+    assert "PASSED check_naive_attention" in capsys.readouterr().out
+
+
 def test_flash_check_explains_a_missing_driver_style_error():
     def flash_attention(q, k, v, causal=False):
         raise RuntimeError("boom from the learner's wrapper")
