@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 
 # The qualified names of the answers the running check bans; empty outside a learner's call.
 _banned: contextvars.ContextVar[frozenset] = contextvars.ContextVar("labsupport_banned_answers",
@@ -50,9 +51,24 @@ def answer(fn):
             )
         return fn(*args, **kwargs)
 
+    def under_the_guard(*args, **kwargs):
+        # what ``__wrapped__`` and :func:`unguarded` hand out: banned inside a check as well, unless
+        # the course is checking its own answers (course_checks_its_answers)
+        if qualified in _banned.get() and not _course_self_check.get():
+            raise AnswerUsed(
+                f"your function calls `{qualified}` unguarded (through `__wrapped__`), the course's own "
+                f"answer to this exercise. Write it yourself; the check compares your version with that one."
+            )
+        return fn(*args, **kwargs)
+
+    functools.update_wrapper(under_the_guard, fn)
+    del under_the_guard.__wrapped__  # the raw function stays out of reach by attribute
+    under_the_guard.__signature__ = inspect.signature(fn)
+    guarded.__wrapped__ = under_the_guard
     guarded.answer_name = qualified
     ANSWERS[qualified] = guarded
-    _RAW[id(fn)] = (fn, qualified)
+    for raw in (fn, under_the_guard):
+        _RAW[id(raw)] = (raw, qualified)
     return guarded
 
 
@@ -87,7 +103,8 @@ class banning:
 
 def unguarded(fn):
     """The function under an :func:`answer` guard: for the course's own tests and GPU runs, which
-    check the answers themselves."""
+    check the answers themselves. Outside a check it runs freely; inside a check that bans it, only
+    within :class:`course_checks_its_answers`."""
     return getattr(fn, "__wrapped__", fn)
 
 

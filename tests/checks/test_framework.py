@@ -275,3 +275,18 @@ def test_an_object_posing_as_a_tensor_is_refused():
     assert isinstance(Posing(), torch.Tensor)
     with pytest.raises(CheckFailed, match="posing as one"):
         check_vector_add(lambda x, y: Posing())
+
+
+def test_an_answer_called_unguarded_inside_the_function_is_refused():
+    """The function under the guard (``__wrapped__``) is banned too when the learner's code calls it."""
+    from labsupport import attention as A
+    from labsupport._answers import course_checks_its_answers
+    from labsupport.checks import check_naive_attention
+
+    def calls_it_unguarded(q, k, v, causal=False):
+        return A.naive_attention_reference.__wrapped__(q, k, v, causal)  # reached at run time
+
+    with course_checks_its_answers(False), pytest.raises(CheckFailed, match="unguarded \\(through `__wrapped__`\\)"):
+        check_naive_attention(calls_it_unguarded)
+    q = k = v = torch.randn(1, 1, 4, 16)  # outside a check it runs normally
+    assert A.naive_attention_reference.__wrapped__(q, k, v).shape == (1, 1, 4, 16)
