@@ -27,9 +27,33 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import attention, checks
+from ._answers import course_checks_its_answers, unguarded
+from .attention import (
+    GPU_CONFIGS,
+    KernelConfig,
+    attention_spec,
+    config_name,
+    flash_attention_reference,
+    kernel_config,
+    naive_attention_reference,
+    online_softmax_reference,
+)
+from .costs import attention_flops
+from .device import configure_triton, interpreter_mode
+from .hardware import match_device_name
+from .timing import benchmark
 
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384
@@ -47,7 +71,6 @@ TOLERANCE = f"|err| <= {ATOL:g} + {RTOL:g} |ref|"
 
 def error_ratio(out, ref) -> float:
     """``max |out - ref| / (ATOL + RTOL * |ref|)``: at most 1 when the outputs agree (NaN counts as not)."""
-    import torch
 
     out, ref = out.float(), ref.float()
     ratio = ((out - ref).abs() / (ATOL + RTOL * ref.abs())).max()
@@ -174,8 +197,6 @@ GPU_RESULTS = "results/gpu_attention.json"  # what chapter 07 reads; scripts/gpu
 def save_results(path, rows: list[Row], *, device: str, date: str, versions: str, dry_run: bool,
                  shape: dict | None = None) -> None:
     """Write the measured rows as JSON (chapter 07 renders them with :func:`results_markdown`)."""
-    import json
-    from dataclasses import asdict
 
     shape = {**dict(head_dim=HEAD_DIM, heads=HEADS, tokens=TOKENS), **(shape or {})}
     data = dict(device=device, date=date, versions=versions.strip(), dry_run=dry_run, shape=shape,
@@ -191,8 +212,6 @@ def load_results(path=None) -> dict | None:
     ``path`` defaults to :data:`GPU_RESULTS` under the repository root. ``rows`` come back as
     :class:`Row` objects.
     """
-    import json
-    from pathlib import Path
 
     path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
     if not path.is_file():
@@ -237,7 +256,6 @@ def _measured_intro(results: dict) -> list[str]:
     """What the measured rows say, in numbers computed from them (nothing typed by hand). The
     Hopper explanation is given only where it applies: an sm_90 GPU on which the kernel was
     faster than SDPA at every length."""
-    from .hardware import match_device_name
 
     rows = [r for r in results["rows"] if r.sdpa_s is not None]
     if not rows:
@@ -272,7 +290,6 @@ def _measured_intro(results: dict) -> list[str]:
 
 def _naive_with_mask(q, k, v, mask):
     """Naive attention with a precomputed causal mask (True = hidden), as model code caches it."""
-    import torch
 
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, S, S)
     if mask is not None:
@@ -282,7 +299,6 @@ def _naive_with_mask(q, k, v, mask):
 
 def _inputs(seq_len: int, *, heads: int, head_dim: int, tokens: int, device: str):
     """bf16 q, k, v of shape ``(tokens // S, heads, S, head_dim)``, seeded by S."""
-    import torch
 
     b = max(1, tokens // seq_len)
     gen = torch.Generator(device=device).manual_seed(seq_len)
@@ -292,8 +308,6 @@ def _inputs(seq_len: int, *, heads: int, head_dim: int, tokens: int, device: str
 
 def _sdpa(q, k, v, causal: bool):
     """SDPA with the flash backend pinned (it raises rather than fall back to another backend)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -303,7 +317,6 @@ def measure(seq_lens=SEQ_LENS, *, heads: int = HEADS, head_dim: int = HEAD_DIM, 
             device: str = "cuda", timing: dict | None = None, log=print) -> list[Row]:
     """Time the three implementations at each S, causal and not. ``timing`` is passed to
     :func:`labsupport.timing.benchmark` (the dry run uses one call)."""
-    import torch
 
     rows = []
     for s in seq_lens:
@@ -320,16 +333,12 @@ def measure(seq_lens=SEQ_LENS, *, heads: int = HEADS, head_dim: int = HEAD_DIM, 
 
 
 def _measure_one(q, k, v, causal: bool, timing: dict) -> Row:
-    import torch
 
-    from .attention import flash_attention_reference
-    from .costs import attention_flops
-    from .timing import benchmark
 
     b, h, s, d = q.shape
 
     def kernel():
-        return flash_attention_reference(q, k, v, causal)
+        return attention.flash_attention_reference(q, k, v, causal)  # looked up at call time
 
     def sdpa():
         return _sdpa(q, k, v, causal)
@@ -367,7 +376,6 @@ def _measure_one(q, k, v, causal: bool, timing: dict) -> Row:
 def candidate_configs():
     """Launch configurations the ``--configs`` sweep times (what Triton's tutorial autotunes over,
     trimmed to the ones that fit a Hopper or Ampere datacenter GPU at head dim 128)."""
-    from .attention import KernelConfig
 
     return [KernelConfig(bm, bn, w, st) for bm, bn, w, st in (
         (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
@@ -401,12 +409,7 @@ def sweep_configs(seq_len: int = 4096, *, heads: int = HEADS, head_dim: int = HE
     marked as the default. A configuration that does not compile (too much shared memory, say)
     or gives a wrong answer is recorded with its error, not raised.
     """
-    import torch
 
-    from .attention import attention_spec, flash_attention_reference, kernel_config
-    from .costs import attention_flops
-    from .device import interpreter_mode
-    from .timing import benchmark
 
     qkv = _inputs(seq_len, heads=heads, head_dim=head_dim, tokens=tokens, device=device)
     b = qkv[0].shape[0]
@@ -418,7 +421,7 @@ def sweep_configs(seq_len: int = 4096, *, heads: int = HEADS, head_dim: int = HE
         flops = attention_flops(b, heads, seq_len, head_dim, causal=causal)
         for config in todo:
             def kernel(causal=causal, config=config):
-                return flash_attention_reference(*qkv, causal, config=config)
+                return attention.flash_attention_reference(*qkv, causal, config=config)
 
             try:
                 got = kernel()[0].float()
@@ -477,9 +480,6 @@ def format_sweep(rows: list[ConfigRow]) -> str:
 
 def run_checks() -> bool:
     """The graded checks on the reference implementations, GPU-only cases included."""
-    from . import checks
-    from ._answers import course_checks_its_answers, unguarded
-    from .attention import flash_attention_reference, naive_attention_reference, online_softmax_reference
 
     ok = check_launch_ladder()
     # The answers refuse to run inside the checks that ban them, and the checks refuse a function
@@ -501,10 +501,7 @@ def check_launch_ladder() -> bool:
     """Every configuration the kernel may step down to (``GPU_CONFIGS``) compiles, launches and
     is right on this device, causal and not, in fp16 and (where supported) bf16. A GPU whose
     shared memory is smaller than this one's would get one of the later entries."""
-    import torch
 
-    from ._answers import unguarded
-    from .attention import GPU_CONFIGS, attention_spec, config_name, flash_attention_reference
 
     kernel = unguarded(flash_attention_reference)
     dtypes = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
@@ -546,9 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and (args.check or args.configs is not None):
         parser.error("--json writes the benchmark table's rows; it does not go with --check or --configs")
 
-    import torch
 
-    from .device import configure_triton, interpreter_mode
 
     configure_triton()
     if args.dry_run:
@@ -567,7 +562,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device, shapes, timing = "cuda", dict(seq_lens=SEQ_LENS), None
         name = torch.cuda.get_device_name(0)
-    import triton
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     versions = f"    torch {torch.__version__}, triton {triton.__version__}"

@@ -18,17 +18,23 @@ takes does not depend on the values in the cache, only on how many there are.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import json
 import math
 import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from . import costs
 from ._validate import int_list, positive_int, positive_number, renamed_parameters
+from .hardware import match_device_name
 from .models import as_model
+from .timing import benchmark
 from .timing import progress as progress_bar
 from .transformer import Transformer
 
@@ -138,7 +144,6 @@ def cpu_threads(n: int | None):
 
     ``None`` leaves the setting alone. Has no effect on GPU work.
     """
-    import torch
 
     if n is None:
         yield
@@ -154,7 +159,6 @@ def cpu_threads(n: int | None):
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for a GPU (or CPU allocator) out-of-memory error."""
-    import torch
 
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return True
@@ -165,9 +169,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def _free_memory() -> None:
-    import gc
 
-    import torch
 
     gc.collect()
     if torch.cuda.is_available():
@@ -197,7 +199,6 @@ class DecodePoint:
 
 def _cache_bytes(model, batch: int, max_len: int) -> int:
     """Bytes a cache for ``batch`` sequences of ``max_len`` positions reserves (keys and values)."""
-    import torch
 
     cfg = model.cfg
     element = torch.empty((), dtype=model.dtype).element_size()
@@ -218,7 +219,6 @@ def measure_prefill(
     ``threads`` pins CPU threads while timing (see :func:`cpu_threads`). Extra keyword arguments go
     to :func:`labsupport.timing.benchmark` (for example ``repeats=3``: three timed calls, on a GPU too).
     """
-    from .timing import benchmark
 
     model = _check_model(model)
     lengths = _lengths(lengths, "lengths")
@@ -251,7 +251,6 @@ def measure_decode(
     The cache is allocated for ``context + 1`` positions and declared filled up to ``context``
     (see the module docstring), so each timed call attends to exactly ``context`` earlier tokens.
     """
-    from .timing import benchmark
 
     model = _check_model(model)
     batches = _lengths(batches, "batches")
@@ -392,8 +391,6 @@ def load_gpu_results(path=None) -> dict | None:
 
     ``path`` defaults to :data:`GPU_RESULTS` under the repository root.
     """
-    import json
-    from pathlib import Path
 
     path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
     if not path.is_file():
@@ -456,7 +453,6 @@ def gpu_findings_markdown(results: dict | None) -> str:
     """What chapter 05's GPU run showed, in sentences whose numbers all come from ``results``;
     a plain "not yet measured" statement when there is no run. Each conclusion is drawn only when
     the data supports it (a slower GPU's run gets a plain description instead)."""
-    from .hardware import match_device_name
 
     if not results:
         return ("**Not yet measured.** No GPU run has been recorded for this build of the book, so no "
