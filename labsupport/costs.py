@@ -5,7 +5,9 @@ Conventions (stated once, used everywhere):
 * ``N`` is :func:`param_count`: every weight, embeddings included, as the runbook counts it.
 * A matmul of an ``(m, k)`` by a ``(k, n)`` matrix costs ``2*m*k*n`` FLOPs (a multiply and an add).
 * Prefill attention costs ``4*L*P**2*d``: ``2*L*P**2*d`` to score every query against every key,
-  the same again to blend the values. The runbook counts it *without* the causal mask;
+  the same again to blend the values. Here ``d`` is the width of all query heads together,
+  ``n_heads * head_dim`` (:attr:`ModelConfig.q_width`), which is ``d_model`` except in models with
+  an explicit head width (Qwen3-0.6B: 2048 on a model width of 1024). The runbook counts it *without* the causal mask;
   ``causal=True`` halves it, since a causal model scores each query only against earlier keys.
 * A decode step reads every weight once and the whole KV cache of every sequence in the batch.
 * Bytes: a name ending in ``_dtype_bytes`` is bytes per element (2 for bf16), one ending in
@@ -30,15 +32,22 @@ PLANNING_MFU = 0.4
 def param_count(cfg: ModelConfig) -> int:
     """Number of weights in a Llama-style decoder, embeddings and output head included.
 
-    Per layer: the query and output projections (``d*d`` each), the key and value projections
-    (``d * n_kv_heads * head_dim`` each), the SwiGLU feed-forward (``3*d*d_ff``) and two RMSNorm
-    weight vectors. Then the embedding table, a final norm and, unless tied, the output head.
+    Per layer: the query and output projections (``d * n_heads * head_dim`` each; ``d*d`` when the
+    head width is ``d / n_heads``), the key and value projections (``d * n_kv_heads * head_dim``
+    each), their biases where the model has them (``qkv_bias``: ``(n_heads + 2*n_kv_heads) *
+    head_dim``; ``o_bias``: ``d``), the SwiGLU feed-forward (``3*d*d_ff``), two RMSNorm weight vectors
+    and, with ``qk_norm`` (Qwen3), two more of ``head_dim``. Then the embedding table, a final norm
+    and, unless tied, the output head. Chapter 02 splits this by component.
     """
     cfg = as_model(cfg)
-    d, kv_width = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-    attention = 2 * d * d + 2 * d * kv_width
+    d, q_width, kv_width = cfg.d_model, cfg.q_width, cfg.kv_width
+    attention = 2 * d * q_width + 2 * d * kv_width
+    if cfg.qkv_bias:
+        attention += q_width + 2 * kv_width
+    if cfg.o_bias:
+        attention += d
     feed_forward = 3 * d * cfg.d_ff
-    norms = 2 * d
+    norms = 2 * d + (2 * cfg.head_dim if cfg.qk_norm else 0)
     per_layer = attention + feed_forward + norms
     embeddings = cfg.vocab_size * d * (1 if cfg.tied_embeddings else 2)
     return cfg.n_layers * per_layer + embeddings + d
@@ -66,7 +75,7 @@ def prefill_attention_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool =
     """The quadratic part of :func:`prefill_flops`: ``4*L*P**2*d``, halved when ``causal``."""
     cfg = as_model(cfg)
     p = positive_int("prompt_tokens", prompt_tokens)
-    attention = 4 * cfg.n_layers * p * p * cfg.d_model
+    attention = 4 * cfg.n_layers * p * p * cfg.q_width
     return float(attention / 2 if causal else attention)
 
 
@@ -81,7 +90,7 @@ def quadratic_crossover(cfg: ModelConfig, causal: bool = False) -> float:
     With the causal halving the attention term is half as large, so the crossover doubles.
     """
     cfg = as_model(cfg)
-    crossover = param_count(cfg) / (2 * cfg.n_layers * cfg.d_model)
+    crossover = param_count(cfg) / (2 * cfg.n_layers * cfg.q_width)
     return crossover * 2 if causal else crossover
 
 
@@ -131,7 +140,7 @@ def decode_step_flops(cfg: ModelConfig, batch: int, context: int = 0) -> float:
     cfg = as_model(cfg)
     batch = positive_int("batch", batch)
     context = positive_int("context", context, allow_zero=True)
-    return float(batch * (2 * param_count(cfg) + 4 * cfg.n_layers * context * cfg.d_model))
+    return float(batch * (2 * param_count(cfg) + 4 * cfg.n_layers * context * cfg.q_width))
 
 
 def matmul_flops(m: int, k: int, n: int) -> float:

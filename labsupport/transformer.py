@@ -2,7 +2,10 @@
 
 The architecture follows Llama 3 (Grattafiori et al., 2024, "The Llama 3 Herd of Models"):
 RMSNorm before each block, rotary position embeddings, grouped-query attention and a SwiGLU
-feed-forward. The weights are random (seeded): how long a forward pass takes does not depend on
+feed-forward. The details in which real models differ follow the config: an explicit head width
+(``H * D`` need not be ``d``), biases on the q/k/v (and output) projections (Qwen2), q/k norms
+(Qwen3) and the rotary base ``rope_theta``. ``rope_scaling`` (Llama 3.1) is carried by the config
+but not applied here yet (chapter 08). The weights are random (seeded): how long a forward pass takes does not depend on
 their values, so a random model measures the same time as a trained one of the same shape.
 
 Shapes used in comments:
@@ -40,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._validate import positive_int
-from .models import ModelConfig, as_model
+from .models import LLAMA3_ROPE_THETA, ModelConfig, as_model
 
-ROPE_THETA = 500_000.0  # Llama 3's rotary base
+ROPE_THETA = LLAMA3_ROPE_THETA  # the default base; the model uses its config's rope_theta
 NORM_EPS = 1e-5
 INIT_STD = 0.02  # nanoGPT/GPT-2 style initialisation; values do not matter for timing
 ATTENTION_CHOICES = ("sdpa", "naive")
@@ -186,10 +189,13 @@ class Attention(nn.Module):
         super().__init__()
         d, D = cfg.d_model, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, D
-        self.wq = nn.Linear(d, cfg.n_heads * D, bias=False, **factory)
-        self.wk = nn.Linear(d, cfg.n_kv_heads * D, bias=False, **factory)
-        self.wv = nn.Linear(d, cfg.n_kv_heads * D, bias=False, **factory)
-        self.wo = nn.Linear(cfg.n_heads * D, d, bias=False, **factory)
+        self.wq = nn.Linear(d, cfg.n_heads * D, bias=cfg.qkv_bias, **factory)
+        self.wk = nn.Linear(d, cfg.n_kv_heads * D, bias=cfg.qkv_bias, **factory)
+        self.wv = nn.Linear(d, cfg.n_kv_heads * D, bias=cfg.qkv_bias, **factory)
+        self.wo = nn.Linear(cfg.n_heads * D, d, bias=cfg.o_bias, **factory)
+        # Qwen3: an RMSNorm over each head's D elements of the queries and keys, before the rotation
+        self.q_norm = RMSNorm(D, **factory) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, **factory) if cfg.qk_norm else None
 
     def forward(
         self, x, cos, sin, attn_fn: AttentionFn, fold_gqa: bool, cache: KVCache | None, layer: int, start: int
@@ -200,6 +206,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
         k = self.wk(x).view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.wv(x).view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over D
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)  # (B, Hkv, T, D), T = start + S
@@ -376,7 +384,7 @@ class Transformer(nn.Module):
         """Run positions ``start .. start+S-1``; return the last position's logits (B, V) in fp32."""
         B, S = tokens.shape
         positions = torch.arange(start, start + S, device=self.device)  # (S,)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.dtype)  # (S, D) each
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta)  # (S, D) each
         fold_gqa = self._attention_name == "sdpa"
         x = self.tok_embeddings(tokens)  # (B, S, d)
         for i, layer in enumerate(self.layers):
