@@ -1,0 +1,345 @@
+"""Checks for the tokens lab: the BPE merge loop, encode, decode, and a streaming detokenizer."""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import functools
+from collections import Counter
+
+from ..tokenizer import (
+    END_OF_TEXT,
+    BPETokenizer,
+    IncrementalDetokenizer,
+    bpe_decode,
+    bpe_encode,
+    bpe_merges,
+    course_passages,
+    course_tokenizer,
+    merge_pair,
+    pretokenize,
+    utf8_incomplete_tail,
+)
+from .framework import Case, ForbiddenCall, graded
+
+MERGE_RULE = (
+    "split the text with pretokenize(text); count each pair of adjacent ids inside every chunk (never across "
+    "two chunks), over the bytes of the chunk; merge the pair with the highest count, ties to the smallest "
+    "pair (a, b) as a tuple: min(counts, key=lambda p: (-counts[p], p)); give it the id 256 + number of "
+    "merges so far; replace it in every chunk left to right; stop after vocab_size - 256 merges or when no "
+    "chunk has two ids left."
+)
+ENCODE_RULE = (
+    "pretokenize(text), then in each chunk start from its UTF-8 bytes and apply the merges in the order they "
+    "were learned (repeatedly merge the adjacent pair with the lowest rank, or go through the merges list "
+    "once in order); the k-th merge makes id 256 + k."
+)
+DECODE_RULE = (
+    "build each id's bytes (0-255: the byte itself; 256 + k: the bytes of merges[k]'s two ids joined), join "
+    "the bytes of ALL the ids, and decode them once with .decode('utf-8', errors='replace'). An id outside "
+    "0 .. 255 + len(merges) must raise ValueError."
+)
+STREAM_RULE = (
+    "keep the bytes you have not emitted; after adding a token's bytes, emit everything except a trailing "
+    "incomplete character (a lead byte 0xC2-0xF4 followed by fewer continuation bytes than it needs), "
+    "decoded with errors='replace'; flush() decodes and returns whatever is still held."
+)
+
+
+# -- wrong implementations the checks recognise --------------------------------------------------------
+
+def _merges_over(words: list[list[int]], freqs: list[int], n: int, choose) -> list[tuple[int, int]]:
+    merges = []
+    while len(merges) < n:
+        counts: Counter = Counter()
+        for w, f in zip(words, freqs):
+            for p in zip(w, w[1:]):
+                counts[p] += f
+        if not counts:
+            break
+        pair = choose(counts)
+        merges.append(pair)
+        words = [merge_pair(w, pair, 255 + len(merges)) for w in words]
+    return merges
+
+
+def _chunks(text):
+    c = Counter(pretokenize(text))
+    return [list(k.encode()) for k in c], list(c.values())
+
+
+def _merge_mistakes(text: str, vocab_size: int) -> dict[str, list]:
+    n = vocab_size - 256
+    words, freqs = _chunks(text)
+    smallest = lambda counts: min(counts, key=lambda p: (-counts[p], p))
+    return {
+        "pairs are counted across chunk boundaries (the text was not pre-tokenised, or the chunks were "
+        "joined)": _merges_over([list(text.encode())], [1], n, smallest),
+        "ties go to the pair seen first (as Counter.most_common and max() do), not to the smallest pair":
+            _merges_over(words, freqs, n, lambda counts: counts.most_common(1)[0][0]),
+        "ties go to the largest pair, not the smallest":
+            _merges_over(words, freqs, n, lambda counts: max(counts, key=lambda p: (counts[p], p))),
+        "each distinct chunk is counted once, not once per occurrence":
+            _merges_over(words, [1] * len(words), n, smallest),
+        "vocab_size - 256 + 1 merges were learned (an off-by-one in the loop)":
+            _merges_over(words, freqs, n + 1, smallest),
+    }
+
+
+def _as_pairs(checker, got, case, what):
+    try:
+        pairs = [tuple(p) for p in got]
+        ok = all(len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs)
+    except TypeError:
+        ok = False
+    if not ok:
+        checker.fail(case, f"the {what} is {type(got).__name__} {str(got)[:120]}, expected a list of pairs of "
+                           f"ints such as [(101, 32), (256, 116)].", MERGE_RULE)
+    return pairs
+
+
+def _ids(checker, got, case, what, hint):
+    if not isinstance(got, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in got):
+        checker.fail(case, f"the {what} is {type(got).__name__} {str(got)[:120]}, expected a list of ints.", hint)
+    return list(got)
+
+
+def _first_difference(got, expected) -> str:
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            return f"item {i} is {a!r}, expected {b!r}"
+    return f"you returned {len(got)} items, expected {len(expected)}"
+
+
+# -- the texts the checks use ------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _merge_cases() -> list[tuple[str, str, int]]:
+    """(label, text, vocab_size): each exposes one mistake, then real text."""
+    passages = course_passages()
+    return [
+        ("ties: 'mn' seen first, 'zy' largest, 'ab' smallest", "mn,zy,ab", 257),
+        ("ties on the second id", "ac,ab", 257),
+        ("a higher count beats a smaller pair", "zz,zz,ab", 257),
+        ("pairs across chunks: ', ' three times, ' x' twice", "x, x, x, y", 257),
+        ("overlapping pairs: 'aaaa'", "aaaa aaaa", 300),
+        ("runs out of pairs before vocab_size", "hello", 400),
+        ("French passage", passages["french"][:600], 300),
+        ("mixed scripts and emoji", "naïve café — Привет мир, こんにちは 世界! 👍🏽👍🏽 e\u0301e\u0301 " * 2, 290),
+        ("Python code", passages["python"][:500], 290),
+    ]
+
+
+def _encode_cases() -> list[tuple[str, str, list]]:
+    passages = course_passages()
+    small = bpe_merges(passages["german"][:800], 300)
+    course = course_tokenizer().merges
+    return [
+        ("empty text", "", small),
+        ("one chunk, German merges", " Zusammensetzungen", small),
+        ("merges must not cross chunks", "the cat, the hat; the mat.", course),
+        ("English prose", passages["english"][2000:2400], course),
+        ("Russian", passages["russian"][:200], course),
+        ("CJK, emoji and combining marks", "東京 😀👍🏽 e\u0301 ❤️ 한국어", course),
+        ("code", passages["c"][:300], course),
+        (f"the special token's string is ordinary text here: {END_OF_TEXT}", f"a{END_OF_TEXT}b", course),
+    ]
+
+
+# -- checks ---------------------------------------------------------------------------------------------------
+
+@graded(points=10, bans=(bpe_merges,))
+def check_bpe_merges(fn, checker):
+    """``fn(text, vocab_size)`` must return the merges (a list of pairs of ids) byte-level BPE learns,
+    with the tie rule and pre-tokenisation of :mod:`labsupport.tokenizer`."""
+    for label, text, vocab_size in _merge_cases():
+        case = Case(text=label, vocab_size=vocab_size, chars=len(text))
+        got = _as_pairs(checker, checker.call(fn, text, vocab_size, case=case), case, "result")
+        expected = bpe_merges(text, vocab_size)
+        if got == expected:
+            continue
+        problem = f"your merges differ from the expected ones: {_first_difference(got, expected)}."
+        for description, wrong in _merge_mistakes(text, vocab_size).items():
+            if wrong != expected and got == wrong:
+                problem += f"\nYour merges match what we get when {description}."
+                break
+        checker.fail(case, problem, MERGE_RULE)
+
+
+@graded(points=5, bans=(bpe_encode,))
+def check_bpe_encode(fn, checker):
+    """``fn(text, merges)`` must return the ids of ``text``; a lone surrogate must raise ValueError."""
+    for label, text, merges in _encode_cases():
+        case = Case(text=label, merges=len(merges))
+        got = _ids(checker, checker.call(fn, text, list(merges), case=case), case, "result", ENCODE_RULE)
+        expected = bpe_encode(text, merges)
+        if got == expected:
+            continue
+        problem = f"your ids differ from the expected ones: {_first_difference(got, expected)}."
+        whole = list(text.encode())
+        for k, pair in enumerate(merges):
+            whole = merge_pair(whole, pair, 256 + k)
+        if got == whole != expected:
+            problem += "\nYour ids match what we get when the merges are applied across chunk boundaries " \
+                       "(the text was not pre-tokenised)."
+        elif got == list(text.encode()):
+            problem += "\nYour ids are the raw UTF-8 bytes: no merge was applied."
+        checker.fail(case, problem, ENCODE_RULE)
+    case = Case(text="'ok \\ud800' (a lone surrogate)")
+    try:
+        checker.call(fn, "ok \ud800", list(_encode_cases()[1][2]), case=case)
+    except Exception as exc:  # a CheckFailed wrapping what the learner's function raised
+        if not isinstance(exc.__cause__, ValueError):
+            raise
+    else:
+        checker.fail(case, "your function returned ids for a string UTF-8 cannot encode.",
+                     "text.encode('utf-8') raises UnicodeEncodeError (a ValueError) for it: let it propagate.")
+
+
+def _decode_cases() -> list[tuple[str, list, list]]:
+    course = course_tokenizer()
+    merges = course.merges
+    euro = list("€".encode())
+    return [
+        ("empty", [], merges),
+        ("ASCII and merged tokens", bpe_encode("the tokens of a prompt", merges), merges),
+        ("a character split over three byte tokens: €", [ord("a"), *euro, ord("b")], merges),
+        ("emoji and CJK", bpe_encode("東京 👍🏽 한국어 ❤️", merges), merges),
+        ("invalid: a character cut short", [ord("a"), euro[0], euro[1], ord("b")], merges),
+        ("invalid: stray bytes 0xFF and 0x80", [0xFF, ord("x"), 0x80], merges),
+        ("no merges at all", [104, 105], []),
+    ]
+
+
+@graded(points=5, bans=(bpe_decode,))
+def check_bpe_decode(fn, checker):
+    """``fn(ids, merges)`` must return the text; invalid bytes become U+FFFD, never dropped; an id
+    outside the vocabulary raises ValueError."""
+    for label, ids, merges in _decode_cases():
+        case = Case(ids=label, n_ids=len(ids), merges=len(merges))
+        got = checker.call(fn, list(ids), list(merges), case=case)
+        if not isinstance(got, str):
+            checker.fail(case, f"the result is a {type(got).__name__}, expected a str.", DECODE_RULE)
+        expected = bpe_decode(ids, merges)
+        if got == expected:
+            continue
+        data = b"".join(BPETokenizer(merges, {}).token_bytes(i) for i in ids)
+        problem = f"the text is {got!r}, expected {expected!r}."
+        if got == data.decode("utf-8", errors="ignore"):
+            problem += "\nYour text matches what we get when invalid bytes are dropped (errors='ignore'); " \
+                       "they must become U+FFFD (errors='replace'), so that broken output is visible."
+        elif got == "".join(BPETokenizer(merges, {}).token_bytes(i).decode("utf-8", "replace") for i in ids):
+            problem += "\nYour text matches what we get when each token is decoded on its own: a character " \
+                       "whose bytes span several tokens then breaks. Join all the bytes, then decode once."
+        checker.fail(case, problem, DECODE_RULE)
+    merges = course_tokenizer().merges
+    for bad in (256 + len(merges), -1):
+        case = Case(ids=f"[104, {bad}]", merges=len(merges))
+        try:
+            got = checker.call(fn, [104, bad], list(merges), case=case)
+        except Exception as exc:
+            if isinstance(exc.__cause__, ValueError):
+                continue
+            cause = exc.__cause__
+            if isinstance(cause, (KeyError, IndexError)):
+                checker.fail(case, f"your function raised {type(cause).__name__}; an id outside the vocabulary "
+                                   f"must raise ValueError, saying which id and the valid range.", DECODE_RULE)
+            raise
+        checker.fail(case, f"your function returned {got!r} for id {bad}, which is outside the vocabulary "
+                           f"(0 to {255 + len(merges)}); raise ValueError instead.", DECODE_RULE)
+
+
+# -- the streaming detokenizer -----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _no_incremental_decoder():
+    """Python's own incremental decoder is what the exercise builds: it may not be used."""
+    original = codecs.getincrementaldecoder
+
+    def refused(*args, **kwargs):
+        raise ForbiddenCall("codecs.getincrementaldecoder is Python's own incremental decoder, which this "
+                            "exercise asks you to write: track the bytes of an unfinished character yourself.")
+
+    codecs.getincrementaldecoder = refused
+    try:
+        yield
+    finally:
+        codecs.getincrementaldecoder = original
+
+
+def _run_stream(cls, tokenizer, ids):
+    """Instantiate the learner's class, push every id, flush; what was emitted after each call."""
+    with _no_incremental_decoder():
+        detok = cls(tokenizer)
+        pieces = []
+        for i in ids:
+            pieces.append(detok.push(i))
+        pieces.append(detok.flush())
+    return pieces
+
+
+def _stream_cases(tok) -> list[tuple[str, list, bool]]:
+    """(label, ids, valid): valid streams are the bytes of real text."""
+    enc = lambda text: bpe_encode(text, tok)
+    byte_ids = lambda text: list(text.encode())
+    return [
+        ("ASCII", enc("Hello, world"), True),
+        ("€ as three byte tokens", byte_ids("a€b"), True),
+        ("emoji (4 bytes) as byte tokens, then text", byte_ids("😀👍🏽") + enc(" ok"), True),
+        ("Hindi, Korean, Chinese", enc("हिन्दी 한국어 東京"), True),
+        ("CJK as byte tokens", byte_ids("東京"), True),
+        ("merged tokens with a character's bytes split between them", _split_char_ids(tok), True),
+        ("the end-of-text token after a character", byte_ids("é") + [tok.end_of_text_id], True),
+        ("ends in the middle of a character (flush must return it)", byte_ids("ab") + byte_ids("€")[:2], False),
+        ("invalid bytes in the middle", [ord("a"), 0xFF, 0xE2, 0x82, ord("b"), 0x80], False),
+        ("empty stream", [], True),
+    ]
+
+
+def _split_char_ids(tok) -> list[int]:
+    """Ids of the course tokenizer where a token ends in the middle of a multi-byte character."""
+    for text in ("Привет мир", "naïve café", "東京タワー", "हिन्दी"):
+        ids = bpe_encode(text, tok)
+        for i in ids:
+            try:
+                tok.token_bytes(i).decode("utf-8")
+            except UnicodeDecodeError:
+                return ids
+    return list("é".encode())
+
+
+@graded(points=10, bans=(utf8_incomplete_tail,))
+def check_incremental_detokenizer(cls, checker):
+    """``cls(tokenizer)`` must give an object whose ``push(id)`` returns the text completed by that
+    token (never half a character) and whose ``flush()`` returns what is left; joined, the pieces
+    equal ``tokenizer.decode(ids)``."""
+    if isinstance(cls, type) and issubclass(cls, IncrementalDetokenizer):
+        checker.fail(Case(cls=cls.__name__), "your class is, or inherits from, the course's "
+                     "labsupport.tokenizer.IncrementalDetokenizer. Write your own.", STREAM_RULE)
+    tok = course_tokenizer()
+    for label, ids, valid in _stream_cases(tok):
+        case = Case(stream=label, ids=ids if len(ids) <= 12 else f"{len(ids)} ids")
+        runner = functools.partial(_run_stream, cls, tok)
+        runner.__name__ = f"{getattr(cls, '__name__', 'your class')}.push"
+        pieces = checker.call(runner, ids, case=case)
+        if not all(isinstance(p, str) for p in pieces):
+            checker.fail(case, f"push/flush returned {[type(p).__name__ for p in pieces if not isinstance(p, str)][0]}"
+                               f", expected str every time (an empty string when nothing is complete).", STREAM_RULE)
+        expected = _run_stream(IncrementalDetokenizer, tok, ids)
+        whole = tok.decode(ids)
+        for k, piece in enumerate(pieces[:-1]):
+            if "\ufffd" in piece and "\ufffd" not in "".join(expected[:k + 1]):
+                checker.fail(case, f"push of id {ids[k]} (call {k + 1}) returned {piece!r}: a broken character. "
+                                   f"Its bytes were not all there yet; hold them until they are.", STREAM_RULE)
+        if "".join(pieces) != whole:
+            problem = f"your pieces join to {''.join(pieces)!r}, but decode(ids) is {whole!r}."
+            if pieces[-1] == "" and expected[-1]:
+                problem += f"\nflush() returned '' but should return the held bytes, decoded: {expected[-1]!r}."
+            checker.fail(case, problem, STREAM_RULE)
+        if valid:
+            for k in range(len(ids)):
+                sent, due = "".join(pieces[:k + 1]), "".join(expected[:k + 1])
+                if sent != due:
+                    checker.fail(case, f"after {k + 1} push(es) you had emitted {sent!r}, expected {due!r}: "
+                                       f"every character whose bytes have all arrived must be emitted at once "
+                                       f"(a stream that waits for flush is no stream).", STREAM_RULE)

@@ -1,0 +1,255 @@
+"""The tokens lab's checks pass correct learner code and reject each planted mistake."""
+
+from __future__ import annotations
+
+import codecs
+from collections import Counter
+
+import pytest
+
+from labsupport._answers import course_checks_its_answers, unguarded
+from labsupport.checks import (
+    CheckFailed,
+    check_bpe_decode,
+    check_bpe_encode,
+    check_bpe_merges,
+    check_incremental_detokenizer,
+)
+from labsupport.tokenizer import IncrementalDetokenizer, bpe_decode, bpe_encode, bpe_merges, pretokenize
+
+# --- a learner's correct solutions, written as the lab asks -------------------------------------------
+
+
+def merge(ids, pair, new_id):
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def learner_merges(text, vocab_size, *, across_chunks=False, choose=None, per_chunk_once=False):
+    chunks = Counter([text] if across_chunks else pretokenize(text))
+    words = [list(c.encode("utf-8")) for c in chunks]
+    freqs = [1] * len(words) if per_chunk_once else list(chunks.values())
+    merges = []
+    while len(merges) < vocab_size - 256:
+        counts = Counter()
+        for w, f in zip(words, freqs):
+            for p in zip(w, w[1:]):
+                counts[p] += f
+        if not counts:
+            break
+        pair = choose(counts) if choose else min(counts, key=lambda p: (-counts[p], p))
+        merges.append(pair)
+        words = [merge(w, pair, 255 + len(merges)) for w in words]
+    return merges
+
+
+def learner_encode(text, merges, *, pretokenized=True):
+    out = []
+    for chunk in pretokenize(text) if pretokenized else [text]:
+        ids = list(chunk.encode("utf-8"))
+        for k, pair in enumerate(merges):  # in the order learned
+            ids = merge(ids, pair, 256 + k)
+        out += ids
+    return out
+
+
+def vocab_of(merges):
+    vocab = {i: bytes([i]) for i in range(256)}
+    for k, (a, b) in enumerate(merges):
+        vocab[256 + k] = vocab[a] + vocab[b]
+    return vocab
+
+
+def learner_decode(ids, merges, *, errors="replace", per_token=False, checked=True):
+    vocab = vocab_of(merges)
+    for i in ids:
+        if checked and i not in vocab:
+            raise ValueError(f"id {i} is outside the vocabulary 0..{len(vocab) - 1}")
+    if per_token:
+        return "".join(vocab[i].decode("utf-8", errors) for i in ids)
+    return b"".join(vocab[i] for i in ids).decode("utf-8", errors=errors)
+
+
+class LearnerDetokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pending = b""
+
+    def push(self, token_id):
+        self.pending += self.tokenizer.token_bytes(token_id)
+        cut = len(self.pending)
+        for back in range(1, min(3, len(self.pending)) + 1):  # the last lead byte, if its character is short
+            byte = self.pending[-back]
+            if 0x80 <= byte <= 0xBF:
+                continue
+            need = 2 if 0xC2 <= byte <= 0xDF else 3 if 0xE0 <= byte <= 0xEF else 4 if 0xF0 <= byte <= 0xF4 else 1
+            if need > back:
+                cut = len(self.pending) - back
+            break
+        text, self.pending = self.pending[:cut].decode("utf-8", "replace"), self.pending[cut:]
+        return text
+
+    def flush(self):
+        text, self.pending = self.pending.decode("utf-8", "replace"), b""
+        return text
+
+
+def failure(check, fn):
+    with pytest.raises(CheckFailed) as info:
+        check(fn)
+    return str(info.value)
+
+
+# --- check_bpe_merges ---------------------------------------------------------------------------------
+
+
+def test_merges_reference_passes(capsys):
+    check_bpe_merges(learner_merges)
+    check_bpe_merges(unguarded(bpe_merges))
+    assert "PASSED check_bpe_merges" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mutant, message", [
+    (lambda t, v: learner_merges(t, v, across_chunks=True), "counted across chunk boundaries"),
+    (lambda t, v: learner_merges(t, v, choose=lambda c: c.most_common(1)[0][0]), "ties go to the pair seen first"),
+    (lambda t, v: learner_merges(t, v, choose=lambda c: max(c, key=lambda p: (c[p], p))), "ties go to the largest"),
+    (lambda t, v: learner_merges(t, v, per_chunk_once=True), "counted once, not once per occurrence"),
+    (lambda t, v: learner_merges(t, v + 1), "off-by-one"),
+])
+def test_merges_mutants_fail(mutant, message):
+    assert message in failure(check_bpe_merges, mutant)
+
+
+def test_merges_wrong_types_and_stub():
+    assert "list of pairs of ints" in failure(check_bpe_merges, lambda t, v: "nope")
+
+    def stub(text, vocab_size):
+        raise NotImplementedError("write the merge loop")
+
+    assert "NotImplementedError" in failure(check_bpe_merges, stub)
+
+
+def test_the_course_answer_is_refused_to_a_learner():
+    with course_checks_its_answers(False):
+        assert "course's own answer" in failure(check_bpe_merges, bpe_merges)
+        assert "course's own answer" in failure(check_bpe_merges, lambda t, v: bpe_merges(t, v))
+
+
+# --- check_bpe_encode and check_bpe_decode ---------------------------------------------------------------------
+
+
+def test_encode_and_decode_references_pass(capsys):
+    check_bpe_encode(learner_encode)
+    check_bpe_encode(unguarded(bpe_encode))
+    check_bpe_decode(learner_decode)
+    check_bpe_decode(unguarded(bpe_decode))
+    out = capsys.readouterr().out
+    assert "PASSED check_bpe_encode" in out and "PASSED check_bpe_decode" in out
+
+
+def test_encode_mutants_fail():
+    assert "across chunk boundaries" in failure(check_bpe_encode, lambda t, m: learner_encode(t, m, pretokenized=False))
+    assert "raw UTF-8 bytes" in failure(check_bpe_encode, lambda t, m: list(t.encode()))
+    assert "UTF-8 cannot encode" in failure(
+        check_bpe_encode, lambda t, m: learner_encode(t.encode("utf-8", "replace").decode(), m))
+
+    def stub(text, merges):
+        raise NotImplementedError
+
+    assert "NotImplementedError" in failure(check_bpe_encode, stub)
+
+
+def test_decode_mutants_fail():
+    assert "invalid bytes are dropped" in failure(check_bpe_decode, lambda i, m: learner_decode(i, m, errors="ignore"))
+    assert "each token is decoded on its own" in failure(
+        check_bpe_decode, lambda i, m: learner_decode(i, m, per_token=True))
+    assert "raised KeyError" in failure(check_bpe_decode, lambda i, m: learner_decode(i, m, checked=False))
+
+    def wraps_negative_ids(ids, merges):  # a list indexed with -1 quietly gives the last token
+        vocab = list(vocab_of(merges).values())
+        if any(i >= len(vocab) for i in ids):
+            raise ValueError("outside")
+        return b"".join(vocab[i] for i in ids).decode("utf-8", "replace")
+
+    assert "for id -1" in failure(check_bpe_decode, wraps_negative_ids)
+
+    def stub(ids, merges):
+        raise NotImplementedError
+
+    assert "NotImplementedError" in failure(check_bpe_decode, stub)
+
+
+# --- check_incremental_detokenizer -----------------------------------------------------------------------------
+
+
+def test_detokenizer_reference_passes(capsys):
+    check_incremental_detokenizer(LearnerDetokenizer)
+    assert "PASSED check_incremental_detokenizer" in capsys.readouterr().out
+
+
+class BrokenCharacters(LearnerDetokenizer):
+    def push(self, token_id):  # decodes every token at once
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", "replace")
+
+
+class LosesTheTail(LearnerDetokenizer):
+    def flush(self):
+        self.pending = b""
+        return ""
+
+
+class WaitsForFlush(LearnerDetokenizer):
+    def push(self, token_id):
+        self.pending += self.tokenizer.token_bytes(token_id)
+        return ""
+
+
+class UsesPythonsDecoder:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id):
+        return self.decoder.decode(self.tokenizer.token_bytes(token_id))
+
+    def flush(self):
+        return self.decoder.decode(b"", final=True)
+
+
+class Stub:
+    def __init__(self, tokenizer):
+        pass
+
+    def push(self, token_id):
+        raise NotImplementedError("write push")
+
+    def flush(self):
+        raise NotImplementedError("write flush")
+
+
+class Inherits(IncrementalDetokenizer):
+    pass
+
+
+@pytest.mark.parametrize("mutant, message", [
+    (BrokenCharacters, "a broken character"),
+    (LosesTheTail, "flush() returned '' but should return the held bytes"),
+    (WaitsForFlush, "must be emitted at once"),
+    (UsesPythonsDecoder, "codecs.getincrementaldecoder"),
+    (Stub, "NotImplementedError"),
+    (Inherits, "inherits from, the course's"),
+])
+def test_detokenizer_mutants_fail(mutant, message):
+    assert message in failure(check_incremental_detokenizer, mutant)
+
+
+def test_codecs_is_restored_after_the_check():
+    failure(check_incremental_detokenizer, UsesPythonsDecoder)
+    assert codecs.getincrementaldecoder("utf-8")().decode(b"\xe2\x82\xac") == "€"
