@@ -60,6 +60,7 @@ retrains it from :func:`course_corpus` (``python -m labsupport.tokenizer``). Its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import json
@@ -72,6 +73,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ._answers import answer
+from ._validate import positive_int, positive_number
+from .costs import param_count
+from .models import as_model
 
 __all__ = [
     "END_OF_TEXT",
@@ -90,6 +94,10 @@ __all__ = [
     "course_corpus",
     "course_tokenizer",
     "write_course_tokenizer",
+    "Compression",
+    "compression_by_kind",
+    "VocabCosts",
+    "vocab_costs",
 ]
 
 END_OF_TEXT = "<|endoftext|>"
@@ -571,6 +579,76 @@ def write_course_tokenizer(path=COURSE_TOKENIZER_PATH, vocab_size: int = COURSE_
     tok.save(path)
     _course_tokenizer.cache_clear()
     return tok
+
+
+# -- what tokens cost ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """How a tokenizer compresses one text: ``chars`` (Unicode code points), ``utf8_bytes`` and
+    ``tokens``, with the ratios chapter 01 compares."""
+
+    chars: int
+    utf8_bytes: int
+    tokens: int
+
+    @property
+    def chars_per_token(self) -> float:
+        return self.chars / self.tokens if self.tokens else float("nan")
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.utf8_bytes / self.tokens if self.tokens else float("nan")
+
+
+def compression_by_kind(encode, passages: dict[str, str] | None = None) -> dict[str, Compression]:
+    """For each kind of text (:func:`course_passages` unless ``passages`` is given), how many tokens
+    ``encode(text) -> list of ids`` makes of it. Characters are code points (``len(text)``), so a
+    flag emoji counts 2 and ``"e\u0301"`` counts 2."""
+    passages = course_passages() if passages is None else passages
+    return {kind: Compression(len(text), len(text.encode("utf-8")), len(encode(text)))
+            for kind, text in passages.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabCosts:
+    """What a vocabulary of ``vocab_size`` entries costs a model of width ``d_model`` (chapter 01).
+
+    ``output_params`` is the output layer's ``d_model x vocab_size`` matrix (the embedding table has
+    as many, unless tied); ``output_flops_per_token`` counts a multiply and an add per weight,
+    ``2 * d_model * vocab_size``; ``output_share`` is the output layer's part of all the parameters
+    of the model with that vocabulary (:func:`labsupport.costs.param_count`), ``vocab_share`` the
+    part of the embedding table and the output layer together."""
+
+    vocab_size: int
+    d_model: int
+    model_params: int
+    embedding_params: int
+    output_params: int
+    output_bytes: float
+    output_flops_per_token: int
+
+    @property
+    def output_share(self) -> float:
+        return self.output_params / self.model_params
+
+    @property
+    def vocab_share(self) -> float:
+        return (self.embedding_params + self.output_params) / self.model_params
+
+
+def vocab_costs(cfg, vocab_size: int | None = None, weight_dtype_bytes: float = 2) -> VocabCosts:
+    """The costs of ``cfg``'s vocabulary, or of ``vocab_size`` entries on the same shape (everything
+    else unchanged), with ``weight_dtype_bytes`` bytes per weight (2: bf16)."""
+    cfg = as_model(cfg)
+    if vocab_size is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=positive_int("vocab_size", vocab_size))
+    size = positive_number("weight_dtype_bytes", weight_dtype_bytes)
+    d, v = cfg.d_model, cfg.vocab_size
+    output = d * v
+    return VocabCosts(vocab_size=v, d_model=d, model_params=param_count(cfg),
+                      embedding_params=0 if cfg.tied_embeddings else d * v, output_params=output,
+                      output_bytes=output * size, output_flops_per_token=2 * output)
 
 
 if __name__ == "__main__":
