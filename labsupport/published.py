@@ -42,3 +42,36 @@ H100_SPECIAL_FUNCTION_OPS = Figure(
     "special-function (MUFU) throughput of an H100 SXM5, exponentials included",
     "Shah et al., 'FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision', 2024",
 )
+
+# Tokenizers (chapter 01). Vocabulary sizes are the ``vocab_size`` of each model's config.json;
+# Llama 3.1 8B's is in labsupport.models.
+
+#: Llama 2's vocabulary (its config.json, ``vocab_size``).
+LLAMA2_VOCAB_SIZE = Figure(
+    32_000, "ids", "Llama 2's vocabulary (SentencePiece BPE)", "Llama 2 config.json (meta-llama/Llama-2-7b-hf)"
+)
+
+#: GPT-2's vocabulary (its config.json): 50,000 merges, 256 bytes and <|endoftext|>.
+GPT2_VOCAB_SIZE = Figure(50_257, "ids", "GPT-2's byte-level BPE vocabulary", "GPT-2 config.json (openai-community/gpt2)")
+
+#: Characters per token on a sample of English data, Llama 2's tokenizer (the Llama 3 report, section 3.2).
+LLAMA2_ENGLISH_CHARS_PER_TOKEN = Figure(
+    3.17,
+    "characters per token",
+    "Llama 2's tokenizer on a sample of English data",
+    "Grattafiori et al., 'The Llama 3 Herd of Models', 2024, section 3.2",
+)
+
+#: The same for Llama 3's 128K tokenizer (100K tiktoken tokens plus 28K for other languages).
+LLAMA3_ENGLISH_CHARS_PER_TOKEN = Figure(
+    3.94,
+    "characters per token",
+    "Llama 3's tokenizer on a sample of English data",
+    "Grattafiori et al., 'The Llama 3 Herd of Models', 2024, section 3.2",
+)
+
+#: Ids Llama 3 reserves for special tokens (<|begin_of_text|>, <|eot_id|>, ...), part of its 128,256.
+LLAMA3_SPECIAL_TOKENS = Figure(
+    256, "ids", "ids Llama 3 reserves for special tokens",
+    "meta-llama/llama3, llama/tokenizer.py (num_reserved_special_tokens)",
+)
