@@ -16,6 +16,7 @@ from labsupport.tokenizer import (
     BPETokenizer,
     IncrementalDetokenizer,
     bpe_merges,
+    compression_by_kind,
     course_corpus,
     course_passages,
     course_tokenizer,
@@ -23,6 +24,7 @@ from labsupport.tokenizer import (
     pretokenize,
     train_bpe,
     utf8_incomplete_tail,
+    vocab_costs,
 )
 
 # Characters from many scripts: ASCII, accents (precomposed and combining), Cyrillic, Greek, Arabic,
@@ -308,3 +310,36 @@ def test_incomplete_tail_holds_exactly_the_bytes_that_can_still_become_a_charact
 def test_module_names_its_pattern():
     assert "{MARK}" in T.PRETOKENIZE_PATTERN
     assert T.course_passages().keys() == set(T.PASSAGE_KINDS)
+
+
+# -- what tokens cost -----------------------------------------------------------------------------------
+
+def test_vocab_costs_on_the_8b_shape():
+    from labsupport.costs import param_count
+    from labsupport.models import get_model
+
+    m8 = get_model("llama-3.1-8b")
+    big = vocab_costs(m8)
+    assert big.vocab_size == 128_256 and big.output_params == 4096 * 128_256 == big.embedding_params
+    assert big.output_bytes == 2 * big.output_params and big.output_flops_per_token == 2 * 4096 * 128_256
+    assert big.model_params == param_count(m8) == 8_030_261_248
+    small = vocab_costs(m8, 32_000, weight_dtype_bytes=1)
+    assert small.model_params == param_count(m8) - 2 * 4096 * (128_256 - 32_000)
+    assert small.output_bytes == 4096 * 32_000
+    assert small.output_share == pytest.approx(4096 * 32_000 / small.model_params)
+    assert small.vocab_share == pytest.approx(2 * small.output_share)
+    tied = vocab_costs("tiny-2m")
+    assert tied.embedding_params == 0 and tied.vocab_share == tied.output_share
+    with pytest.raises(ValueError, match="vocab_size"):
+        vocab_costs(m8, 0)
+    with pytest.raises(ValueError, match="weight_dtype_bytes"):
+        vocab_costs(m8, 1000, weight_dtype_bytes=0)
+
+
+def test_compression_by_kind():
+    out = compression_by_kind(lambda text: list(text.encode()), {"ascii": "abcd", "cjk": "東京"})
+    assert (out["ascii"].chars, out["ascii"].utf8_bytes, out["ascii"].tokens) == (4, 4, 4)
+    assert out["cjk"].chars_per_token == pytest.approx(2 / 6) and out["cjk"].bytes_per_token == 1
+    course = compression_by_kind(course_tokenizer().encode)
+    assert list(course) == list(T.PASSAGE_KINDS)
+    assert course["english"].chars_per_token > course["chinese"].chars_per_token

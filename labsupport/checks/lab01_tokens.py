@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import functools
+import numbers
 from collections import Counter
 
 from ..tokenizer import (
@@ -89,19 +90,23 @@ def _merge_mistakes(text: str, vocab_size: int) -> dict[str, list]:
 def _as_pairs(checker, got, case, what):
     try:
         pairs = [tuple(p) for p in got]
-        ok = all(len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs)
+        ok = not isinstance(got, (str, bytes)) and all(len(p) == 2 and all(_is_int(x) for x in p) for p in pairs)
     except TypeError:
         ok = False
     if not ok:
         checker.fail(case, f"the {what} is {type(got).__name__} {str(got)[:120]}, expected a list of pairs of "
                            f"ints such as [(101, 32), (256, 116)].", MERGE_RULE)
-    return pairs
+    return [(int(a), int(b)) for a, b in pairs]
 
 
 def _ids(checker, got, case, what, hint):
-    if not isinstance(got, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in got):
+    if not isinstance(got, (list, tuple)) or not all(_is_int(x) for x in got):
         checker.fail(case, f"the {what} is {type(got).__name__} {str(got)[:120]}, expected a list of ints.", hint)
-    return list(got)
+    return [int(x) for x in got]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _first_difference(got, expected) -> str:

@@ -253,3 +253,11 @@ def test_detokenizer_mutants_fail(mutant, message):
 def test_codecs_is_restored_after_the_check():
     failure(check_incremental_detokenizer, UsesPythonsDecoder)
     assert codecs.getincrementaldecoder("utf-8")().decode(b"\xe2\x82\xac") == "€"
+
+
+def test_numpy_integers_are_accepted(capsys):
+    import numpy as np
+
+    check_bpe_merges(lambda t, v: [(np.int64(a), np.int64(b)) for a, b in learner_merges(t, v)])
+    check_bpe_encode(lambda t, m: np.array(learner_encode(t, m), dtype=np.int64).tolist())
+    assert capsys.readouterr().out.count("PASSED") == 2
