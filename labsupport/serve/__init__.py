@@ -1,0 +1,20 @@
+"""The course server: ``python -m labsupport.serve`` (chapter 03, and the chapters after it).
+
+An OpenAI-compatible HTTP server on 127.0.0.1 serving the course model (a small Llama-style
+decoder with **random weights**, so its text is meaningless) and the course tokenizer
+(chapter 01). Modules:
+
+* :mod:`~labsupport.serve.app`: the HTTP layer (FastAPI): ``/v1/completions`` (streamed or not),
+  ``/v1/models``, ``/health``, and the course's ``/v1/requests/{id}/timeline``; OpenAI error bodies.
+* :mod:`~labsupport.serve.engine`: the back end behind a small interface (``Backend``): this
+  chapter's first-in, first-out scheduler, the model worker, and each request's stage timestamps.
+* :mod:`~labsupport.serve.cli`: the command line (``--port 0`` picks a free port and prints it).
+* :mod:`~labsupport.serve.process`: :class:`ServerProcess`, which starts the server in the
+  background for a lab or a test, waits for ``/health`` and stops it.
+
+Importing this package imports only :mod:`~labsupport.serve.process` (no web framework, no model).
+"""
+
+from .process import ServerFailed, ServerProcess
+
+__all__ = ["ServerFailed", "ServerProcess"]

@@ -1,0 +1,216 @@
+"""The course server's HTTP layer: OpenAI's completions API on FastAPI, over any back end.
+
+Endpoints:
+
+* ``POST /v1/completions``: a completion, whole or streamed (``"stream": true``: server-sent events,
+  one ``data:`` line per token in OpenAI's chunk format, then ``data: [DONE]``). Usage counts come in
+  the response, and in a last chunk when the request asks ``"stream_options": {"include_usage": true}``.
+* ``GET /v1/models``: the one model served, with a note that its weights are random.
+* ``GET /health``: ``{"status": "ok", ...}`` with the scheduler's counts (running, queued, slots).
+* ``GET /v1/requests/{id}/timeline``: a course extension, not OpenAI's: the timestamps of every stage
+  of a recent request (see :mod:`labsupport.serve.engine`).
+
+Bad input gets an HTTP 4xx with OpenAI's error body,
+``{"error": {"message", "type", "param", "code"}}``, and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Backend, InvalidRequest, Timeline, new_request_id
+
+# Parameters of OpenAI's completions API this server does not implement: refused with a clear
+# error rather than silently ignored, so a client never believes it got what it asked for.
+UNSUPPORTED = {
+    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "stop": None,
+    "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    type_ = {404: "not_found_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    if status >= 500:
+        type_ = "server_error"
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def _parse(body: dict, backend: Backend) -> dict:
+    """Validate a completions request; raise InvalidRequest naming the parameter at fault."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("you must provide a model parameter", "model", "missing_required_parameter")
+    if model != backend.model_name:
+        raise InvalidRequest(
+            f"The model `{model}` does not exist. This server serves `{backend.model_name}` (GET /v1/models).",
+            "model", "model_not_found", status=404,
+        )
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequest("you must provide a prompt parameter", "prompt", "missing_required_parameter")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            raise InvalidRequest(
+                "prompt must be a string or a list of token ids; this server takes one prompt per request",
+                "prompt",
+            )
+    elif not isinstance(prompt, str):
+        raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
+    max_tokens = body.get("max_tokens", 16)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise InvalidRequest(f"max_tokens must be an integer, got {max_tokens!r}", "max_tokens")
+    if max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens > backend.max_tokens_limit:
+        raise InvalidRequest(
+            f"max_tokens is too large: {max_tokens}. This server generates at most {backend.max_tokens_limit} "
+            f"tokens per request.", "max_tokens",
+        )
+    temperature = body.get("temperature", 0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and 0 <= temperature <= 2
+    ):
+        raise InvalidRequest(f"temperature must be a number from 0 to 2, got {temperature!r}", "temperature")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidRequest(f"seed must be an integer, got {seed!r}", "seed")
+    for name, default in UNSUPPORTED.items():
+        if name in body and body[name] != default and body[name] is not None:
+            raise InvalidRequest(f"{name} is not supported by the course server (leave it out)", name)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object", "stream_options")
+    return {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
+        "stream": stream, "include_usage": bool(options.get("include_usage", False)),
+    }
+
+
+def create_app(backend: Backend) -> FastAPI:
+    """The FastAPI application serving ``backend``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.start()
+        yield
+        await backend.stop()
+
+    app = FastAPI(title="labsupport course server", lifespan=lifespan)
+    app.state.backend = backend
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid(_: Request, exc: InvalidRequest):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        return error_response(400, str(exc))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": backend.model_name, **backend.stats()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{
+                "id": backend.model_name, "object": "model", "created": 0, "owned_by": "labsupport",
+                "context_length": backend.context_tokens, "max_tokens_limit": backend.max_tokens_limit,
+                "description": backend.description,
+            }],
+        }
+
+    @app.get("/v1/requests/{request_id}/timeline")
+    async def timeline(request_id: str):
+        found = backend.timeline(request_id)
+        if found is None:
+            raise InvalidRequest(
+                f"no recent request has id {request_id!r} (the server keeps the most recent ones only)",
+                "request_id", "request_not_found", status=404,
+            )
+        return found.to_json()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        timeline = Timeline(new_request_id())  # "arrival": the request's headers are in
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(
+                f"We could not parse the JSON body of your request ({exc}). Send a JSON object such as "
+                f'{{"model": "{backend.model_name}", "prompt": "Hello", "max_tokens": 16}}.'
+            ) from None
+        params = _parse(body, backend)
+        prepared = backend.prepare(params["prompt"], params["max_tokens"], params["temperature"],
+                                   params["seed"], timeline)
+        handle = backend.submit(prepared)
+        rid, created, n_prompt = prepared.request_id, int(time.time()), len(prepared.prompt_ids)
+
+        def usage(n_completion: int) -> dict:
+            return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                    "total_tokens": n_prompt + n_completion}
+
+        def chunk(choices: list, **extra) -> str:
+            payload = {"id": rid, "object": "text_completion", "created": created,
+                       "model": backend.model_name, "choices": choices, **extra}
+            return f"data: {json.dumps(payload)}\n\n"
+
+        if params["stream"]:
+            async def events():
+                produced = 0
+                try:
+                    async for out in handle:
+                        produced += 1
+                        timeline.mark("chunk_sent", out.index)
+                        yield chunk([{"text": out.text, "index": 0, "logprobs": None,
+                                      "finish_reason": out.finish_reason}])
+                    if params["include_usage"]:
+                        yield chunk([], usage=usage(produced))
+                    yield "data: [DONE]\n\n"
+                finally:  # also when the client disconnects: the stream is cancelled, the slot freed
+                    handle.cancel()
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+
+        pieces, finish = [], None
+        try:
+            async for out in handle:
+                pieces.append(out.text)
+                finish = out.finish_reason
+        finally:
+            handle.cancel()
+        timeline.mark("response_sent")
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": backend.model_name,
+            "choices": [{"text": "".join(pieces), "index": 0, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(len(pieces)),
+        }
+
+    return app

@@ -1,0 +1,82 @@
+"""The command line of ``python -m labsupport.serve``: parse options, build the back end, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+
+import torch
+import uvicorn
+
+from .app import create_app
+from .engine import BASE_PRESET, FifoEngine
+from .process import LISTENING
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m labsupport.serve",
+        description="The course's OpenAI-compatible server: the course model (random weights, meaningless "
+        "text) and the course tokenizer behind /v1/completions, /v1/models and /health.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
+    p.add_argument("--context", type=int, default=512, help="context length in tokens, prompt and answer (512)")
+    p.add_argument("--max-tokens-limit", type=int, default=256, help="largest max_tokens a request may ask (256)")
+    p.add_argument("--max-requests", type=int, default=64,
+                   help="slots: requests queued or running at once; more get HTTP 429 (64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (0)")
+    p.add_argument("--base-model", default=BASE_PRESET, help=f"labsupport.models preset for the shape ({BASE_PRESET})")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the process that started the server exits (used by ServerProcess)")
+    args = p.parse_args(argv)
+    for name in ("context", "max_tokens_limit", "max_requests", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.context < 2:
+        p.error("--context must be at least 2 (one prompt token and one answer token)")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be from 0 to 65535, got {args.port}")
+    return args
+
+
+async def _watch_parent(server: uvicorn.Server, parent: int) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    server.should_exit = True  # the notebook or test that started us is gone
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = FifoEngine(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
+                        max_requests=args.max_requests, seed=args.seed, base=args.base_model)
+    app = create_app(engine)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"labsupport.serve: cannot listen on {args.host}:{args.port} ({exc.strerror}); "
+              f"choose another port with --port, or --port 0 for a free one", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    parent = os.getppid()
+
+    async def serve() -> None:
+        if args.exit_with_parent:
+            asyncio.get_running_loop().create_task(_watch_parent(server, parent))
+        await server.serve(sockets=[sock])
+
+    print(f"labsupport.serve: model {engine.model_name} ({engine.cfg.n_layers} layers, d_model "
+          f"{engine.cfg.d_model}, vocabulary {engine.cfg.vocab_size}): {engine.description}", flush=True)
+    print(f"{LISTENING} http://{args.host}:{port} (OpenAI base_url http://{args.host}:{port}/v1)", flush=True)
+    asyncio.run(serve())
+    return 0

@@ -1,0 +1,255 @@
+"""The course server (labsupport.serve), started for real in a subprocess and driven with the
+official ``openai`` client and raw HTTP (httpx): completions whole and streamed, the model list,
+health, every bad input the issue names, a stream dropped mid-way, FIFO order and timelines."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from labsupport.serve import ServerFailed, ServerProcess
+from labsupport.serve.engine import MODEL_NAME, course_tokenizer
+
+CONTEXT, LIMIT, SLOTS = 600, 500, 2
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["--context", CONTEXT, "--max-tokens-limit", LIMIT, "--max-requests", SLOTS],
+                       threads=1) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="not-needed", max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def wait_idle(server, timeout_s=10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = server.health()
+        if health["slots_used"] == 0 and health["running"] == 0 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+# --- what a client gets -----------------------------------------------------------------------
+
+
+def test_completion_with_the_openai_client(client):
+    out = client.completions.create(model=MODEL_NAME, prompt="The journey of a request", max_tokens=7)
+    assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == MODEL_NAME
+    assert isinstance(out.choices[0].text, str)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    prompt_tokens = len(course_tokenizer().encode("The journey of a request"))
+    assert out.usage.prompt_tokens == prompt_tokens
+    assert out.usage.completion_tokens <= 7
+    assert out.usage.total_tokens == prompt_tokens + out.usage.completion_tokens
+
+
+def test_stream_with_the_openai_client_matches_the_whole_answer(client):
+    whole = client.completions.create(model=MODEL_NAME, prompt="Hello, world", max_tokens=12)
+    stream = client.completions.create(model=MODEL_NAME, prompt="Hello, world", max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == whole.usage.completion_tokens  # one chunk per token
+    assert "".join(c.choices[0].text for c in token_chunks) == whole.choices[0].text  # greedy: the same text
+    assert [c.choices[0].finish_reason for c in token_chunks[:-1]] == [None] * (len(token_chunks) - 1)
+    assert token_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # the usage chunk comes last
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_stream_is_server_sent_events_ending_with_done(http):
+    lines = []
+    with http.stream("POST", "/v1/completions",
+                     json={"model": MODEL_NAME, "prompt": "abc", "max_tokens": 4, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    payloads = [json.loads(line[6:]) for line in lines[:-1]]
+    assert len(payloads) == 4 and payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_models_and_health_say_the_weights_are_random(client, http):
+    (model,) = client.models.list().data
+    assert model.id == MODEL_NAME
+    raw = http.get("/v1/models").json()["data"][0]
+    assert "random weights" in raw["description"] and "meaningless" in raw["description"]
+    assert raw["context_length"] == CONTEXT
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["slots_total"] == SLOTS
+
+
+def test_prompt_as_token_ids_and_seeded_sampling(http):
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    first, second = http.post("/v1/completions", json=body).json(), http.post("/v1/completions", json=body).json()
+    assert first["usage"]["prompt_tokens"] == 3
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]  # the same seed, the same sample
+
+
+# --- bad input: an OpenAI error body, and the server goes on -------------------------------------
+
+
+def _random_text(chars: int) -> str:
+    rng = random.Random(0)
+    return "".join(rng.choice(string.ascii_letters + string.digits + " ") for _ in range(chars))
+
+
+BAD = {
+    "malformed JSON": ('{"model": "course-tiny", "prompt": ', 400, None, None),
+    "not an object": ("[1, 2]", 400, None, None),
+    "missing prompt": ({"model": MODEL_NAME, "max_tokens": 4}, 400, "prompt", "missing_required_parameter"),
+    "missing model": ({"prompt": "hi"}, 400, "model", "missing_required_parameter"),
+    "max_tokens 0": ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    "max_tokens negative": ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens", None),
+    "max_tokens not a number": ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens", None),
+    "max_tokens above the limit": ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": LIMIT + 1}, 400,
+                                   "max_tokens", None),
+    "prompt longer than the context (ids)": ({"model": MODEL_NAME, "prompt": [1] * (CONTEXT + 5)}, 400,
+                                             "prompt", "context_length_exceeded"),
+    "prompt longer than the context (text)": ({"model": MODEL_NAME, "prompt": _random_text(8 * CONTEXT)}, 400,
+                                              "prompt", "context_length_exceeded"),
+    "prompt and max_tokens exceed the context": ({"model": MODEL_NAME, "prompt": [1] * (CONTEXT - 10),
+                                                  "max_tokens": 20}, 400, "max_tokens",
+                                                 "context_length_exceeded"),
+    "empty prompt": ({"model": MODEL_NAME, "prompt": ""}, 400, "prompt", None),
+    "token id outside the vocabulary": ({"model": MODEL_NAME, "prompt": [10**9]}, 400, "prompt", None),
+    "unknown model": ({"model": "gpt-5", "prompt": "hi"}, 404, "model", "model_not_found"),
+    "unsupported parameter": ({"model": MODEL_NAME, "prompt": "hi", "n": 3}, 400, "n", None),
+    "temperature out of range": ({"model": MODEL_NAME, "prompt": "hi", "temperature": 9}, 400, "temperature", None),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(http, name):
+    body, status, param, code = BAD[name]
+    r = http.post("/v1/completions", content=body) if isinstance(body, str) else http.post(
+        "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["param"] == param and error["code"] == code
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    ok = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "still there?", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL_NAME, prompt=[1] * (CONTEXT + 1), max_tokens=2)
+
+
+def test_unknown_timeline_and_path_are_404_with_an_error_body(http):
+    for path in ("/v1/requests/cmpl-nope/timeline", "/v1/nothing"):
+        r = http.get(path)
+        assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# --- slots, dropped streams and the queue ----------------------------------------------------------
+
+
+def _open_stream(server, max_tokens: int):
+    """Start a long stream and read its first token; returns (client, response, request id)."""
+    c = httpx.Client(base_url=server.url, timeout=30)
+    r = c.send(c.build_request("POST", "/v1/completions", json={
+        "model": MODEL_NAME, "prompt": "a long answer", "max_tokens": max_tokens, "stream": True}), stream=True)
+    return c, r
+
+
+def test_dropped_streams_free_their_slots(server, http):
+    assert wait_idle(server)["slots_used"] == 0
+    before = server.health()["cancelled"]
+    first_client, first = _open_stream(server, LIMIT)  # running
+    lines = first.iter_lines()
+    first_chunk = json.loads(next(line for line in lines if line)[6:])
+    second_client, second = _open_stream(server, LIMIT)  # queued behind it
+    health = server.health()
+    assert health["slots_used"] == SLOTS and health["running"] == 1 and health["queued"] == 1
+    full = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "one more", "max_tokens": 2})
+    assert full.status_code == 429 and full.json()["error"]["code"] == "server_full"
+    # both clients go away mid-stream (the second before its first token)
+    for c, r in ((first_client, first), (second_client, second)):
+        r.close()
+        c.close()
+    health = wait_idle(server)
+    assert health["slots_used"] == 0 and health["running"] == 0 and health["queued"] == 0
+    assert health["cancelled"] == before + 2
+    outcome = server.timeline(first_chunk["id"])["outcome"]
+    assert outcome.startswith("cancelled after") and int(outcome.split()[2]) < LIMIT
+    # and the slots serve again: both at once
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(httpx.post(
+        server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "next", "max_tokens": 3},
+        timeout=30).status_code)) for _ in range(SLOTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * SLOTS
+    assert wait_idle(server)["slots_used"] == 0
+
+
+def test_requests_are_served_one_at_a_time_first_in_first_out(server, client):
+    wait_idle(server)
+    ids = [None] * SLOTS
+
+    def send(i):
+        ids[i] = client.completions.create(model=MODEL_NAME, prompt=f"request {i}", max_tokens=20).id
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(SLOTS)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    timelines = [server.timeline(i) for i in ids]
+
+    def absolute(tl, stage):
+        return [tl["arrival"] + e["t"] for e in tl["events"] if e["stage"] == stage]
+
+    spans = sorted((absolute(tl, "scheduled")[0], absolute(tl, "finished")[0]) for tl in timelines)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end  # the next request starts only after the previous one finished
+
+
+def test_timeline_has_every_stage_in_order(server, client):
+    stream = client.completions.create(model=MODEL_NAME, prompt="waterfall", max_tokens=5, stream=True)
+    chunks = list(stream)
+    tl = server.timeline(chunks[0].id)
+    assert tl["outcome"] == "completed" and tl["clock"] == "time.monotonic"
+    stages = [e["stage"] for e in tl["events"]]
+    t = {s: e["t"] for e in tl["events"] for s in [e["stage"]] if e["token"] in (None, 0)}
+    order = ["arrival", "tokenise_start", "tokenise_end", "queued", "scheduled", "prefill_start", "prefill_end",
+             "detokenise_start", "detokenise_end", "chunk_sent"]
+    assert [t[s] for s in order] == sorted(t[s] for s in order)
+    n = len(chunks)
+    assert stages.count("decode_start") == stages.count("decode_end") == n - 1  # the prefill made token 0
+    assert stages.count("detokenise_end") == stages.count("chunk_sent") == n
+    finished = [e["t"] for e in tl["events"] if e["stage"] == "finished"]
+    assert len(finished) == 1 and finished[0] >= max(e["t"] for e in tl["events"] if e["stage"] == "detokenise_end")
+
+
+def test_a_server_that_cannot_start_says_why():
+    with pytest.raises(ServerFailed, match="--context must be at least"):
+        ServerProcess(["--context", "0"], startup_timeout_s=60).start()
