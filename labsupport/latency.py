@@ -37,6 +37,7 @@ __all__ = [
     "fifo_ttfts",
     "latency_metrics",
     "percentile",
+    "plot_waterfall",
     "summarize",
     "timeline_stages",
 ]
@@ -156,3 +157,37 @@ def timeline_stages(timeline: dict) -> list[tuple[str, int | None, float, float]
             bars.append((closers[name], token, opened.pop((closers[name], token)), t))
     return sorted(bars, key=lambda bar: bar[2])
 
+
+
+#: Colours of the waterfall's stages.
+STAGE_COLOURS = {
+    "network in": "#bbbbbb", "tokenise": "#8c564b", "queue": "#d62728", "prefill": "#1f77b4",
+    "decode": "#2ca02c", "detokenise": "#9467bd",
+}
+
+
+def plot_waterfall(ax, timeline: dict, sent_s: float, token_times_s: Sequence[float], title: str = ""):
+    """Draw one request's waterfall on the matplotlib axes ``ax``: a row per stage (the request on
+    its way in, tokenise, queue, prefill, each decode step, each detokenisation) from the server's
+    ``timeline``, and the client's row with every chunk's arrival. Times are milliseconds after
+    ``sent_s``; the client and the server read the same ``time.monotonic()`` clock, which holds on
+    one machine."""
+    bars = timeline_stages(timeline)
+    offset = timeline["arrival"] - sent_s  # server times are seconds after the request's arrival
+    rows = ["network in", "tokenise", "queue", "prefill", "decode", "detokenise"]
+    y = {name: len(rows) - i for i, name in enumerate(rows)}
+    ax.broken_barh([(0, offset * 1e3)], (y["network in"] - 0.4, 0.8), color=STAGE_COLOURS["network in"])
+    for stage, _, start, end in bars:
+        width = max((end - start) * 1e3, 0.02)  # a stage too short to see still shows as a line
+        ax.broken_barh([((offset + start) * 1e3, width)], (y[stage] - 0.4, 0.8), color=STAGE_COLOURS[stage],
+                       edgecolor="white", linewidth=0.3)
+    chunks = [(t - sent_s) * 1e3 for t in token_times_s]
+    ax.plot(chunks, [0] * len(chunks), "|", color="black", markersize=14)
+    ax.axvline(chunks[0], color="black", linestyle=":", linewidth=1)
+    ax.annotate("first token (TTFT)", (chunks[0], 0.5), xytext=(4, 0), textcoords="offset points", fontsize=8)
+    ax.set_yticks([0, *y.values()], ["client: chunks", *rows])
+    ax.set_ylim(-0.7, len(rows) + 0.7)
+    ax.set_xlabel("milliseconds after the client sent the request")
+    if title:
+        ax.set_title(title)
+    return ax

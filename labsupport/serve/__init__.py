@@ -9,12 +9,12 @@ decoder with **random weights**, so its text is meaningless) and the course toke
 * :mod:`~labsupport.serve.engine`: the back end behind a small interface (``Backend``): this
   chapter's first-in, first-out scheduler, the model worker, and each request's stage timestamps.
 * :mod:`~labsupport.serve.cli`: the command line (``--port 0`` picks a free port and prints it).
-* :mod:`~labsupport.serve.process`: :class:`ServerProcess`, which starts the server in the
+* :mod:`~labsupport.serve.process`: :class:`ServerProcess` (and :func:`start_server`), which starts the server in the
   background for a lab or a test, waits for ``/health`` and stops it.
 
 Importing this package imports only :mod:`~labsupport.serve.process` (no web framework, no model).
 """
 
-from .process import ServerFailed, ServerProcess
+from .process import ServerFailed, ServerProcess, start_server
 
-__all__ = ["ServerFailed", "ServerProcess"]
+__all__ = ["ServerFailed", "ServerProcess", "start_server"]

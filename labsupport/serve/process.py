@@ -134,3 +134,19 @@ class ServerProcess:
     def __repr__(self) -> str:
         state = f"running at {self.url}" if self.running() else "stopped"
         return f"ServerProcess({state})"
+
+
+_started: ServerProcess | None = None  # the server start_server() started last, in this Python
+
+
+def start_server(options=(), *, threads: int | None = None) -> ServerProcess:
+    """Start the course server in the background and return its :class:`ServerProcess`.
+
+    For notebooks: running the cell again first stops the server the previous call started, so a
+    kernel never collects stray servers. Stop it with ``server.stop()``; it also stops when the
+    kernel exits."""
+    global _started
+    if _started is not None:
+        _started.stop()
+    _started = ServerProcess(options, threads=threads).start()
+    return _started

@@ -1,0 +1,280 @@
+# Lab 03 source of truth. Edit this file, then run `python -m labsupport release 03_journey` to
+# regenerate labs/03_journey.ipynb (learners) and solutions/03_journey.ipynb (instructors).
+
+# %% [markdown]
+# # Lab 03: the journey of a request, timed
+#
+# A request to an LLM server passes through many hands before its first word comes back: HTTP,
+# the server's front end, the tokenizer, a queue, the prefill, then one decode step and one
+# detokenisation per token, each token streamed back as a server-sent event. In this lab you
+# run a real server and time all of it. You will
+#
+# 1. start the course server in the background, send it one streamed request with a client that
+#    timestamps every chunk, and draw the request's waterfall from the server's own timestamps;
+# 2. write the latency metrics (TTFT, TPOT, the inter-token latencies and E2E) from those
+#    timestamps, and the nearest-rank percentile, and have both checked;
+# 3. send N requests at once and watch the time to first token grow with the queue, at p50 and
+#    p99.
+#
+# The server is `python -m labsupport.serve`, an OpenAI-compatible server you can also start
+# from a terminal. It serves the course model with **random weights**: the text it returns is
+# meaningless, and that is fine, since every cost measured here depends on the number of tokens,
+# not on what they say. It runs on the CPU even on a GPU machine (the model is tiny), so the
+# numbers are this machine's, not a production server's.
+#
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
+# that raises an error. Until you have written an exercise, its check cell raises, and nothing
+# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
+# with a red error. This lab times its first request (section 1) before the first exercise, so a
+# first Run All already draws a waterfall. The server keeps running while you work; the last cell
+# stops it, and so does restarting or shutting down the kernel.
+
+# %% [setup]
+import labsupport
+
+settings = labsupport.setup()
+
+# %%
+import threading
+import time
+
+import matplotlib.pyplot as plt
+import openai
+
+from labsupport.checks import check_latency_metrics, check_percentile
+from labsupport.latency import fifo_ttfts, plot_waterfall, timeline_stages
+from labsupport.serve import start_server
+
+# %% [markdown]
+# ## 1. One request, from the client's side and the server's
+#
+# `start_server` runs `python -m labsupport.serve --port 0` as a separate process (port 0: the
+# system picks a free port), waits until its `/health` answers, and returns a handle with its
+# address. The official `openai` client talks to it unchanged: only `base_url` differs.
+
+# %%
+server = start_server(threads=1)  # one CPU thread: steadier timings on a shared machine
+client = openai.OpenAI(base_url=server.base_url, api_key="not-needed")
+MODEL = client.models.list().data[0].id
+print(server)
+print("health:", server.health())
+print(f"model {MODEL}:", client.models.list().data[0].model_extra["description"])
+
+# %% [markdown]
+# A client that timestamps every chunk. `time.monotonic()` is read when the request is sent and
+# each time a chunk arrives; the server stamps its stages with the same clock, so on one machine
+# the two sets of times line up. The course server sends one chunk per token (its text can be
+# empty while the detokenizer holds back part of a character), so chunk times are token times.
+
+# %%
+def timed_stream(prompt: str, max_tokens: int) -> dict:
+    """Send one streamed completion; return its id, send time, chunk arrival times and text."""
+    sent = time.monotonic()
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True)
+    times, pieces, request_id = [], [], None
+    for chunk in stream:
+        times.append(time.monotonic())
+        pieces.append(chunk.choices[0].text)
+        request_id = chunk.id
+    return {"id": request_id, "sent": sent, "times": times, "text": "".join(pieces)}
+
+
+timed_stream("warm-up", 4)  # the first request pays one-off costs (connections, first kernels)
+PROMPT = "Tell me, step by step, what happens to a request inside an inference server."
+record = timed_stream(PROMPT, max_tokens=24)
+print(f"{len(record['times'])} chunks; the (meaningless) text: {record['text']!r}")
+
+# %% [markdown]
+# The server kept the timestamps of every stage of that request. They are a course extension,
+# `GET /v1/requests/{id}/timeline`, not part of OpenAI's API: seconds after the request arrived.
+
+# %%
+timeline = server.timeline(record["id"])
+for stage, token, start, end in timeline_stages(timeline)[:8]:
+    label = stage if token is None else f"{stage} (token {token})"
+    print(f"{label:24s} {start * 1e3:8.3f} -> {end * 1e3:8.3f} ms  ({(end - start) * 1e3:.3f} ms)")
+print("...")
+
+# %% [markdown]
+# The waterfall: one row per stage, time running left to right from the moment the client sent
+# the request. The first token comes out of the prefill; every later one needs a decode step.
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 3.8))
+plot_waterfall(ax, timeline, record["sent"], record["times"], title=f"one request: {len(record['times'])} tokens")
+fig.tight_layout()
+
+# %% [markdown]
+# Zoom in on the first few milliseconds: the request's way in, tokenisation, the queue (empty
+# here: nothing else was running) and the prefill all happen before the first token.
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 3.8))
+plot_waterfall(ax, timeline, record["sent"], record["times"], title="up to the second token")
+ax.set_xlim(0, (record["times"][1] - record["sent"]) * 1e3 * 1.1)
+fig.tight_layout()
+
+# %% [markdown]
+# ## 2. The latency metrics
+#
+# From the client's timestamps, with $s$ the time the request was sent and $t_0, \dots, t_{n-1}$
+# the arrival times of its $n$ tokens:
+#
+# * **TTFT**, time to first token: $t_0 - s$;
+# * **E2E**, end-to-end latency: $t_{n-1} - s$;
+# * **ITL**, inter-token latencies: the $n - 1$ gaps $t_i - t_{i-1}$ for $i = 1, \dots, n-1$ (the wait
+#   for the first token is TTFT, not a gap);
+# * **TPOT**, time per output token: $(\text{E2E} - \text{TTFT}) / (n - 1)$, the mean of the ITLs.
+#   With one token there is no gap to average: TPOT is `None` (not 0, which would claim an
+#   infinitely fast decode).
+#
+# ### Exercise 1: latency metrics
+#
+# Complete `latency_metrics(sent_s, token_times_s)`: return a dict with keys `"ttft"`, `"tpot"`,
+# `"itl"` (a list) and `"e2e"`, all in seconds.
+
+# %%
+def latency_metrics(sent_s, token_times_s):
+    # BEGIN SOLUTION: TTFT and E2E from the send time, the ITL gaps between tokens, TPOT over n - 1 gaps (None for one)
+    n = len(token_times_s)
+    ttft = token_times_s[0] - sent_s
+    e2e = token_times_s[-1] - sent_s
+    itl = [token_times_s[i] - token_times_s[i - 1] for i in range(1, n)]
+    tpot = (e2e - ttft) / (n - 1) if n > 1 else None
+    return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}
+    # END SOLUTION
+
+# %%
+check_latency_metrics(latency_metrics)
+
+# %% [markdown]
+# Your metrics on the request of section 1, and where its TTFT went according to the server.
+# The part the server did not see is the network and HTTP on both sides (here, the loopback
+# interface and two Python HTTP stacks).
+
+# %%
+m = latency_metrics(record["sent"], record["times"])
+print(f"TTFT {m['ttft'] * 1e3:.2f} ms, TPOT {m['tpot'] * 1e3:.2f} ms, E2E {m['e2e'] * 1e3:.2f} ms, "
+      f"ITL from {min(m['itl']) * 1e3:.2f} to {max(m['itl']) * 1e3:.2f} ms")
+spent = {}
+for stage, token, start, end in timeline_stages(timeline):
+    if token in (None, 0):  # what happens before the first token leaves the server
+        spent[stage] = spent.get(stage, 0.0) + (end - start)
+outside = m["ttft"] - sum(spent.values())
+for stage, seconds in [*spent.items(), ("network, HTTP and the client", outside)]:
+    print(f"  {stage:30s} {seconds * 1e3:7.3f} ms  {seconds / m['ttft']:6.1%} of TTFT")
+
+# %% [markdown]
+# ### Exercise 2: percentiles by nearest rank
+#
+# One request tells you little; a server is judged on many, by percentiles. This course uses the
+# **nearest-rank** convention: sort the $n$ values; the $p$-th percentile is the
+# $\lceil p n / 100 \rceil$-th smallest (counting from 1), and the smallest for $p = 0$. It is
+# always one of the measured values. (NumPy's default, `np.percentile(values, p)`, interpolates
+# between two values instead; with few samples the two differ.)
+#
+# Complete `percentile(values, p)`.
+
+# %%
+def percentile(values, p):
+    # BEGIN SOLUTION: sort, then take the ceil(p / 100 * n)-th smallest (1-based; the smallest for p = 0)
+    data = sorted(values)
+    rank = max(1, -(-p * len(data) // 100))  # ceil(p * n / 100), at least 1
+    return data[int(rank) - 1]
+    # END SOLUTION
+
+# %%
+check_percentile(percentile)
+
+# %% [markdown]
+# ## 3. Many requests at once: the queue
+#
+# The course server has one model worker and a first-in, first-out queue: it serves one request
+# at a time (chapter 12 replaces it with continuous batching). Send $N$ requests at the same
+# moment and the $k$-th must wait for the $k - 1$ before it. Each request here asks for the same
+# number of tokens; each level $N$ is sent a few times to collect more samples.
+
+# %%
+def concurrent_round(n: int, max_tokens: int) -> list[dict]:
+    """Send n streamed requests at once (one thread each); return their timed records."""
+    records = [None] * n
+    start = threading.Barrier(n)
+
+    def one(i):
+        start.wait()  # every thread sends at the same moment
+        records[i] = timed_stream(f"request {i}: {PROMPT}", max_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records
+
+
+LEVELS = [1, 2, 4, 8, 16]
+ROUNDS = 3
+OUT_TOKENS = 16
+ttfts = {}  # N -> TTFT of every request sent at that level (seconds)
+for n in LEVELS:
+    ttfts[n] = []
+    for _ in range(ROUNDS):
+        for r in concurrent_round(n, OUT_TOKENS):
+            ttfts[n].append(latency_metrics(r["sent"], r["times"])["ttft"])
+    print(f"N = {n:2d}: {len(ttfts[n]):2d} requests, TTFT p50 {percentile(ttfts[n], 50) * 1e3:7.1f} ms, "
+          f"p99 {percentile(ttfts[n], 99) * 1e3:7.1f} ms")
+print("health after the rounds:", server.health())
+
+# %% [markdown]
+# The FIFO arithmetic predicts the same: if one request takes $S$ seconds in all and $F$ to its
+# first token, the $k$-th of $N$ (from 0) sees TTFT $= kS + F$ (`labsupport.latency.fifo_ttfts`).
+# We take $S$ and $F$ from lone requests (N = 1).
+
+# %%
+solo = [timed_stream(PROMPT, OUT_TOKENS) for _ in range(5)]
+service_s = sorted(r["times"][-1] - r["sent"] for r in solo)[2]  # median E2E of five lone requests
+first_s = sorted(r["times"][0] - r["sent"] for r in solo)[2]  # median TTFT
+predicted = {n: fifo_ttfts(n, service_s, first_s) for n in LEVELS}
+
+fig, ax = plt.subplots(figsize=(7, 4))
+ax.plot(LEVELS, [percentile(ttfts[n], 50) * 1e3 for n in LEVELS], "o-", label="measured p50")
+ax.plot(LEVELS, [percentile(ttfts[n], 99) * 1e3 for n in LEVELS], "o-", label="measured p99")
+ax.plot(LEVELS, [percentile(predicted[n], 50) * 1e3 for n in LEVELS], "--", color="grey", label="FIFO model p50")
+ax.plot(LEVELS, [percentile(predicted[n], 99) * 1e3 for n in LEVELS], ":", color="grey", label="FIFO model p99")
+ax.set(xlabel="requests sent at once (N)", ylabel="TTFT (ms)", xscale="log", yscale="log",
+       title="TTFT grows with the queue (nearest-rank percentiles)")
+ax.set_xticks(LEVELS, [str(n) for n in LEVELS])
+ax.legend()
+fig.tight_layout()
+
+# %% [markdown]
+# With $N$ requests at once, the last in the queue waits for $N - 1$ whole requests: p99 grows
+# about linearly with $N$, and p50 about half as fast. The mean would sit between them and hide
+# the requests that waited longest. Continuous batching (chapter 12) serves the queue together
+# instead of one by one, which is why every production engine does it.
+#
+# Try it yourself: send `OUT_TOKENS = 64` and see the slope grow with the service time; or give
+# one request a long answer and the others short ones, and look at who pays.
+#
+# <!-- BEGIN SOLUTION -->
+# With longer answers, $S$ grows and so does every queued request's TTFT ($kS$); the lone TTFT
+# ($F$) does not change. A long request at the head of the queue delays every short one behind
+# it (head-of-line blocking), which FIFO cannot avoid.
+# <!-- END SOLUTION -->
+
+# %% [markdown]
+# ## Stop the server
+
+# %%
+server.stop()
+print(server)
+
+# %% [markdown]
+# ## What you measured
+#
+# * A request's first token waits for the way in, tokenisation, the queue and the prefill; on an
+#   idle server the prefill and the HTTP layers dominate, on a busy one the queue does.
+# * After the first token, each one costs a decode step plus a detokenisation and a chunk: TPOT
+#   is their average, the ITLs their spread.
+# * TTFT under load follows the queue: with one request served at a time, the $k$-th waits $k$
+#   service times, so the tail (p99) grows with $N$ much faster than a lone request suggests.
