@@ -148,21 +148,29 @@ def latency_metrics(sent_s, token_times_s):
 check_latency_metrics(latency_metrics)
 
 # %% [markdown]
-# Your metrics on the request of section 1, and where its TTFT went according to the server.
-# The part the server did not see is the network and HTTP on both sides (here, the loopback
-# interface and two Python HTTP stacks).
+# Your metrics on the request of section 1, and where its TTFT went. The server's timeline covers
+# the time from the request's arrival to the first chunk leaving; the rest is the network and the
+# HTTP stacks on both sides (here the loopback interface and two Python programs). Between the
+# stages, the server also hands work between its event loop and its model thread.
 
 # %%
 m = latency_metrics(record["sent"], record["times"])
 print(f"TTFT {m['ttft'] * 1e3:.2f} ms, TPOT {m['tpot'] * 1e3:.2f} ms, E2E {m['e2e'] * 1e3:.2f} ms, "
       f"ITL from {min(m['itl']) * 1e3:.2f} to {max(m['itl']) * 1e3:.2f} ms")
-spent = {}
+arrived = timeline["arrival"] - record["sent"]  # seconds from sending to the server's arrival stamp
+first_chunk_out = next(e["t"] for e in timeline["events"] if e["stage"] == "chunk_sent")
+parts = {"network and HTTP, in": arrived}
 for stage, token, start, end in timeline_stages(timeline):
-    if token in (None, 0):  # what happens before the first token leaves the server
-        spent[stage] = spent.get(stage, 0.0) + (end - start)
-outside = m["ttft"] - sum(spent.values())
-for stage, seconds in [*spent.items(), ("network, HTTP and the client", outside)]:
-    print(f"  {stage:30s} {seconds * 1e3:7.3f} ms  {seconds / m['ttft']:6.1%} of TTFT")
+    if token in (None, 0):  # the stages before the first token leaves the server
+        parts[stage] = parts.get(stage, 0.0) + (end - start)
+parts["server: parsing, checks, hand-offs"] = first_chunk_out - sum(v for k, v in parts.items() if k != "network and HTTP, in")
+parts["network and HTTP, out; the client"] = m["ttft"] - arrived - first_chunk_out
+for part, seconds in parts.items():
+    print(f"  {part:36s} {seconds * 1e3:7.3f} ms  {seconds / m['ttft']:6.1%} of TTFT")
+
+# %% [markdown]
+# An ITL near zero means two chunks arrived together: the client read them in one go. Gaps are
+# what the client sees, not what the server's steps took.
 
 # %% [markdown]
 # ### Exercise 2: percentiles by nearest rank
@@ -241,13 +249,15 @@ ax.plot(LEVELS, [percentile(ttfts[n], 50) * 1e3 for n in LEVELS], "o-", label="m
 ax.plot(LEVELS, [percentile(ttfts[n], 99) * 1e3 for n in LEVELS], "o-", label="measured p99")
 ax.plot(LEVELS, [percentile(predicted[n], 50) * 1e3 for n in LEVELS], "--", color="grey", label="FIFO model p50")
 ax.plot(LEVELS, [percentile(predicted[n], 99) * 1e3 for n in LEVELS], ":", color="grey", label="FIFO model p99")
-ax.set(xlabel="requests sent at once (N)", ylabel="TTFT (ms)", xscale="log", yscale="log",
-       title="TTFT grows with the queue (nearest-rank percentiles)")
-ax.set_xticks(LEVELS, [str(n) for n in LEVELS])
+ax.set(xlabel="requests sent at once (N)", ylabel="TTFT (ms)", title="TTFT grows with the queue (nearest-rank percentiles)")
+ax.set_ylim(bottom=0)
 ax.legend()
 fig.tight_layout()
 
 # %% [markdown]
+# A caution on the p99 here: with fewer than 100 samples at a level, the nearest-rank p99 is
+# simply the largest value measured. More rounds would make it a percentile worth the name.
+#
 # With $N$ requests at once, the last in the queue waits for $N - 1$ whole requests: p99 grows
 # about linearly with $N$, and p50 about half as fast. The mean would sit between them and hide
 # the requests that waited longest. Continuous batching (chapter 12) serves the queue together

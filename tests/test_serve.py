@@ -253,3 +253,19 @@ def test_timeline_has_every_stage_in_order(server, client):
 def test_a_server_that_cannot_start_says_why():
     with pytest.raises(ServerFailed, match="--context must be at least"):
         ServerProcess(["--context", "0"], startup_timeout_s=60).start()
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(server):
+    wait_idle(server)
+    before = server.health()["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": LIMIT},
+                   timeout=httpx.Timeout(30, read=0.2))
+    health = wait_idle(server)
+    assert health["slots_used"] == 0 and health["cancelled"] == before + 1
+
+
+def test_a_busy_port_is_refused_with_advice(server):
+    port = server.url.rsplit(":", 1)[1]
+    with pytest.raises(ServerFailed, match="cannot listen on 127.0.0.1:" + port):
+        ServerProcess(["--port", port], startup_timeout_s=60).start()  # the last --port wins

@@ -16,6 +16,7 @@ Bad input gets an HTTP 4xx with OpenAI's error body,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -199,12 +200,19 @@ def create_app(backend: Backend) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
+        async def watch_disconnect() -> None:  # a client that gives up on a whole answer frees its slot too
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.1)
+            handle.cancel()
+
+        watcher = asyncio.create_task(watch_disconnect())
         pieces, finish = [], None
         try:
             async for out in handle:
                 pieces.append(out.text)
                 finish = out.finish_reason
         finally:
+            watcher.cancel()
             handle.cancel()
         timeline.mark("response_sent")
         return {

@@ -67,7 +67,8 @@ def main(argv=None) -> int:
               f"choose another port with --port, or --port 0 for a free one", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=2))  # open streams do not hold up a stop
     parent = os.getppid()
 
     async def serve() -> None:
