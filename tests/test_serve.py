@@ -5,8 +5,11 @@ health, every bad input the issue names, a stream dropped mid-way, FIFO order an
 from __future__ import annotations
 
 import json
+import os
 import random
 import string
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from labsupport.serve import ServerFailed, ServerProcess
+from labsupport.serve import ServerFailed, ServerProcess, cli
 from labsupport.serve.engine import MODEL_NAME, course_tokenizer
 
 CONTEXT, LIMIT, SLOTS = 600, 500, 2
@@ -265,7 +268,31 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(server):
     assert health["slots_used"] == 0 and health["cancelled"] == before + 1
 
 
-def test_a_busy_port_is_refused_with_advice(server):
+def test_a_busy_port_and_bad_options_are_refused_with_advice(server, capsys):
     port = server.url.rsplit(":", 1)[1]
-    with pytest.raises(ServerFailed, match="cannot listen on 127.0.0.1:" + port):
-        ServerProcess(["--port", port], startup_timeout_s=60).start()  # the last --port wins
+    assert cli.main(["--port", port]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    for options, message in ((["--max-requests", "0"], "--max-requests must be at least 1"),
+                             (["--base-model", "llama-3.1-70b"], "small presets"),
+                             (["--port", "70000"], "--port must be from 0 to 65535")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(options)
+        assert message in capsys.readouterr().err
+
+
+def test_the_server_goes_when_the_python_that_started_it_dies(tmp_path):
+    """A notebook kernel killed outright runs no cleanup: --exit-with-parent stops the server anyway."""
+    script = ("import os\nfrom labsupport.serve import ServerProcess\n"
+              "s = ServerProcess(threads=1).start()\nprint(s.process.pid, flush=True)\nos._exit(1)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the orphaned server was still running 15 s after its parent died")

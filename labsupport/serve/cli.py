@@ -11,6 +11,7 @@ import sys
 import torch
 import uvicorn
 
+from ..models import get_model, list_models
 from .app import create_app
 from .engine import BASE_PRESET, FifoEngine
 from .process import LISTENING
@@ -40,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.context < 2:
         p.error("--context must be at least 2 (one prompt token and one answer token)")
+    cpu_presets = [name for name in list_models() if get_model(name).source == "course preset"]
+    if args.base_model.strip().lower() not in cpu_presets:
+        p.error(f"--base-model {args.base_model!r} is not one of the course's small presets "
+                f"({', '.join(cpu_presets)}); the server runs on the CPU")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be from 0 to 65535, got {args.port}")
     return args
@@ -55,9 +60,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = FifoEngine(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
-                        max_requests=args.max_requests, seed=args.seed, base=args.base_model)
-    app = create_app(engine)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -67,6 +69,10 @@ def main(argv=None) -> int:
               f"choose another port with --port, or --port 0 for a free one", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
+    # the port first, so a busy one is reported before the model is built
+    engine = FifoEngine(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
+                        max_requests=args.max_requests, seed=args.seed, base=args.base_model)
+    app = create_app(engine)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=2))  # open streams do not hold up a stop
     parent = os.getppid()
