@@ -20,7 +20,9 @@
 # from a terminal. It serves the course model with **random weights**: the text it returns is
 # meaningless, and that is fine, since every cost measured here depends on the number of tokens,
 # not on what they say. It runs on the CPU even on a GPU machine (the model is tiny), so the
-# numbers are this machine's, not a production server's.
+# numbers are this machine's, not a production server's. The server and this lab need `fastapi`,
+# `uvicorn` and `openai`: `make lab` installs them; on Colab, if the imports below fail, run
+# `%pip install fastapi uvicorn openai` in a cell and run them again.
 #
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
 # that raises an error. Until you have written an exercise, its check cell raises, and nothing
