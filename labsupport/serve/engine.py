@@ -180,7 +180,7 @@ class FifoEngine:
         self.seed = seed
         self.description = WEIGHTS_NOTE.format(seed=seed)
         self.eot_id = _end_of_text_id(self.tokenizer)
-        self._queue: asyncio.Queue[RequestHandle] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestHandle] | None = None  # made by start(), in the running loop
         self._active: set[RequestHandle] = set()  # queued or running
         self._running: RequestHandle | None = None
         self._timelines: OrderedDict[str, Timeline] = OrderedDict()
@@ -223,6 +223,8 @@ class FifoEngine:
         return GenerationRequest(ids, max_tokens, temperature, seed, timeline)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
+        if self._queue is None:
+            raise RuntimeError("the engine is not started: await engine.start() first")
         if len(self._active) >= self.max_requests:
             raise InvalidRequest(
                 f"the server is full: {self.max_requests} requests are already queued or running. Retry later.",
@@ -250,6 +252,8 @@ class FifoEngine:
         return self._timelines.get(request_id)
 
     async def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._active.clear()
         self._worker = asyncio.create_task(self._work(), name="labsupport.serve worker")
 
     async def stop(self) -> None:

@@ -1,0 +1,82 @@
+"""The course server's back end in-process (labsupport.serve.engine), without HTTP: the streamed
+text equals the decoded ids, cancelling frees a slot
+whether the request runs or waits, and prompts that do not fit are refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from labsupport.serve.engine import FifoEngine, InvalidRequest
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FifoEngine(context_tokens=300, max_tokens_limit=250, max_requests=3)
+
+
+async def _collect(handle):
+    return [out async for out in handle]
+
+
+def _run(engine, body):
+    async def main():
+        await engine.start()
+        try:
+            return await body()
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
+def test_streamed_pieces_join_to_the_decoded_ids(engine):
+    """Sampling at a high temperature produces arbitrary byte tokens, characters split across
+    tokens included: the pieces sent, joined, must equal the tokenizer's decode of all ids."""
+
+    async def body():
+        request = engine.prepare("Bonjour, naïve café 🙂", max_tokens=200, temperature=2.0, seed=1)
+        return await _collect(engine.submit(request))
+
+    outs = _run(engine, body)
+    ids = [o.token_id for o in outs if o.token_id != engine.eot_id]
+    assert "".join(o.text for o in outs) == engine.tokenizer.decode(ids)
+    assert [o.index for o in outs] == list(range(len(outs)))
+    assert outs[-1].finish_reason in ("stop", "length") and all(o.finish_reason is None for o in outs[:-1])
+
+
+def test_cancelling_frees_the_slot_of_a_running_and_of_a_queued_request(engine):
+    async def body():
+        handles = [engine.submit(engine.prepare(f"request {i}", max_tokens=30)) for i in range(3)]
+        assert engine.stats()["slots_used"] == 3
+        with pytest.raises(InvalidRequest, match="server is full") as full:
+            engine.submit(engine.prepare("one too many", max_tokens=2))
+        assert full.value.status == 429
+        first = await handles[0].__anext__()  # the first request is running
+        handles[0].cancel()  # stops at its next step
+        handles[2].cancel()  # never leaves the queue
+        results = await asyncio.gather(*(_collect(h) for h in handles))
+        return first, results
+
+    first, results = _run(engine, body)
+    assert first.index == 0 and len(results[0]) < 29  # the rest of the cancelled stream, if any
+    assert len(results[1]) == 30 and results[2] == []
+    stats = engine.stats()
+    assert stats["slots_used"] == 0 and stats["running"] == 0
+    events = {}
+    for tl in list(engine._timelines.values())[-3:]:
+        events[tl.outcome.split()[0]] = events.get(tl.outcome.split()[0], 0) + 1
+    assert events == {"cancelled": 2, "completed": 1}
+
+
+@pytest.mark.parametrize("prompt, max_tokens, param", [
+    ([1] * 300, 1, "prompt"),  # fills the whole context: no room for an answer
+    ([1] * 290, 20, "max_tokens"),
+    ("", 4, "prompt"),
+    ([-1], 4, "prompt"),
+])
+def test_prompts_that_do_not_fit_are_refused(engine, prompt, max_tokens, param):
+    with pytest.raises(InvalidRequest) as refused:
+        engine.prepare(prompt, max_tokens=max_tokens)
+    assert refused.value.param == param and refused.value.status == 400
