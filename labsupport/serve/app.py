@@ -131,6 +131,10 @@ def create_app(backend: Backend) -> FastAPI:
     async def validation_error(_: Request, exc: RequestValidationError):
         return error_response(400, str(exc))
 
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception):  # a bug: fail this request, keep serving
+        return error_response(500, f"the server failed on this request: {type(exc).__name__}: {exc}")
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": backend.model_name, **backend.stats()}
