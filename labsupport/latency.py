@@ -15,7 +15,7 @@ A client sends a request at ``sent_s`` and receives the answer's tokens at ``tok
 
 Across requests, percentiles use the **nearest-rank** convention (:func:`percentile`): the p-th
 percentile of ``n`` values is the smallest value that at least ``p`` % of them do not exceed, the
-``ceil(p / 100 * n)``-th smallest. It is always one of the measured values, never an
+``ceil(p * n / 100)``-th smallest. It is always one of the measured values, never an
 interpolation between two.
 
 :func:`fifo_ttfts` is the arithmetic of a first-in, first-out queue served one request at a time:
@@ -79,13 +79,13 @@ def latency_metrics(sent_s: float, token_times_s: Sequence[float]) -> dict:
 @answer
 def percentile(values: Sequence[float], p: float) -> float:
     """The ``p``-th percentile of ``values`` by nearest rank (chapter 03): the
-    ``ceil(p / 100 * n)``-th smallest value (the smallest for ``p = 0``)."""
+    ``ceil(p * n / 100)``-th smallest value (the smallest for ``p = 0``)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
         raise ValueError(f"values must be a non-empty list of numbers, got {values!r}")
     data = sorted(_time("each value", v) for v in values)
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 100:
         raise ValueError(f"p must be a number from 0 to 100, got {p!r}")
-    rank = max(1, math.ceil(p / 100 * len(data)))
+    rank = max(1, math.ceil(p * len(data) / 100))  # p * n first: 7 / 100 * 100 is 7.000000000000001
     return data[rank - 1]
 
 

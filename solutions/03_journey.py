@@ -187,7 +187,7 @@ for part, seconds in parts.items():
 
 # %%
 def percentile(values, p):
-    # BEGIN SOLUTION: sort, then take the ceil(p / 100 * n)-th smallest (1-based; the smallest for p = 0)
+    # BEGIN SOLUTION: sort, then take the ceil(p * n / 100)-th smallest (1-based; the smallest for p = 0)
     data = sorted(values)
     rank = max(1, -(-p * len(data) // 100))  # ceil(p * n / 100), at least 1
     return data[int(rank) - 1]

@@ -80,3 +80,8 @@ def test_timeline_stages_pairs_events_per_token():
     assert bars[1][2:] == (0.002, 0.01)
     with pytest.raises(ValueError, match="timeline"):
         timeline_stages({"stages": []})
+
+
+def test_percentile_rank_has_no_rounding_trap():
+    values = list(range(1, 101))
+    assert [percentile(values, p) for p in (7, 14, 28, 29, 57, 99)] == [7, 14, 28, 29, 57, 99]

@@ -17,7 +17,7 @@ METRICS_RULE = (
     "the prefill; the first decode step makes the second."
 )
 PERCENTILE_RULE = (
-    "nearest rank: sort the values; the p-th percentile of n values is the ceil(p / 100 * n)-th smallest "
+    "nearest rank: sort the values; the p-th percentile of n values is the ceil(p * n / 100)-th smallest "
     "(1-based; the smallest for p = 0). It is always one of the values, never an interpolation."
 )
 KEYS = ("ttft", "tpot", "itl", "e2e")
@@ -122,7 +122,7 @@ def _percentile_mistakes(values: list[float], p: float) -> dict[str, float]:
     return {
         "the value is interpolated between two ranks (numpy's default), not the nearest rank": interpolated,
         "the rank is rounded down, not up (floor(p / 100 * n) as a 1-based rank)": data[max(0, math.floor(p / 100 * n) - 1)],
-        "the rank ceil(p / 100 * n) is used as a 0-based index (one rank too high)": data[min(n - 1, math.ceil(p / 100 * n))],
+        "the rank ceil(p * n / 100) is used as a 0-based index (one rank too high)": data[min(n - 1, math.ceil(p / 100 * n))],
         "the values are not sorted first": values[max(1, math.ceil(p / 100 * n)) - 1],
         "the mean is returned": sum(values) / n,
     }
