@@ -31,6 +31,7 @@ import torch
 
 from ._answers import answer
 from ._validate import positive_int, positive_number
+from .interpreter_bytes import count_bytes
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): log(x) == log2(x) * LN2
@@ -599,6 +600,26 @@ def flash_attention_hbm_bytes(seq_len: int, head_dim: int, block_m: int = 128, d
     g = positive_int("group_size", group_size)
     kv_reads = 1 if kv_reuse else math.ceil(s / bm)
     return float((2 * s * d + kv_reads * 2 * s * d / g) * b + 4 * s)
+
+
+def flash_attention_counted_bytes(seq_len: int, head_dim: int, block_m: int = 128, block_n: int = 64,
+                                  dtype: torch.dtype = torch.float16, causal: bool = False) -> int:
+    """Bytes the course's FlashAttention kernel (:func:`flash_attention_reference`) loads and stores
+    for one head, counted in Triton's interpreter (:func:`labsupport.interpreter_bytes.count_bytes`).
+
+    Random inputs of shape (1, 1, S, D) in ``dtype`` (2 bytes per element for float16, as bf16
+    on a GPU). Non-causal, it equals :func:`flash_attention_hbm_bytes` with ``kv_reuse=False``:
+    the interpreter has no cache, so every re-read of K and V is counted. Raises
+    :class:`labsupport.interpreter_bytes.BytesNotCountable` outside the interpreter (on a GPU the
+    bytes come from the formula). Chapter 07 plots it beside the formulas.
+    """
+    s = positive_int("seq_len", seq_len)
+    d = positive_int("head_dim", head_dim)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, s, d, generator=gen).to(dtype) for _ in range(3))
+    with count_bytes() as counted:
+        flash_attention_reference(q, k, v, causal, block_m=block_m, block_n=block_n)
+    return counted.total
 
 
 def attention_intensity(seq_len: int, head_dim: int, *, tiled: bool, block_m: int = 128,

@@ -42,8 +42,10 @@ from tqdm.auto import tqdm
 
 from labsupport.attention import (
     attention_spec,
+    flash_attention_hbm_bytes,
     is_out_of_resources,
     kernel_config,
+    naive_attention_hbm_bytes,
     naive_attention_reference,
     online_softmax_reference,
     peak_tensor_memory,
@@ -52,6 +54,7 @@ from labsupport.attention import (
 from labsupport.checks import check_flash_attention, check_naive_attention, check_online_softmax
 from labsupport.costs import attention_flops
 from labsupport.device import device, gpu_has_bf16
+from labsupport.interpreter_bytes import count_bytes
 from labsupport.timing import benchmark
 
 DEVICE = device()
@@ -451,6 +454,33 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # %%
 check_flash_attention(flash_attention)
+
+# %% [markdown]
+# ### The bytes your kernel moves
+#
+# Chapter 07 counts the traffic of one head in formulas: naive attention writes and reads the
+# $S \times S$ scores, $4SD + 4S^2$ elements; the tiled kernel reads Q once, K and V once per
+# query block, and writes the output and the log-sum-exps. In Triton's interpreter you can count
+# what your own kernel loaded and stored instead: `labsupport.interpreter_bytes.count_bytes`
+# adds up every active lane of every `tl.load` and `tl.store` (masked-off lanes excluded). On a
+# GPU kernels are compiled and nothing can be counted there: the formulas are the figure.
+
+# %%
+io_s, io_d = 256, 64
+q, k, v = (torch.randn(1, 1, io_s, io_d, device=DEVICE, dtype=torch.float16) for _ in range(3))
+io_block_m = kernel_config(io_s, io_s, io_d, torch.float16, interpreter=settings.interpreter).block_m
+print(f"one head, S={io_s}, D={io_d}, float16 (2 bytes, as bf16)")
+print(f"naive attention (formula):                  {naive_attention_hbm_bytes(io_s, io_d, 2):>12,.0f} bytes")
+print(f"tiled, B_M={io_block_m}, every K/V re-read (formula): {flash_attention_hbm_bytes(io_s, io_d, io_block_m, 2):>12,.0f} bytes")
+if settings.interpreter:
+    with count_bytes() as counted:
+        flash_attention(q, k, v)
+    print(f"your kernel, counted in the interpreter:    {counted.total:>12,} bytes")
+    for name, traffic in counted.by_argument.items():
+        print(f"  {name:>8}: loaded {traffic.loaded:9,}  stored {traffic.stored:9,}")
+else:
+    print("your kernel: compiled on the GPU, so its bytes cannot be counted; the formula above is the figure")
+del q, k, v
 
 # %% [markdown]
 # ## 6. Naive vs your kernel vs PyTorch's fused attention

@@ -9,6 +9,8 @@ import torch
 
 from labsupport import attention as A
 from labsupport import bench_attention as bench
+from labsupport.attention import flash_attention_counted_bytes, flash_attention_hbm_bytes
+from labsupport.device import interpreter_mode
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -348,3 +350,13 @@ def test_views_whose_offsets_overflow_int32_are_copied_not_overflowed():
     assert not A._head_offsets_fit_int32((1, 128, 131072, 128), (131072 * 128 * 128, 128, 128 * 128, 1))
     assert A._head_offsets_fit_int32((1, 128, 131072, 128), (131072 * 128 * 128, 131072 * 128, 128, 1))
     assert not A._head_offsets_fit_int32((1, 1, 2**24, 128), (2**31, 2**31, 128, 1))  # 16M tokens
+
+
+@pytest.mark.skipif(not interpreter_mode(), reason="bytes are counted in Triton's interpreter")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_flash_attention_counted_bytes_equal_the_pessimistic_formula():
+    # S = 100 is not a multiple of the 64-row blocks: masked rows and keys must not count
+    assert flash_attention_counted_bytes(100, 32, 64, 32) == flash_attention_hbm_bytes(100, 32, 64, 2)
+    assert flash_attention_counted_bytes(100, 32, 64, 32, dtype=torch.float32) == flash_attention_hbm_bytes(100, 32, 64, 4)
+    # causal: the skipped key blocks are not read, so fewer bytes than the non-causal bound
+    assert flash_attention_counted_bytes(100, 32, 64, 32, causal=True) < flash_attention_hbm_bytes(100, 32, 64, 2)
