@@ -199,7 +199,7 @@ for i, s in enumerate(starts):
 # Pair $i$ completes a turn every $2\pi/\omega_i$ positions, its **wavelength**. The fastest pair
 # repeats every $2\pi \approx 6.3$ positions; the slowest sets the longest distance the embedding
 # can tell apart without ambiguity. Raising $\theta$ from 10,000 to 500,000 stretches the slow
-# end by a factor of about 40:
+# end:
 
 # %% tags=["nbval-check-output"]
 for theta in (ROFORMER_THETA, LLAMA3_THETA):
