@@ -4,8 +4,9 @@ The architecture follows Llama 3 (Grattafiori et al., 2024, "The Llama 3 Herd of
 RMSNorm before each block, rotary position embeddings, grouped-query attention and a SwiGLU
 feed-forward. The details in which real models differ follow the config: an explicit head width
 (``H * D`` need not be ``d``), biases on the q/k/v (and output) projections (Qwen2), q/k norms
-(Qwen3) and the rotary base ``rope_theta``. ``rope_scaling`` (Llama 3.1) is carried by the config
-but not applied here yet (chapter 08). The weights are random (seeded): how long a forward pass takes does not depend on
+(Qwen3), the rotary base ``rope_theta`` and the rotary frequency scaling ``rope_scaling`` (Llama
+3.1's ``"llama3"`` rule, through :func:`labsupport.position.rope_inv_freq`, chapter 08), so a Llama
+3.1 config computes what the real architecture computes past its original 8,192 positions. The weights are random (seeded): how long a forward pass takes does not depend on
 their values, so a random model measures the same time as a trained one of the same shape.
 
 Shapes used in comments:
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ from torch import nn
 
 from ._validate import positive_int
 from .models import LLAMA3_ROPE_THETA, ModelConfig, as_model
+from .position import rope_inv_freq
 
 ROPE_THETA = LLAMA3_ROPE_THETA  # the default base; the model uses its config's rope_theta
 NORM_EPS = 1e-5
@@ -162,11 +164,15 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = ROPE_THETA):
-    """cos and sin of the rotary angles for ``positions`` (S,): each (S, D), in ``dtype``."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
-    )  # (D/2,)
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = ROPE_THETA,
+                 scaling: Mapping | None = None):
+    """cos and sin of the rotary angles for ``positions`` (S,): each (S, D), in ``dtype``.
+
+    The frequencies are :func:`labsupport.position.rope_inv_freq` of the base ``theta`` and the
+    Hugging Face ``rope_scaling`` dict ``scaling`` (None: plain RoPE); angles in float32, as
+    transformers computes them.
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)  # (D/2,) float32
     angles = positions.float()[:, None] * inv_freq[None, :]  # (S, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (S, D)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -384,7 +390,8 @@ class Transformer(nn.Module):
         """Run positions ``start .. start+S-1``; return the last position's logits (B, V) in fp32."""
         B, S = tokens.shape
         positions = torch.arange(start, start + S, device=self.device)  # (S,)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta)  # (S, D) each
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta,
+                                self.cfg.rope_scaling)  # (S, D) each
         fold_gqa = self._attention_name == "sdpa"
         x = self.tok_embeddings(tokens)  # (B, S, d)
         for i, layer in enumerate(self.layers):

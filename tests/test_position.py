@@ -157,3 +157,66 @@ def test_rope_kernel_bytes():
     assert P.rope_kernel_bytes(1, 1, 1, 1, 2, 4, programs=3) == 2 * 2 * 2 * 4 + 8 + 3 * 1 * 4
     with pytest.raises(ValueError, match="programs"):
         P.rope_kernel_bytes(1, 1, 1, 1, 2, 4, programs=-1)
+
+
+# --- the course model uses the config's theta and scaling ---------------------------------------------
+
+
+def test_course_rope_equals_llama_rotary_embedding_past_the_original_context():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from labsupport.models import get_model, to_hf_config
+    from labsupport.transformer import rope_cos_sin
+
+    cfg = get_model("llama-3.1-8b")
+    assert cfg.rope_scaling == P.LLAMA31_ROPE_SCALING
+    hf = LlamaRotaryEmbedding(LlamaConfig(**to_hf_config(cfg)))
+    positions = torch.tensor([0, 1, 8191, 8192, 9000, 32_768, 131_071])
+    x = torch.zeros(1, len(positions), cfg.head_dim)
+    hf_cos, hf_sin = hf(x, positions[None])
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, torch.float32, cfg.rope_theta, cfg.rope_scaling)
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+    # without the scaling, positions past the original context get other angles
+    plain_cos, _ = rope_cos_sin(positions, cfg.head_dim, torch.float32, cfg.rope_theta)
+    assert not torch.allclose(plain_cos[3:], hf_cos[0, 3:], atol=1e-3)
+
+
+def test_course_model_with_llama3_scaling_matches_transformers():
+    """A small model with Llama 3.1's rule, scaled down so that it bites within a short prompt
+    (original context 64 positions): same logits as transformers, and not those of plain RoPE."""
+    import transformers
+
+    from labsupport.models import ModelConfig, to_hf_config
+    from labsupport.transformer import Transformer
+
+    scaling = {**P.LLAMA31_ROPE_SCALING, "original_max_position_embeddings": 64}
+    shape = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=101, rope_theta=10_000.0)
+    cfg = ModelConfig("test-llama3-scaling", rope_scaling=scaling, **shape)
+    ours = Transformer(cfg, seed=5)
+    with torch.no_grad():  # sharp attention, so that the angles show in the logits
+        for block in ours.layers:
+            block.attention.wq.weight.normal_(0, 0.5)
+            block.attention.wk.weight.normal_(0, 0.5)
+    hf_cfg = to_hf_config(cfg) | {"rms_norm_eps": 1e-5, "attn_implementation": "eager", "max_position_embeddings": 512}
+    assert hf_cfg["rope_scaling"]["rope_type"] == "llama3"
+    theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_cfg)).eval()
+    sd = {"model.embed_tokens.weight": ours.tok_embeddings.weight, "model.norm.weight": ours.norm.weight}
+    for i, block in enumerate(ours.layers):
+        pre, a, f = f"model.layers.{i}.", block.attention, block.feed_forward
+        for mine, hf_name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            sd[f"{pre}self_attn.{hf_name}.weight"] = getattr(a, mine).weight
+        sd[pre + "mlp.gate_proj.weight"], sd[pre + "mlp.up_proj.weight"] = f.w1.weight, f.w3.weight
+        sd[pre + "mlp.down_proj.weight"] = f.w2.weight
+        sd[pre + "input_layernorm.weight"] = block.attention_norm.weight
+        sd[pre + "post_attention_layernorm.weight"] = block.ffn_norm.weight
+    if ours.output is not None:
+        sd["lm_head.weight"] = ours.output.weight
+    theirs.load_state_dict(sd, strict=False)
+    prompt = ours.random_prompt(batch=2, length=300, seed=1)  # distances up to 299, past the 64 "trained"
+    with torch.no_grad():
+        want = theirs(prompt).logits[:, -1].float()
+    got = ours.forward_no_cache(prompt)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain = Transformer(ModelConfig("plain", **shape), seed=5)
+    plain.load_state_dict(ours.state_dict())
+    assert not torch.allclose(plain.forward_no_cache(prompt), want, atol=1e-3, rtol=1e-3)
