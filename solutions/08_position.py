@@ -6,7 +6,8 @@
 #
 # Attention by itself does not know where a token sits. In this lab you will
 #
-# 1. see that attention without positions gives the same answer for any order of the tokens;
+# 1. see that attention without positions gives the same answer for any order of the tokens, and
+#    measure what rotating positions costs on your device;
 # 2. write rotary position embeddings (RoPE) in both layouts real checkpoints use, and have them
 #    checked;
 # 3. show numerically that the score of a query and a key depends only on their distance, and
@@ -22,8 +23,9 @@
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
 # that raises an error. Until you have written an exercise, its check cell raises, and nothing
 # below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. Section 1 needs none of your code; the later sections use your functions, so
-# each exercise's check must pass before the sections after it run.
+# with a red error. Sections 1 and 2 (a measurement on your device) need none of your code; the
+# later sections use your functions, so each exercise's check must pass before the sections after
+# it run.
 
 # %% [setup]
 import labsupport
@@ -50,7 +52,9 @@ from labsupport.position import (
     interleaved_to_halves,
     rope_inv_freq,
     rope_kernel_bytes,
+    rope_with_inv_freq,
 )
+from labsupport.timing import benchmark
 
 DEVICE = device()
 
@@ -72,7 +76,33 @@ out_shuffled = naive_attention_reference(x[:, :, order], x[:, :, order], x[:, :,
 print("shuffled input gives the shuffled output:", torch.allclose(out_shuffled, out[:, :, order], atol=1e-6))
 
 # %% [markdown]
-# ## 2. Rotary embeddings: rotate every pair by its position
+# ## 2. What rotating positions costs, measured
+#
+# Every layer rotates the queries and keys of every new token. Below, the course's plain-torch
+# RoPE (`labsupport.position.rope_with_inv_freq`, several separate torch operations) rotates one
+# layer's queries and keys for a batch of tokens with Llama 3.1 8B's heads: 32 query heads and
+# 8 key heads of 128 features. A kernel that does this in one pass must read and write each
+# element once; dividing those bytes by the time gives the bandwidth the unfused version achieves.
+# Section 6 builds the fused kernel.
+
+# %%
+m_heads, m_kv_heads, m_dim = 32, 8, 128
+m_tokens = settings.pick(small=256, full=8192)
+m_dtype = torch.float32 if not settings.on_gpu else (torch.bfloat16 if gpu_has_bf16() else torch.float16)
+mq = torch.randn(1, m_heads, m_tokens, m_dim, device=DEVICE, dtype=m_dtype)
+mk = torch.randn(1, m_kv_heads, m_tokens, m_dim, device=DEVICE, dtype=m_dtype)
+m_positions = torch.arange(m_tokens, device=DEVICE)
+m_inv_freq = rope_inv_freq(m_dim, LLAMA3_THETA, LLAMA31_ROPE_SCALING).to(DEVICE)
+timing = benchmark(lambda: (rope_with_inv_freq(mq, m_positions, m_inv_freq),
+                            rope_with_inv_freq(mk, m_positions, m_inv_freq)))
+needed_bytes = 2 * (mq.numel() + mk.numel()) * mq.element_size()  # read once, write once
+print(f"{m_tokens} tokens, {str(m_dtype)[6:]}, on {settings.device_name}: {timing.median_ms:.3f} ms{timing.label()}")
+print(f"a fused kernel must move {needed_bytes / 1e6:.1f} MB: the unfused torch version runs at "
+      f"{needed_bytes / timing.median_s / 1e9:.2f} GB/s of useful traffic")
+del mq, mk
+
+# %% [markdown]
+# ## 3. Rotary embeddings: rotate every pair by its position
 #
 # RoPE (Su et al., 2021) splits each query and key of $D$ features into $D/2$ pairs and turns
 # pair $i$ of the token at position $m$ by the angle $m\,\omega_i$, with
@@ -154,7 +184,7 @@ print("same scores:", torch.allclose(s_interleaved, s_halves, atol=1e-5))
 print("without the permutation:", torch.allclose(s_interleaved, scores(w_q, w_k, "halves"), atol=1e-5))
 
 # %% [markdown]
-# ## 3. The score depends on the distance only
+# ## 4. The score depends on the distance only
 #
 # Rotations compose: $R(m\omega)^\top R(n\omega) = R((n - m)\omega)$, so the dot product of a
 # query rotated to position $m$ with a key rotated to $n$ is the dot product of the unrotated
@@ -194,7 +224,7 @@ for i, s in enumerate(starts):
 # cannot, so the kernel below is tested in float32 and float16 here and in bfloat16 on a GPU.)
 
 # %% [markdown]
-# ## 4. The base and the wavelengths
+# ## 5. The base and the wavelengths
 #
 # Pair $i$ completes a turn every $2\pi/\omega_i$ positions, its **wavelength**. The fastest pair
 # repeats every $2\pi \approx 6.3$ positions; the slowest sets the longest distance the embedding
@@ -264,7 +294,7 @@ ax.legend()
 fig.tight_layout()
 
 # %% [markdown]
-# ## 5. One launch for q and k
+# ## 6. One launch for q and k
 #
 # At serving time RoPE runs on every token's queries and keys, in every layer, before the keys
 # go into the KV cache (the cache holds rotated keys, so decode never rotates them again). It is
@@ -356,7 +386,7 @@ def fused_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 check_fused_rope(fused_rope)
 
 # %% [markdown]
-# ## 6. The bytes it moves
+# ## 7. The bytes it moves
 #
 # A fused RoPE kernel must read every element of q and k once and write it once; the positions
 # and the frequencies add a little. In Triton's interpreter, `labsupport.interpreter_bytes`
