@@ -99,7 +99,6 @@ needed_bytes = 2 * (mq.numel() + mk.numel()) * mq.element_size()  # read once, w
 print(f"{m_tokens} tokens, {str(m_dtype)[6:]}, on {settings.device_name}: {timing.median_ms:.3f} ms{timing.label()}")
 print(f"a fused kernel must move {needed_bytes / 1e6:.1f} MB: the unfused torch version runs at "
       f"{needed_bytes / timing.median_s / 1e9:.2f} GB/s of useful traffic")
-del mq, mk
 
 # %% [markdown]
 # ## 3. Rotary embeddings: rotate every pair by its position
