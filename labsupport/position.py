@@ -86,9 +86,11 @@ def _scaling_number(scaling: Mapping, key: str) -> float:
 # --- frequencies -------------------------------------------------------------------------------
 
 
+@answer
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """RoFormer's inverse frequencies ``theta ** (-2i / D)`` for ``i = 0 .. D/2 - 1``: (D/2,) float32,
-    computed as Hugging Face does (in float32), so the course model matches it bit for bit."""
+    computed as Hugging Face does (in float32), so the course model matches it bit for bit. Part of
+    the course's answer to lab 08's exercise 1 (banned inside that check)."""
     head_dim = _head_dim(head_dim)
     theta = positive_number("theta", theta)
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # (D/2,) = 2i / D
@@ -112,7 +114,7 @@ def llama3_inv_freq(head_dim: int, theta: float, scaling: Mapping) -> torch.Tens
     original = _scaling_number(scaling, "original_max_position_embeddings")
     if not high > low:
         raise ValueError(f"rope_scaling needs high_freq_factor > low_freq_factor, got {high} and {low}")
-    inv_freq = default_inv_freq(head_dim, theta)
+    inv_freq = default_inv_freq.__wrapped__(head_dim, theta)
     wavelength = 2 * math.pi / inv_freq  # (D/2,) positions per full turn
     low_freq_wavelength = original / low  # longer than this: slowed down by `factor`
     high_freq_wavelength = original / high  # shorter than this: left alone
@@ -134,15 +136,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -
     """
     head_dim = _head_dim(head_dim)
     theta = positive_number("theta", theta)
+    # the answers' own functions, so that a learner's RoPE calling this is refused by the check
     if scaling is None:
-        return default_inv_freq(head_dim, theta)
+        return default_inv_freq.__wrapped__(head_dim, theta)
     if not isinstance(scaling, Mapping):
         raise ValueError(f"scaling must be a rope_scaling dict or None, got {type(scaling).__name__}")
     kind = _rope_type(scaling)
     if kind == "default":
-        return default_inv_freq(head_dim, theta)
+        return default_inv_freq.__wrapped__(head_dim, theta)
     if kind == "linear":
-        return default_inv_freq(head_dim, theta) / _scaling_number(scaling, "factor")
+        return default_inv_freq.__wrapped__(head_dim, theta) / _scaling_number(scaling, "factor")
     return llama3_inv_freq.__wrapped__(head_dim, theta, scaling)
 
 
@@ -182,9 +185,11 @@ def _unpairs(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.stack([a, b], dim=-1).flatten(-2)  # (..., D/2, 2) -> (..., D): a0 b0 a1 b1 ...
 
 
+@answer
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "halves") -> torch.Tensor:
     """Rotate every pair of ``x`` (..., S, D) by the angles whose cos and sin are (S, D/2); in float32,
-    returned in ``x.dtype``."""
+    returned in ``x.dtype``. The core of the course's answer to lab 08's exercises 1 and 3 (banned
+    inside those checks)."""
     layout = _layout(layout)
     a, b = _pairs(x.float(), layout)
     return _unpairs(a * cos - b * sin, a * sin + b * cos, layout).to(x.dtype)
@@ -200,15 +205,15 @@ def apply_rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float 
         raise ValueError(
             f"x must be (..., S, D) and positions (S,); got x {tuple(x.shape)} and positions {tuple(positions.shape)}"
         )
-    cos, sin = rope_cos_sin(positions, default_inv_freq(x.shape[-1], theta).to(x.device))
-    return rotate(x, cos, sin, layout)
+    cos, sin = rope_cos_sin(positions, default_inv_freq.__wrapped__(x.shape[-1], theta).to(x.device))
+    return rotate.__wrapped__(x, cos, sin, layout)
 
 
 def rope_with_inv_freq(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                        layout: str = "halves") -> torch.Tensor:
     """RoPE of ``x`` (..., S, D) at ``positions`` (S,) with given inverse frequencies (D/2,)."""
     cos, sin = rope_cos_sin(positions, inv_freq)
-    return rotate(x, cos, sin, layout)
+    return rotate.__wrapped__(x, cos, sin, layout)
 
 
 # --- converting weights between the layouts ----------------------------------------------------
@@ -262,7 +267,7 @@ def score_drift(head_dim: int = 128, theta: float = LLAMA3_THETA, distance: int 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(pairs, 1, head_dim, generator=gen).to(dtype)  # (N, S=1, D)
     k = torch.randn(pairs, 1, head_dim, generator=gen).to(dtype)
-    inv_freq = default_inv_freq(head_dim, theta)
+    inv_freq = default_inv_freq.__wrapped__(head_dim, theta)
 
     def scores(m: int, n: int) -> torch.Tensor:
         qm = rope_with_inv_freq(q, torch.tensor([m]), inv_freq)  # (N, 1, D) in dtype

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._answers import answer
 from ._validate import positive_int
 from .models import LLAMA3_ROPE_THETA, ModelConfig, as_model
 from .position import rope_inv_freq
@@ -178,8 +179,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, the
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+@answer
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[i], x[i + D/2]) by the position's angle (Su et al., 2021, RoFormer).
+    RoPE in the halves layout: banned inside lab 08's RoPE checks, like the course's answers there.
 
     x: (B, heads, S, D); cos, sin: (S, D).
     """

@@ -37,9 +37,11 @@ from ..position import (
     rope_inv_freq,
     rotate,
 )
+from ..transformer import apply_rope as model_apply_rope
 from .framework import Case, graded, torch_calls, triton_launches
 
-ANSWERS = (apply_rope_reference, llama3_inv_freq)
+# The course's RoPE, whole or in parts: a learner's rotation may not be, wrap or call any of them
+ROPE_ANSWERS = (apply_rope_reference, rotate, model_apply_rope)
 # torch functions that compute the rotation: the fused kernel's wrapper may allocate, reshape and
 # make contiguous, but the kernel computes the angles and the rotation
 COMPUTES = ("cos", "sin", "cos_", "sin_", "mul", "__mul__", "__rmul__", "mul_", "einsum", "outer", "polar",
@@ -103,7 +105,7 @@ def _positions(kind: str, s: int, gen) -> torch.Tensor:
     return torch.randperm(4 * s, generator=gen)[:s]  # "shuffled": any positions, in any order
 
 
-@graded(points=4, bans=ANSWERS)
+@graded(points=4, bans=ROPE_ANSWERS + (default_inv_freq,))
 def check_apply_rope(fn, checker):
     """``fn(x, positions, theta, layout)`` must rotate ``x`` (B, H, S, D) like RoPE in that layout."""
     plan = [
@@ -179,7 +181,7 @@ LLAMA3_MISTAKES = {
 }
 
 
-@graded(points=3, bans=ANSWERS)  # rope_inv_freq reaches llama3_inv_freq, so it is refused too
+@graded(points=3, bans=(llama3_inv_freq,))  # rope_inv_freq reaches it, so it is refused too
 def check_llama3_inv_freq(fn, checker):
     """``fn(head_dim, theta, scaling)`` must return Llama 3.1's scaled inverse frequencies (D/2,)."""
     configs = [
@@ -283,7 +285,7 @@ def _kernel_mistakes(q, k, positions, inv_freq):
     return mistakes
 
 
-@graded(points=5, bans=ANSWERS)
+@graded(points=5, bans=ROPE_ANSWERS)
 def check_fused_rope(fn, checker):
     """``fn(q, k, positions, inv_freq)`` must return (q, k) rotated (halves layout), written by one
     Triton launch."""

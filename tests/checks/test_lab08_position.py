@@ -16,6 +16,7 @@ from labsupport.device import interpreter_mode
 
 apply_rope_reference = unguarded(P.apply_rope_reference)
 llama3_inv_freq = unguarded(P.llama3_inv_freq)
+rotate = unguarded(P.rotate)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
@@ -80,10 +81,26 @@ def test_apply_rope_rejects_a_reversed_rotation():
         check_apply_rope(lambda x, p, t, layout: rope(x, p, t, layout, sign=-1.0))
 
 
-def test_apply_rope_rejects_the_course_answer_inside_a_learner_function():
+def _model_rope(x, positions, theta, layout):
+    from labsupport.transformer import apply_rope as model_rope
+
+    inv_freq = 1.0 / theta ** (torch.arange(0, x.shape[-1], 2).float() / x.shape[-1])
+    angles = positions.float()[:, None] * inv_freq
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    return model_rope(x.float(), cos, sin).to(x.dtype)
+
+
+@pytest.mark.parametrize("bypass", [
+    lambda x, p, t, layout: P.apply_rope_reference(x, p, t, layout),
+    lambda x, p, t, layout: P.rope_with_inv_freq(x, p, 1.0 / t ** (torch.arange(0, x.shape[-1], 2) / x.shape[-1]),
+                                                 layout),
+    lambda x, p, t, layout: rope(x, p, t, layout) if layout == "interleaved" else _model_rope(x, p, t, layout),
+    lambda x, p, t, layout: P.rotate(x, *P.rope_cos_sin(p, P.rope_inv_freq(x.shape[-1], t)), layout),
+], ids=["the reference", "rope_with_inv_freq", "the course model's apply_rope", "rope_inv_freq and rotate"])
+def test_apply_rope_rejects_the_course_rope_inside_a_learner_function(bypass):
     with course_checks_its_answers(False):
         with pytest.raises(CheckFailed, match="course's own answer"):
-            check_apply_rope(lambda x, p, t, layout: P.apply_rope_reference(x, p, t, layout))
+            check_apply_rope(bypass)
 
 
 # --- exercise 3: llama3_inv_freq --------------------------------------------------------------------
@@ -277,7 +294,7 @@ def test_fused_rejects_rotation_in_torch():
     def in_torch(q, k, positions, inv_freq):
         out = fused(q, k, positions, inv_freq)  # the kernel runs, but the answer comes from torch
         cos, sin = P.rope_cos_sin(positions, inv_freq)
-        out[0].copy_(P.rotate(q, cos, sin))  # into the tensor the kernel wrote
+        out[0].copy_(rotate(q, cos, sin))  # into the tensor the kernel wrote
         return out
 
     with pytest.raises(CheckFailed, match="called .* in torch"):
@@ -288,7 +305,18 @@ def test_fused_rejects_a_result_no_kernel_wrote():
     def copies(q, k, positions, inv_freq):
         fused(q, k, positions, inv_freq)
         cos, sin = P.rope_cos_sin(positions, inv_freq)
-        return P.rotate(q, cos, sin).clone(), P.rotate(k, cos, sin).clone()
+        return rotate(q, cos, sin).clone(), rotate(k, cos, sin).clone()
 
     with pytest.raises(CheckFailed, match="no Triton kernel you launched wrote to: q_rot, k_rot"):
         check_fused_rope(copies)
+
+
+def test_fused_rejects_the_course_rope_inside_a_learner_function():
+    def bypass(q, k, positions, inv_freq):
+        out = fused(q, k, positions, inv_freq)
+        out[0].copy_(P.rope_with_inv_freq(q, positions, inv_freq))
+        return out
+
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_fused_rope(bypass)
