@@ -319,7 +319,10 @@ fig.tight_layout()
 #
 # The check runs S of 1, 17, 37 and 100 with `BLOCK_S` of your choice, head counts 1 to 6, and
 # Llama 3.1's scaled frequencies at positions past 8,192, in float32 and float16 (bfloat16 too
-# on a GPU). In the interpreter it also counts launches: exactly one.
+# on a GPU). In the interpreter it also counts launches: exactly one. You may rotate in place
+# (as vLLM does) or into new tensors. Write the kernel body first, then the wrapper: on a GPU a
+# kernel that still contains its `raise NotImplementedError` line fails to compile with
+# `unsupported AST node type: Raise`, which only means the body is not written yet.
 
 # %%
 BLOCK_S = 32
