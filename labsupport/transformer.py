@@ -278,6 +278,7 @@ class Transformer(nn.Module):
 
     The weights are created directly on ``device`` (first on torch's ``meta`` device, which
     allocates nothing), so an 8B shape in bf16 (about 16 GB) never passes through CPU memory.
+    ``device="meta"`` builds the model with shapes only: enough to count its parameters.
     """
 
     def __init__(
@@ -313,7 +314,8 @@ class Transformer(nn.Module):
             None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **factory)
         )
         self.to_empty(device=device)  # allocate on the target device; values filled next
-        self._init_weights(seed)
+        if device.type != "meta":  # on "meta" only the shapes exist (counting an 8B's weights needs no memory)
+            self._init_weights(seed)
         self.eval()
 
     # -- construction helpers --
@@ -401,7 +403,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, self._attn_fn, fold_gqa, cache, i, start)  # (B, S, d)
         x = self.norm(x[:, -1])  # (B, d): only the last position's logits are needed
         head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, d)
-        return (x @ head.T).float()  # (B, V)
+        with torch.profiler.record_function("output layer"):  # a label for chapter 02's profile
+            return (x @ head.T).float()  # (B, V)
 
     def _check_cache(self, cache, batch: int, start: int, new: int, what: str) -> None:
         if not isinstance(cache, KVCache):
