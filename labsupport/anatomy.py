@@ -138,6 +138,19 @@ def moe_param_counts(cfg, n_experts: int, experts_per_token: int) -> dict[str, i
             "active": shared + cfg.n_layers * experts_per_token * expert}
 
 
+def moe_experts_read(n_experts: int, experts_per_token: int, batch: int) -> float:
+    """Expected number of distinct experts a layer reads in one decode step of ``batch`` tokens,
+    assuming each token picks ``experts_per_token`` of ``n_experts`` uniformly and independently:
+    ``n * (1 - ((n - k) / n) ** batch)``. Real routers are not uniform; this is the assumption the
+    book states beside the number."""
+    n = positive_int("n_experts", n_experts)
+    k = positive_int("experts_per_token", experts_per_token)
+    b = positive_int("batch", batch)
+    if k > n:
+        raise ValueError(f"experts_per_token ({k}) cannot exceed n_experts ({n})")
+    return n * (1 - ((n - k) / n) ** b)
+
+
 def step_costs(cfg, batch: int, new_tokens: int, context: int = 0, dtype_bytes: float = 2) -> dict[str, dict]:
     """FLOPs and bytes read by one forward step of ``new_tokens`` per sequence after ``context``
     cached ones, by part (:data:`STEP_PARTS`, less ``"other"``): ``{part: {"flops": ..., "bytes":

@@ -75,3 +75,30 @@ LLAMA3_SPECIAL_TOKENS = Figure(
     256, "ids", "ids Llama 3 reserves for special tokens",
     "meta-llama/llama3, llama/tokenizer.py (num_reserved_special_tokens)",
 )
+
+# Models (chapter 02): mixtures of experts and a head width that is not d_model / n_heads.
+
+#: Mixtral 8x7B's parameters: all of them, and those one token uses (2 of 8 experts per layer).
+MIXTRAL_TOTAL_PARAMS = Figure(
+    46.7e9, "parameters", "Mixtral 8x7B, all parameters",
+    "Mistral AI, 'Mixtral of experts' (announcement), 11 December 2023",
+)
+MIXTRAL_ACTIVE_PARAMS = Figure(
+    12.9e9, "parameters", "Mixtral 8x7B, parameters used per token",
+    "Mistral AI, 'Mixtral of experts' (announcement), 11 December 2023",
+)
+
+#: DeepSeek-V3: a mixture of experts far sparser than Mixtral.
+DEEPSEEK_V3_TOTAL_PARAMS = Figure(
+    671e9, "parameters", "DeepSeek-V3, all parameters", "DeepSeek-AI, 'DeepSeek-V3 Technical Report', 2024",
+)
+DEEPSEEK_V3_ACTIVE_PARAMS = Figure(
+    37e9, "parameters", "DeepSeek-V3, parameters activated per token",
+    "DeepSeek-AI, 'DeepSeek-V3 Technical Report', 2024",
+)
+
+#: Gemma 7B: 16 heads of 256 on a model width of 3,072 (Table 1 of the report).
+_GEMMA = "Gemma Team, 'Gemma: Open Models Based on Gemini Research and Technology', 2024, Table 1"
+GEMMA_7B_D_MODEL = Figure(3072, "", "Gemma 7B model width d_model", _GEMMA)
+GEMMA_7B_HEADS = Figure(16, "", "Gemma 7B attention heads", _GEMMA)
+GEMMA_7B_HEAD_DIM = Figure(256, "", "Gemma 7B head size", _GEMMA)

@@ -63,6 +63,15 @@ def test_mixture_of_experts_totals_match_transformers_and_the_announcement():
         anatomy.moe_param_counts(dense, 2, 3)
 
 
+def test_experts_read_per_decode_step():
+    assert anatomy.moe_experts_read(8, 2, 1) == pytest.approx(2)
+    assert anatomy.moe_experts_read(8, 2, 2) == pytest.approx(8 * (1 - 0.75**2))
+    assert 7.9 < anatomy.moe_experts_read(8, 2, 16) < 8
+    assert anatomy.moe_experts_read(8, 8, 1) == 8
+    with pytest.raises(ValueError, match="cannot exceed"):
+        anatomy.moe_experts_read(2, 3, 1)
+
+
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-0.6b", "qwen2-7b"])
 def test_step_costs_add_up_to_the_costs_module(name):
     cfg = get_model(name)

@@ -1,0 +1,372 @@
+# Lab 02 source of truth. Edit this file, then run `python -m labsupport release 02_anatomy` to
+# regenerate labs/02_anatomy.ipynb (learners) and solutions/02_anatomy.ipynb (instructors).
+
+# %% [markdown]
+# # Lab 02: the anatomy of a decoder, counted and profiled
+#
+# A served model is a stack of a few kinds of layers, repeated. In this lab you will
+#
+# 1. follow one forward pass of the course model layer by layer and watch the shapes;
+# 2. write `param_count_by_component`, the exact number of weights in each part of a decoder of
+#    any shape, tied embeddings, q/k/v biases and explicit head widths included, and have it
+#    checked;
+# 3. verify your count three ways: your formula, the course model's `numel()`, and Hugging Face
+#    `transformers` building the real architectures (Llama 3.1, Mistral, Qwen2, Qwen3) on the
+#    meta device, with no download and no memory;
+# 4. see where the parameters of real models are, and what a mixture of experts changes;
+# 5. profile one prefill and one decode step with `torch.profiler`, and compare where the time
+#    goes with where the FLOPs and the bytes say it should.
+#
+# Everything runs on a CPU in well under a minute. The model's weights are random: the time a
+# forward pass takes does not depend on their values.
+#
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written the exercise, its check cell raises and nothing below it
+# runs; scroll back up to the first cell with a red error.
+
+# %% [setup]
+import labsupport
+
+settings = labsupport.setup()
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import transformers
+
+from labsupport.anatomy import (
+    COMPONENTS,
+    STEP_PARTS,
+    hf_model,
+    hf_param_counts,
+    model_param_counts,
+    moe_param_counts,
+    profile_step,
+    step_costs,
+    time_step,
+)
+from labsupport.checks import check_param_count_by_component
+from labsupport.device import device, lab_dtype
+from labsupport.models import HF_CONFIGS, ModelConfig, get_model, hf_config, to_hf_config
+from labsupport.transformer import Transformer
+
+DEVICE = device()
+if not settings.on_gpu:
+    # One thread keeps CPU timings steady when other programs share the cores.
+    torch.set_num_threads(1)
+
+# %% [markdown]
+# ## 1. One forward pass, layer by layer
+#
+# The course model (`labsupport.transformer.Transformer`) is a Llama-style decoder. Here is the
+# smallest preset, `tiny-2m`, reading a prompt of 5 tokens. Forward hooks record what each module
+# hands on: watch the last dimension change from the model width `d` to the query, key and value
+# widths, to the feed-forward width and back, and finally to the vocabulary.
+
+# %% tags=["nbval-check-output"]
+TINY = get_model("tiny-2m")
+tiny = Transformer(TINY, seed=0)
+print(TINY)
+print()
+
+seen = []  # (module name, class, output shape, parameters)
+hooks = []
+for name, module in tiny.named_modules():
+    if name and (name.count(".") <= 3) and not name.startswith("layers.1"):  # layer 0 shows them all
+        def record(mod, args, out, name=name):
+            seen.append((name, type(mod).__name__, tuple(out.shape), sum(p.numel() for p in mod.parameters())))
+        hooks.append(module.register_forward_hook(record))
+
+prompt = tiny.random_prompt(batch=1, length=5, seed=0)  # (B=1, S=5) token ids
+logits = tiny.forward_no_cache(prompt)  # (B, V): the last position's scores
+for h in hooks:
+    h.remove()
+
+print(f"{'module':32s} {'class':12s} {'output shape':16s} {'parameters':>10s}")
+for name, cls, shape, params in seen:
+    print(f"{name:32s} {cls:12s} {str(shape):16s} {params:10,}")
+print(f"{'output layer (tied to the table)':32s} {'x @ E.T':12s} {str(tuple(logits.shape)):16s} {0:10,}")
+print("next token (greedy):", int(logits.argmax(-1)))
+
+# %% [markdown]
+# Read the table from the top:
+#
+# * **embedding**: each token id picks a row of a `V x d` table: `(1, 5)` ids become `(1, 5, d)`.
+# * in every **block**, an RMSNorm, then the query projection `wq` to `n_heads * head_dim`, the key
+#   and value projections `wk`, `wv` to `n_kv_heads * head_dim` only (grouped-query attention), the
+#   rotation of queries and keys by position (chapter 08), attention, and `wo` back to `d`; the
+#   residual adds the result to the block's input. Then a second RMSNorm and the SwiGLU feed-forward
+#   (`w1` gate and `w3` up to `d_ff`, `w2` down to `d`), and a second residual add.
+# * after the last block, the final **norm**, and the **output layer**: one score per vocabulary
+#   entry. This preset ties it to the embedding table (`logits = x @ E.T`), so it has no weights of
+#   its own, and the model computes it for the last position only, the one whose next token is chosen.
+#
+# The norms hold `d` weights each; everything else is a matrix. That is why the count below is
+# almost entirely matrices, and why a step costs about 2 FLOPs per parameter per token.
+
+# %% [markdown]
+# ## 2. Exercise: the parameters of any decoder, by component
+#
+# Complete `param_count_by_component(cfg)`. `cfg` is a `labsupport.models.ModelConfig` with
+# fields `n_layers` ($L$), `d_model` ($d$), `n_heads` ($H$), `n_kv_heads` ($H_{kv}$),
+# `head_dim` ($D$), `d_ff`, `vocab_size` ($V$), and the flags in which real models differ:
+# `tied_embeddings`, `qkv_bias`, `o_bias` and `qk_norm`. Return a dict with exactly these keys,
+# each an `int`:
+#
+# | key | what | count |
+# | --- | --- | --- |
+# | `"embedding"` | the token table | $V d$ |
+# | `"attention"` | q, k, v, o projections of all layers | $L\,(d \cdot HD + 2\,d \cdot H_{kv}D + HD \cdot d)$, plus $HD + 2H_{kv}D$ per layer if `qkv_bias`, plus $d$ per layer if `o_bias` |
+# | `"feed_forward"` | SwiGLU's gate, up and down matrices | $L \cdot 3\,d\,d_{ff}$ |
+# | `"norms"` | RMSNorm weight vectors | $2d$ per layer, $d$ for the final norm, plus $2D$ per layer if `qk_norm` |
+# | `"output"` | the output layer | $V d$, or $0$ when `tied_embeddings` (one table, counted under `"embedding"`) |
+#
+# Use `cfg.head_dim`, never `d_model // n_heads`: Qwen3-0.6B has 16 heads of 128 on a width of
+# 1,024. Write the formula from the fields with integer arithmetic; the check refuses a function
+# that builds a model (that is section 3's cross-check).
+
+# %%
+def param_count_by_component(cfg) -> dict:
+    # BEGIN SOLUTION: return a dict: each of the five components -> its number of parameters (an int)
+    d, D, L, V = cfg.d_model, cfg.head_dim, cfg.n_layers, cfg.vocab_size
+    q_width, kv_width = cfg.n_heads * D, cfg.n_kv_heads * D
+    attention = d * q_width + 2 * d * kv_width + q_width * d  # wq, wk and wv, wo
+    if cfg.qkv_bias:
+        attention += q_width + 2 * kv_width
+    if cfg.o_bias:
+        attention += d
+    norms = 2 * d * L + d + (2 * D * L if cfg.qk_norm else 0)
+    return {
+        "embedding": V * d,
+        "attention": L * attention,
+        "feed_forward": L * 3 * d * cfg.d_ff,
+        "norms": norms,
+        "output": 0 if cfg.tied_embeddings else V * d,
+    }
+    # END SOLUTION
+
+
+# %%
+check_param_count_by_component(param_count_by_component)
+
+# %% [markdown]
+# ## 3. Three ways to count
+#
+# A formula is only as good as its agreement with the real thing. For each shape, compare
+#
+# * **your formula**;
+# * **the course model**: `Transformer(cfg, device="meta")` builds every layer with shapes and no
+#   values, so even the 8B costs no memory; `model_param_counts` sums `numel()` by component;
+# * **Hugging Face `transformers`**, building the architecture its own code defines (Llama, Mistral,
+#   Qwen2, Qwen3) from the model's `config.json` on the meta device
+#   (`with torch.device("meta"): AutoModelForCausalLM.from_config(...)`). The `config.json` dicts
+#   of the real models ship with the course (`labsupport.models.HF_CONFIGS`, copied from each
+#   model's page on the Hugging Face Hub): nothing is downloaded.
+
+# %%
+config = hf_config("qwen3-0.6b")  # a dict, as json.load(open("config.json")) gives it
+print({k: config[k] for k in ("model_type", "hidden_size", "num_attention_heads", "head_dim",
+                               "num_key_value_heads", "tie_word_embeddings")})
+with torch.device("meta"):  # parameters get shapes, no memory and no values
+    qwen = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+print(qwen.model.layers[0].self_attn)
+print("a weight on the meta device:", qwen.model.layers[0].self_attn.q_proj.weight.device)
+
+# %% tags=["nbval-check-output"]
+shapes = {name: (get_model(name), hf_config(name)) for name in HF_CONFIGS}
+for name in ("tiny-2m", "small-63m"):  # the course's presets, in transformers as Llama
+    shapes[name] = (get_model(name), to_hf_config(get_model(name)))
+
+print(f"{'model':16s} {'your formula':>16s} {'course numel':>16s} {'transformers':>16s}  agree")
+for name, (cfg, hf_dict) in shapes.items():
+    yours = param_count_by_component(cfg)
+    course = model_param_counts(cfg)
+    theirs = hf_param_counts(hf_dict)
+    agree = yours == course == theirs
+    print(f"{name:16s} {sum(yours.values()):16,} {sum(course.values()):16,} {sum(theirs.values()):16,}  {agree}")
+    assert agree, (name, yours, course, theirs)
+
+# %% [markdown]
+# All three agree component by component, not just in total. The totals are the sizes on the
+# models' cards: 8.03B for Llama 3.1 8B, 7.24B for Mistral 7B, 7.62B for Qwen2-7B, 8.19B for
+# Qwen3-8B.
+
+# %% [markdown]
+# ## 4. Where the parameters are
+#
+# The same components as shares of each model. In the 7-8B models the feed-forward holds two thirds
+# to three quarters of the weights and attention a tenth to a fifth (grouped-query attention keeps
+# the key and value projections small); the norms are a rounding error. In a small model with a
+# 150k-entry vocabulary the embedding table is a quarter of everything, which is why small models
+# tie it to the output layer; and Qwen3-0.6B's attention is large for its width, because its
+# 16 heads of 128 make queries twice as wide as the model.
+
+# %% tags=["nbval-check-output"]
+names = list(HF_CONFIGS) + ["tiny-2m"]
+shares = {}
+print(f"{'model':16s}" + "".join(f"{c:>14s}" for c in COMPONENTS) + f"{'total':>16s}")
+for name in names:
+    parts = param_count_by_component(get_model(name))
+    total = sum(parts.values())
+    shares[name] = [parts[c] / total for c in COMPONENTS]
+    print(f"{name:16s}" + "".join(f"{100 * s:13.1f}%" for s in shares[name]) + f"{total:16,}")
+
+fig, ax = plt.subplots(figsize=(9, 3.6))
+left = [0.0] * len(names)
+for i, component in enumerate(COMPONENTS):
+    widths = [100 * shares[n][i] for n in names]
+    ax.barh(names, widths, left=left, label=component)
+    left = [a + b for a, b in zip(left, widths)]
+ax.set(xlabel="share of parameters (%)", xlim=(0, 100), title="Where the weights are")
+ax.invert_yaxis()
+ax.legend(ncol=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.1))
+fig.tight_layout()
+
+# %% [markdown]
+# **Mixture of experts.** Mixtral 8x7B has the attention of Mistral 7B, but each layer's
+# feed-forward is 8 experts, and a router sends every token to 2 of them. The memory holds all the
+# experts; each token computes with two. (`moe_param_counts` counts it; transformers' `mixtral`
+# architecture agrees.)
+
+# %% tags=["nbval-check-output"]
+mixtral_shape = ModelConfig("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, rope_theta=1e6)
+moe = moe_param_counts(mixtral_shape, n_experts=8, experts_per_token=2)
+mixtral_config = {**to_hf_config(mixtral_shape), "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                  "num_local_experts": 8, "num_experts_per_tok": 2}
+hf_total = sum(p.numel() for p in hf_model(mixtral_config).parameters())
+print(f"total {moe['total']:,} (transformers: {hf_total:,}); active per token {moe['active']:,} "
+      f"({moe['active'] / moe['total']:.0%})")
+
+# %% [markdown]
+# ## 5. What one step should cost, by part
+#
+# `step_costs(cfg, batch, new_tokens, context)` counts the matrix FLOPs of a step (2 per multiply-add)
+# and the bytes it must read (weights, and the keys and values attended to), by part. A prefill is
+# `new_tokens=P`; a decode step is one token after `context` cached ones. The model profiled
+# below: `small-63m` on a CPU (about 250 MB of fp32 weights, several times a CPU's cache, so decode
+# streams them from memory as a GPU streams from HBM); Llama 3.1 8B on a GPU with room for it.
+
+# %%
+MODEL_NAME = settings.pick(small="small-63m", full="llama-3.1-8b")
+DTYPE = lab_dtype()  # bf16 (fp16 before Ampere) on a GPU, fp32 on a CPU
+if settings.on_gpu and torch.cuda.get_device_properties(0).total_memory < 2.5 * 2 * sum(
+        param_count_by_component(get_model(MODEL_NAME)).values()):
+    MODEL_NAME = "small-63m"
+    print(f"this GPU has too little memory for the 8B shape; using {MODEL_NAME} instead")
+CFG = get_model(MODEL_NAME)
+DTYPE_BYTES = torch.empty((), dtype=DTYPE).element_size()
+PROMPT = settings.pick(small=128, full=1024)
+
+predicted = {
+    "prefill": step_costs(CFG, batch=1, new_tokens=PROMPT, dtype_bytes=DTYPE_BYTES),
+    "decode": step_costs(CFG, batch=1, new_tokens=1, context=PROMPT + 1, dtype_bytes=DTYPE_BYTES),
+}
+
+# %% tags=["nbval-check-output"]
+for phase, parts in predicted.items():
+    flops = sum(p["flops"] for p in parts.values())
+    read = sum(p["bytes"] for p in parts.values())
+    print(f"{CFG.name} {phase}: {flops / 1e9:,.2f} GFLOP, {read / 2**20:,.1f} MiB read, "
+          f"{flops / read:,.1f} FLOP per byte")
+    for part, p in parts.items():
+        print(f"   {part:34s} {100 * p['flops'] / flops:5.1f}% of FLOPs  {100 * p['bytes'] / read:5.1f}% of bytes")
+
+# %% [markdown]
+# Every weight does 2 FLOPs per token it multiplies. A prefill of $P$ tokens reads each weight once
+# and uses it $P$ times: about $2P$ FLOPs per weight, $P/2$ FLOPs per byte in fp32 ($P$ in bf16),
+# so it is limited by arithmetic. A decode step uses each weight once: 0.5 FLOPs per byte in fp32,
+# 1 in bf16, so it is limited by reading memory (chapters 04 and 05). The feed-forward dominates
+# both. The output layer is computed for the last position only, so in prefill it is a sliver of
+# the FLOPs but still all of its bytes; and the embedding table is barely read at all (one row per
+# token), though a tied model reads the same table in full as its output layer.
+
+# %% [markdown]
+# ## 6. Where the time goes: `torch.profiler`
+#
+# `profile_step` runs the step under `torch.profiler.profile`, with a labelled range
+# (`torch.profiler.record_function`) around each part of the model, put there by forward hooks.
+# First the profiler's own view: the operators that took the most time.
+
+# %%
+model = Transformer(CFG, device=DEVICE, dtype=DTYPE, seed=0)
+measured = {phase: profile_step(model, phase, PROMPT, repeats=3) for phase in ("prefill", "decode")}
+unprofiled = {phase: time_step(model, phase, PROMPT) for phase in ("prefill", "decode")}
+where = measured["decode"]["device"]
+print(measured["decode"]["profiler"].key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+# %% [markdown]
+# `aten::addmm`/`aten::mm` (inside `aten::linear`) are the matrix multiplications; the rest are
+# the small operations around them. Now the same profile by part, against the predictions of
+# section 5. The times are measured on the device printed first (CPU or GPU); on a CPU they say
+# how a CPU spends a step, not how a GPU would.
+
+# %%
+print(f"device: {where} ({'one thread' if where == 'CPU' else str(torch.cuda.get_device_name(0))}), "
+      f"{CFG.name}, {str(DTYPE)[6:]}, prompt {PROMPT}")
+for phase in ("prefill", "decode"):
+    seconds, step = measured[phase]["seconds"], measured[phase]["step_s"]
+    flops = sum(p["flops"] for p in predicted[phase].values())
+    read = sum(p["bytes"] for p in predicted[phase].values())
+    print(f"\n{phase}: {step * 1e3:.1f} ms per step profiled, {unprofiled[phase] * 1e3:.1f} ms without the profiler")
+    print(f"   {'part':34s} {'time':>7s} {'FLOPs':>7s} {'bytes':>7s}")
+    for part in STEP_PARTS:
+        p = predicted[phase].get(part, {"flops": 0.0, "bytes": 0.0})
+        print(f"   {part:34s} {100 * seconds[part] / step:6.1f}% {100 * p['flops'] / flops:6.1f}% "
+              f"{100 * p['bytes'] / read:6.1f}%")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+for ax, phase in zip(axes, ("prefill", "decode")):
+    seconds, step = measured[phase]["seconds"], measured[phase]["step_s"]
+    flops = sum(p["flops"] for p in predicted[phase].values())
+    read = sum(p["bytes"] for p in predicted[phase].values())
+    ys = range(len(STEP_PARTS))
+    ax.barh([y - 0.27 for y in ys], [100 * seconds[p] / step for p in STEP_PARTS], 0.27,
+            label=f"time ({where}, measured)")
+    ax.barh(list(ys), [100 * predicted[phase].get(p, {"flops": 0})["flops"] / flops for p in STEP_PARTS], 0.27,
+            label="FLOPs")
+    ax.barh([y + 0.27 for y in ys], [100 * predicted[phase].get(p, {"bytes": 0})["bytes"] / read for p in STEP_PARTS],
+            0.27, label="bytes")
+    ax.set_yticks(list(ys), STEP_PARTS)
+    ax.set(xlabel="share of the step (%)", title=f"{phase}, {CFG.name}")
+axes[0].invert_yaxis()
+axes[1].legend(fontsize=8)
+fig.tight_layout()
+
+# %% [markdown]
+# Read the two panels:
+#
+# * **Prefill** follows the FLOPs: the feed-forward and the projections take nearly all of the
+#   time, in proportion to their matrix sizes. Attention's share is small at this prompt length
+#   and grows with it (its FLOPs grow with the square of the prompt, chapter 05).
+# * **Decode** follows the bytes, roughly: each part costs about what it must read. The parts that
+#   read little but launch many small operations (norms, the rotation and cache writes in
+#   attention, the residual adds in "other") take more than their bytes say: at one token per
+#   step, fixed per-operation costs matter. On a GPU those costs are kernel launches, which is why
+#   engines capture decode in CUDA graphs (chapter 13).
+# * The profiler itself costs time (compare the two step times): use it to see *where* time goes,
+#   and time the step without it to see *how much*.
+
+# %% [markdown]
+# **Question.** The decode table above says the output layer reads about as many bytes as one
+# layer's feed-forward. Which real model of section 4 spends the largest share of a decode step's
+# reads on its output layer, and why?
+#
+# <!-- BEGIN SOLUTION -->
+# Qwen3-0.6B: its output layer (tied, but still read at every step as the output matrix) is
+# 151,936 x 1,024 weights, about a quarter of the model, so about a quarter of each step's weight
+# reads. The larger models spread the same kind of table over many more layer weights.
+# <!-- END SOLUTION -->
+
+# %% [markdown]
+# ## What you measured
+#
+# * A decoder is embeddings, then a block repeated $L$ times (norm, attention with q/k/v/o
+#   projections, residual, norm, SwiGLU feed-forward, residual), then a final norm and an output
+#   layer. Your formula counts it exactly, for any shape, and agrees with the course model and with
+#   transformers' own Llama, Mistral, Qwen2 and Qwen3.
+# * Real models differ in details that change the count: tied embeddings, q/k/v biases, q/k norms,
+#   a head width that is not $d / H$. A mixture of experts stores far more parameters than each
+#   token uses.
+# * Prefill time follows FLOPs; decode time follows bytes, plus a fixed cost per operation that a
+#   one-token step cannot hide.
