@@ -7,22 +7,24 @@
 # A served model is a stack of a few kinds of layers, repeated. In this lab you will
 #
 # 1. follow one forward pass of the course model layer by layer and watch the shapes;
-# 2. write `param_count_by_component`, the exact number of weights in each part of a decoder of
+# 2. count what one prefill and one decode step should cost, part by part: FLOPs and bytes;
+# 3. profile the same two steps with `torch.profiler` and compare where the time goes with where
+#    the FLOPs and the bytes say it should;
+# 4. write `param_count_by_component`, the exact number of weights in each part of a decoder of
 #    any shape, tied embeddings, q/k/v biases and explicit head widths included, and have it
 #    checked;
-# 3. verify your count three ways: your formula, the course model's `numel()`, and Hugging Face
+# 5. verify your count three ways: your formula, the course model's `numel()`, and Hugging Face
 #    `transformers` building the real architectures (Llama 3.1, Mistral, Qwen2, Qwen3) on the
 #    meta device, with no download and no memory;
-# 4. see where the parameters of real models are, and what a mixture of experts changes;
-# 5. profile one prefill and one decode step with `torch.profiler`, and compare where the time
-#    goes with where the FLOPs and the bytes say it should.
+# 6. see where the parameters of real models are, and what a mixture of experts changes.
 #
 # Everything runs on a CPU in well under a minute. The model's weights are random: the time a
 # forward pass takes does not depend on their values.
 #
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
 # raises an error. Until you have written the exercise, its check cell raises and nothing below it
-# runs; scroll back up to the first cell with a red error.
+# runs; scroll back up to the first cell with a red error. The profile (sections 2 and 3) comes
+# before the exercise, so a first Run All already measures your device.
 
 # %% [setup]
 import labsupport
@@ -46,6 +48,7 @@ from labsupport.anatomy import (
     time_step,
 )
 from labsupport.checks import check_param_count_by_component
+from labsupport.costs import param_count
 from labsupport.device import device, lab_dtype
 from labsupport.models import HF_CONFIGS, ModelConfig, get_model, hf_config, to_hf_config
 from labsupport.transformer import Transformer
@@ -105,140 +108,7 @@ print("next token (greedy):", int(logits.argmax(-1)))
 # almost entirely matrices, and why a step costs about 2 FLOPs per parameter per token.
 
 # %% [markdown]
-# ## 2. Exercise: the parameters of any decoder, by component
-#
-# Complete `param_count_by_component(cfg)`. `cfg` is a `labsupport.models.ModelConfig` with
-# fields `n_layers` ($L$), `d_model` ($d$), `n_heads` ($H$), `n_kv_heads` ($H_{kv}$),
-# `head_dim` ($D$), `d_ff`, `vocab_size` ($V$), and the flags in which real models differ:
-# `tied_embeddings`, `qkv_bias`, `o_bias` and `qk_norm`. Return a dict with exactly these keys,
-# each an `int`:
-#
-# | key | what | count |
-# | --- | --- | --- |
-# | `"embedding"` | the token table | $V d$ |
-# | `"attention"` | q, k, v, o projections of all layers | $L\,(d \cdot HD + 2\,d \cdot H_{kv}D + HD \cdot d)$, plus $HD + 2H_{kv}D$ per layer if `qkv_bias`, plus $d$ per layer if `o_bias` |
-# | `"feed_forward"` | SwiGLU's gate, up and down matrices | $L \cdot 3\,d\,d_{ff}$ |
-# | `"norms"` | RMSNorm weight vectors | $2d$ per layer, $d$ for the final norm, plus $2D$ per layer if `qk_norm` |
-# | `"output"` | the output layer | $V d$, or $0$ when `tied_embeddings` (one table, counted under `"embedding"`) |
-#
-# Use `cfg.head_dim`, never `d_model // n_heads`: Qwen3-0.6B has 16 heads of 128 on a width of
-# 1,024. Write the formula from the fields with integer arithmetic; the check refuses a function
-# that builds a model (that is section 3's cross-check).
-
-# %%
-def param_count_by_component(cfg) -> dict:
-    # BEGIN SOLUTION: return a dict: each of the five components -> its number of parameters (an int)
-    d, D, L, V = cfg.d_model, cfg.head_dim, cfg.n_layers, cfg.vocab_size
-    q_width, kv_width = cfg.n_heads * D, cfg.n_kv_heads * D
-    attention = d * q_width + 2 * d * kv_width + q_width * d  # wq, wk and wv, wo
-    if cfg.qkv_bias:
-        attention += q_width + 2 * kv_width
-    if cfg.o_bias:
-        attention += d
-    norms = 2 * d * L + d + (2 * D * L if cfg.qk_norm else 0)
-    return {
-        "embedding": V * d,
-        "attention": L * attention,
-        "feed_forward": L * 3 * d * cfg.d_ff,
-        "norms": norms,
-        "output": 0 if cfg.tied_embeddings else V * d,
-    }
-    # END SOLUTION
-
-
-# %%
-check_param_count_by_component(param_count_by_component)
-
-# %% [markdown]
-# ## 3. Three ways to count
-#
-# A formula is only as good as its agreement with the real thing. For each shape, compare
-#
-# * **your formula**;
-# * **the course model**: `Transformer(cfg, device="meta")` builds every layer with shapes and no
-#   values, so even the 8B costs no memory; `model_param_counts` sums `numel()` by component;
-# * **Hugging Face `transformers`**, building the architecture its own code defines (Llama, Mistral,
-#   Qwen2, Qwen3) from the model's `config.json` on the meta device
-#   (`with torch.device("meta"): AutoModelForCausalLM.from_config(...)`). The `config.json` dicts
-#   of the real models ship with the course (`labsupport.models.HF_CONFIGS`, copied from each
-#   model's page on the Hugging Face Hub): nothing is downloaded.
-
-# %%
-config = hf_config("qwen3-0.6b")  # a dict, as json.load(open("config.json")) gives it
-print({k: config[k] for k in ("model_type", "hidden_size", "num_attention_heads", "head_dim",
-                               "num_key_value_heads", "tie_word_embeddings")})
-with torch.device("meta"):  # parameters get shapes, no memory and no values
-    qwen = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-print(qwen.model.layers[0].self_attn)
-print("a weight on the meta device:", qwen.model.layers[0].self_attn.q_proj.weight.device)
-
-# %% tags=["nbval-check-output"]
-shapes = {name: (get_model(name), hf_config(name)) for name in HF_CONFIGS}
-for name in ("tiny-2m", "small-63m"):  # the course's presets, in transformers as Llama
-    shapes[name] = (get_model(name), to_hf_config(get_model(name)))
-
-print(f"{'model':16s} {'your formula':>16s} {'course numel':>16s} {'transformers':>16s}  agree")
-for name, (cfg, hf_dict) in shapes.items():
-    yours = param_count_by_component(cfg)
-    course = model_param_counts(cfg)
-    theirs = hf_param_counts(hf_dict)
-    agree = yours == course == theirs
-    print(f"{name:16s} {sum(yours.values()):16,} {sum(course.values()):16,} {sum(theirs.values()):16,}  {agree}")
-    assert agree, (name, yours, course, theirs)
-
-# %% [markdown]
-# All three agree component by component, not just in total. The totals are the sizes on the
-# models' cards: 8.03B for Llama 3.1 8B, 7.24B for Mistral 7B, 7.62B for Qwen2-7B, 8.19B for
-# Qwen3-8B.
-
-# %% [markdown]
-# ## 4. Where the parameters are
-#
-# The same components as shares of each model. In the 7-8B models the feed-forward holds two thirds
-# to three quarters of the weights and attention a tenth to a fifth (grouped-query attention keeps
-# the key and value projections small); the norms are a rounding error. In a small model with a
-# 150k-entry vocabulary the embedding table is a quarter of everything, which is why small models
-# tie it to the output layer; and Qwen3-0.6B's attention is large for its width, because its
-# 16 heads of 128 make queries twice as wide as the model.
-
-# %% tags=["nbval-check-output"]
-names = list(HF_CONFIGS) + ["tiny-2m"]
-shares = {}
-print(f"{'model':16s}" + "".join(f"{c:>14s}" for c in COMPONENTS) + f"{'total':>16s}")
-for name in names:
-    parts = param_count_by_component(get_model(name))
-    total = sum(parts.values())
-    shares[name] = [parts[c] / total for c in COMPONENTS]
-    print(f"{name:16s}" + "".join(f"{100 * s:13.1f}%" for s in shares[name]) + f"{total:16,}")
-
-fig, ax = plt.subplots(figsize=(9, 3.6))
-left = [0.0] * len(names)
-for i, component in enumerate(COMPONENTS):
-    widths = [100 * shares[n][i] for n in names]
-    ax.barh(names, widths, left=left, label=component)
-    left = [a + b for a, b in zip(left, widths)]
-ax.set(xlabel="share of parameters (%)", xlim=(0, 100), title="Where the weights are")
-ax.invert_yaxis()
-ax.legend(ncol=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.1))
-fig.tight_layout()
-
-# %% [markdown]
-# **Mixture of experts.** Mixtral 8x7B has the attention of Mistral 7B, but each layer's
-# feed-forward is 8 experts, and a router sends every token to 2 of them. The memory holds all the
-# experts; each token computes with two. (`moe_param_counts` counts it; transformers' `mixtral`
-# architecture agrees.)
-
-# %% tags=["nbval-check-output"]
-mixtral_shape = ModelConfig("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, rope_theta=1e6)
-moe = moe_param_counts(mixtral_shape, n_experts=8, experts_per_token=2)
-mixtral_config = {**to_hf_config(mixtral_shape), "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
-                  "num_local_experts": 8, "num_experts_per_tok": 2}
-hf_total = sum(p.numel() for p in hf_model(mixtral_config).parameters())
-print(f"total {moe['total']:,} (transformers: {hf_total:,}); active per token {moe['active']:,} "
-      f"({moe['active'] / moe['total']:.0%})")
-
-# %% [markdown]
-# ## 5. What one step should cost, by part
+# ## 2. What one step should cost, by part
 #
 # `step_costs(cfg, batch, new_tokens, context)` counts the matrix FLOPs of a step (2 per multiply-add)
 # and the bytes it must read (weights, and the keys and values attended to), by part. A prefill is
@@ -249,8 +119,7 @@ print(f"total {moe['total']:,} (transformers: {hf_total:,}); active per token {m
 # %%
 MODEL_NAME = settings.pick(small="small-63m", full="llama-3.1-8b")
 DTYPE = lab_dtype()  # bf16 (fp16 before Ampere) on a GPU, fp32 on a CPU
-if settings.on_gpu and torch.cuda.get_device_properties(0).total_memory < 2.5 * 2 * sum(
-        param_count_by_component(get_model(MODEL_NAME)).values()):
+if settings.on_gpu and torch.cuda.get_device_properties(0).total_memory < 2.5 * 2 * param_count(get_model(MODEL_NAME)):
     MODEL_NAME = "small-63m"
     print(f"this GPU has too little memory for the 8B shape; using {MODEL_NAME} instead")
 CFG = get_model(MODEL_NAME)
@@ -281,7 +150,7 @@ for phase, parts in predicted.items():
 # token), though a tied model reads the same table in full as its output layer.
 
 # %% [markdown]
-# ## 6. Where the time goes: `torch.profiler`
+# ## 3. Where the time goes: `torch.profiler`
 #
 # `profile_step` runs the step under `torch.profiler.profile`, with a labelled range
 # (`torch.profiler.record_function`) around each part of the model, put there by forward hooks.
@@ -297,7 +166,7 @@ print(measured["decode"]["profiler"].key_averages().table(sort_by="self_cpu_time
 # %% [markdown]
 # `aten::addmm`/`aten::mm` (inside `aten::linear`) are the matrix multiplications; the rest are
 # the small operations around them. Now the same profile by part, against the predictions of
-# section 5. The times are measured on the device printed first (CPU or GPU); on a CPU they say
+# section 2. The times are measured on the device printed first (CPU or GPU); on a CPU they say
 # how a CPU spends a step, not how a GPU would.
 
 # %%
@@ -348,8 +217,142 @@ fig.tight_layout()
 #   and time the step without it to see *how much*.
 
 # %% [markdown]
-# **Question.** The decode table above says the output layer reads about as many bytes as one
-# layer's feed-forward. Which real model of section 4 spends the largest share of a decode step's
+# ## 4. Exercise: the parameters of any decoder, by component
+#
+# Complete `param_count_by_component(cfg)`. `cfg` is a `labsupport.models.ModelConfig` with
+# fields `n_layers` ($L$), `d_model` ($d$), `n_heads` ($H$), `n_kv_heads` ($H_{kv}$),
+# `head_dim` ($D$), `d_ff`, `vocab_size` ($V$), and the flags in which real models differ:
+# `tied_embeddings`, `qkv_bias`, `o_bias` and `qk_norm`. Return a dict with exactly these keys,
+# each an `int`:
+#
+# | key | what | count |
+# | --- | --- | --- |
+# | `"embedding"` | the token table | $V d$ |
+# | `"attention"` | q, k, v, o projections of all layers | $L\,(d \cdot HD + 2\,d \cdot H_{kv}D + HD \cdot d)$, plus $HD + 2H_{kv}D$ per layer if `qkv_bias`, plus $d$ per layer if `o_bias` |
+# | `"feed_forward"` | SwiGLU's gate, up and down matrices | $L \cdot 3\,d\,d_{ff}$ |
+# | `"norms"` | RMSNorm weight vectors | $2d$ per layer, $d$ for the final norm, plus $2D$ per layer if `qk_norm` |
+# | `"output"` | the output layer | $V d$, or $0$ when `tied_embeddings` (one table, counted under `"embedding"`) |
+#
+# Use `cfg.head_dim`, never `d_model // n_heads`: Qwen3-0.6B has 16 heads of 128 on a width of
+# 1,024. Write the formula from the fields with integer arithmetic; the check refuses a function
+# that builds a model (that is section 5's cross-check).
+
+# %%
+def param_count_by_component(cfg) -> dict:
+    # BEGIN SOLUTION: return a dict: each of the five components -> its number of parameters (an int)
+    d, D, L, V = cfg.d_model, cfg.head_dim, cfg.n_layers, cfg.vocab_size
+    q_width, kv_width = cfg.n_heads * D, cfg.n_kv_heads * D
+    attention = d * q_width + 2 * d * kv_width + q_width * d  # wq, wk and wv, wo
+    if cfg.qkv_bias:
+        attention += q_width + 2 * kv_width
+    if cfg.o_bias:
+        attention += d
+    norms = 2 * d * L + d + (2 * D * L if cfg.qk_norm else 0)
+    return {
+        "embedding": V * d,
+        "attention": L * attention,
+        "feed_forward": L * 3 * d * cfg.d_ff,
+        "norms": norms,
+        "output": 0 if cfg.tied_embeddings else V * d,
+    }
+    # END SOLUTION
+
+
+# %%
+check_param_count_by_component(param_count_by_component)
+
+# %% [markdown]
+# ## 5. Three ways to count
+#
+# A formula is only as good as its agreement with the real thing. For each shape, compare
+#
+# * **your formula**;
+# * **the course model**: `Transformer(cfg, device="meta")` builds every layer with shapes and no
+#   values, so even the 8B costs no memory; `model_param_counts` sums `numel()` by component;
+# * **Hugging Face `transformers`**, building the architecture its own code defines (Llama, Mistral,
+#   Qwen2, Qwen3) from the model's `config.json` on the meta device
+#   (`with torch.device("meta"): AutoModelForCausalLM.from_config(...)`). The `config.json` dicts
+#   of the real models ship with the course (`labsupport.models.HF_CONFIGS`, copied from each
+#   model's page on the Hugging Face Hub): nothing is downloaded.
+
+# %%
+config = hf_config("qwen3-0.6b")  # a dict, as json.load(open("config.json")) gives it
+print({k: config[k] for k in ("model_type", "hidden_size", "num_attention_heads", "head_dim",
+                               "num_key_value_heads", "tie_word_embeddings")})
+with torch.device("meta"):  # parameters get shapes, no memory and no values
+    qwen = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+print(qwen.model.layers[0].self_attn)
+print("a weight on the meta device:", qwen.model.layers[0].self_attn.q_proj.weight.device)
+
+# %% tags=["nbval-check-output"]
+shapes = {name: (get_model(name), hf_config(name)) for name in HF_CONFIGS}
+for name in ("tiny-2m", "small-63m"):  # the course's presets, in transformers as Llama
+    shapes[name] = (get_model(name), to_hf_config(get_model(name)))
+
+print(f"{'model':16s} {'your formula':>16s} {'course numel':>16s} {'transformers':>16s}  agree")
+for name, (cfg, hf_dict) in shapes.items():
+    yours = param_count_by_component(cfg)
+    course = model_param_counts(cfg)
+    theirs = hf_param_counts(hf_dict)
+    agree = yours == course == theirs
+    print(f"{name:16s} {sum(yours.values()):16,} {sum(course.values()):16,} {sum(theirs.values()):16,}  {agree}")
+    assert agree, (name, yours, course, theirs)
+
+# %% [markdown]
+# All three agree component by component, not just in total. The totals are the sizes on the
+# models' cards: 8.03B for Llama 3.1 8B, 7.24B for Mistral 7B, 7.62B for Qwen2-7B, 8.19B for
+# Qwen3-8B.
+
+# %% [markdown]
+# ## 6. Where the parameters are
+#
+# The components of section 4 as shares of each model. In the 7-8B models the feed-forward holds
+# two thirds to three quarters of the weights and attention a tenth to a fifth (grouped-query attention keeps
+# the key and value projections small); the norms are a rounding error. In a small model with a
+# 150k-entry vocabulary the embedding table is a quarter of everything, which is why small models
+# tie it to the output layer; and Qwen3-0.6B's attention is large for its width, because its
+# 16 heads of 128 make queries twice as wide as the model.
+
+# %% tags=["nbval-check-output"]
+names = list(HF_CONFIGS) + ["tiny-2m"]
+shares = {}
+print(f"{'model':16s}" + "".join(f"{c:>14s}" for c in COMPONENTS) + f"{'total':>16s}")
+for name in names:
+    parts = param_count_by_component(get_model(name))
+    total = sum(parts.values())
+    shares[name] = [parts[c] / total for c in COMPONENTS]
+    print(f"{name:16s}" + "".join(f"{100 * s:13.1f}%" for s in shares[name]) + f"{total:16,}")
+
+fig, ax = plt.subplots(figsize=(9, 3.6))
+left = [0.0] * len(names)
+for i, component in enumerate(COMPONENTS):
+    widths = [100 * shares[n][i] for n in names]
+    ax.barh(names, widths, left=left, label=component)
+    left = [a + b for a, b in zip(left, widths)]
+ax.set(xlabel="share of parameters (%)", xlim=(0, 100), title="Where the weights are")
+ax.invert_yaxis()
+ax.legend(ncol=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.1))
+fig.tight_layout()
+
+# %% [markdown]
+# **Mixture of experts.** Mixtral 8x7B has the attention of Mistral 7B, but each layer's
+# feed-forward is 8 experts, and a router sends every token to 2 of them. The memory holds all the
+# experts; each token computes with two. (`moe_param_counts` counts it; transformers' `mixtral`
+# architecture agrees.)
+
+# %% tags=["nbval-check-output"]
+# the shape in the config.json of mistralai/Mixtral-8x7B-v0.1 (Hugging Face Hub), experts aside
+mixtral_shape = ModelConfig("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, rope_theta=1e6)
+moe = moe_param_counts(mixtral_shape, n_experts=8, experts_per_token=2)
+mixtral_config = {**to_hf_config(mixtral_shape), "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                  "num_local_experts": 8, "num_experts_per_tok": 2}
+hf_total = sum(p.numel() for p in hf_model(mixtral_config).parameters())
+print(f"total {moe['total']:,} (transformers: {hf_total:,}); active per token {moe['active']:,} "
+      f"({moe['active'] / moe['total']:.0%})")
+
+# %% [markdown]
+# **Question.** In section 2 the output layer takes a visible share of a decode step's reads.
+# Which real model of section 6 spends the largest share of a decode step's
 # reads on its output layer, and why?
 #
 # <!-- BEGIN SOLUTION -->
