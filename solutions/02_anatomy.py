@@ -69,8 +69,9 @@ if not settings.on_gpu:
 # %% tags=["nbval-check-output"]
 TINY = get_model("tiny-2m")
 tiny = Transformer(TINY, seed=0)
-print(TINY)
-print()
+print(f"{TINY.name}: n_layers={TINY.n_layers}, d_model={TINY.d_model}, n_heads={TINY.n_heads}, "
+      f"n_kv_heads={TINY.n_kv_heads}, head_dim={TINY.head_dim}, d_ff={TINY.d_ff}, vocab_size={TINY.vocab_size}, "
+      f"tied_embeddings={TINY.tied_embeddings}\n")
 
 seen = []  # (module name, class, output shape, parameters)
 hooks = []
