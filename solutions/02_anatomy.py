@@ -357,9 +357,9 @@ print(f"total {moe['total']:,} (transformers: {hf_total:,}); active per token {m
 # reads on its output layer, and why?
 #
 # <!-- BEGIN SOLUTION -->
-# Qwen3-0.6B: its output layer (tied, but still read at every step as the output matrix) is
-# 151,936 x 1,024 weights, about a quarter of the model, so about a quarter of each step's weight
-# reads. The larger models spread the same kind of table over many more layer weights.
+# **Answer (instructor notes).** Qwen3-0.6B: its output layer (tied, but still read at every
+# step as the output matrix) is 151,936 x 1,024 weights, about a quarter of the model, so about a
+# quarter of each step's weight reads. The larger models spread the same kind of table over many more layer weights.
 # <!-- END SOLUTION -->
 
 # %% [markdown]
