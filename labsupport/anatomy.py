@@ -185,8 +185,11 @@ def step_costs(cfg, batch: int, new_tokens: int, context: int = 0, dtype_bytes: 
 
 @contextlib.contextmanager
 def _labelled(model: Transformer, sync):
-    """Profiler ranges named after :data:`STEP_PARTS` around the model's modules, while active."""
-    handles, stack = [], []
+    """Profiler ranges named after :data:`STEP_PARTS` around the model's modules, while active.
+
+    The output layer is not a module (``x @ head.T`` after the final norm): its range opens when
+    the final norm returns and is closed by the caller when the step returns (``close_output``)."""
+    handles, stack, output = [], [], []
 
     def enter(label):
         def pre(module, args):
@@ -204,6 +207,16 @@ def _labelled(model: Transformer, sync):
         handles.append(module.register_forward_pre_hook(enter(name)))
         handles.append(module.register_forward_hook(leave))
 
+    def open_output(module, args, out):
+        rf = torch.profiler.record_function("output layer")
+        rf.__enter__()
+        output.append(rf)
+
+    def close_output():
+        sync()
+        while output:
+            output.pop().__exit__(None, None, None)
+
     label(model.tok_embeddings, "embedding")
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -215,9 +228,11 @@ def _labelled(model: Transformer, sync):
             label(module.wo, "output projection")
         elif isinstance(module, FeedForward):
             label(module, "feed_forward")
+    handles.append(model.norm.register_forward_hook(open_output))  # after the norm's own range closes
     try:
-        yield
+        yield close_output
     finally:
+        close_output()
         for handle in handles:
             handle.remove()
 
@@ -267,7 +282,7 @@ def profile_step(model: Transformer, phase: str, tokens: int, batch: int = 1, re
     if phase == "decode":
         model.decode_step(next_token, cache)  # warm-up of the decode path
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with _labelled(model, sync), torch.profiler.profile(activities=activities) as prof:
+    with _labelled(model, sync) as close_output, torch.profiler.profile(activities=activities) as prof:
         for _ in range(repeats):
             with torch.profiler.record_function("step"):
                 if phase == "prefill":
@@ -275,7 +290,7 @@ def profile_step(model: Transformer, phase: str, tokens: int, batch: int = 1, re
                 else:
                     cache.length = tokens + 1  # every profiled step decodes at the same position
                     model.decode_step(next_token, cache)
-                sync()
+                close_output()
     t = _totals(prof)
     attention = t.get("attention block", 0.0)
     qkv, o_proj = t.get("q/k/v projections", 0.0), t.get("output projection", 0.0)

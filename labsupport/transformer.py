@@ -403,8 +403,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, self._attn_fn, fold_gqa, cache, i, start)  # (B, S, d)
         x = self.norm(x[:, -1])  # (B, d): only the last position's logits are needed
         head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, d)
-        with torch.profiler.record_function("output layer"):  # a label for chapter 02's profile
-            return (x @ head.T).float()  # (B, V)
+        return (x @ head.T).float()  # (B, V)
 
     def _check_cache(self, cache, batch: int, start: int, new: int, what: str) -> None:
         if not isinstance(cache, KVCache):
