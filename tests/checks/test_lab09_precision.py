@@ -1,0 +1,251 @@
+"""The precision checks accept the course's answers and reject planted mistakes, one test each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from labsupport import int8_matmul as IM
+from labsupport import quantize as Q
+from labsupport._answers import unguarded
+from labsupport.checks import CheckFailed, check_dequantize_groupwise, check_int8_matmul, check_quantize_groupwise
+
+quantize_groupwise = unguarded(Q.quantize_groupwise)
+dequantize_groupwise = unguarded(Q.dequantize_groupwise)
+int8_matmul_reference = unguarded(IM.int8_matmul_reference)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+# --- quantisation mutants -----------------------------------------------------------------------
+
+
+def quantize(w, bits=8, group_size=128, *, scale_from="max", rounding="nearest", swap_nibbles=False,
+             top=None, scale_dtype=torch.float32):
+    """Group-wise symmetric quantisation with one optional planted mistake."""
+    n, k = w.shape
+    top = (2 ** (bits - 1) - 1) if top is None else top
+    g = w.float().reshape(n, k // group_size, group_size)
+    stat = g.abs().amax(-1) if scale_from == "max" else g.abs().mean(-1)
+    scales = stat / top
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]
+    ratio = g / safe
+    rounded = {"nearest": torch.round, "toward_zero": torch.trunc}[rounding](ratio)
+    codes = rounded.clamp(-top, top).reshape(n, k).to(torch.int8)
+    if bits == 4:
+        nib = codes.to(torch.int16) & 0xF
+        even, odd = nib[:, 0::2], nib[:, 1::2]
+        codes = ((odd | (even << 4)) if swap_nibbles else (even | (odd << 4))).to(torch.uint8)
+    return codes, scales.to(scale_dtype)
+
+
+def quantize_mutant(**mistake):
+    return lambda w, bits=8, group_size=128: quantize(w, bits, group_size, **mistake)
+
+
+def quantize_nan_for_zero_groups(w, bits=8, group_size=128):
+    n, k = w.shape
+    top = 2 ** (bits - 1) - 1
+    g = w.float().reshape(n, k // group_size, group_size)
+    scales = g.abs().amax(-1) / top
+    codes = torch.round(g / scales[..., None]).clamp(-top, top)  # 0 / 0 = NaN in an all-zero group
+    codes = codes.nan_to_num(0).reshape(n, k).to(torch.int8)
+    return (Q.pack_int4(codes) if bits == 4 else codes), scales * torch.where(scales > 0, 1.0, float("nan"))
+
+
+def quantize_unpacked_int4(w, bits=8, group_size=128):
+    codes, scales = quantize(w, bits, group_size)
+    return (Q.unpack_int4(codes) if bits == 4 else codes), scales  # int4: one code per byte, not packed
+
+
+def quantize_stub(w, bits=8, group_size=128):
+    raise NotImplementedError("Exercise: quantise w")
+
+
+QUANT_MUTANTS = {
+    "scale_from_mean": (quantize_mutant(scale_from="mean"), "mean of |w|"),
+    "nibbles_swapped": (quantize_mutant(swap_nibbles=True), "nibbles are swapped"),
+    "rounding_toward_zero": (quantize_mutant(rounding="toward_zero"), "rounded toward zero"),
+    "qmax_is_2_to_bits_minus_1": (lambda w, bits=8, group_size=128: quantize(w, bits, group_size, top=2 ** (bits - 1)),
+                                  "does not fit"),
+    "scales_in_fp16": (quantize_mutant(scale_dtype=torch.float16), "expected float32"),
+    "nan_scale_for_zero_group": (quantize_nan_for_zero_groups, "all-zero group"),
+    "int4_not_packed": (quantize_unpacked_int4, "expected uint8"),
+    "stub": (quantize_stub, "NotImplementedError"),
+}
+
+
+def test_quantize_reference_passes(capsys):
+    check_quantize_groupwise(quantize_groupwise)
+    check_quantize_groupwise(quantize)  # the mutant harness, with no mutation, is right
+    assert "PASSED check_quantize_groupwise" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", QUANT_MUTANTS)
+def test_quantize_check_rejects(name):
+    fn, expected = QUANT_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_quantize_groupwise(fn)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_quantize_check_refuses_the_course_answer():
+    from labsupport._answers import course_checks_its_answers
+
+    with course_checks_its_answers(False), pytest.raises(CheckFailed, match="course's own answer"):
+        check_quantize_groupwise(Q.quantize_groupwise)
+
+
+# --- dequantisation mutants ---------------------------------------------------------------------
+
+
+def dequantize(codes, scales, bits=8, group_size=128, *, swap_nibbles=False, sign_extend=True, wrong_group=False):
+    if bits == 4:
+        p = codes.to(torch.int16)
+        low, high = p & 0xF, (p >> 4) & 0xF
+        pair = [high, low] if swap_nibbles else [low, high]
+        q = torch.stack(pair, -1).reshape(codes.shape[0], -1)
+        if sign_extend:
+            q = torch.where(q >= 8, q - 16, q)
+    else:
+        q = codes
+    s = scales.float().repeat(1, group_size) if wrong_group else scales.float().repeat_interleave(group_size, 1)
+    return q.float() * s
+
+
+def dequantize_mutant(**mistake):
+    return lambda codes, scales, bits=8, group_size=128: dequantize(codes, scales, bits, group_size, **mistake)
+
+
+def dequantize_stub(codes, scales, bits=8, group_size=128):
+    raise NotImplementedError("Exercise: dequantise")
+
+
+DEQUANT_MUTANTS = {
+    "nibbles_swapped": (dequantize_mutant(swap_nibbles=True), "nibbles are swapped"),
+    "no_sign_extension": (dequantize_mutant(sign_extend=False), "not sign-extended"),
+    "wrong_group_index": (dequantize_mutant(wrong_group=True), "k % G"),
+    "stub": (dequantize_stub, "NotImplementedError"),
+}
+
+
+def test_dequantize_reference_passes(capsys):
+    check_dequantize_groupwise(dequantize_groupwise)
+    check_dequantize_groupwise(dequantize)
+    assert "PASSED check_dequantize_groupwise" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", DEQUANT_MUTANTS)
+def test_dequantize_check_rejects(name):
+    fn, expected = DEQUANT_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_dequantize_groupwise(fn)
+    assert expected in str(info.value), str(info.value)
+
+
+# --- int8 matmul mutants (Triton, in the interpreter on a CPU) ------------------------------------
+
+
+@triton.jit
+def mutant_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, GROUPS, GROUP_SIZE,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                  SCALE_ALONG_K: tl.constexpr, FP16_ACC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    if FP16_ACC:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * K + (k0 + offs_k)[:, None], mask=n_ok[None, :], other=0)
+        if SCALE_ALONG_K:  # the planted mistake: the scale of input channel k, not output channel n
+            kk = k0 + offs_k
+            scale = tl.load(s_ptr + kk * GROUPS + k0 // GROUP_SIZE, mask=kk < N, other=0.0)
+            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
+        else:
+            scale = tl.load(s_ptr + offs_n * GROUPS + k0 // GROUP_SIZE, mask=n_ok, other=0.0)
+            w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
+        if IEEE:
+            part = tl.dot(x, w, input_precision="ieee")
+        else:
+            part = tl.dot(x, w)
+        acc = (acc + part).to(acc.dtype)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def matmul(x, w_q, scales, *, scale_along_k=False, fp16_acc=False):
+    """The kernel's wrapper; ``fp16_acc`` accumulates in x's dtype when that is float16 (the usual
+    slip: ``tl.zeros(..., dtype=x.dtype)``)."""
+    m, k = x.shape
+    n = w_q.shape[0]
+    groups = scales.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = IM.int8_matmul_config(m, n, k, k // groups, interpreter=True)
+    block_k = min(cfg.block_k, 64)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    mutant_kernel[grid](x.contiguous(), w_q.contiguous(), scales.float().contiguous(), out, m, n, k, groups,
+                        k // groups, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+                        IEEE=x.dtype == torch.float32, SCALE_ALONG_K=scale_along_k,
+                        FP16_ACC=fp16_acc and x.dtype == torch.float16)
+    return out
+
+
+def matmul_mutant(**mistake):
+    return lambda x, w_q, scales: matmul(x, w_q, scales, **mistake)
+
+
+def matmul_in_torch(x, w_q, scales):
+    n, k = w_q.shape
+    group = k // scales.shape[1]
+    w = (w_q.float() * scales.float().repeat_interleave(group, 1)).to(x.dtype)  # (N, K): the whole W in 16 bits
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def matmul_dequantises_first(x, w_q, scales):
+    """Dequantises W in torch, then launches the course's kernel-like mutant on it: moves 2-4x the bytes."""
+    n, k = w_q.shape
+    w = w_q.float() * scales.float().repeat_interleave(k // scales.shape[1], 1)  # (N, K) float: what is refused
+    del w
+    return matmul(x, w_q, scales)
+
+
+def matmul_stub(x, w_q, scales):
+    raise NotImplementedError("Exercise: write the kernel")
+
+
+MATMUL_MUTANTS = {
+    "scale_on_wrong_axis": (matmul_mutant(scale_along_k=True), "applied along K"),
+    "fp16_accumulation": (matmul_mutant(fp16_acc=True), "accumulator is float16"),
+    "computed_in_torch": (matmul_in_torch, "no Triton kernel was launched"),
+    "dequantises_w_in_torch": (matmul_dequantises_first, "as many as W has weights"),
+    "stub": (matmul_stub, "NotImplementedError"),
+}
+
+
+def test_int8_matmul_reference_passes(capsys):
+    check_int8_matmul(int8_matmul_reference)
+    check_int8_matmul(matmul)  # the mutant harness, with no mutation, is right
+    assert "PASSED check_int8_matmul" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", MATMUL_MUTANTS)
+def test_int8_matmul_check_rejects(name):
+    fn, expected = MATMUL_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_int8_matmul(fn)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_int8_matmul_check_refuses_the_course_answer():
+    from labsupport._answers import course_checks_its_answers
+
+    with course_checks_its_answers(False), pytest.raises(CheckFailed, match="course's own answer"):
+        check_int8_matmul(IM.int8_matmul_reference)
