@@ -102,3 +102,37 @@ _GEMMA = "Gemma Team, 'Gemma: Open Models Based on Gemini Research and Technolog
 GEMMA_7B_D_MODEL = Figure(3072, "", "Gemma 7B model width d_model", _GEMMA)
 GEMMA_7B_HEADS = Figure(16, "", "Gemma 7B attention heads", _GEMMA)
 GEMMA_7B_HEAD_DIM = Figure(256, "", "Gemma 7B head size", _GEMMA)
+
+#: The dense FP8 tensor-core peak of an H100 SXM5: the datasheet gives 3,958 TFLOPS "with sparsity",
+#: twice the dense figure (chapter 09 compares it with the dense bf16 peak in labsupport.hardware).
+H100_FP8_DENSE_FLOPS = Figure(
+    3958e12 / 2,
+    "FLOP/s",
+    "dense FP8 tensor-core peak, H100 SXM5 (half the datasheet's 'with sparsity' 3,958 TFLOPS)",
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+)
+
+#: LLM.int8()'s threshold: feature dimensions with any activation of magnitude at least 6.0 go
+#: through the 16-bit matmul, the rest through int8 (chapter 09).
+LLM_INT8_OUTLIER_THRESHOLD = Figure(
+    6.0,
+    "activation magnitude",
+    "outlier threshold of LLM.int8()'s mixed-precision decomposition",
+    "Dettmers et al., 'LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale', NeurIPS 2022",
+)
+
+#: GGML's Q4_0 block (llama.cpp): one fp16 scale and 32 4-bit codes, 18 bytes per 32 weights.
+GGML_Q4_0_BLOCK = Figure(
+    18,
+    "bytes per block of 32 weights",
+    "GGML / llama.cpp Q4_0 block: an fp16 scale and 32 packed 4-bit codes",
+    "llama.cpp, ggml-common.h (block_q4_0)",
+)
+
+#: Where LLM.int8() saw the large activation outliers emerge in every layer and most tokens.
+LLM_INT8_EMERGENCE_PARAMS = Figure(
+    6.7e9,
+    "parameters",
+    "model size from which systematic activation outliers appear in all layers (LLM.int8())",
+    "Dettmers et al., 'LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale', NeurIPS 2022",
+)

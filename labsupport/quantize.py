@@ -187,17 +187,21 @@ def weight_dtype_bytes_with_scales(bits: int, group_size: int, scale_dtype_bytes
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # every projection of every block
 
 
-def quantize_model_weights(model: nn.Module, bits: int = 8, group_size: int = 128) -> nn.Module:
+def quantize_model_weights(model: nn.Module, bits: int = 8, group_size: int | str = 128) -> nn.Module:
     """A copy of a :class:`labsupport.transformer.Transformer` whose projection weights (attention's
     q, k, v, o and the feed-forward's three) are replaced by their quantised-then-dequantised values
-    (weight-only, symmetric, group-wise). Embeddings, the output head and the norms stay as they
+    (weight-only, symmetric, group-wise; ``group_size="channel"`` gives one scale per output channel).
+    Embeddings, the output head and the norms stay as they
     are, as weight-only schemes usually leave them. The original is not changed."""
     quantised = copy.deepcopy(model)
     with torch.no_grad():
         for name, module in quantised.named_modules():
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LINEAR_WEIGHTS:
                 w = module.weight
-                gs = min(group_size, w.shape[1])
+                gs = w.shape[1] if group_size == "channel" else min(group_size, w.shape[1])
+                if w.shape[1] % gs:
+                    raise ValueError(f"{name}.weight has K = {w.shape[1]} inputs, not a multiple of group_size = "
+                                     f"{gs}; pick a group size that divides every layer's width")
                 codes, scales = quantize_groupwise(w.float(), bits, gs)
                 module.weight.copy_(dequantize_groupwise(codes, scales, bits, gs).to(w.dtype))
     return quantised

@@ -11,11 +11,13 @@
 #   3. checks      the attention checks' GPU-only cases, every fallback config  at most 120 s
 #   4. configs     the attention kernel under eight launch configurations       at most  60 s
 #   5. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
-#   6. labs        labs 00, 04, 05, 06, 08 run as scripts (30-90 s each)        at most 300 s
+#   6. precision   python -m labsupport.bench_precision (chapter 09): the int8  at most  90 s
+#                  kernel's graded GPU cases, then kernel vs bf16 at batch 1-64
+#   7. labs        labs 00, 04, 05, 06, 08, 09 run as scripts (30-90 s each)    at most 360 s
 #
 # OUTDIR receives two files, rewritten after every step so a run cut short keeps what it had:
-#   gpu_results.tar.gz   results/gpu_phases.json and results/gpu_attention.json (what the book
-#                        reads) and results/gpu_logs/ (environment, each step's log and tables);
+#   gpu_results.tar.gz   results/gpu_phases.json, results/gpu_attention.json and
+#                        results/gpu_precision.json (what the book reads) and results/gpu_logs/ (environment, each step's log and tables);
 #                        a dry run's archive holds dry_run_results/ instead, so it never
 #                        replaces measured results.
 #                        Install it with `tar -xzf gpu_results.tar.gz` from the repository root,
@@ -23,7 +25,7 @@
 #   gpu_summary.txt      one line per step (exit status, seconds) and the benchmark verdicts.
 # (A device lent for a short time returns at most a few files: hence one archive.)
 #
-#     bash scripts/gpu_all.sh --only phases|attention [OUTDIR]   # one chapter's steps
+#     bash scripts/gpu_all.sh --only phases|attention|precision [OUTDIR]   # one chapter's steps
 #     GPU_DRY_RUN=1 bash scripts/gpu_all.sh /tmp/x               # the same steps on a CPU through
 #                                                                # the Triton interpreter at tiny
 #                                                                # shapes: checks the script, measures
@@ -37,13 +39,13 @@ ONLY=all
 ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        --only) ONLY=${2:?--only needs phases or attention}; shift 2;;
+        --only) ONLY=${2:?--only needs phases, attention or precision}; shift 2;;
         --only=*) ONLY=${1#--only=}; shift;;
-        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only phases|attention] [OUTDIR])" >&2; exit 2;;
+        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only phases|attention|precision] [OUTDIR])" >&2; exit 2;;
         *) ARGS+=("$1"); shift;;
     esac
 done
-case "$ONLY" in all|phases|attention) ;; *) echo "gpu_all.sh: --only takes phases or attention, not $ONLY" >&2; exit 2;; esac
+case "$ONLY" in all|phases|attention|precision) ;; *) echo "gpu_all.sh: --only takes phases, attention or precision, not $ONLY" >&2; exit 2;; esac
 if [ ${#ARGS[@]} -gt 1 ]; then echo "gpu_all.sh: one OUTDIR at most, got ${ARGS[*]}" >&2; exit 2; fi
 OUT_DIR="${ARGS[0]:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
@@ -113,10 +115,10 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run within its limit and the budge
     pack
 }
 
-if [ "$ONLY" != attention ]; then
+if [ "$ONLY" = all ] || [ "$ONLY" = phases ]; then
     step "phases" 200 "$LOGS/phases.log" "$PY" -m labsupport.bench_phases ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_phases.json"
 fi
-if [ "$ONLY" != phases ]; then
+if [ "$ONLY" = all ] || [ "$ONLY" = attention ]; then
     step "attention benchmark" 150 "$LOGS/attention_bench.log" \
         "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --out "$LOGS/attention_bench.md" \
         --json "$RES/gpu_attention.json"
@@ -126,11 +128,16 @@ if [ "$ONLY" != phases ]; then
         "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --configs 4096 --out "$LOGS/attention_configs.md"
     step "lab 07 solution as a script" 80 "$LOGS/lab07.txt" "$PY" solutions/07_attention.py
 fi
+if [ "$ONLY" = all ] || [ "$ONLY" = precision ]; then
+    step "precision benchmark" 90 "$LOGS/precision_bench.log" \
+        "$PY" -m labsupport.bench_precision ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_precision.json"
+fi
 if [ "$ONLY" = all ]; then  # the other labs' GPU paths, if time is left: a learner on a GPU runs them
     # Caps from the H200 run of 2026-11-30 (lab 00 9 s, 04 10 s, 05 54 s) with room to spare.
     # Lab 08 (its fused RoPE kernel's bf16 cases run only on a GPU) has no GPU run yet: 60 s is a guess.
-    step "labs 00 04 05 06 08 as scripts" 300 "$LOGS/labs.txt" bash -c \
-        'for lab_cap in 00_first_kernel:30 04_roofline:30 05_phases:90 06_kv_cache:90 08_position:60; do
+    # Lab 09 (not yet run on a GPU) is given 60 s: its sweep is seven small matmuls and a tiny model.
+    step "labs 00 04 05 06 08 09 as scripts" 360 "$LOGS/labs.txt" bash -c \
+        'for lab_cap in 00_first_kernel:30 04_roofline:30 05_phases:90 06_kv_cache:90 08_position:60 09_precision:60; do
              lab=${lab_cap%:*}; cap=${lab_cap#*:}
              echo "=== $lab (at most $cap s)"; s=$(date +%s); timeout -k 5 "$cap" "$0" "solutions/$lab.py" 2>&1 | tail -n 40
              rc=${PIPESTATUS[0]}; echo "=== $lab: exit $rc after $(( $(date +%s) - s )) s"; [ "$rc" -eq 0 ] || bad=1

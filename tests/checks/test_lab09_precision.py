@@ -10,7 +10,12 @@ import triton.language as tl
 from labsupport import int8_matmul as IM
 from labsupport import quantize as Q
 from labsupport._answers import unguarded
-from labsupport.checks import CheckFailed, check_dequantize_groupwise, check_int8_matmul, check_quantize_groupwise
+from labsupport.checks import (
+    CheckFailed,
+    check_dequantize_groupwise,
+    check_int8_matmul,
+    check_quantize_groupwise,
+)
 
 quantize_groupwise = unguarded(Q.quantize_groupwise)
 dequantize_groupwise = unguarded(Q.dequantize_groupwise)

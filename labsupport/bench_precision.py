@@ -1,0 +1,209 @@
+"""Chapter 09's GPU measurement: the weight-only int8 matmul against a bf16 matmul at decode batches.
+
+Run on a machine with an NVIDIA GPU, from the repository root::
+
+    python -m labsupport.bench_precision --out results/gpu_precision.json
+    python -m labsupport.bench_precision --dry-run --out /tmp/precision.json   # on a CPU, tiny shapes
+                                                                              # through the interpreter:
+                                                                              # checks the code, measures nothing
+
+For two projection shapes of Llama 3.1 8B (the feed-forward's up projection, N = 14,336 by
+K = 4,096, and its down projection, 4,096 by 14,336), at batch 1 to 64, per channel and with
+groups of 128, it records:
+
+* the time of the course's kernel (:func:`labsupport.int8_matmul.int8_matmul_reference`: int8
+  weights, bf16 activations, float32 scales) and of ``x @ w.T`` in bf16 (cuBLAS through torch);
+* the bytes each must move at least (:func:`~labsupport.int8_matmul.int8_matmul_bytes`,
+  :func:`~labsupport.int8_matmul.dense_matmul_bytes`), those bytes over the time (bytes per
+  second), and the speedup of the int8 kernel over bf16 beside the ratio of bytes (the speedup a
+  memory-bound kernel could reach at best);
+* the copy bandwidth of the device (:func:`labsupport.roofline.measure_copy`) for scale, and the
+  largest error of the kernel against the dequantised reference;
+* the lab's graded check on the course's kernel with its GPU-only cases (bf16 included).
+
+The results file is rewritten after every shape, so a run stopped early keeps what it measured.
+Chapter 09 reads ``results/gpu_precision.json`` (:func:`load_results`); until a real run is
+committed it says "not yet measured". Without a GPU (and without ``--dry-run``) the command exits
+with status 2 and says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import checks
+from ._answers import course_checks_its_answers, unguarded
+from .device import configure_triton, interpreter_mode
+from .int8_matmul import (
+    bytes_ratio,
+    dense_matmul_bytes,
+    int8_matmul_bytes,
+    int8_matmul_reference,
+    int8_matmul_spec,
+)
+from .quantize import quantize_groupwise
+from .roofline import measure_copy
+from .timing import benchmark
+
+GPU_RESULTS = "results/gpu_precision.json"  # what chapter 09 reads; scripts/gpu_all.sh writes it
+NOT_MEASURED = "not yet measured"
+# (name, N, K) for the GPU, and the dry run's stand-ins
+SHAPES = ([("8B up projection", 14336, 4096), ("8B down projection", 4096, 14336)],
+          [("tiny", 256, 512)])
+BATCHES = ([1, 2, 4, 8, 16, 32, 64], [1, 4])
+GROUPS = ([None, 128], [None, 128])  # None: per channel
+BOOK_BATCH = 1  # the chapter quotes batch 1, where the bytes promise nearly 2x
+
+
+def _row(name: str, n: int, k: int, group: int | None, batch: int, dtype, device: str, quick: dict) -> dict:
+    gen = torch.Generator(device=device).manual_seed(batch)
+    w = torch.randn(n, k, device=device, generator=gen, dtype=torch.float32)
+    w_q, scales = quantize_groupwise(w, 8, group or k)
+    w16 = w.to(dtype)
+    del w
+    x = torch.randn(batch, k, device=device, generator=gen).to(dtype)
+    kernel = unguarded(int8_matmul_reference)
+    err = float((kernel(x, w_q, scales).float() - int8_matmul_spec(x, w_q, scales).float()).abs().max())
+    t_int8 = benchmark(lambda: kernel(x, w_q, scales), uses_triton=True, **quick).median_s
+    t_dense = benchmark(lambda: x @ w16.T, **quick).median_s
+    groups = 1 if group is None else k // group
+    b_int8 = int8_matmul_bytes(batch, n, k, groups, dtype.itemsize, scales.element_size())
+    b_dense = dense_matmul_bytes(batch, n, k, dtype.itemsize)
+    row = dict(shape=name, N=n, K=k, group_size=group, batch=batch, int8_seconds=t_int8, dense_seconds=t_dense,
+               int8_bytes=b_int8, dense_bytes=b_dense, int8_Bps=b_int8 / t_int8, dense_Bps=b_dense / t_dense,
+               speedup=t_dense / t_int8, bytes_ratio=bytes_ratio(batch, n, k, groups, dtype.itemsize,
+                                                                 scales.element_size()),
+               max_error=err)
+    print(f"{name} N={n} K={k} group={group or 'channel'} batch {batch}: int8 {t_int8 * 1e6:.1f} us "
+          f"({row['int8_Bps'] / 1e12:.2f} TB/s), dense {t_dense * 1e6:.1f} us ({row['dense_Bps'] / 1e12:.2f} TB/s), "
+          f"speedup {row['speedup']:.2f}x of {row['bytes_ratio']:.2f}x the bytes allow", flush=True)
+    return row
+
+
+def run_checks() -> str:
+    """The lab's graded check on the course's kernel (GPU-only cases included): "PASSED" or the failure."""
+    try:
+        with course_checks_its_answers():
+            checks.check_int8_matmul(unguarded(int8_matmul_reference))
+    except AssertionError as exc:
+        print(f"FAILED check_int8_matmul:\n{exc}", flush=True)
+        return f"FAILED: {exc}"[:2000]
+    return "PASSED"
+
+
+def run(out_path: str, *, dry_run: bool) -> dict:
+    """Measure everything, saving to ``out_path`` after each shape; return the results."""
+    pick = (lambda gpu, dry: dry) if dry_run else (lambda gpu, dry: gpu)
+    device = pick("cuda", "cpu")
+    dtype = pick(torch.bfloat16, torch.float16)  # the interpreter cannot compute in bf16
+    quick = pick({"max_time_s": 1.0}, {"repeats": 1})
+    import triton
+
+    data = {
+        "dry_run": dry_run,
+        "device": pick(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", "CPU (dry run)"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "weights": "random (seeded) N(0, 1), quantised to int8; timing does not depend on values",
+        "rows": [],
+    }
+    start = time.time()
+
+    def save(section: str) -> None:
+        data["completed"], data["wall_seconds"] = section, round(time.time() - start, 1)
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(out_path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+
+    data["checks"] = run_checks() if not dry_run else "not run in a dry run"
+    data["copy_bandwidth_Bps"] = max(measure_copy(pick([2**30], [2**22]), device=device, progress=False, **quick))
+    save("checks and copy bandwidth")
+    for name, n, k in pick(*SHAPES):
+        for group in pick(*GROUPS):
+            for batch in pick(*BATCHES):
+                data["rows"].append(_row(name, n, k, group, batch, dtype, device, quick))
+        save(name)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    save("all")
+    return data
+
+
+# --- results on disk, and in the book ------------------------------------------------------------
+
+
+def load_results(path=None) -> dict | None:
+    """The results :func:`run` wrote, or None when there are none (or only a dry run)."""
+    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data["rows"]  # noqa: B018 (the key must exist)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a results file from python -m labsupport.bench_precision: {exc}; "
+                         f"run scripts/gpu_all.sh again or delete it") from exc
+    if not isinstance(data, dict) or data.get("dry_run", True):
+        return None
+    return data
+
+
+def results_markdown(results: dict | None) -> str:
+    """Chapter 09's measured table with device and date, or a plain "not yet measured" (never an estimate)."""
+    if results is None:
+        return ("**Not yet measured.** No GPU has run `python -m labsupport.bench_precision` for this build of "
+                "the book, so this page shows no GPU timings of the int8 kernel.")
+    lines = [f"Measured on {results['device']}, {results['date']} (torch {results['torch']}, triton "
+             f"{results['triton']}), activations in {results['dtype']}; the graded check on the course's kernel: "
+             f"{results.get('checks', 'not run')[:80]}.", "",
+             "| shape | scales | batch | int8 kernel | dense | int8 TB/s | dense TB/s | speedup | bytes ratio |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["rows"]:
+        lines.append(f"| {r['shape']} ({r['N']} x {r['K']}) | {'per channel' if r['group_size'] is None else 'groups of ' + str(r['group_size'])} "
+                     f"| {r['batch']} | {r['int8_seconds'] * 1e6:.1f} us | {r['dense_seconds'] * 1e6:.1f} us "
+                     f"| {r['int8_Bps'] / 1e12:.2f} | {r['dense_Bps'] / 1e12:.2f} | {r['speedup']:.2f}x "
+                     f"| {r['bytes_ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def batch1_speedup(results: dict | None) -> str:
+    """The measured speedup at batch 1 (the first shape, per channel), or "not yet measured"."""
+    if results is None:
+        return NOT_MEASURED
+    rows = [r for r in results["rows"] if r["batch"] == BOOK_BATCH and r["group_size"] is None]
+    if not rows:
+        return NOT_MEASURED
+    r = rows[0]
+    return f"{r['speedup']:.2f}x on {results['device']} ({results['date']})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labsupport.bench_precision", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=GPU_RESULTS,
+                        help=f"results file (default {GPU_RESULTS}, which chapter 09 reads)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run the same code on the CPU at tiny shapes through the interpreter: measures nothing")
+    args = parser.parse_args(argv)
+    configure_triton()
+    if not args.dry_run and (not torch.cuda.is_available() or interpreter_mode()):
+        reason = "no CUDA GPU is visible" if not torch.cuda.is_available() else "TRITON_INTERPRET is set"
+        print(f"bench_precision measures a GPU ({reason}); --dry-run checks the command on a CPU.", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
+    run(args.out, dry_run=args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
