@@ -254,3 +254,14 @@ def test_int8_matmul_check_refuses_the_course_answer():
 
     with course_checks_its_answers(False), pytest.raises(CheckFailed, match="course's own answer"):
         check_int8_matmul(IM.int8_matmul_reference)
+
+
+@pytest.mark.parametrize("check,fn", [
+    (check_quantize_groupwise, lambda w, bits=8, group_size=128: Q.quantize_groupwise(w, bits, group_size)),
+    (check_dequantize_groupwise, lambda c, s, bits=8, group_size=128: Q.dequantize_groupwise(c, s, bits, group_size)),
+    (check_int8_matmul, lambda x, w_q, scales: IM.int8_matmul_spec(x, w_q, scales)),
+    (check_int8_matmul, lambda x, w_q, scales: IM.int8_matmul_reference(x, w_q, scales)),
+], ids=["quantize", "dequantize", "matmul_spec", "matmul_kernel"])
+def test_calling_the_course_answer_is_rejected(check, fn):
+    with pytest.raises(CheckFailed, match="the course's own answer"):
+        check(fn)
