@@ -28,6 +28,7 @@ import triton.language as tl
 from ._answers import answer
 from ._validate import positive_int, positive_number
 from .device import interpreter_mode
+from .interpreter_bytes import ByteCount, count_bytes
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -159,3 +160,14 @@ def bytes_ratio(m: int, n: int, k: int, groups: int = 1, dtype_bytes: float = 2,
     """How many times fewer bytes the int8 kernel moves than a dense matmul in ``dtype_bytes``:
     the speedup a memory-bound kernel could reach at best."""
     return dense_matmul_bytes(m, n, k, dtype_bytes) / int8_matmul_bytes(m, n, k, groups, dtype_bytes, scale_dtype_bytes)
+
+
+def counted_bytes(fn, x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ByteCount]:
+    """Run ``fn(x, w_q, scales)`` (a Triton kernel's wrapper) in the interpreter and return
+    ``(result, bytes counted)``: what its kernels loaded and stored, per kernel parameter
+    (:func:`labsupport.interpreter_bytes.count_bytes`; raises ``BytesNotCountable`` on a GPU).
+    Unlike :func:`int8_matmul_bytes` it sees every re-read: each column block of programs loads
+    its own copy of ``x``'s tiles."""
+    with count_bytes() as counted:
+        result = fn(x, w_q, scales)
+    return result, counted
