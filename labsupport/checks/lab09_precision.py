@@ -24,6 +24,8 @@ The functions a learner writes, and how the checks call them (conventions in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..attention import peak_tensor_memory
@@ -362,6 +364,7 @@ def check_int8_matmul(fn, checker):
         x, w_q, scales = _matmul_inputs(f, dev)
         before = [t.clone() for t in (x, w_q, scales)]
 
+        @functools.wraps(fn)  # failure messages name the learner's function
         def watched(*args):
             return peak_tensor_memory(fn, *args)
 
