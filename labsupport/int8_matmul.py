@@ -73,7 +73,8 @@ def int8_matmul_config(m: int, n: int, k: int, group_size: int, *, interpreter: 
     ``BLOCK_K`` divides the group size, so every K tile lies inside one group and needs one scale
     per column. ``BLOCK_M`` is at least 16 (``tl.dot`` needs 16 on NVIDIA GPUs) and covers a
     decode batch up to 64 in one tile. In the interpreter, where a step costs about the same
-    whatever its size, the tiles are large: few steps.
+    whatever its size, the tiles are large: few steps. No split over K: at batch 1 on a narrow
+    layer, fewer programs than the GPU has multiprocessors leave bandwidth unused.
     """
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_k = 1
@@ -82,7 +83,10 @@ def int8_matmul_config(m: int, n: int, k: int, group_size: int, *, interpreter: 
         block_k *= 2
     if block_k < 16:
         raise ValueError(f"group size {group_size} must be a multiple of 16 for this kernel")
-    block_n = 64 if interpreter else (64 if m <= 16 else 128)
+    # On a GPU at small batches, narrow column blocks give more programs to stream the weights:
+    # Llama 3.1 8B's down projection (N = 4,096) is 128 programs at 32 columns, 32 at 128. A choice
+    # made without a measurement; python -m labsupport.bench_precision measures what it gives.
+    block_n = 64 if interpreter else (32 if m <= 16 else 128)
     return MatmulConfig(block_m, block_n, block_k, num_warps=4, num_stages=1 if interpreter else 4)
 
 
