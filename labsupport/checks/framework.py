@@ -9,8 +9,10 @@ learner's ``fn`` on chosen cases through :meth:`Checker.call`, compares what com
 * prints one short pass line.
 
 Either way the result (points earned out of points possible) is recorded in
-:data:`RESULTS`, and appended as one JSON line to the file named by ``LABSUPPORT_RESULTS``
-when that variable is set: that is how ``python -m labsupport grade`` collects scores.
+:data:`RESULTS`, appended as one JSON line to the file named by ``LABSUPPORT_RESULTS`` when that
+variable is set, and, when ``LABSUPPORT_GRADING`` is set, shown as an output of the cell running
+the check (MIME type :data:`RESULT_MIME`): that is how ``python -m labsupport grade`` collects
+scores, from the outputs of the course's own check cells only (see :mod:`labsupport.course.grade`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .._answers import AnswerUsed, banning, qualified_name, reached_answer
 from . import _display
 
 RESULTS_ENV = "LABSUPPORT_RESULTS"
+GRADING_ENV = "LABSUPPORT_GRADING"
+RESULT_MIME = "application/vnd.labsupport.check-result+json"
 
 
 class CheckFailed(AssertionError):
@@ -76,6 +80,12 @@ def _record(result: CheckResult) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(result)) + "\n")
+    if os.environ.get(GRADING_ENV):
+        try:
+            from IPython.display import display
+        except ImportError:
+            return
+        display({RESULT_MIME: asdict(result)}, raw=True)
 
 
 class Case:

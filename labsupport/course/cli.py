@@ -45,8 +45,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a single cell may run before it is interrupted (default: 600)")
     gr.add_argument("--notebook-timeout", type=int, default=None,
                     help="seconds a whole notebook may run before it is stopped (default: 3600)")
-    gr.add_argument("--jobs", type=int, default=1,
+    gr.add_argument("--jobs", "-j", type=int, default=1,
                     help="notebooks graded at once, each in its own kernel (default: 1)")
+    gr.add_argument("--no-sandbox", action="store_true",
+                    help="run kernels with your own permissions, not in a bubblewrap sandbox (every row then "
+                         "says UNSANDBOXED)")
+    gr.add_argument("--container", metavar="IMAGE",
+                    help="run each kernel in this container image (docker or podman; the image needs python "
+                         "with ipykernel and the course package)")
+    gr.add_argument("--memory", type=float, default=8,
+                    help="GiB of address space a sandboxed kernel may map (default: 8)")
+    gr.add_argument("--as-is", action="store_true",
+                    help="run each submitted notebook whole, its own setup and check cells included, instead of "
+                         "the course's notebook with only the learner's exercise cells put in (for notebooks "
+                         "not made from the course's labs; less trustworthy)")
 
     args = parser.parse_args(argv)
     missing = _missing_tools()
@@ -129,11 +141,22 @@ def _grade(args) -> int:
     if not notebooks:
         print("grade: no notebooks found in " + ", ".join(args.paths), file=sys.stderr)
         return 2
+    from .sandbox import choose
+
+    try:
+        sandbox, unsandboxed = choose(args.no_sandbox, args.container, int(args.memory * 2**30))
+    except RuntimeError as exc:
+        print(f"grade: {exc}", file=sys.stderr)
+        return 2
+    if sandbox is None:
+        print(f"grade: WARNING: grading UNSANDBOXED ({unsandboxed}): the submitted code runs with your "
+              f"permissions; every row says so", file=sys.stderr)
     drift = manifest_drift(manifest)
     if drift:
         print(f"grade: warning: {drift}", file=sys.stderr)
-    print(f"grading {len(notebooks)} notebook(s), {args.jobs} at a time; each cell may run {args.timeout} s, "
-          f"each notebook {args.notebook_timeout} s", file=sys.stderr, flush=True)
+    where = sandbox.label if sandbox is not None else "UNSANDBOXED"
+    print(f"grading {len(notebooks)} notebook(s), {args.jobs} at a time ({where}); each cell may run "
+          f"{args.timeout} s, each notebook {args.notebook_timeout} s", file=sys.stderr, flush=True)
 
     def progress(path, rows, seconds):
         grades.add(rows)  # the CSV is rewritten after each notebook: a crash keeps what was graded
@@ -146,7 +169,8 @@ def _grade(args) -> int:
         return 2
     try:
         rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress, lab=args.lab,
-                         manifest=manifest, notebook_timeout=args.notebook_timeout)
+                         manifest=manifest, notebook_timeout=args.notebook_timeout, sandbox=sandbox,
+                         unsandboxed=unsandboxed, as_is=args.as_is)
     except KernelStartError as exc:
         kept = (f"the {len(grades.rows)} row(s) graded before are in {grades.fallback or csv_path}" if grades.rows
                 else f"{csv_path} was not written")

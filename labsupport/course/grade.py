@@ -26,9 +26,7 @@ container or a throwaway machine.
 
 from __future__ import annotations
 
-import json
 import re
-import tempfile
 import time
 import traceback
 import unicodedata
@@ -36,10 +34,14 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .manifest import load_manifest
+import nbformat
+
+from ..checks.framework import GRADING_ENV, RESULT_MIME
+from .manifest import load_course_cells, load_manifest
 from .notebooks import KernelStartError, execute, first_line, load
 from .report import Row, escape_surrogates
-from .scan import calls_by_cell, exercises_checked, names_used_and_bound, scan_flags
+from .scan import calls_by_cell, check_calls, exercises_checked, names_used_and_bound, scan_flags
+from .splice import splice
 
 NOTEBOOK_TIMEOUT = 3600  # seconds a whole notebook may run, by default
 
@@ -199,14 +201,25 @@ def grade_notebook(
     lab: str | None = None,
     manifest: dict[str, list[tuple[str, float]]] | None = None,
     notebook_timeout: float | None = NOTEBOOK_TIMEOUT,
+    sandbox=None,
+    unsandboxed: str = "no sandbox was asked for",
+    as_is: bool = False,
 ) -> list[Row]:
-    """Score one notebook on its lab's checks (``lab`` forces the lab). One row per check."""
+    """Score one notebook on its lab's checks (``lab`` forces the lab). One row per check.
+
+    The notebook run is the course's, with the learner's exercise cells put in
+    (:mod:`labsupport.course.splice`); ``as_is`` runs the submitted notebook whole instead. ``sandbox``
+    is where the kernel runs (:mod:`labsupport.course.sandbox`); without one, every row says
+    ``UNSANDBOXED`` and why (``unsandboxed``).
+    """
     manifest = manifest if manifest is not None else load_manifest()
     name = str(path)
     path = Path(path)
+    where = sandbox.label if sandbox is not None else f"UNSANDBOXED: {unsandboxed}"
 
     def rows_for(check: str, points: float, max_points: float, status: str, detail: str = "") -> Row:
-        return Row(name, check, points, max_points, status, detail, student_name(path, chosen), chosen or "")
+        return Row(name, check, points, max_points, status, detail, student_name(path, chosen), chosen or "",
+                   sandbox=where)
 
     try:
         nb = load(path)
@@ -217,37 +230,54 @@ def grade_notebook(
         full = sum(p for _, p in manifest.get(chosen, [])) if chosen else 0
         return [rows_for("-", 0, full, status, str(exc))]
 
-    flags = "; ".join(scan_flags(nb, {c for checks in manifest.values() for c, _ in checks}))
+    known_checks = {c for checks in manifest.values() for c, _ in checks}
     chosen, problem = identify_lab(nb, path, manifest, lab)
     if chosen is None:
         guessed = guess_lab(nb, path, manifest)
         full = sum(p for _, p in manifest.get(guessed, [])) if guessed else 0
         if guessed:
             problem += f" (it looks like lab {guessed}, whose {full:g} points count in its maximum)"
-        row = Row(name, "-", 0, full, "unknown lab", problem, student_name(path, None), guessed or "")
-        row.flags = flags
+        row = Row(name, "-", 0, full, "unknown lab", problem, student_name(path, None), guessed or "", sandbox=where)
+        row.flags = "; ".join(scan_flags(nb, known_checks))
         return [row]
     expected = manifest[chosen]
     if not expected:
         row = rows_for("-", 0, 0, "no checks", f"lab {chosen} has no graded checks")
-        row.flags = flags
+        row.flags = "; ".join(scan_flags(nb, known_checks))
         return [row]
 
-    called = calls_by_cell(nb)
-    with tempfile.TemporaryDirectory(prefix="labsupport-grade-") as tmp:
-        results_file = Path(tmp) / "results.jsonl"
-        run = execute(nb, timeout=timeout, stop_on_error=False, quiet=True, notebook_timeout=notebook_timeout,
-                      env={"LABSUPPORT_RESULTS": str(results_file)}, after_timeout=skip_what_hung(timeout))
-        recorded: dict[str, dict] = {}
-        if results_file.exists():
-            for line in results_file.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    entry = json.loads(line)
-                    recorded[str(entry["check"])] = entry  # the last call of a check counts
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line that is not a check result (the notebook wrote to the file)
+    course = None if as_is else load_course_cells(chosen)
+    if course is None:  # --as-is, or a lab list written before it held the course's cells
+        spliced = None
+        run_nb = nb
+        learner_cells = ("all: run as submitted (--as-is)" if as_is else
+                         "all: run as submitted (lab_checks.json has no course cells; run `release`)")
+        ignored = ""
+        flags = scan_flags(nb, known_checks)
+    else:
+        spliced = splice(nb, course)
+        run_nb = spliced.notebook
+        learner_cells = ", ".join(f"{cid} (found by name)" if cid in spliced.moved else cid for cid in spliced.learner)
+        ignored = spliced.ignored()
+        mine = nbformat.v4.new_notebook()
+        mine.cells = [c for i, c in enumerate(run_nb.cells) if spliced.roles.get(i) == "learner"]
+        flags = scan_flags(mine, known_checks)  # what ran of theirs (what did not run is in `ignored`)
+        if not spliced.matched:
+            full = sum(p for _, p in expected)
+            row = rows_for("-", 0, full, "unmatched",
+                           "none of the lab's exercise cells was found in the notebook, so nothing of the "
+                           f"learner's could be graded: {'; '.join(spliced.missing)}. Was it made from the "
+                           f"course's labs/{chosen}.ipynb? Read it by hand, or grade it with --as-is")
+            row.learner_cells, row.ignored, row.flags = "", ignored, "; ".join(flags)
+            return [row]
 
-    setup_error = _setup_error(nb, run)
+    called = calls_by_cell(run_nb)
+    run = execute(run_nb, timeout=timeout, stop_on_error=False, quiet=True, notebook_timeout=notebook_timeout,
+                  env={GRADING_ENV: "1"}, after_timeout=skip_what_hung(timeout), sandbox=sandbox)
+    recorded, forged = collect_results(run, spliced)
+    flags += forged
+
+    setup_error = _setup_error(run_nb, run)
     rows = []
     for check, max_points in expected:
         entry = recorded.get(check)
@@ -290,11 +320,70 @@ def grade_notebook(
     for check in recorded:
         if check not in own:
             home = next((lab_ for lab_, checks in manifest.items() if any(c == check for c, _ in checks)), None)
-            where = f"a check of lab {home}" if home else "not a check of any lab"
-            rows.append(rows_for(check, 0, 0, "extra", f"{where}, not of {chosen}: not scored"))
+            where_ = f"a check of lab {home}" if home else "not a check of any lab"
+            rows.append(rows_for(check, 0, 0, "extra", f"{where_}, not of {chosen}: not scored"))
     for row in rows:
-        row.flags = flags
+        row.flags = "; ".join(dict.fromkeys(flags))
+        row.learner_cells, row.ignored = learner_cells, ignored
     return rows
+
+
+def collect_results(run, spliced) -> tuple[dict[str, dict], list[str]]:
+    """The check results the run reported, and flags for those not to be trusted.
+
+    Results are outputs (MIME type ``RESULT_MIME``) of the cells that ran. One counts only when it
+    comes from a cell that calls that check and that, when spliced, is the course's own cell (not
+    the learner's); a result anywhere else was not written by a check the course called, so it is
+    ignored and flagged. Several results in one cell (a check reports once) count as the worst of
+    them, and a pass from a cell that then failed, or in which the kernel died or was stopped, counts
+    as a failure: both are flagged.
+    """
+    recorded: dict[str, dict] = {}
+    flags: list[str] = []
+    stopped = {t.index for t in run.timeouts} | {s.index for s in run.skipped}
+    errored = {e.index for e in run.errors}
+    for index, cell in enumerate(run.notebook.cells):
+        if cell.get("cell_type") != "code":
+            continue
+        results = []
+        for output in cell.get("outputs", []):
+            data = output.get("data") or {}
+            if RESULT_MIME in data and isinstance(data[RESULT_MIME], dict):
+                results.append(data[RESULT_MIME])
+        if not results:
+            continue
+        calls = set(check_calls(cell.source))
+        role = "course" if spliced is None else spliced.roles.get(index, "course")
+        label = cell.get("id") or f"cell {index}"
+        by_check: dict[str, list[dict]] = {}
+        for entry in results:
+            check = str(entry.get("check", ""))
+            if check not in calls or role != "course":
+                who = "the learner's cell" if role == "learner" else "a cell that does not call it"
+                flags.append(f"forged result: {check or '?'} reported as "
+                             f"{'passed' if entry.get('passed') else 'failed'} from {who} {label}; ignored")
+                continue
+            by_check.setdefault(check, []).append(entry)
+        for check, entries in by_check.items():
+            worst = next((e for e in entries if not e.get("passed")), entries[-1])
+            if len(entries) > 1:
+                flags.append(f"forged result: {check} reported {len(entries)} times in cell {label} (a check "
+                             f"reports once); the worst counts")
+            if worst.get("passed") and (index in errored or index in stopped or
+                                        (run.died and index >= _died_at(run))):
+                flags.append(f"forged result: {check} reported passed in cell {label}, which then failed or "
+                             f"stopped; counted as failed")
+                worst = {**worst, "passed": False, "reason": "failed",
+                         "message": f"{check} reported a pass, but its cell then failed or stopped"}
+            recorded[check] = worst  # the last cell calling a check counts
+    return recorded, flags
+
+
+def _died_at(run) -> int:
+    """The index of the cell the kernel died in (the last cell with outputs, at worst)."""
+    cells = run.notebook.cells
+    ran = [i for i, c in enumerate(cells) if c.get("cell_type") == "code" and c.get("execution_count")]
+    return ran[-1] if ran else 0
 
 
 def _setup_error(nb, run) -> str:
@@ -316,6 +405,9 @@ def grade_all(
     lab: str | None = None,
     manifest: dict[str, list[tuple[str, float]]] | None = None,
     notebook_timeout: float | None = NOTEBOOK_TIMEOUT,
+    sandbox=None,
+    unsandboxed: str = "no sandbox was asked for",
+    as_is: bool = False,
 ) -> list[Row]:
     """Grade every notebook (``jobs`` at a time); rows come back in the order of ``notebooks``.
 
@@ -328,11 +420,14 @@ def grade_all(
         start = time.perf_counter()
         try:  # each notebook inside its own error boundary: nothing in one stops the others
             rows = grade_notebook(path, timeout=timeout, lab=lab, manifest=manifest,
-                                  notebook_timeout=notebook_timeout)
+                                  notebook_timeout=notebook_timeout, sandbox=sandbox,
+                                  unsandboxed=unsandboxed, as_is=as_is)
         except KernelStartError:
             raise
         except Exception as exc:  # noqa: BLE001 (any failure of the grader on this notebook)
             rows = grader_error(path, exc, manifest, lab)
+            for row in rows:
+                row.sandbox = sandbox.label if sandbox is not None else f"UNSANDBOXED: {unsandboxed}"
         if path in folders:
             for row in rows:
                 row.student = f"{folders[path]}/{row.student}"

@@ -1,7 +1,9 @@
 """``labsupport/lab_checks.json``: each lab's checks and their points.
 
 ``release`` writes it from the lab sources (``solutions/NN_name.py``); ``grade`` reads it, so grading
-works where the package is installed without the course's sources. It ships as package data.
+works where the package is installed without the course's sources. It ships as package data. Besides
+each lab's checks and points it holds the code cells of each lab's released learner notebook, which the
+grader runs with only the learner's exercise cells put in (see :mod:`labsupport.course.splice`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..checks import REGISTRY
-from .scan import check_calls
+from .scan import check_calls, python_source
 from .sources import parse_source
 
 COURSE_ROOT = Path(__file__).resolve().parents[2]  # the repository, for an editable install
@@ -43,7 +45,8 @@ def load_manifest(path: Path | None = None) -> dict[str, list[tuple[str, float]]
 
 
 def lab_checks(sources: list[Path]) -> dict:
-    """What the grader needs to know of each lab: the checks its source calls, with their points."""
+    """What the grader needs to know of each lab: the checks its source calls, with their points, and
+    the code cells of the learner's notebook (see :func:`course_cells`)."""
     labs = {}
     for source in sources:
         checks: list[dict] = []
@@ -53,13 +56,62 @@ def lab_checks(sources: list[Path]) -> dict:
             for name in check_calls("\n".join(cell.lines)):
                 if name in REGISTRY and all(c["check"] != name for c in checks):
                     checks.append({"check": name, "points": REGISTRY[name].points})
-        labs[source.stem] = {"source": f"solutions/{source.name}", "checks": checks}
+        labs[source.stem] = {"source": f"solutions/{source.name}", "checks": checks, "cells": course_cells(source)}
     return {
         "about": "Written by `python -m labsupport release` from solutions/*.py (do not edit): the checks "
                  "`python -m labsupport grade` scores each lab on, also where the package is installed "
                  "without the course's sources.",
         "labs": labs,
     }
+
+
+def course_cells(source: Path) -> list[dict]:
+    """The code cells of the released learner notebook of ``source``, as the grader rebuilds it.
+
+    Each is ``{"id", "source", "exercise"}``; an exercise cell (one with a solution region) also
+    lists the names it defines at the top level (``"defines"``), by which a learner's copy is found
+    when its cell id changed (a notebook released before the course inserted a cell). The grader
+    runs these cells, with the learner's version of each exercise cell in its place.
+    """
+    from .release import build_notebook  # release imports this module
+    from .sources import BEGIN
+
+    exercises = set()
+    for index, cell in enumerate(parse_source(source)):
+        if cell.kind == "code" and any(BEGIN.match(line) for line in cell.lines):
+            exercises.add(index)
+    nb = build_notebook(source, student=True)
+    out = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        entry = {"id": cell["id"], "source": cell.source, "exercise": index in exercises}
+        if entry["exercise"]:
+            entry["defines"] = top_level_names(cell.source)
+        out.append(entry)
+    return out
+
+
+def top_level_names(text: str) -> list[str]:
+    """The functions and classes a cell defines at its top level, in order."""
+    import ast
+
+    try:
+        tree = ast.parse(python_source(text))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    return [node.name for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+
+
+def load_course_cells(lab: str, path: Path | None = None) -> list[dict] | None:
+    """The course's code cells of ``lab`` (:func:`course_cells`), or None when the manifest predates them."""
+    path = Path(path or MANIFEST)
+    try:
+        cells = json.loads(path.read_text(encoding="utf-8"))["labs"][lab].get("cells")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cells if isinstance(cells, list) else None
 
 
 def render_manifest(data: dict) -> str:

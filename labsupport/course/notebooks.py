@@ -92,18 +92,29 @@ class Execution:
         return not self.errors and not self.timed_out and not self.died
 
 
-def _kernel_manager(spec_root: Path):
-    """A kernel manager whose only kernelspec runs ``KERNEL_PYTHON`` (user kernelspecs are ignored)."""
+def _kernel_manager(spec_root: Path, sandbox=None, writable: list[str] = (), cwd: str = ""):
+    """A kernel manager whose only kernelspec runs ``KERNEL_PYTHON`` (user kernelspecs are ignored).
+
+    With a ``sandbox`` (:class:`labsupport.course.sandbox.Sandbox`) the kernel runs inside it, talks
+    over Unix sockets in ``spec_root`` (no TCP there), is interrupted by a message (a signal to the
+    sandbox would not reach it), and may write only ``writable`` folders.
+    """
     spec_dir = spec_root / KERNEL_NAME
     spec_dir.mkdir(parents=True)
-    spec = {
-        "argv": [KERNEL_PYTHON, "-c", KERNEL_MAIN, "-f", "{connection_file}"],
-        "display_name": f"Python ({KERNEL_PYTHON})",
-        "language": "python",
-    }
+    argv = [KERNEL_PYTHON, "-c", KERNEL_MAIN, "-f", "{connection_file}"]
+    spec = {"display_name": f"Python ({KERNEL_PYTHON})", "language": "python"}
+    if sandbox is not None:
+        argv = sandbox.wrap(argv, [str(spec_root), *writable], cwd)
+        spec["interrupt_mode"] = "message"
+    spec["argv"] = argv
     (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
     specs = KernelSpecManager(kernel_dirs=[str(spec_root)], ensure_native_kernel=False)
-    return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
+    if sandbox is None:
+        return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs, transport="ipc",
+                            ip=str(spec_root / "ipc"))
+    km.connection_file = str(spec_root / "connection.json")
+    return km
 
 
 def execute(
@@ -116,6 +127,7 @@ def execute(
     quiet: bool = False,
     notebook_timeout: float | None = None,
     after_timeout: Callable[[str], Callable[[str], str] | None] | None = None,
+    sandbox=None,
 ) -> Execution:
     """Run every code cell of ``nb`` in a fresh kernel (in place) and report what failed.
 
@@ -130,7 +142,8 @@ def execute(
     (it is listed in ``skipped`` with the reason): what hung once is not run again.
     ``env`` adds variables to the kernel's environment (this process's own is left alone, so
     several notebooks can run at once); ``quiet`` drops the kernel process's own stderr (start-up
-    warnings), which never holds a cell's output.
+    warnings), which never holds a cell's output. ``sandbox`` runs the kernel inside it (see
+    :mod:`labsupport.course.sandbox`), with only its working folder writable.
 
     Raises KernelStartError when the kernel cannot start or dies before its first cell.
     """
@@ -162,13 +175,20 @@ def execute(
 
     with tempfile.TemporaryDirectory(prefix="labsupport-run-") as tmp, \
             tempfile.TemporaryDirectory(prefix="labsupport-kernel-") as private:
-        launch = {"env": {**os.environ, "IPYTHONDIR": str(Path(private) / "ipython"), **(env or {})},
+        base = os.environ
+        if sandbox is not None:
+            from .sandbox import environment_for_kernel
+
+            base = environment_for_kernel()
+        launch = {"env": {**base, "IPYTHONDIR": str(Path(private) / "ipython"), **(env or {})},
                   "cleanup_kc": True}
-        if quiet:
+        if quiet or sandbox is not None:  # a sandboxed kernel writes nothing to the grader's terminal
             launch["stderr"] = subprocess.DEVNULL
+        if sandbox is not None:
+            launch["stdout"] = subprocess.DEVNULL
         client = Client(
             nb,
-            km=_kernel_manager(Path(private) / "kernels"),
+            km=_kernel_manager(Path(private) / "kernels", sandbox, [private, str(cwd or tmp)], str(cwd or tmp)),
             timeout=timeout,
             allow_errors=not stop_on_error,
             interrupt_on_timeout=not stop_on_error,

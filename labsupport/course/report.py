@@ -10,10 +10,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-CSV_HEADER = ["notebook", "student", "lab", "check", "points", "max_points", "status", "detail", "flags"]
-OLD_CSV_HEADERS = (["notebook", "check", "points", "max_points", "status", "detail"],)  # earlier versions
+CSV_HEADER = ["notebook", "student", "lab", "check", "points", "max_points", "status", "detail", "flags",
+              "sandbox", "learner_cells", "ignored"]  # new columns go at the end: spreadsheets keep working
+OLD_CSV_HEADERS = (["notebook", "check", "points", "max_points", "status", "detail"],  # earlier versions
+                   CSV_HEADER[:9])
 STATUSES = ("passed", "failed", "not done", "not run", "timeout", "setup failed", "missing",
-            "not a notebook", "unknown lab", "no checks", "grader error", "extra")
+            "not a notebook", "unknown lab", "no checks", "grader error", "unmatched", "extra")
 
 
 def escape_surrogates(text: str) -> str:
@@ -33,6 +35,9 @@ class Row:
     student: str = ""
     lab: str = ""
     flags: str = ""
+    sandbox: str = ""  # "bwrap", "container IMAGE (engine)", or "UNSANDBOXED: why"
+    learner_cells: str = ""  # the course's exercise cells that ran the learner's version
+    ignored: str = ""  # what of the learner's notebook did not run (added cells, edited course cells)
 
     def __setattr__(self, name, value):  # every text a row holds can be printed and written
         super().__setattr__(name, escape_surrogates(value) if isinstance(value, str) else value)
@@ -80,7 +85,7 @@ def write_csv(rows: list[Row], path: Path, *, checked: bool = True, overwrite: b
             for r in rows:
                 writer.writerow([escape_surrogates(str(x)) for x in (
                     r.notebook, r.student, r.lab, r.check, f"{r.points:g}", f"{r.max_points:g}", r.status,
-                    r.detail, r.flags)])
+                    r.detail, r.flags, r.sandbox, r.learner_cells, r.ignored)])
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -171,6 +176,7 @@ def summary_line(rows: list[Row]) -> str:
     got, out_of = totals(rows)[rows[0].notebook] if rows else (0, 0)
     parts = [f"{r.check} {r.status}" if r.check != "-" else r.status for r in rows]
     flagged = "  FLAGGED" if rows and rows[0].flags else ""
+    flagged += "  UNSANDBOXED" if rows and rows[0].sandbox.startswith("UNSANDBOXED") else ""
     return f"{got:g}/{out_of:g}  ({', '.join(parts)}){flagged}"
 
 
@@ -190,11 +196,16 @@ def format_table(rows: list[Row], detail_width: int = 90) -> str:
                 flagged.append(nb_name)
             continue
         lab = f"  [{mine[0].lab}]" if mine[0].lab else ""
-        lines.append(f"{nb_name}  {got:g}/{out_of:g}{lab}")
+        loud = "  UNSANDBOXED" if mine[0].sandbox.startswith("UNSANDBOXED") else ""
+        lines.append(f"{nb_name}  {got:g}/{out_of:g}{lab}{loud}")
         for r in mine:
             score = f"{r.points:g}/{r.max_points:g}"
             status = r.status + (f": {_short(r.detail, detail_width)}" if r.detail and r.status != "passed" else "")
             lines.append(f"    {r.check:<{cwidth}}  {score:>7}  {status}")
+        if mine[0].learner_cells:
+            lines.append(f"    learner's cells: {_short(mine[0].learner_cells, detail_width + 10)}")
+        if mine[0].ignored:
+            lines.append(f"    not run: {_short(mine[0].ignored, detail_width + 20)}")
         if mine[0].flags:
             flagged.append(nb_name)
             lines.append(f"    flags: {_short(mine[0].flags, detail_width + 20)}")
@@ -210,6 +221,10 @@ def format_table(rows: list[Row], detail_width: int = 90) -> str:
     counts = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
     tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     lines += ["", f"{len(sums)} notebook(s), {full} with full marks; checks: {tally}"]
+    bare = sorted({r.sandbox for r in rows if r.sandbox.startswith("UNSANDBOXED")})
+    if bare:
+        lines.append(f"UNSANDBOXED: {sum(1 for n in sums if next(r for r in rows if r.notebook == n).sandbox in bare)} "
+                     f"notebook(s) ran with the grader's own permissions ({'; '.join(s[len('UNSANDBOXED: '):] for s in bare)})")
     if flagged:
         lines.append(f"{len(flagged)} notebook(s) flagged: read them before trusting their scores "
                      f"(the flags column of the CSV says what was found)")

@@ -1,0 +1,103 @@
+"""Where a graded notebook's kernel runs: a bubblewrap sandbox (the default where ``bwrap`` works), a
+container image the instructor names (``--container IMAGE``), or, loudly, nowhere (``--no-sandbox``).
+
+In the bubblewrap sandbox the kernel has no network (``--unshare-net``), sees the whole file system
+read-only (the course, the submissions, the grades file) except its own scratch folder and the
+folder of its connection sockets, has a private ``/tmp``, ``/dev`` and process namespace (it sees
+only its own processes, so it cannot read the grader's command line or signal the grader or another
+kernel, and every process it starts dies with it), no capabilities (even when the grader runs as
+root) and an address-space limit (``prlimit --as``; a kernel past it gets MemoryError, not the
+machine's swap). The kernel talks to the grader over ZeroMQ's ``ipc`` transport (Unix sockets in a
+folder bound into the sandbox), since it has no TCP to localhost.
+
+A container runs the kernel with ``docker run`` or ``podman run`` (whichever is installed): no
+network, the same memory limit, the scratch and socket folders mounted at the same paths, and
+``python`` of the image as the kernel (the image must have ipykernel and the course package).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+MEMORY_LIMIT = 8 * 2**30  # bytes of address space a sandboxed kernel may map, by default (torch maps ~2 GiB)
+
+
+@dataclass
+class Sandbox:
+    kind: str  # "bwrap" or "container"
+    memory: int = MEMORY_LIMIT
+    image: str = ""
+    engine: str = ""  # docker or podman (container only)
+    read_only: list[str] = field(default_factory=list)  # not used by bwrap (all of / is read-only)
+
+    @property
+    def label(self) -> str:
+        return "bwrap" if self.kind == "bwrap" else f"container {self.image} ({self.engine})"
+
+    def wrap(self, argv: list[str], writable: list[str], cwd: str) -> list[str]:
+        """``argv`` (the kernel's command) run inside the sandbox, ``writable`` folders bound read-write."""
+        if self.kind == "bwrap":
+            outer = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+                     "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                     "--unsetenv", "JPY_PARENT_PID"]  # ipykernel would watch a pid it cannot see
+            for folder in writable:
+                outer += ["--bind", folder, folder]
+            outer += ["--chdir", cwd, "--"]
+            return outer + ["prlimit", f"--as={self.memory}", "--"] + argv
+        outer = [self.engine, "run", "--rm", "-i", "--network", "none", f"--memory={self.memory}",
+                 "--pids-limit", "512", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                 "--read-only", "--tmpfs", "/tmp", "-e", "IPYTHONDIR", "-e", "LABSUPPORT_GRADING",
+                 "-e", "TRITON_INTERPRET", "-e", "CUDA_VISIBLE_DEVICES", "-e", "MPLBACKEND"]
+        for folder in writable:
+            outer += ["-v", f"{folder}:{folder}"]
+        outer += ["-w", cwd, self.image]
+        return outer + ["python", *argv[1:]]  # the image's own Python runs the kernel
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_problem() -> str:
+    """Why bubblewrap cannot sandbox a kernel here ("" when it can)."""
+    if shutil.which("bwrap") is None:
+        return "bwrap is not installed (apt-get install bubblewrap)"
+    if shutil.which("prlimit") is None:
+        return "prlimit is not installed (util-linux)"
+    try:
+        done = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+                               "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "true"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap did not run ({exc})"
+    if done.returncode:
+        return f"bwrap cannot create a sandbox here ({done.stderr.strip()[:200] or done.returncode}); " \
+               f"user namespaces may be disabled"
+    return ""
+
+
+def container_engine() -> str:
+    """docker or podman, whichever is installed ("" if neither)."""
+    return next((name for name in ("podman", "docker") if shutil.which(name)), "")
+
+
+def choose(no_sandbox: bool = False, container: str | None = None, memory: int = MEMORY_LIMIT) -> tuple[Sandbox | None, str]:
+    """The sandbox to grade in, and why there is none (``""`` when there is one)."""
+    if container:
+        engine = container_engine()
+        if not engine:
+            raise RuntimeError("--container needs docker or podman, and neither is installed")
+        return Sandbox("container", memory=memory, image=container, engine=engine), ""
+    if no_sandbox:
+        return None, "--no-sandbox was given"
+    problem = bwrap_problem()
+    if problem:
+        return None, problem
+    return Sandbox("bwrap", memory=memory), ""
+
+
+def environment_for_kernel() -> dict[str, str]:
+    """The grader's environment minus what a kernel has no business reading (tokens, keys)."""
+    secret = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL", "AUTH")
+    return {k: v for k, v in os.environ.items() if not any(s in k.upper() for s in secret)}

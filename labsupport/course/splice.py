@@ -1,0 +1,118 @@
+"""Grade answers, not notebooks: the notebook the grader runs is the course's, with the learner's
+exercise cells put in.
+
+The course's code cells of each lab come from ``labsupport/lab_checks.json`` (``release`` writes
+them there from ``solutions/NN_name.py``, exactly as it writes ``labs/NN_name.ipynb``, so they
+ship with the package and grading works without the course's sources). Every cell of that list runs
+as the course wrote it (setup, imports, measurements, the check cells), except each exercise cell
+(a cell with a solution region), which is replaced by the learner's version of it, whole: helpers a
+learner defines in an exercise cell are theirs and run with it.
+
+A learner's exercise cell is found by its cell id (``release`` writes ``NN-name-IIII`` ids), when the
+cell with that id still defines the exercise's functions; otherwise by those names (a notebook
+released before the course inserted a cell has other ids): the last code cell that defines them all,
+as running the notebook from the top would leave in effect. What else the learner changed is not
+run and is reported: cells they added (``extra``) and course cells they edited (``edited``: the
+course's version ran). An exercise cell that cannot be found keeps the course's stub (its check then
+scores "not done") and is named in ``missing``; a notebook with no exercise cell found at all is
+not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import nbformat
+
+from .manifest import top_level_names
+from .notebooks import first_line
+
+
+@dataclass
+class Splice:
+    notebook: nbformat.NotebookNode  # what the grader runs
+    learner: list[str] = field(default_factory=list)  # ids of the course's exercise cells filled by the learner
+    moved: list[str] = field(default_factory=list)  # of those, found by the names they define (the id differs)
+    missing: list[str] = field(default_factory=list)  # "exercise cell <id> missing (...)"
+    extra: list[str] = field(default_factory=list)  # the learner's added code cells: not run
+    edited: list[str] = field(default_factory=list)  # course cells the learner changed: the course's ran
+    roles: dict[int, str] = field(default_factory=dict)  # index in ``notebook`` -> "learner" or "course"
+
+    @property
+    def matched(self) -> bool:
+        """At least one exercise cell is the learner's (else there is nothing of theirs to grade)."""
+        return bool(self.learner)
+
+    def ignored(self) -> str:
+        """One line for the report: what of the learner's notebook did not run, and why."""
+        parts = []
+        if self.missing:
+            parts.append("; ".join(self.missing))
+        if self.extra:
+            parts.append(f"{len(self.extra)} added cell(s) not run: " + ", ".join(self.extra))
+        if self.edited:
+            parts.append(f"{len(self.edited)} edited course cell(s) ignored (the course's version ran): "
+                         + ", ".join(self.edited))
+        return "; ".join(parts)
+
+
+def _same(a: str, b: str) -> bool:
+    return "\n".join(line.rstrip() for line in a.strip().splitlines()) == \
+        "\n".join(line.rstrip() for line in b.strip().splitlines())
+
+
+def _label(cell) -> str:
+    cid = cell.get("id") or "?"
+    return f"{cid} (`{first_line(cell.source, 40)}`)"
+
+
+def splice(learner_nb: nbformat.NotebookNode, course: list[dict]) -> Splice:
+    """The notebook to run: ``course``'s code cells, each exercise cell the learner's version."""
+    code = [c for c in learner_nb.cells if c.get("cell_type") == "code"]
+    by_id = {}
+    for cell in code:
+        by_id.setdefault(cell.get("id"), cell)
+    defined = {id(cell): set(top_level_names(cell.source)) for cell in code}
+    used: set[int] = set()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = dict(learner_nb.get("metadata", {}))
+    out = Splice(nb)
+    for entry in course:
+        cid, source = entry["id"], entry["source"]
+        chosen = None
+        if entry.get("exercise"):
+            names = set(entry.get("defines") or [])
+            same_id = by_id.get(cid)
+            if same_id is not None and names <= defined[id(same_id)]:
+                chosen = same_id
+            elif names:
+                candidates = [c for c in code if id(c) not in used and names <= defined[id(c)]]
+                chosen = candidates[-1] if candidates else None
+                if chosen is not None:
+                    out.moved.append(cid)
+            if chosen is None:
+                what = f"no cell defines {', '.join(sorted(names))}" if names else "no cell has that id"
+                out.missing.append(f"exercise cell {cid} missing ({what}; the course's stub ran)")
+        if chosen is not None:
+            used.add(id(chosen))
+            out.learner.append(cid)
+            new = nbformat.v4.new_code_cell(chosen.source)
+            out.roles[len(nb.cells)] = "learner"
+        else:
+            new = nbformat.v4.new_code_cell(source)
+            out.roles[len(nb.cells)] = "course"
+            theirs = by_id.get(cid)
+            if not entry.get("exercise") and theirs is not None and id(theirs) not in used:
+                used.add(id(theirs))
+                if not _same(theirs.source, source):
+                    out.edited.append(_label(theirs))
+        new["id"] = cid
+        nb.cells.append(new)
+    course_ids = {e["id"] for e in course}
+    for cell in code:
+        if id(cell) in used or not cell.source.strip():
+            continue
+        if cell.get("id") in course_ids and not any(e["id"] == cell.get("id") and e.get("exercise") for e in course):
+            continue  # a second copy of a course cell's id: counted once above
+        out.extra.append(_label(cell))
+    return out
