@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run each submitted notebook whole, its own setup and check cells included, instead of "
                          "the course's notebook with only the learner's exercise cells put in (for notebooks "
                          "not made from the course's labs; less trustworthy)")
+    gr.add_argument("--all-cells", action="store_true",
+                    help="run every cell of the course's notebook, measurements and plots included (by default "
+                         "only the cells the checks need run, which is much faster)")
 
     args = parser.parse_args(argv)
     missing = _missing_tools()
@@ -170,7 +173,7 @@ def _grade(args) -> int:
     try:
         rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress, lab=args.lab,
                          manifest=manifest, notebook_timeout=args.notebook_timeout, sandbox=sandbox,
-                         unsandboxed=unsandboxed, as_is=args.as_is)
+                         unsandboxed=unsandboxed, as_is=args.as_is, all_cells=args.all_cells)
     except KernelStartError as exc:
         kept = (f"the {len(grades.rows)} row(s) graded before are in {grades.fallback or csv_path}" if grades.rows
                 else f"{csv_path} was not written")

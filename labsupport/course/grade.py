@@ -41,7 +41,7 @@ from .manifest import load_course_cells, load_manifest
 from .notebooks import KernelStartError, execute, first_line, load
 from .report import Row, escape_surrogates
 from .scan import calls_by_cell, check_calls, exercises_checked, names_used_and_bound, scan_flags
-from .splice import splice
+from .splice import needed, splice
 
 NOTEBOOK_TIMEOUT = 3600  # seconds a whole notebook may run, by default
 
@@ -204,13 +204,15 @@ def grade_notebook(
     sandbox=None,
     unsandboxed: str = "no sandbox was asked for",
     as_is: bool = False,
+    all_cells: bool = False,
 ) -> list[Row]:
     """Score one notebook on its lab's checks (``lab`` forces the lab). One row per check.
 
     The notebook run is the course's, with the learner's exercise cells put in
     (:mod:`labsupport.course.splice`); ``as_is`` runs the submitted notebook whole instead. ``sandbox``
     is where the kernel runs (:mod:`labsupport.course.sandbox`); without one, every row says
-    ``UNSANDBOXED`` and why (``unsandboxed``).
+    ``UNSANDBOXED`` and why (``unsandboxed``). Only the course cells the checks need run, unless
+    ``all_cells``.
     """
     manifest = manifest if manifest is not None else load_manifest()
     name = str(path)
@@ -256,6 +258,8 @@ def grade_notebook(
         flags = scan_flags(nb, known_checks)
     else:
         spliced = splice(nb, course)
+        if not all_cells:
+            spliced = needed(spliced)
         run_nb = spliced.notebook
         learner_cells = ", ".join(f"{cid} (found by name)" if cid in spliced.moved else cid for cid in spliced.learner)
         ignored = spliced.ignored()
@@ -408,6 +412,7 @@ def grade_all(
     sandbox=None,
     unsandboxed: str = "no sandbox was asked for",
     as_is: bool = False,
+    all_cells: bool = False,
 ) -> list[Row]:
     """Grade every notebook (``jobs`` at a time); rows come back in the order of ``notebooks``.
 
@@ -421,7 +426,7 @@ def grade_all(
         try:  # each notebook inside its own error boundary: nothing in one stops the others
             rows = grade_notebook(path, timeout=timeout, lab=lab, manifest=manifest,
                                   notebook_timeout=notebook_timeout, sandbox=sandbox,
-                                  unsandboxed=unsandboxed, as_is=as_is)
+                                  unsandboxed=unsandboxed, as_is=as_is, all_cells=all_cells)
         except KernelStartError:
             raise
         except Exception as exc:  # noqa: BLE001 (any failure of the grader on this notebook)

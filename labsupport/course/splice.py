@@ -26,6 +26,7 @@ import nbformat
 
 from .manifest import top_level_names
 from .notebooks import first_line
+from .scan import check_calls, names_used_and_bound
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Splice:
         """One line for the report: what of the learner's notebook did not run, and why."""
         parts = []
         if self.missing:
-            parts.append("; ".join(self.missing))
+            parts.append("; ".join(self.missing) + (" (the course's stub ran in its place)" if self.matched else ""))
         if self.extra:
             parts.append(f"{len(self.extra)} added cell(s) not run: " + ", ".join(self.extra))
         if self.edited:
@@ -74,40 +75,44 @@ def splice(learner_nb: nbformat.NotebookNode, course: list[dict]) -> Splice:
         by_id.setdefault(cell.get("id"), cell)
     defined = {id(cell): set(top_level_names(cell.source)) for cell in code}
     used: set[int] = set()
-    nb = nbformat.v4.new_notebook()
-    nb.metadata = dict(learner_nb.get("metadata", {}))
-    out = Splice(nb)
+    out = Splice(nbformat.v4.new_notebook())
+    out.notebook.metadata = dict(learner_nb.get("metadata", {}))
+    theirs: dict[str, object] = {}  # exercise cell id -> the learner's cell (found first, all of them)
+    for entry in course:
+        if not entry.get("exercise"):
+            continue
+        cid, names = entry["id"], set(entry.get("defines") or [])
+        same_id = by_id.get(cid)
+        chosen = None
+        if same_id is not None and id(same_id) not in used and names <= defined[id(same_id)]:
+            chosen = same_id
+        elif names:
+            candidates = [c for c in code if id(c) not in used and names <= defined[id(c)]]
+            chosen = candidates[-1] if candidates else None
+            if chosen is not None:
+                out.moved.append(cid)
+        if chosen is None:
+            what = f"no cell defines {', '.join(sorted(names))}" if names else "no cell has that id"
+            out.missing.append(f"exercise cell {cid} missing ({what})")
+        else:
+            used.add(id(chosen))
+            theirs[cid] = chosen
     for entry in course:
         cid, source = entry["id"], entry["source"]
-        chosen = None
-        if entry.get("exercise"):
-            names = set(entry.get("defines") or [])
-            same_id = by_id.get(cid)
-            if same_id is not None and names <= defined[id(same_id)]:
-                chosen = same_id
-            elif names:
-                candidates = [c for c in code if id(c) not in used and names <= defined[id(c)]]
-                chosen = candidates[-1] if candidates else None
-                if chosen is not None:
-                    out.moved.append(cid)
-            if chosen is None:
-                what = f"no cell defines {', '.join(sorted(names))}" if names else "no cell has that id"
-                out.missing.append(f"exercise cell {cid} missing ({what}; the course's stub ran)")
-        if chosen is not None:
-            used.add(id(chosen))
+        if cid in theirs:
             out.learner.append(cid)
-            new = nbformat.v4.new_code_cell(chosen.source)
-            out.roles[len(nb.cells)] = "learner"
+            new = nbformat.v4.new_code_cell(theirs[cid].source)
+            out.roles[len(out.notebook.cells)] = "learner"
         else:
             new = nbformat.v4.new_code_cell(source)
-            out.roles[len(nb.cells)] = "course"
-            theirs = by_id.get(cid)
-            if not entry.get("exercise") and theirs is not None and id(theirs) not in used:
-                used.add(id(theirs))
-                if not _same(theirs.source, source):
-                    out.edited.append(_label(theirs))
+            out.roles[len(out.notebook.cells)] = "course"
+            same_id = by_id.get(cid)
+            if not entry.get("exercise") and same_id is not None and id(same_id) not in used:
+                used.add(id(same_id))
+                if not _same(same_id.source, source):
+                    out.edited.append(_label(same_id))
         new["id"] = cid
-        nb.cells.append(new)
+        out.notebook.cells.append(new)
     course_ids = {e["id"] for e in course}
     for cell in code:
         if id(cell) in used or not cell.source.strip():
@@ -116,3 +121,28 @@ def splice(learner_nb: nbformat.NotebookNode, course: list[dict]) -> Splice:
             continue  # a second copy of a course cell's id: counted once above
         out.extra.append(_label(cell))
     return out
+
+
+def needed(spliced: Splice) -> Splice:
+    """``spliced`` without the course cells the checks do not need (measurements, plots, what follows
+    the last check): kept are the first cell (setup), the learner's cells, the course's cells that call
+    a check, and every earlier course cell that binds a name a kept cell uses. The learner's cells run
+    whole, so whatever they use is kept for them."""
+    cells = spliced.notebook.cells
+    checks = [i for i, c in enumerate(cells) if spliced.roles.get(i) == "course" and check_calls(c.source)]
+    if not checks:
+        return spliced
+    keep: set[int] = set()
+    wanted: set[str] = set()
+    for i in range(checks[-1], -1, -1):
+        used, bound = names_used_and_bound(cells[i].source)
+        if i == 0 or i in checks or spliced.roles.get(i) == "learner" or bound & wanted:
+            keep.add(i)
+            wanted |= used
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = spliced.notebook.metadata
+    roles = {}
+    for i in sorted(keep):
+        roles[len(nb.cells)] = spliced.roles[i]
+        nb.cells.append(cells[i])
+    return Splice(nb, spliced.learner, spliced.moved, spliced.missing, spliced.extra, spliced.edited, roles)
