@@ -1,8 +1,10 @@
 """``python -m labsupport grade``: run submitted notebooks and score their checks.
 
-Each notebook runs headlessly in a fresh kernel, in a temporary folder (nothing is written next
-to the submission, and the submission itself is never modified). Every ``check_*`` call records
-its result.
+What runs is the course's own notebook of the lab with the learner's exercise cells put in
+(:mod:`labsupport.course.splice`), headlessly, in a fresh kernel, in a temporary folder, inside a
+sandbox where there is one (:mod:`labsupport.course.sandbox`); the submission itself is never
+modified. Every ``check_*`` call shows its result as an output of its cell, and only the outputs
+of the course's check cells count (:func:`collect_results`).
 
 A notebook is graded against one of the course's labs (``solutions/NN_name.py``), found from its
 file name (``alice_07_attention.ipynb``) and its metadata (which ``release`` writes); when both
@@ -15,12 +17,11 @@ stopped earlier, or the call was deleted or commented out) scores zero, and chec
 are listed as ``extra`` and score nothing. One notebook's problem (missing, not a notebook, setup
 failing, a timeout) is reported on its own row and grading goes on with the rest.
 
-Code that tampers with grading (the results file, the check machinery, patched ``labsupport``
-names, the course's reference implementations handed to a check) is named in the ``flags`` column;
-the score is left alone, and a person should read those notebooks.
-
-Grading runs the submitted code with your permissions: grade work you do not trust inside a
-container or a throwaway machine.
+Code that tampers with grading (the check machinery, patched ``labsupport`` names, the course's
+reference implementations handed to a check) and results reported where no course check ran are
+named in the ``flags`` column; a person should read those notebooks. Without a sandbox
+(``--no-sandbox``, or no ``bwrap``) the submitted code runs with your permissions, and every row
+says ``UNSANDBOXED``.
 """
 
 

@@ -44,7 +44,7 @@ def load_manifest(path: Path | None = None) -> dict[str, list[tuple[str, float]]
         ) from None
 
 
-def lab_checks(sources: list[Path]) -> dict:
+def lab_checks(sources: list[Path], cells: bool = True) -> dict:
     """What the grader needs to know of each lab: the checks its source calls, with their points, and
     the code cells of the learner's notebook (see :func:`course_cells`)."""
     labs = {}
@@ -56,7 +56,9 @@ def lab_checks(sources: list[Path]) -> dict:
             for name in check_calls("\n".join(cell.lines)):
                 if name in REGISTRY and all(c["check"] != name for c in checks):
                     checks.append({"check": name, "points": REGISTRY[name].points})
-        labs[source.stem] = {"source": f"solutions/{source.name}", "checks": checks, "cells": course_cells(source)}
+        labs[source.stem] = {"source": f"solutions/{source.name}", "checks": checks}
+        if cells:
+            labs[source.stem]["cells"] = course_cells(source)
     return {
         "about": "Written by `python -m labsupport release` from solutions/*.py (do not edit): the checks "
                  "`python -m labsupport grade` scores each lab on, also where the package is installed "
@@ -125,7 +127,7 @@ def manifest_drift(manifest: dict, root: Path = COURSE_ROOT) -> str:
         return ""  # installed without the sources: the manifest is all there is
     try:
         current = {lab: [(c["check"], float(c["points"])) for c in entry["checks"]]
-                   for lab, entry in lab_checks(sources)["labs"].items()}
+                   for lab, entry in lab_checks(sources, cells=False)["labs"].items()}
     except Exception as exc:  # a source that does not parse: release --check says more
         return f"could not compare lab_checks.json with solutions/*.py ({type(exc).__name__}: {exc})"
     if current != manifest:
