@@ -74,7 +74,8 @@ def test_source_change_makes_notebooks_stale_and_release_updates_them(course):
     release(course, log=lambda *_: None)
     src = course / "solutions" / "01_demo.py"
     src.write_text(src.read_text().replace("print(double(2))", "print(double(3))"))
-    assert {p.name for p in stale(course)} == {"01_demo.ipynb"} and len(stale(course)) == 2
+    # both notebooks, and lab_checks.json, which holds the learner notebook's code cells for the grader
+    assert {p.name for p in stale(course)} == {"01_demo.ipynb", "lab_checks.json"} and len(stale(course)) == 3
     assert {p.status for p in plan(course) if p.target.suffix == ".ipynb"} == {"update"}
     release(course, log=lambda *_: None)
     assert stale(course) == []
@@ -147,6 +148,11 @@ def test_release_writes_each_labs_checks_for_the_grader(course, monkeypatch, cap
     )
     release(course, log=lambda *_: None)
     manifest = json.loads((course / "labsupport" / "lab_checks.json").read_text())
+    cells = {lab: entry.pop("cells") for lab, entry in manifest["labs"].items()}
+    assert [(c["id"], c["exercise"], c.get("defines")) for c in cells["01_demo"]][:1] == [
+        ("01-demo-001", True, ["double"])]  # the learner's notebook's code cells, the exercise marked
+    assert [c["source"] for c in cells["02_checked"]] == [
+        "from labsupport.checks import check_vector_add", "# check_arithmetic_intensity(f)\ncheck_vector_add(lambda x, y: x + y)"]
     assert manifest["labs"] == {
         "01_demo": {"source": "solutions/01_demo.py", "checks": []},
         "02_checked": {"source": "solutions/02_checked.py", "checks": [{"check": "check_vector_add", "points": 10}]},
