@@ -40,6 +40,7 @@ import nbformat
 from ..checks.framework import GRADING_ENV, RESULT_MIME
 from .manifest import load_course_cells, load_manifest
 from .notebooks import KernelStartError, execute, first_line, load
+from .probe import probe_cell, reimport, verdict
 from .report import Row, escape_surrogates
 from .scan import calls_by_cell, check_calls, exercises_checked, names_used_and_bound, scan_flags
 from .splice import needed, splice
@@ -276,11 +277,23 @@ def grade_notebook(
             row.learner_cells, row.ignored, row.flags = "", ignored, "; ".join(flags)
             return [row]
 
+    nonce = None
+    if spliced is not None:  # the grader's own cells: checks imported afresh, and the probe last
+        for i, cell in enumerate(run_nb.cells):
+            if spliced.roles.get(i) == "course" and check_calls(cell.source):
+                cell.source = reimport(cell.source)
+        source, nonce = probe_cell()
+        probe = nbformat.v4.new_code_cell(source)
+        probe["id"] = "labsupport-grader-probe"
+        spliced.roles[len(run_nb.cells)] = "probe"
+        run_nb.cells.append(probe)
     called = calls_by_cell(run_nb)
     run = execute(run_nb, timeout=timeout, stop_on_error=False, quiet=True, notebook_timeout=notebook_timeout,
                   env={GRADING_ENV: "1"}, after_timeout=skip_what_hung(timeout), sandbox=sandbox)
     recorded, forged = collect_results(run, spliced)
     flags += forged
+    if nonce is not None:
+        flags += verdict(run.notebook.cells[-1], nonce, kernel_alive=not (run.died or run.notebook_timed_out))
 
     setup_error = _setup_error(run_nb, run)
     rows = []

@@ -50,6 +50,21 @@ def arithmetic_intensity(m, k, n, dtype_bytes):
     getattr(fw, '_rec' + 'ord')(fw.CheckResult('check_arithmetic_intensity', True, 5, 5, 1))
     return 1.0
 """,
+    # replaces the framework's recorder in memory, so that every result it records is a pass
+    "patch": f"""import dataclasses, sys
+fw = sys.modules['labsupport.checks.framework']
+original = getattr(fw, '_rec' + 'ord')
+def always(result):
+    original(dataclasses.replace(result, passed=True, points=result.max_points, reason='', message=''))
+setattr(fw, '_rec' + 'ord', always)
+{WRONG}""",
+    # rebinds the check's name in the notebook to a fake that reports a pass
+    "rebind": f"""import json
+from IPython.display import display
+def fake(fn):
+    display({{'application/vnd.labsupport.check-result+json': json.loads({PASS_LINE!r})}}, raw=True)
+globals()['check_' + 'arithmetic_intensity'] = fake
+{WRONG}""",
     # an edited check cell, and an added cell that redefines the answer after the exercise: neither runs
     "edited": WRONG,
     # reads the grader's command line from /proc: the right answer only if it saw the grader
@@ -205,6 +220,18 @@ def test_a_result_recorded_through_sys_modules_is_flagged_and_ignored(graded):
     inside = _row(graded, "record_in_check")
     assert (inside["status"], inside["points"]) == ("failed", "0")
     assert f"check_arithmetic_intensity reported 2 times in cell {CHECK_CELL}" in inside["flags"]
+
+
+def test_a_recorder_patched_in_memory_is_flagged_and_scores_nothing(graded):
+    row = _row(graded, "patch")
+    assert (row["status"], row["points"]) == ("failed", "0")
+    assert "tampered in memory: labsupport.checks.framework._record comes from" in row["flags"]
+    assert "reported passed in cell 04-roofline-018, which then failed" in row["flags"]
+
+
+def test_a_check_rebound_in_the_notebook_is_not_the_one_called(graded):
+    row = _row(graded, "rebind")
+    assert (row["status"], row["points"]) == ("failed", "0")  # the check cell imports the check afresh
 
 
 def test_an_edited_check_cell_and_an_added_cell_do_not_run_and_are_reported(graded):
