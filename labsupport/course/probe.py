@@ -27,7 +27,7 @@ PROBE_MIME = RESULT_MIME.replace("check-result", "probe")
 
 PROBE = '''\
 def _labsupport_probe(nonce):
-    import inspect, os, sys, types
+    import inspect, os, sys, sysconfig, types
     from IPython.display import display
     problems = []
     cache = {}
@@ -45,8 +45,12 @@ def _labsupport_probe(nonce):
         import labsupport.checks as checks
         fw = sys.modules["labsupport.checks.framework"]
         root = os.path.dirname(os.path.dirname(os.path.abspath(checks.__file__))) + os.sep  # labsupport/
+        stdlib = sysconfig.get_paths()["stdlib"] + os.sep
         def same(value, where):
             path = value.__code__.co_filename
+            while path.startswith(stdlib) and inspect.isfunction(getattr(value, "__wrapped__", None)):
+                value = value.__wrapped__  # a contextmanager's or functools.wraps' wrapper: what it wraps
+                path = value.__code__.co_filename
             if not os.path.abspath(path).startswith(root):
                 problems.append(f"{where} comes from {path}")
             elif value.__code__.co_code not in codes(path).get(value.__code__.co_qualname, []):

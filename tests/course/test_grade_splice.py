@@ -166,3 +166,26 @@ def test_bubblewrap_leaves_only_the_scratch_folders_writable():
     binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
     assert binds == ["/k", "/scratch"]
     assert f"--as={2**30}" in argv and argv[-3:] == ["python", "-c", "main"]
+
+
+def test_the_probe_finds_every_course_check_as_on_disk_and_a_patched_one(monkeypatch):
+    """The probe cell, run here on every lab's checks: no false alarm, and an in-memory patch named."""
+    import IPython.display
+
+    import labsupport.checks  # noqa: F401  (every lab's check module)
+    import labsupport.checks.framework as fw
+    from labsupport.course.probe import PROBE_MIME, probe_cell, verdict
+
+    answers = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: answers.append(obj))
+    source, nonce = probe_cell()
+    exec(source, {})
+    cell = {"outputs": [{"data": answers[-1]}]}
+    assert answers[-1][PROBE_MIME]["nonce"] == nonce and verdict(cell, nonce, True) == []
+    monkeypatch.setattr(fw, "_record", lambda result: None)
+    monkeypatch.setattr(fw.Checker, "expect_number", lambda *a, **k: None)
+    exec(source, {})
+    flags = verdict({"outputs": [{"data": answers[-1]}]}, nonce, True)
+    assert "framework._record comes from" in flags[0] and "Checker.expect_number comes from" in flags[0]
+    assert "integrity probe: no single answer" in verdict({"outputs": []}, nonce, True)[0]
+    assert verdict({"outputs": [{"data": answers[-1]}]}, "another run's nonce", True)[0].startswith("integrity probe")
