@@ -126,6 +126,12 @@ class course_checks_its_answers:
         return False
 
 
+def course_is_checking() -> bool:
+    """Whether :class:`course_checks_its_answers` is active (for checks that refuse an answer by
+    something other than a function, such as the course's class in lab 10)."""
+    return _course_self_check.get()
+
+
 def _answer_of(obj) -> str | None:
     """The answer's qualified name if ``obj`` is an answer, guarded or not; else None."""
     try:

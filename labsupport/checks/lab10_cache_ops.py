@@ -1,0 +1,459 @@
+"""Checks for the cache-ops lab: a block allocator, and paged decode attention in Triton.
+
+``check_block_allocator(BlockAllocator)`` takes the learner's *class*. Its interface, as the lab
+states it (sequence ids are ints here; blocks are ints in ``[0, num_blocks)``):
+
+* ``BlockAllocator(num_blocks, block_size)``
+* ``allocate(seq_id, num_tokens) -> list[int]``: blocks for a new sequence's ``num_tokens`` tokens
+  (``ceil(num_tokens / block_size)`` of them); raises ``MemoryError`` and changes nothing when
+  too few blocks are free;
+* ``append_token(seq_id) -> (block, offset, copy)``: where the next token goes; ``copy`` is
+  ``None`` or ``(src, dst)`` when a shared, partly filled last block was copied (copy-on-write);
+* ``fork(parent_id, child_id)``: the child shares every block of the parent;
+* ``free(seq_id)``: one reference fewer on each of its blocks; a block nobody holds is free;
+* ``block_table(seq_id) -> list[int]``, ``ref_count(block) -> int``, ``free_blocks() -> set[int]``.
+
+The check runs directed scenarios (each aimed at one classic mistake, which it names) and then
+seeded random sequences of operations, after each of which: every table has the right length
+and only valid, distinct blocks; every reference count equals the number of tables holding the
+block; no block is both free and used; every block is one or the other (nothing leaked); and the
+tokens written through the tables read back intact for every sequence (so a shared block written
+in place, or a block freed while shared and handed to someone else, shows up as corrupted data).
+
+``check_paged_attention(fn)`` takes the learner's wrapper ``fn(q, k_cache, v_cache, block_tables,
+seq_lens) -> out`` (shapes in :mod:`labsupport.paged_attention`) and compares it with the course's
+torch spec on block tables whose physical blocks are shuffled, partly filled last blocks (whose
+unused slots hold random values), sequences of length 1, grouped-query heads (groups of 1, 2, 3
+and 4) and float32 and float16 (bfloat16 too on a GPU that computes in it). The result must be
+written by a Triton kernel the function launched, with no torch matmul, softmax or exp.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from .._answers import course_is_checking
+from ..device import cuda_available, device, gpu_has_bf16, interpreter_mode
+from ..paged_attention import paged_decode_attention, paged_decode_attention_triton, random_paged_cache
+from ..paged_cache import BlockAllocator as CourseAllocator
+from ..paged_cache import block_allocator_answer
+from .framework import Case, graded, torch_calls, triton_launches
+
+# --- the block allocator -------------------------------------------------------------------------
+
+ALLOCATOR_HINT = ("keep a reference count per block: fork adds one to every block of the parent, free "
+                  "subtracts one and returns a block to the free list only when its count reaches 0.")
+FORK_REFCOUNT = ("fork does not add a reference to the shared blocks (fork without a reference count)",
+                 "in fork, increment the reference count of every block in the parent's table: the child "
+                 "holds them too.")
+FREE_SHARED = ("free returns a block to the free list while another sequence still holds it (free of a "
+               "shared block)",
+               "in free, decrement each block's reference count and put the block back on the free list "
+               "only if the count reached 0.")
+NOT_ATOMIC = ("allocate raised MemoryError but kept the blocks it had taken so far (not atomic)",
+              "count the free blocks first and raise MemoryError before taking any; a failed allocate changes "
+              "nothing.")
+NO_COW = ("append_token writes into a shared block in place (no copy-on-write)",
+          "when the last block is shared (reference count > 1) and partly filled, take a new block, "
+          "return (new_block, offset, (old_block, new_block)), put new_block in this sequence's table and "
+          "drop one reference from old_block.")
+
+
+_OUT_OF_BLOCKS = object()
+
+
+class _Model:
+    """What the allocator's state must be, kept from the operations and the answers it gave."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.tokens: dict[int, list[int]] = {}  # seq -> the token values it holds
+        self.data: dict[int, list] = {}  # block -> its block_size slots
+        self.next_value = 1
+
+    def fresh(self, n: int) -> list[int]:
+        values = list(range(self.next_value, self.next_value + n))
+        self.next_value += n
+        return values
+
+
+def _ints(checker, value, case, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in value]
+    except (TypeError, ValueError):
+        checker.fail(case, f"{what} returned {value!r}, expected a list of block ids (ints).")
+    return out
+
+
+class _Driver:
+    """Runs operations on the learner's allocator through the checker and verifies the state."""
+
+    def __init__(self, checker, cls, num_blocks: int, block_size: int, scenario: str):
+        self.checker, self.scenario = checker, scenario
+        self.model = _Model(num_blocks, block_size)
+        self.history: list[str] = []
+        self.refused = False  # the last allocate raised MemoryError
+        self.alloc = self.call(cls, num_blocks, block_size, op=f"BlockAllocator({num_blocks}, {block_size})")
+
+    def case(self) -> Case:
+        ops = self.history[-6:]
+        return Case(scenario=self.scenario, num_blocks=self.model.num_blocks, block_size=self.model.block_size,
+                    operations=("..., " if len(self.history) > 6 else "") + "; ".join(ops))
+
+    def call(self, fn, *args, op: str):
+        self.history.append(op)
+        return self.checker.call(fn, *args, case=self.case())
+
+    def fail(self, problem: str, hint: str = ALLOCATOR_HINT):
+        if self.refused and self.history[-1].endswith("MemoryError"):
+            problem, hint = problem + f"\nThis matches what happens when {NOT_ATOMIC[0]}.", NOT_ATOMIC[1]
+        self.checker.fail(self.case(), problem, hint)
+
+    # -- operations ------------------------------------------------------------------------------
+
+    def table(self, seq: int) -> list[int]:
+        return _ints(self.checker, self.checker.call(self.alloc.block_table, seq, case=self.case()),
+                     self.case(), f"block_table({seq})")
+
+    def allocate(self, seq: int, n: int, expect_oom: bool = False) -> None:
+        m = self.model
+
+        def allocate(seq_id, num_tokens):  # MemoryError is an answer here, not a crash
+            try:
+                return self.alloc.allocate(seq_id, num_tokens)
+            except MemoryError:
+                return _OUT_OF_BLOCKS
+
+        table = self.call(allocate, seq, n, op=f"allocate({seq}, {n})")
+        self.refused = table is _OUT_OF_BLOCKS
+        if table is _OUT_OF_BLOCKS:
+            self.history[-1] += " -> MemoryError"
+            if expect_oom:
+                return
+            self.fail(f"allocate({seq}, {n}) raised MemoryError although {self._expected_free()} blocks were "
+                      f"free and it needs {-(-n // m.block_size)}.",
+                      "a sequence of num_tokens tokens needs ceil(num_tokens / block_size) blocks.")
+        if expect_oom:
+            self.fail(f"allocate({seq}, {n}) needs {-(-n // m.block_size)} blocks but only "
+                      f"{self._expected_free()} are free, and it did not raise MemoryError.",
+                      "check that enough blocks are free before taking any, and raise MemoryError otherwise "
+                      "(leaving the allocator unchanged).")
+        table = _ints(self.checker, table, self.case(), f"allocate({seq}, {n})")
+        m.tokens[seq] = m.fresh(n)
+        self._write_prompt(seq, table)
+
+    def append(self, seq: int) -> None:
+        m = self.model
+        held = len(m.tokens[seq])
+        result = self.call(self.alloc.append_token, seq, op=f"append_token({seq})")
+        if not (isinstance(result, (tuple, list)) and len(result) == 3):
+            self.fail(f"append_token({seq}) returned {result!r}, expected (block, offset, copy).",
+                      "return a tuple of three: the block the token goes to, its slot in that block, and None "
+                      "or (src, dst) for a copy-on-write.")
+        block, offset, copy = result
+        if offset != held % m.block_size:
+            self.fail(f"append_token({seq}) returned offset {offset} for the sequence's token number {held} "
+                      f"(counting from 0), expected {held % m.block_size} = {held} % block_size.")
+        table = self.table(seq)
+        if not table or table[-1] != block:
+            self.fail(f"append_token({seq}) returned block {block}, but the sequence's table is now {table}: the "
+                      f"token must go to the last block of the table.")
+        if copy is not None:
+            try:
+                src, dst = (int(x) for x in copy)
+            except (TypeError, ValueError):
+                self.fail(f"append_token({seq}) returned copy={copy!r}, expected None or (src, dst).")
+            if dst != block:
+                self.fail(f"append_token({seq}) returned copy {copy!r} into a block other than the one the token "
+                          f"goes to ({block}).", NO_COW[1])
+            m.data[dst] = list(m.data.get(src, [None] * m.block_size))
+        if offset == 0 or block not in m.data:
+            m.data.setdefault(block, [None] * m.block_size)
+        value = m.fresh(1)[0]
+        m.tokens[seq].append(value)
+        m.data[block][offset] = value
+
+    def fork(self, parent: int, child: int) -> None:
+        self.call(self.alloc.fork, parent, child, op=f"fork({parent}, {child})")
+        self.model.tokens[child] = list(self.model.tokens[parent])
+
+    def free(self, seq: int) -> None:
+        self.call(self.alloc.free, seq, op=f"free({seq})")
+        del self.model.tokens[seq]
+
+    def _write_prompt(self, seq: int, table: list[int]) -> None:
+        m = self.model
+        for pos, value in enumerate(m.tokens[seq]):
+            block = table[pos // m.block_size] if pos // m.block_size < len(table) else None
+            if block is None:
+                self.fail(f"allocate returned {len(table)} blocks for {len(m.tokens[seq])} tokens, expected "
+                          f"{-(-len(m.tokens[seq]) // m.block_size)} (ceil(num_tokens / block_size)).")
+            m.data.setdefault(block, [None] * m.block_size)[pos % m.block_size] = value
+
+    def _expected_free(self) -> int:
+        used = set()
+        for seq in self.model.tokens:
+            used |= set(self.table(seq))
+        return self.model.num_blocks - len(used)
+
+    # -- the invariants ----------------------------------------------------------------------
+
+    def verify(self, last_op: str = "") -> None:
+        m, c = self.model, self.checker
+        tables = {}
+        counts = [0] * m.num_blocks
+        for seq, tokens in m.tokens.items():
+            table = self.table(seq)
+            want = -(-len(tokens) // m.block_size)
+            if len(table) != want:
+                self.fail(f"sequence {seq} holds {len(tokens)} tokens, so its table needs {want} blocks "
+                          f"(ceil(tokens / block_size)); block_table({seq}) has {len(table)}: {table}.")
+            bad = [b for b in table if not 0 <= b < m.num_blocks]
+            if bad:
+                self.fail(f"block_table({seq}) holds block ids {bad} outside [0, {m.num_blocks}).")
+            if len(set(table)) != len(table):
+                self.fail(f"block_table({seq}) = {table} holds a block twice.")
+            tables[seq] = table
+            for b in table:
+                counts[b] += 1
+        used = {b for b in range(m.num_blocks) if counts[b]}
+        for b in range(m.num_blocks):
+            got = c.call(self.alloc.ref_count, b, case=self.case())
+            if got != counts[b]:
+                holders = [s for s, t in tables.items() if b in t]
+                problem = (f"ref_count({b}) is {got!r}, but {counts[b]} sequence table(s) hold block {b}"
+                           f"{' (sequences ' + ', '.join(map(str, holders)) + ')' if holders else ''}.")
+                if last_op == "fork" and got == 1 and counts[b] == 2:
+                    self.fail(problem + f"\nThis matches what happens when {FORK_REFCOUNT[0]}.", FORK_REFCOUNT[1])
+                self.fail(problem, "the reference count of a block is the number of sequences whose table "
+                                   "holds it: allocate sets 1, fork adds 1, copy-on-write and free take 1 off.")
+        free = c.call(self.alloc.free_blocks, case=self.case())
+        try:
+            free = {int(b) for b in free}
+        except (TypeError, ValueError):
+            self.fail(f"free_blocks() returned {free!r}, expected a set of block ids.")
+        both = sorted(free & used)
+        if both:
+            holders = [s for s, t in tables.items() if both[0] in t]
+            problem = (f"block(s) {both} are in free_blocks() and also in use (block {both[0]} is in the table "
+                       f"of sequence {holders[0]}).")
+            if last_op == "free":
+                self.fail(problem + f"\nThis matches what happens when {FREE_SHARED[0]}.", FREE_SHARED[1])
+            self.fail(problem, ALLOCATOR_HINT)
+        leaked = sorted(set(range(m.num_blocks)) - free - used)
+        if leaked:
+            self.fail(f"block(s) {leaked} are neither free nor in any sequence's table: they leaked.",
+                      "when a block's reference count drops to 0 (free, or the shared block copy-on-write left), "
+                      "it must return to the free list.")
+        extra = sorted(b for b in free if not 0 <= b < m.num_blocks)
+        if extra:
+            self.fail(f"free_blocks() holds ids {extra} outside [0, {m.num_blocks}).")
+        for seq, tokens in m.tokens.items():
+            table = tables[seq]
+            read = [m.data.get(table[p // m.block_size], [None] * m.block_size)[p % m.block_size]
+                    for p in range(len(tokens))]
+            if read != tokens:
+                p = next(i for i, (a, b) in enumerate(zip(read, tokens)) if a != b)
+                owner = [s for s, ts in m.tokens.items() if s != seq and read[p] in ts]
+                problem = (f"sequence {seq}'s token at position {p} (block {table[p // m.block_size]}, slot "
+                           f"{p % m.block_size}) reads back as another write"
+                           f"{' (by sequence ' + str(owner[0]) + ')' if owner else ''}: its data was overwritten.")
+                if last_op == "append":
+                    self.fail(problem + f"\nThis matches what happens when {NO_COW[0]}.", NO_COW[1])
+                self.fail(problem, "a block may be written only by the one sequence that holds it: copy-on-write "
+                                   "for shared blocks, and never hand out a block that is still held.")
+
+
+def _directed(checker, cls) -> None:
+    """Short scenarios, each aimed at one mistake, so the message can name it."""
+    d = _Driver(checker, cls, 16, 4, "allocate")
+    d.allocate(0, 10)  # 3 blocks, the last holding 2 tokens
+    d.verify("allocate")
+    d.allocate(1, 4)  # exactly one block
+    d.verify("allocate")
+    d.append(1)  # the block is full: a new one, no copy
+    d.verify("append")
+
+    d = _Driver(checker, cls, 16, 4, "fork shares blocks")
+    d.allocate(0, 6)
+    d.fork(0, 1)
+    if d.table(1) != d.table(0):
+        d.fail(f"after fork(0, 1) the child's table is {d.table(1)}, expected the parent's {d.table(0)}: the child "
+               f"shares the parent's blocks (nothing is copied until someone writes).",
+               "fork copies the parent's block table (the list), not the blocks.")
+    d.verify("fork")
+    d.free(0)  # the child still holds every block
+    d.verify("free")
+
+    d = _Driver(checker, cls, 16, 4, "copy-on-write")
+    d.allocate(0, 6)
+    d.fork(0, 1)
+    d.verify("fork")
+    d.append(1)  # the shared last block is partly filled: it must be copied first
+    d.verify("append")
+    d.append(0)  # the parent now holds its last block alone: write in place
+    d.verify("append")
+    d.free(1)
+    d.verify("free")
+    d.free(0)
+    d.verify("free")
+
+    d = _Driver(checker, cls, 4, 4, "out of blocks")
+    d.allocate(0, 12)
+    d.allocate(1, 8, expect_oom=True)  # needs 2 blocks, 1 is free
+    d.verify("allocate")
+    d.allocate(1, 4)
+    d.verify("allocate")
+
+
+def _random(checker, cls, seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    num_blocks, block_size = rng.choice([(24, 4), (20, 3), (32, 2)])
+    d = _Driver(checker, cls, num_blocks, block_size, f"random operations, seed {seed}")
+    next_id = 0
+    for _ in range(steps):
+        live = list(d.model.tokens)
+        free_now = num_blocks - len({b for s in live for b in d.table(s)})
+        roll = rng.random()
+        if not live or roll < 0.25:
+            n = rng.randint(1, 3 * block_size)
+            need = -(-n // block_size)
+            d.allocate(next_id, n, expect_oom=need > free_now)
+            next_id += 1
+            d.verify("allocate")
+        elif roll < 0.4 and len(live) < 8:
+            d.fork(rng.choice(live), next_id)
+            next_id += 1
+            d.verify("fork")
+        elif roll < 0.8:
+            seq = rng.choice(live)
+            table = d.table(seq)
+            needs_block = len(d.model.tokens[seq]) % block_size == 0 or \
+                checker.call(d.alloc.ref_count, table[-1], case=d.case()) > 1
+            if needs_block and free_now == 0:
+                d.free(rng.choice(live))
+                d.verify("free")
+                continue
+            d.append(seq)
+            d.verify("append")
+        else:
+            d.free(rng.choice(live))
+            d.verify("free")
+    for seq in list(d.model.tokens):  # drain: everything must come back
+        d.free(seq)
+        d.verify("free")
+    free = {int(b) for b in checker.call(d.alloc.free_blocks, case=d.case())}
+    if free != set(range(num_blocks)):
+        d.fail(f"after every sequence was freed, free_blocks() has {len(free)} of {num_blocks} blocks.")
+
+
+@graded(points=20, bans=(block_allocator_answer,))
+def check_block_allocator(cls, checker):
+    """``cls`` is the learner's ``BlockAllocator`` class (interface in this module's docstring)."""
+    if isinstance(cls, type) and issubclass(cls, CourseAllocator) and not course_is_checking():
+        checker.fail(Case(scenario="the class itself"),
+                     "your class is, or derives from, labsupport.paged_cache.BlockAllocator, the course's answer.",
+                     "write your own class; the check compares its behaviour with what the interface promises.")
+    _directed(checker, cls)
+    for seed in range(3):
+        _random(checker, cls, seed, steps=120)
+    checker.cases = 4 + 3  # scenarios, not the thousands of calls they make
+
+
+# --- paged decode attention ----------------------------------------------------------------------
+
+FORBID = ["scaled_dot_product_attention"]
+COMPUTES = ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "einsum", "tensordot",
+            "softmax", "log_softmax", "_softmax", "exp", "exp_", "exp2", "logsumexp")
+TRITON_HINT = ("this exercise is the Triton kernel: launch paged_decode_attention_kernel[grid](...) from your "
+               "wrapper, let it write the output, and return that tensor.")
+ATTENTION_HINT = ("for logical block i of sequence b, load physical = block_tables[b, i] and read keys at "
+                  "physical * stride_block + slot * stride_slot + kv_head * stride_head; mask slots at positions "
+                  ">= seq_lens[b]; query head h reads KV head h // (H // Hkv).")
+
+PAGED_PLAN = [  # B rows of seq_lens, H, Hkv, D, block size
+    dict(lens=[1], H=2, Hkv=2, D=16, bs=4),
+    dict(lens=[1, 5, 16], H=4, Hkv=2, D=32, bs=4),
+    dict(lens=[37, 9], H=8, Hkv=2, D=32, bs=8),
+    dict(lens=[20, 3], H=6, Hkv=2, D=32, bs=8),
+    dict(lens=[33, 64], H=4, Hkv=1, D=64, bs=16),
+]
+
+
+def _paged_dtypes():
+    dtypes = [torch.float32, torch.float16]
+    if cuda_available() and not interpreter_mode() and gpu_has_bf16():
+        dtypes.append(torch.bfloat16)  # bf16 arithmetic is broken in the Triton interpreter
+    return dtypes
+
+
+def _paged_cases():
+    cases, seed = [], 0
+    for dtype in _paged_dtypes():
+        for fields in PAGED_PLAN:
+            cases.append(dict(fields, dtype=dtype, seed=seed))
+            seed += 1
+    return cases
+
+
+def _paged_variant(q, k_cache, v_cache, tables, lens, *, logical=False, unmasked=False, gqa="div"):
+    """Paged decode attention in float64 with one deliberate change."""
+    b, h, d = q.shape
+    bs, h_kv = k_cache.shape[1], k_cache.shape[2]
+    group = h // h_kv
+    heads = torch.arange(h)
+    kv_of = heads // group if gqa == "div" else heads % h_kv
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row, n in enumerate(lens.tolist()):
+        used = -(-n // bs)
+        blocks = torch.arange(used) if logical else tables[row, :used].long()
+        keep = used * bs if unmasked else n
+        k = k_cache[blocks].double().reshape(used * bs, h_kv, d)[:keep][:, kv_of]  # (n, H, D)
+        v = v_cache[blocks].double().reshape(used * bs, h_kv, d)[:keep][:, kv_of]
+        scores = torch.einsum("hd,nhd->hn", q[row].double(), k) / math.sqrt(d)
+        out[row] = torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), v)
+    return out.to(q.dtype)
+
+
+def _tolerance(dtype) -> tuple[float, float]:
+    return {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3)}.get(dtype, (2e-2, 2e-2))
+
+
+@graded(points=25, bans=(paged_decode_attention, paged_decode_attention_triton))
+def check_paged_attention(fn, checker):
+    """``fn(q, k_cache, v_cache, block_tables, seq_lens)`` must return ``(B, H, D)`` decode attention
+    over the paged cache, computed by a Triton kernel it launched."""
+    dev = device()
+    for fields in _paged_cases():
+        k_cache, v_cache, tables, lens = random_paged_cache(fields["lens"], fields["Hkv"], fields["D"], fields["bs"],
+                                                            dtype=fields["dtype"], device=dev, seed=fields["seed"])
+        gen = torch.Generator().manual_seed(fields["seed"] + 1000)
+        q = torch.randn(len(fields["lens"]), fields["H"], fields["D"], generator=gen).to(fields["dtype"]).to(dev)
+        case = Case(seq_lens=fields["lens"], H=fields["H"], Hkv=fields["Hkv"], D=fields["D"],
+                    block_size=fields["bs"], dtype=fields["dtype"], num_blocks=k_cache.shape[0])
+        inputs = (q, k_cache, v_cache, tables, lens)
+        before = [t.clone() for t in inputs]
+        with triton_launches() as launches, torch_calls(COMPUTES) as calls:
+            out = checker.call(fn, *inputs, case=case, forbid=FORBID)
+        if not all(torch.equal(t, b) for t, b in zip(inputs, before)):
+            checker.fail(case, "your function changed one of its inputs.", "never write into q, the caches or tables.")
+        want = _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu()).to(dev)
+        mistakes = {
+            "the logical block index is used as the physical block (block_tables not read)":
+                _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), logical=True),
+            "the tail of the last block is not masked (slots at positions >= seq_lens count as keys)":
+                _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), unmasked=True),
+        }
+        if fields["H"] != fields["Hkv"] and fields["Hkv"] > 1:
+            mistakes["query head h reads KV head h % Hkv instead of h // (H // Hkv) (GQA group mapped wrongly)"] = \
+                _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), gqa="mod")
+        atol, rtol = _tolerance(fields["dtype"])
+        checker.expect_tensor(out, want, case=case, atol=atol, rtol=rtol, what="output",
+                              mistakes={k: v.to(dev) for k, v in mistakes.items()}, hint=ATTENTION_HINT)
+        if launches.count == 0:
+            checker.fail(case, "the result is right, but no Triton kernel was launched: it was computed some other "
+                               "way (in torch?).", TRITON_HINT)
+        checker.expect_kernel_work(case, launches, calls, {"output": out}, TRITON_HINT)

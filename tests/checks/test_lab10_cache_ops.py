@@ -1,0 +1,298 @@
+"""The cache-ops checks accept correct work and reject planted mistakes, one test each.
+
+The allocator mutants are small classes with the lab's interface and one mistake each; the paged
+attention mutants are real Triton kernels with one mistake each, as the issue names them
+(logical block used as physical, tail not masked, GQA group mapped wrongly).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from labsupport import paged_attention as P
+from labsupport._answers import course_checks_its_answers, unguarded
+from labsupport.checks import CheckFailed, check_block_allocator, check_paged_attention
+from labsupport.paged_cache import BlockAllocator
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+paged_decode_attention = unguarded(P.paged_decode_attention)
+paged_decode_attention_triton = unguarded(P.paged_decode_attention_triton)
+
+
+# --- allocator mutants ------------------------------------------------------------------------
+
+
+class Allocator:
+    """A plain correct allocator with the lab's interface; the flags plant one mistake each."""
+
+    fork_refcount = True
+    free_checks_refcount = True
+    copy_on_write = True
+    free_returns_blocks = True
+    atomic_allocate = True
+
+    def __init__(self, num_blocks, block_size):
+        self.block_size = block_size
+        self.free_list = list(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.tables = {}
+        self.lengths = {}
+
+    def _take(self):
+        if not self.free_list:
+            raise MemoryError("no free block")
+        b = self.free_list.pop()
+        self.refs[b] = 1
+        return b
+
+    def allocate(self, seq_id, num_tokens):
+        need = -(-num_tokens // self.block_size)
+        if self.atomic_allocate and need > len(self.free_list):
+            raise MemoryError(f"need {need} blocks")
+        table = []
+        for _ in range(need):
+            table.append(self._take())  # the non-atomic mutant raises halfway, keeping what it took
+        self.tables[seq_id] = table
+        self.lengths[seq_id] = num_tokens
+        return list(table)
+
+    def append_token(self, seq_id):
+        table, n = self.tables[seq_id], self.lengths[seq_id]
+        offset = n % self.block_size
+        copy = None
+        if offset == 0:
+            table.append(self._take())
+        elif self.copy_on_write and self.refs[table[-1]] > 1:
+            new = self._take()
+            self.refs[table[-1]] -= 1
+            copy = (table[-1], new)
+            table[-1] = new
+        self.lengths[seq_id] = n + 1
+        return table[-1], offset, copy
+
+    def fork(self, parent_id, child_id):
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.lengths[child_id] = self.lengths[parent_id]
+        if self.fork_refcount:
+            for b in self.tables[child_id]:
+                self.refs[b] += 1
+
+    def free(self, seq_id):
+        for b in self.tables.pop(seq_id):
+            self.refs[b] = max(0, self.refs[b] - 1)
+            if self.free_returns_blocks and (self.refs[b] == 0 or not self.free_checks_refcount):
+                if b not in self.free_list:
+                    self.free_list.append(b)
+        del self.lengths[seq_id]
+
+    def block_table(self, seq_id):
+        return list(self.tables[seq_id])
+
+    def ref_count(self, block):
+        return self.refs[block]
+
+    def free_blocks(self):
+        return set(self.free_list)
+
+
+def mutant(**flags):
+    return type("BlockAllocator", (Allocator,), flags)
+
+
+class Stub:
+    def __init__(self, num_blocks, block_size):
+        raise NotImplementedError("Exercise: write the block allocator")
+
+
+ALLOCATOR_MUTANTS = {
+    "fork_without_reference_count": (mutant(fork_refcount=False), "fork without a reference count"),
+    "free_of_a_shared_block": (mutant(free_checks_refcount=False), "free of a shared block"),
+    "no_copy_on_write": (mutant(copy_on_write=False), "no copy-on-write"),
+    "free_leaks_blocks": (mutant(free_returns_blocks=False), "leaked"),
+    "allocate_not_atomic": (mutant(atomic_allocate=False), "not atomic"),
+}
+
+
+def test_the_courses_allocator_and_the_mutant_harness_pass(capsys):
+    check_block_allocator(BlockAllocator)
+    check_block_allocator(Allocator)
+    assert capsys.readouterr().out.count("PASSED check_block_allocator") == 2
+
+
+@pytest.mark.parametrize("name", ALLOCATOR_MUTANTS)
+def test_allocator_check_rejects(name):
+    cls, expected = ALLOCATOR_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_block_allocator(cls)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_allocator_check_reports_the_stub():
+    with pytest.raises(CheckFailed, match="NotImplementedError") as info:
+        check_block_allocator(Stub)
+    assert info.value.reason == "not done"
+
+
+def test_allocator_check_refuses_the_courses_class_from_a_learner():
+    class Mine(BlockAllocator):
+        pass
+
+    class Wrapper:
+        def __init__(self, num_blocks, block_size):
+            self.inner = BlockAllocator(num_blocks, block_size)
+
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="derives from"):
+            check_block_allocator(Mine)
+        with pytest.raises(CheckFailed, match="block_allocator_answer"):
+            check_block_allocator(Wrapper)
+
+
+def test_allocator_check_names_a_wrong_offset():
+    class WrongOffset(Allocator):
+        def append_token(self, seq_id):
+            block, offset, copy = super().append_token(seq_id)
+            return block, offset + 1, copy
+
+    with pytest.raises(CheckFailed, match="offset"):
+        check_block_allocator(WrongOffset)
+
+
+# --- paged attention mutants: Triton kernels -----------------------------------------------------
+
+
+@triton.jit
+def _mutant_paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, max_blocks, sm_scale,
+                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         LOGICAL: tl.constexpr, TAIL_MASK: tl.constexpr, GQA_MOD: tl.constexpr):
+    """One program per (sequence, query head), contiguous inputs; the flags plant mistakes."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if GQA_MOD:
+        kvh = h % HKV
+    else:
+        kvh = h // (H // HKV)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BS)
+    q = tl.load(q_ptr + (b * H + h) * D + offs_d).to(tl.float32)
+    n = tl.load(len_ptr + b)
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros((D,), dtype=tl.float32)
+    for i in range(0, tl.cdiv(n, BS)):
+        if LOGICAL:
+            phys = i
+        else:
+            phys = tl.load(bt_ptr + b * max_blocks + i)
+        pos = i * BS + offs_t
+        if TAIL_MASK:
+            valid = pos < n
+        else:
+            valid = pos >= 0
+        base = (phys * BS + offs_t[:, None]) * HKV * D + kvh * D + offs_d[None, :]
+        k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1) * sm_scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    tl.store(out_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
+
+
+def triton_paged(logical=False, tail_mask=True, gqa_mod=False):
+    def paged_attention(q, k_cache, v_cache, block_tables, seq_lens):
+        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        b, h, d = q.shape
+        out = torch.empty_like(q)
+        _mutant_paged_kernel[(b, h)](q, k_cache, v_cache, tables, seq_lens, out, tables.shape[1],
+                                     1 / math.sqrt(d), H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1],
+                                     LOGICAL=logical, TAIL_MASK=tail_mask, GQA_MOD=gqa_mod)
+        return out
+
+    return paged_attention
+
+
+@triton.jit
+def _idle_kernel(x_ptr):
+    tl.load(x_ptr)
+
+
+def torch_beside_an_idle_kernel(q, k_cache, v_cache, block_tables, seq_lens):
+    out = torch.empty_like(q)
+    for row, n in enumerate(seq_lens.tolist()):
+        k = P.gather_contiguous(k_cache, block_tables, n, row).float()
+        v = P.gather_contiguous(v_cache, block_tables, n, row).float()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[row].float(), k) / math.sqrt(q.shape[-1]), -1)
+        out[row] = torch.einsum("hn,nhd->hd", w, v).to(q.dtype)
+    _idle_kernel[(1,)](out)
+    return out
+
+
+def stub_paged(q, k_cache, v_cache, block_tables, seq_lens):
+    raise NotImplementedError("Exercise: write the paged attention kernel")
+
+
+PAGED_MUTANTS = {
+    "logical_block_used_as_physical": (lambda: triton_paged(logical=True), "logical block index is used"),
+    "tail_not_masked": (lambda: triton_paged(tail_mask=False), "tail of the last block is not masked"),
+    "gqa_group_mapped_wrongly": (lambda: triton_paged(gqa_mod=True), "GQA group mapped wrongly"),
+    "torch_not_triton": (lambda: lambda *a: P.contiguous_decode_attention(*_contiguous(*a)), "no Triton kernel"),
+    "torch_beside_an_idle_kernel": (lambda: torch_beside_an_idle_kernel, "the result is right, but your function "
+                                                                         "called"),
+}
+
+
+def _contiguous(q, k_cache, v_cache, block_tables, seq_lens):
+    """Gather the paged cache into (B, S_max, Hkv, D) tensors (a torch-only route to the answer)."""
+    s = int(seq_lens.max())
+    k = torch.zeros(q.shape[0], s, *k_cache.shape[2:], dtype=k_cache.dtype)
+    v = torch.zeros_like(k)
+    for row, n in enumerate(seq_lens.tolist()):
+        k[row, :n] = P.gather_contiguous(k_cache, block_tables, n, row)
+        v[row, :n] = P.gather_contiguous(v_cache, block_tables, n, row)
+    return q, k, v, seq_lens
+
+
+def test_paged_reference_kernel_passes(capsys):
+    check_paged_attention(paged_decode_attention_triton)
+    assert "PASSED check_paged_attention" in capsys.readouterr().out
+
+
+def test_paged_mutant_harness_without_mutation_passes(capsys):
+    check_paged_attention(triton_paged())
+    assert "PASSED check_paged_attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", PAGED_MUTANTS)
+def test_paged_check_rejects(name):
+    make, expected = PAGED_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_paged_attention(make())
+    assert expected in str(info.value), str(info.value)
+
+
+def test_paged_check_reports_the_stub():
+    with pytest.raises(CheckFailed, match="NotImplementedError") as info:
+        check_paged_attention(stub_paged)
+    assert info.value.reason == "not done"
+
+
+def test_paged_check_refuses_the_courses_kernel_from_a_learner():
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_paged_attention(P.paged_decode_attention_triton)
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_paged_attention(lambda *a: P.paged_decode_attention(*a))
