@@ -41,7 +41,7 @@ import torch
 from ._answers import answer, unguarded
 from ._validate import positive_int
 
-__all__ = ["OutOfBlocks", "BlockAllocator", "PagedKVStore", "block_hash", "blocks_needed"]
+__all__ = ["OutOfBlocks", "BlockAllocator", "PagedKVStore", "block_hash", "blocks_needed", "prefix_cached_prefill"]
 
 
 class OutOfBlocks(MemoryError):
@@ -372,3 +372,29 @@ class PagedKVStore:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
+
+
+def prefix_cached_prefill(model, allocator: BlockAllocator, store: PagedKVStore, seq_id: Hashable,
+                          prompt: Sequence[int], *, cache_salt: Hashable = None) -> tuple[torch.Tensor, int]:
+    """Prefill ``prompt`` (token ids) on the course model, reusing whatever prefix ``allocator``
+    finds cached; returns ``(logits of the last position (1, V), cached tokens)``.
+
+    The cached positions' keys and values are read from ``store`` into a contiguous cache, the
+    model prefills only the rest (``model.prefill(..., start=cached)``), and the new positions are
+    written back to the sequence's blocks. At least the last token always runs, for its logits.
+    The sequence stays allocated: free it with ``allocator.free(seq_id)`` when it is done (its
+    full blocks then stay cached for the next request).
+    """
+    ids = [int(t) for t in (prompt.flatten().tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+    if not ids:
+        raise ValueError("prompt must hold at least one token id")
+    table = allocator.allocate(seq_id, ids, cache_salt=cache_salt)
+    hit = allocator.cached_tokens(seq_id)
+    start = min(hit, len(ids) - 1)
+    cache = model.new_cache(1, len(ids))
+    store.read(cache, table, 0, start)
+    cache.length = start
+    rest = torch.tensor(ids[start:], dtype=torch.long, device=model.device)[None]  # (1, P - start)
+    logits = model.prefill(rest, cache, start=start)
+    store.write(cache, table, hit, len(ids))  # positions before `hit` are already in their blocks
+    return logits, hit

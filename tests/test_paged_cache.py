@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from labsupport.models import get_model
-from labsupport.paged_cache import BlockAllocator, OutOfBlocks, PagedKVStore, block_hash, blocks_needed
+from labsupport.paged_cache import (
+    BlockAllocator,
+    OutOfBlocks,
+    PagedKVStore,
+    block_hash,
+    blocks_needed,
+    prefix_cached_prefill,
+)
 from labsupport.transformer import Transformer
 
 
@@ -191,3 +198,21 @@ def test_paged_store_round_trips_a_model_cache():
     assert torch.equal(back.k, cache.k) and torch.equal(back.v, cache.v)
     store.copy_block(3, 1)
     assert torch.equal(store.v[:, 1], store.v[:, 3])
+
+
+def test_prefix_cached_prefill_gives_the_same_logits():
+    cfg = get_model("tiny-2m")
+    model = Transformer(cfg)
+    allocator = BlockAllocator(32, 8, prefix_caching=True)
+    store = PagedKVStore(cfg, 32, 8)
+    system = model.random_prompt(1, 20, seed=1)[0].tolist()
+    prompts = [system + model.random_prompt(1, 5, seed=s)[0].tolist() for s in (2, 3)] + [system[:16]]
+    hits = []
+    for i, prompt in enumerate(prompts):
+        logits, hit = prefix_cached_prefill(model, allocator, store, i, prompt)
+        want = model.prefill(torch.tensor([prompt]), model.new_cache(1, len(prompt)))
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+        hits.append(hit)
+        allocator.free(i)
+    assert hits == [0, 16, 16]  # two full blocks of the shared prompt; the third prompt is all cached
+    allocator.check_invariants()
