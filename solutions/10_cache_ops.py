@@ -8,21 +8,22 @@
 #
 # 1. simulate a day of requests and measure how much cache memory a contiguous reservation per
 #    request wastes, against paging with several block sizes;
-# 2. write a block allocator with block tables, forking with copy-on-write, and freeing, and have
+# 2. cache a shared system prompt's blocks on the course model and measure the hit rate and the
+#    prefill time saved;
+# 3. write a block allocator with block tables, forking with copy-on-write, and freeing, and have
 #    it checked against a randomised sequence of operations;
-# 3. write paged decode attention as a Triton kernel that reads keys and values through a block
-#    table, checked against contiguous attention;
-# 4. cache a shared system prompt's blocks on the course model and measure the hit rate and the
-#    prefill time saved.
+# 4. write paged decode attention as a Triton kernel that reads keys and values through a block
+#    table, checked against contiguous attention.
 #
 # Chapter 10 of the book explains the ideas. Cells marked **Exercise** are yours; the check after
 # each one says precisely what is wrong.
 #
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
 # that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; scroll back up to the first red error. Section 1 needs none of your code and
-# comes before the first exercise. Section 4 uses the course's allocator, not yours, so that a
-# bug of yours cannot spoil its measurement, but it runs after your checks.
+# below it runs; scroll back up to the first red error. Sections 1 and 2 need none of your code
+# and come before the first exercise, so a first Run All already simulates the day and measures
+# prefix caching on your device (section 2 uses the course's allocator, which you then write
+# yourself in section 3).
 
 # %% [setup]
 import labsupport
@@ -31,7 +32,6 @@ settings = labsupport.setup()
 
 # %%
 import math
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -121,7 +121,90 @@ print(f"peak slots: contiguous {usage['reserved'].max():,.0f}, paged {usage['pag
 # kernel; engines settle on 16 tokens or so (vLLM's default block size is 16).
 
 # %% [markdown]
-# ## 2. A block allocator
+# ## 2. Prefix caching on the course model
+#
+# Many requests start the same way: a system prompt, a few-shot preamble, a shared document.
+# With prefix caching, each full block is known by a hash of its tokens and of its parent's hash,
+# so a new request whose first blocks hash the same reuses them: their keys and values are read
+# from the cache, and prefill runs only on the rest. Here the course's allocator
+# (`labsupport.paged_cache.BlockAllocator(..., prefix_caching=True)`) keeps the block tables and
+# hashes, and `PagedKVStore` holds the keys and values of every layer in blocks.
+# `prefix_cached_prefill` does one request: allocate (finding the cached prefix), copy the cached
+# keys and values into a contiguous cache, prefill the rest with `model.prefill(..., start=hit)`,
+# and write the new positions back to their blocks.
+#
+# Every request below shares one system prompt and adds its own question. Prefill time is
+# measured with and without the cache, and the logits are compared: reusing keys and values must
+# not change the answer.
+
+# %%
+model_name = settings.pick(small="tiny-20m", full="small-63m")
+cfg = get_model(model_name)
+model = Transformer(cfg, device=DEVICE, dtype=torch.float32)
+system_len, question_len, n_requests, block = settings.pick(small=(440, 32, 8, 16), full=(2040, 128, 32, 16))
+system_prompt = model.random_prompt(1, system_len, seed=1)[0].tolist()
+prompts = [system_prompt + model.random_prompt(1, question_len, seed=100 + i)[0].tolist() for i in range(n_requests)]
+blocks_total = n_requests * -(-(system_len + question_len) // block) + 8
+
+
+def serve(prefix_caching: bool):
+    """Prefill every request in turn, as a server would; returns (logits per request, allocator)."""
+    allocator = CourseAllocator(blocks_total, block, prefix_caching=prefix_caching)
+    store = PagedKVStore(cfg, blocks_total, block, device=DEVICE, dtype=torch.float32)
+    logits = []
+    for i, prompt in enumerate(prompts):
+        out, _ = prefix_cached_prefill(model, allocator, store, i, prompt)
+        logits.append(out)
+        allocator.free(i)  # the request is done; its full blocks stay cached
+    return logits, allocator
+
+
+cold_logits, _ = serve(False)
+warm_logits, allocator = serve(True)
+agree = max((a - b).abs().max().item() for a, b in zip(cold_logits, warm_logits))
+print(f"{model_name}, {n_requests} requests of {system_len} shared + {question_len} own tokens, {block}-token blocks")
+print(f"prefix-cache hit rate: {allocator.hit_rate:.1%} of prompt tokens "
+      f"({allocator.hit_tokens:,} of {allocator.query_tokens:,})")
+print(f"largest logit difference, cached vs not: {agree:.2e}")
+
+# %% [markdown]
+# Now the time of one request's prefill, a miss against a hit. Each timed call uses a fresh
+# allocator and store, and for the hit they already hold the system prompt from an earlier
+# request, as they would on a server that has seen it.
+
+# %%
+def one_request(prefix_caching: bool):
+    """A function that prefills request 1 (and frees it), after request 0 went through."""
+    allocator = CourseAllocator(blocks_total, block, prefix_caching=prefix_caching)
+    store = PagedKVStore(cfg, blocks_total, block, device=DEVICE, dtype=torch.float32)
+    prefix_cached_prefill(model, allocator, store, "earlier", prompts[0])  # leaves the prefix cached
+    allocator.free("earlier")
+
+    def run():
+        prefix_cached_prefill(model, allocator, store, "timed", prompts[1])
+        allocator.free("timed")
+
+    return run
+
+
+t_miss = benchmark(one_request(False), max_time_s=1.0)
+t_hit = benchmark(one_request(True), max_time_s=1.0)
+where = "GPU" if DEVICE.type == "cuda" else "CPU (plain torch, no Triton: a real timing of this small model on a CPU)"
+print(f"prefill of one {system_len + question_len}-token request on the {where}:")
+print(f"  miss (no prefix caching): {t_miss.median_ms:8.2f} ms{t_miss.label()}")
+print(f"  hit  (prefix cached):     {t_hit.median_ms:8.2f} ms{t_hit.label()}")
+print(f"  the hit takes {t_hit.median_s / t_miss.median_s:.0%} of the miss's time")
+
+# %% [markdown]
+# The hit rate falls short of the shared share of each prompt for two reasons: the first request
+# finds nothing cached, and the system prompt here is not a whole number of blocks. Only full
+# blocks are hashed, and the block that mixes the last system tokens with a request's own question
+# is different for every request, so those few system tokens are computed again each time.
+# A hit saves less time than its share of the tokens: the uncached tokens still attend to all the cached ones, copying the cached keys and
+# values costs something, and the model's fixed costs per call remain.
+
+# %% [markdown]
+# ## 3. A block allocator
 #
 # The cache is `num_blocks` physical blocks of `block_size` token slots. Each sequence has a
 # **block table**: a list whose entry `i` is the physical block holding its tokens
@@ -277,7 +360,7 @@ print(f"blocks in use: forked {used_shared}, separate {used_separate} "
       f"({1 - used_shared / used_separate:.0%} fewer with copy-on-write)")
 
 # %% [markdown]
-# ## 3. Paged decode attention in Triton
+# ## 4. Paged decode attention in Triton
 #
 # In decode, each sequence brings one new query per head and attends to all the tokens in its
 # cache. With a paged cache those keys and values are scattered over physical blocks in any
@@ -457,73 +540,6 @@ for lens in bench_lens:
 # GPU.
 
 # %% [markdown]
-# ## 4. Prefix caching on the course model
-#
-# Many requests start the same way: a system prompt, a few-shot preamble, a shared document.
-# With prefix caching, each full block is known by a hash of its tokens and of its parent's hash,
-# so a new request whose first blocks hash the same reuses them: their keys and values are read
-# from the cache, and prefill runs only on the rest. Here the course's allocator
-# (`labsupport.paged_cache.BlockAllocator(..., prefix_caching=True)`) keeps the block tables and
-# hashes, and `PagedKVStore` holds the keys and values of every layer in blocks.
-# `prefix_cached_prefill` does one request: allocate (finding the cached prefix), copy the cached
-# keys and values into a contiguous cache, prefill the rest with `model.prefill(..., start=hit)`,
-# and write the new positions back to their blocks.
-#
-# Every request below shares one system prompt and adds its own question. Prefill time is
-# measured with and without the cache, and the logits are compared: reusing keys and values must
-# not change the answer.
-
-# %%
-model_name = settings.pick(small="tiny-20m", full="small-63m")
-cfg = get_model(model_name)
-model = Transformer(cfg, device=DEVICE, dtype=torch.float32)
-system_len, question_len, n_requests, block = settings.pick(small=(440, 32, 8, 16), full=(2040, 128, 32, 16))
-system_prompt = model.random_prompt(1, system_len, seed=1)[0].tolist()
-prompts = [system_prompt + model.random_prompt(1, question_len, seed=100 + i)[0].tolist() for i in range(n_requests)]
-blocks_total = n_requests * -(-(system_len + question_len) // block) + 8
-
-
-def serve(prefix_caching: bool):
-    """Prefill every request in turn; returns (logits per request, seconds per request, allocator)."""
-    allocator = CourseAllocator(blocks_total, block, prefix_caching=prefix_caching)
-    store = PagedKVStore(cfg, blocks_total, block, device=DEVICE, dtype=torch.float32)
-    logits, seconds = [], []
-    for i, prompt in enumerate(prompts):
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out, _ = prefix_cached_prefill(model, allocator, store, i, prompt)
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        logits.append(out)
-        allocator.free(i)  # the request is done; its full blocks stay cached
-    return logits, seconds, allocator
-
-
-serve(True)  # warm-up
-cold_logits, cold_s, _ = serve(False)
-warm_logits, warm_s, allocator = serve(True)
-agree = max((a - b).abs().max().item() for a, b in zip(cold_logits, warm_logits))
-print(f"{model_name}, {n_requests} requests of {system_len} shared + {question_len} own tokens, {block}-token blocks")
-print(f"prefix-cache hit rate: {allocator.hit_rate:.1%} of prompt tokens "
-      f"({allocator.hit_tokens:,} of {allocator.query_tokens:,})")
-print(f"largest logit difference, cached vs not: {agree:.2e}")
-where = "GPU" if DEVICE.type == "cuda" else "CPU (plain torch, not Triton: a real CPU timing of this small model)"
-print(f"prefill time per request on the {where}:")
-print(f"  without prefix caching {1e3 * np.median(cold_s):8.2f} ms median")
-print(f"  with prefix caching    {1e3 * np.median(warm_s[1:]):8.2f} ms median after the first request "
-      f"(the first, a miss, took {1e3 * warm_s[0]:.2f} ms)")
-print(f"  saved: {1 - sum(warm_s) / sum(cold_s):.0%} of the total prefill time")
-
-# %% [markdown]
-# The hit rate falls short of the shared share of each prompt for two reasons: the first request
-# finds nothing cached, and the system prompt here is not a whole number of blocks. Only full
-# blocks are hashed, and the block that mixes the last system tokens with a request's own question
-# is different for every request, so those few system tokens are computed again each time. The time saved is less than the
-# hit rate: the uncached tokens still attend to all the cached ones, copying the cached keys and
-# values costs something, and the model's fixed costs per call remain.
-#
 # ## What you built
 #
 # * Contiguous reservations waste most of the cache; paging leaves only each sequence's last
