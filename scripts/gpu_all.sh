@@ -13,11 +13,14 @@
 #   5. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
 #   6. precision   python -m labsupport.bench_precision (chapter 09): the int8  at most  90 s
 #                  kernel's graded GPU cases, then kernel vs bf16 at batch 1-64
-#   7. labs        labs 00, 04, 05, 06, 08, 09 run as scripts (30-90 s each)    at most 360 s
+#   7. cache ops   python -m labsupport.bench_cache_ops (chapter 10)            at most  60 s
+#   8. labs        labs 00, 04, 05, 06, 08, 09 run as scripts (30-90 s each)    at most 360 s
+#   9. lab 10      the lab 10 solution run as a script (full preset)            at most  60 s
 #
 # OUTDIR receives two files, rewritten after every step so a run cut short keeps what it had:
-#   gpu_results.tar.gz   results/gpu_phases.json, results/gpu_attention.json and
-#                        results/gpu_precision.json (what the book reads) and results/gpu_logs/ (environment, each step's log and tables);
+#   gpu_results.tar.gz   results/gpu_phases.json, results/gpu_attention.json,
+#                        results/gpu_precision.json and results/gpu_cache_ops.json (what the book
+#                        reads) and results/gpu_logs/ (environment, each step's log and tables);
 #                        a dry run's archive holds dry_run_results/ instead, so it never
 #                        replaces measured results.
 #                        Install it with `tar -xzf gpu_results.tar.gz` from the repository root,
@@ -25,7 +28,7 @@
 #   gpu_summary.txt      one line per step (exit status, seconds) and the benchmark verdicts.
 # (A device lent for a short time returns at most a few files: hence one archive.)
 #
-#     bash scripts/gpu_all.sh --only phases|attention|precision [OUTDIR]   # one chapter's steps
+#     bash scripts/gpu_all.sh --only phases|attention|precision|cache_ops [OUTDIR]   # one chapter's steps
 #     GPU_DRY_RUN=1 bash scripts/gpu_all.sh /tmp/x               # the same steps on a CPU through
 #                                                                # the Triton interpreter at tiny
 #                                                                # shapes: checks the script, measures
@@ -39,13 +42,13 @@ ONLY=all
 ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        --only) ONLY=${2:?--only needs phases, attention or precision}; shift 2;;
+        --only) ONLY=${2:?--only needs phases, attention, precision or cache_ops}; shift 2;;
         --only=*) ONLY=${1#--only=}; shift;;
-        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only phases|attention|precision] [OUTDIR])" >&2; exit 2;;
+        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only phases|attention|precision|cache_ops] [OUTDIR])" >&2; exit 2;;
         *) ARGS+=("$1"); shift;;
     esac
 done
-case "$ONLY" in all|phases|attention|precision) ;; *) echo "gpu_all.sh: --only takes phases, attention or precision, not $ONLY" >&2; exit 2;; esac
+case "$ONLY" in all|phases|attention|precision|cache_ops) ;; *) echo "gpu_all.sh: --only takes phases, attention, precision or cache_ops, not $ONLY" >&2; exit 2;; esac
 if [ ${#ARGS[@]} -gt 1 ]; then echo "gpu_all.sh: one OUTDIR at most, got ${ARGS[*]}" >&2; exit 2; fi
 OUT_DIR="${ARGS[0]:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
@@ -132,6 +135,10 @@ if [ "$ONLY" = all ] || [ "$ONLY" = precision ]; then
     step "precision benchmark" 90 "$LOGS/precision_bench.log" \
         "$PY" -m labsupport.bench_precision ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_precision.json"
 fi
+if [ "$ONLY" = all ] || [ "$ONLY" = cache_ops ]; then  # what chapter 10 reads, before the labs
+    step "cache ops benchmark" 60 "$LOGS/cache_ops.log" \
+        "$PY" -m labsupport.bench_cache_ops ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_cache_ops.json"
+fi
 if [ "$ONLY" = all ]; then  # the other labs' GPU paths, if time is left: a learner on a GPU runs them
     # Caps from the H200 run of 2026-11-30 (lab 00 9 s, 04 10 s, 05 54 s) with room to spare.
     # Lab 08 (its fused RoPE kernel's bf16 cases run only on a GPU) has no GPU run yet: 60 s is a guess.
@@ -142,6 +149,9 @@ if [ "$ONLY" = all ]; then  # the other labs' GPU paths, if time is left: a lear
              echo "=== $lab (at most $cap s)"; s=$(date +%s); timeout -k 5 "$cap" "$0" "solutions/$lab.py" 2>&1 | tail -n 40
              rc=${PIPESTATUS[0]}; echo "=== $lab: exit $rc after $(( $(date +%s) - s )) s"; [ "$rc" -eq 0 ] || bad=1
          done; exit ${bad:-0}' "$PY"
+fi
+if [ "$ONLY" = all ] || [ "$ONLY" = cache_ops ]; then
+    step "lab 10 solution as a script" 60 "$LOGS/lab10.txt" "$PY" solutions/10_cache_ops.py
 fi
 pack
 echo "== done (status $status) after $(( $(date +%s) - START )) s: $OUT_DIR/gpu_results.tar.gz, $SUMMARY" | tee -a "$SUMMARY"
