@@ -161,6 +161,23 @@ def load_results(path=None) -> dict | None:
     return data
 
 
+def results_markdown(results: dict | None) -> str:
+    """Chapter 10's measured table, with device and date, or "not yet measured"."""
+    if not results:
+        return ("GPU results: not yet measured. `python -m labsupport.bench_cache_ops` (or "
+                "`scripts/gpu_all.sh`) on a GPU writes `results/gpu_cache_ops.json`, and this page shows it.")
+    lines = [f"Measured on {results['device']}, {results['date']} (torch {results['torch']}, triton "
+             f"{results['triton']}); bytes are the formula's over the median time.", "",
+             "| batch | tokens | paged (shuffled) | paged (in order) | SDPA, contiguous | paged / in order | "
+             "paged / SDPA |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["rows"]:
+        cells = [f"{r[k]['median_s'] * 1e6:,.0f} us, {r[k]['achieved_Bps'] / 1e9:,.0f} GB/s"
+                 for k in ("paged", "paged_in_order", "sdpa")]
+        lines.append(f"| {r['name']} | {r['tokens']:,} | " + " | ".join(cells)
+                     + f" | {r['paged_over_in_order']:.2f} | {r['paged_over_sdpa']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labsupport.bench_cache_ops", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=GPU_RESULTS, help=f"results file (default {GPU_RESULTS}, which chapter 10 reads)")

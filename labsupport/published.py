@@ -136,3 +136,14 @@ LLM_INT8_EMERGENCE_PARAMS = Figure(
     "model size from which systematic activation outliers appear in all layers (LLM.int8())",
     "Dettmers et al., 'LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale', NeurIPS 2022",
 )
+
+#: Share of the reserved KV-cache memory that held token states in earlier serving systems
+#: (Orca with three reservation policies, on their traces), lowest and highest: the vLLM paper's Figure 2.
+KWON_TOKEN_SHARE = (
+    Figure(0.204, "fraction of reserved KV memory", "token states, earlier systems, worst policy",
+           "Kwon et al., 'Efficient Memory Management for Large Language Model Serving with PagedAttention', "
+           "SOSP 2023, Figure 2"),
+    Figure(0.382, "fraction of reserved KV memory", "token states, earlier systems, best policy",
+           "Kwon et al., 'Efficient Memory Management for Large Language Model Serving with PagedAttention', "
+           "SOSP 2023, Figure 2"),
+)

@@ -60,3 +60,13 @@ def test_gpu_all_runs_the_cache_ops_steps(tmp_path):
     with tarfile.open(tmp_path / "gpu_results.tar.gz") as tar:
         results = json.loads(tar.extractfile("dry_run_results/gpu_cache_ops.json").read())
     assert results["dry_run"] is True and results["rows"]
+
+
+def test_results_markdown_says_not_yet_measured_without_a_run():
+    assert "not yet measured" in bench_cache_ops.results_markdown(None)
+    row = {"name": "2 x 33", "tokens": 66, "paged_over_in_order": 1.1, "paged_over_sdpa": 0.9}
+    for key in ("paged", "paged_in_order", "sdpa"):
+        row[key] = {"median_s": 2e-5, "achieved_Bps": 5e11}
+    text = bench_cache_ops.results_markdown({"device": "H200", "date": "2026-11-30", "torch": "2", "triton": "3",
+                                             "rows": [row]})
+    assert "H200, 2026-11-30" in text and "| 2 x 33 | 66 | 20 us, 500 GB/s" in text
