@@ -42,6 +42,7 @@ import triton.language as tl
 from labsupport.cache_waste import REQUEST_MIX, concurrent_usage, day_of_requests, waste_over_life
 from labsupport.checks import check_block_allocator, check_paged_attention
 from labsupport.device import device
+from labsupport.interpreter_bytes import count_bytes
 from labsupport.models import get_model
 from labsupport.paged_attention import (
     contiguous_decode_attention,
@@ -503,10 +504,18 @@ check_paged_attention(paged_attention)
 #
 # Paging adds one table lookup per block and reads each block from wherever it lies. What it
 # costs in bytes is small: the table entries, against the keys and values themselves. The formula
-# (`labsupport.paged_attention.paged_decode_bytes`, counted the way this kernel works: one program
-# per sequence and KV head, masked slots not read) beside contiguous attention's, for the shapes
-# below in 16-bit. On a GPU the cell also times both; in the interpreter it checks that they agree,
-# and its timings (labelled) are of Python emulating the kernel.
+# is `labsupport.paged_attention.paged_decode_bytes`, counted the way the course's kernel works:
+# one program per sequence and KV head, each reading its group's queries once, its sequence's
+# keys and values (masked slots not read), one table entry per block and its length, and writing
+# its group's outputs. Contiguous attention moves the same minus the table.
+#
+# In the Triton interpreter the bytes your kernel really loads and stores can be **counted**:
+# `labsupport.interpreter_bytes.count_bytes` watches every `tl.load` and `tl.store` and adds up
+# the lanes that are not masked off. If your count differs from the formula, your kernel moves
+# something the formula does not (a query reloaded in every iteration, a tail slot read and then
+# discarded): the per-argument line says where. On a GPU nothing passes through Python, so the
+# cell shows the formula and times both; in the interpreter its timings (labelled) are of Python
+# emulating the kernel.
 
 # %%
 bench_lens = settings.pick(small=[[40, 7, 100]], full=[[512] * 32, [4096] * 16, [1000, 3000, 17, 8000] * 4])
@@ -522,22 +531,30 @@ for lens in bench_lens:
     for row, n in enumerate(lens):
         k_flat[row, :n] = gather_contiguous(k_cache, tables, n, row)
         v_flat[row, :n] = gather_contiguous(v_cache, tables, n, row)
-    mine = paged_attention(q, k_cache, v_cache, tables, seq_lens)
     flat = contiguous_decode_attention(q, k_flat, v_flat, seq_lens)
-    paged_b = paged_decode_bytes(lens, bench_heads, bench_kv_heads, bench_dim, bench_block, dtype_bytes=2)
-    flat_b = contiguous_decode_bytes(lens, bench_heads, bench_kv_heads, bench_dim, dtype_bytes=2)
-    print(f"B={len(lens)}, {sum(lens):,} cached tokens: largest difference {(mine.float() - flat.float()).abs().max():.2e}; "
-          f"bytes (formula, 16-bit) paged {paged_b:,} vs contiguous {flat_b:,} (+{paged_b / flat_b - 1:.2%})")
+    paged_b = paged_decode_bytes(lens, bench_heads, bench_kv_heads, bench_dim, bench_block, dtype_bytes=q.element_size())
+    flat_b = contiguous_decode_bytes(lens, bench_heads, bench_kv_heads, bench_dim, dtype_bytes=q.element_size())
+    if settings.interpreter:
+        with count_bytes() as counted:
+            mine = paged_attention(q, k_cache, v_cache, tables, seq_lens)
+    else:
+        mine = paged_attention(q, k_cache, v_cache, tables, seq_lens)
+    print(f"B={len(lens)}, {sum(lens):,} cached tokens, {str(bench_dtype)[6:]}: largest difference from contiguous "
+          f"{(mine.float() - flat.float()).abs().max():.2e}")
+    print(f"    bytes, formula: paged {paged_b:,}, contiguous {flat_b:,} (paging adds {paged_b / flat_b - 1:.2%})")
+    if settings.interpreter:
+        print(f"    bytes your kernel moved, counted in the interpreter: {counted.total:,} "
+              f"({counted.total / paged_b:.3f}x the formula)")
+        print("    by argument (loaded + stored): " + ", ".join(
+            f"{name} {t.total:,}" for name, t in counted.by_argument.items()))
     t_mine = benchmark(lambda: paged_attention(q, k_cache, v_cache, tables, seq_lens), uses_triton=True, max_time_s=0.5)
     t_flat = benchmark(lambda: contiguous_decode_attention(q, k_flat, v_flat, seq_lens), max_time_s=0.5)
     print(f"    your paged kernel {t_mine.median_ms:.3f} ms{t_mine.label()}; contiguous in torch "
           f"{t_flat.median_ms:.3f} ms")
 
 # %% [markdown]
-# Bytes counted by instrumenting the interpreter are not in this lab yet: the course's byte
-# counter for interpreted kernels has not landed. Until it does, the formula above is the figure,
-# and `python -m labsupport.bench_cache_ops` measures the kernel against contiguous attention on a
-# GPU.
+# On a GPU, `python -m labsupport.bench_cache_ops` times the course's kernel on shuffled and
+# in-order block tables against PyTorch's SDPA on a contiguous cache.
 
 # %% [markdown]
 # ## What you built

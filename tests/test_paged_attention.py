@@ -8,6 +8,7 @@ import torch
 
 from labsupport import paged_attention as P
 from labsupport._answers import unguarded
+from labsupport.interpreter_bytes import count_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -91,3 +92,16 @@ def test_byte_formulas():
     assert contiguous == 2 * 3 * 8 * 64 * 2 + 2 * 50 * 2 * 64 * 2
     paged = P.paged_decode_bytes(lens, h, h_kv, d, bs, dtype_bytes=2)
     assert paged - contiguous == (1 + 2 + 2) * h_kv * 4 + 3 * h_kv * 4  # table entries and lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_counted_bytes_equal_the_formula(dtype):
+    """In the interpreter the course's kernel moves exactly what paged_decode_bytes says: masked
+    tail slots and padded query rows are not read, the table once per block and KV head."""
+    lens, h, h_kv, d, bs = [1, 17, 40], 6, 2, 32, 16
+    k_cache, v_cache, tables, seq_lens = P.random_paged_cache(lens, h_kv, d, bs, dtype=dtype)
+    q = torch.randn(len(lens), h, d).to(dtype)
+    with count_bytes() as counted:
+        kernel(q, k_cache, v_cache, tables, seq_lens)
+    assert counted.total == P.paged_decode_bytes(lens, h, h_kv, d, bs, dtype_bytes=q.element_size())
+    assert counted.by_argument["bt_ptr"].loaded == sum(-(-n // bs) for n in lens) * h_kv * 4
