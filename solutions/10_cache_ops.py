@@ -417,7 +417,9 @@ print("same as contiguous attention:",
 # head dims are powers of two here. The check runs block tables in shuffled physical order,
 # partly filled last blocks, sequences of length 1, groups of 1, 2, 3 and 4 query heads per KV
 # head, float32 and float16 (bfloat16 too on a GPU), and it wants the output written by your
-# kernel, with no torch matmul or softmax.
+# kernel, with no torch matmul or softmax. On a GPU, Triton compiles the kernel when the wrapper
+# first launches it: a kernel that still contains its `raise NotImplementedError` line fails there
+# with `unsupported AST node type: Raise`, which only means the body is not written yet.
 
 # %%
 @triton.jit
