@@ -1,0 +1,141 @@
+"""The engine of chapter 13: with greedy sampling every request gets exactly the tokens it gets
+alone from ``Transformer.generate`` (fp32, CPU), whatever shares its batches, however its prompt
+is chunked and however often it is preempted; and the bookkeeping around that."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from labsupport.engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
+from labsupport.models import get_model
+from labsupport.phases import cpu_threads
+from labsupport.sampling import SamplingParams
+from labsupport.scheduler import static_batch_step
+from labsupport.transformer import Transformer
+
+# the course's tiny shape with its own output head: with the head tied to the embeddings, a
+# random model's greedy text repeats its last token, which would make the comparison weak
+CFG = dataclasses.replace(get_model("tiny-2m"), tied_embeddings=False, name="tiny-2m-untied")
+
+
+@pytest.fixture(scope="module")
+def model():
+    with cpu_threads(1):
+        yield Transformer(CFG, seed=3)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with cpu_threads(1):
+        yield
+
+
+def alone(model, prompt, n):
+    return model.generate(torch.tensor([list(prompt)]), n)[0, len(prompt):].tolist()
+
+
+def mixed_trace(vocab, n=9):
+    gen = torch.Generator().manual_seed(11)
+    lengths = [3, 29, 7, 41, 1, 18, 12, 35, 5, 22, 9]
+    outputs = [6, 3, 9, 4, 7, 2, 8, 5, 6, 3, 7]
+    arrivals = [0, 0, 1, 2, 2, 5, 6, 9, 12, 13, 15]
+    return [TraceRequest(arrivals[i], tuple(torch.randint(0, vocab, (lengths[i],), generator=gen).tolist()),
+                         SamplingParams(temperature=0.0, max_tokens=outputs[i])) for i in range(n)]
+
+
+def test_greedy_tokens_equal_generate_alone_under_chunking_and_preemption(model):
+    trace = mixed_trace(CFG.vocab_size)
+    # a budget of 8 tokens chunks every long prompt; 14 blocks of 4 cannot hold everyone: preemption
+    engine = Engine(model, num_blocks=14, block_size=4, token_budget=8, max_running=4, clock="steps")
+    requests = run_trace(engine, trace)
+    for t, r in zip(trace, requests):
+        assert r.finish_reason == "length"
+        assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens), r.request_id
+    assert sum(r.preemptions for r in requests) > 0  # the cache really ran out
+    assert any(s.prefill_tokens and s.decode_tokens for s in engine.steps)  # prefill chunks beside decodes
+    assert max(s.prefill_tokens + s.decode_tokens for s in engine.steps) == 8  # the budget was used, not exceeded
+    assert engine.allocator.num_free_blocks == 14  # every block came back
+    engine.allocator.check_invariants()
+
+
+def test_static_batching_gives_the_same_tokens_and_waits_longer(model):
+    trace = mixed_trace(CFG.vocab_size, n=7)
+    cont = run_trace(Engine(model, num_blocks=64, block_size=4, token_budget=16, max_running=4, clock="steps"), trace)
+    static = run_trace(Engine(model, num_blocks=64, block_size=4, token_budget=None, max_running=4,
+                              scheduler=static_batch_step, clock="steps"), trace)
+    assert [r.output_ids for r in cont] == [r.output_ids for r in static]
+    assert trace_summary(static)["ttft"].mean > trace_summary(cont)["ttft"].mean
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    prompt = list(range(5, 25))
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1234, max_tokens=10)
+    solo = Engine(model, num_blocks=32, block_size=8, clock="steps")
+    rid = solo.add_request(prompt, params)
+    list(solo.stream())
+    busy = Engine(model, num_blocks=32, block_size=8, token_budget=12, clock="steps")
+    for i in range(3):
+        busy.add_request(list(range(i, i + 17)), SamplingParams(temperature=1.0, seed=i, max_tokens=12))
+    rid2 = busy.add_request(prompt, params)
+    list(busy.stream())
+    assert busy.requests[rid2].output_ids == solo.requests[rid].output_ids
+    other = Engine(model, num_blocks=32, block_size=8, clock="steps")
+    rid3 = other.add_request(prompt, dataclasses.replace(params, seed=99))
+    list(other.stream())
+    assert other.requests[rid3].output_ids != solo.requests[rid].output_ids
+
+
+def test_stop_tokens_timestamps_and_abort(model):
+    prompt = [7, 8, 9, 10]
+    first = alone(model, prompt, 10)
+    stop = next(i for i in range(1, 10) if first[i] not in first[:i])  # the first new token after the first
+    engine = Engine(model, num_blocks=16, block_size=4, clock="steps")
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first[stop]]))
+    keep = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=50))
+    events = []
+    while engine.requests[rid].finish_reason is None:
+        events += engine.step()
+    mine = [e for e in events if e.request_id == rid]
+    assert [e.token_id for e in mine] == first[:stop + 1] and mine[-1].finish_reason == "stop"
+    assert [e.index for e in mine] == list(range(stop + 1))
+    assert engine.requests[rid].metrics()["ttft"] == 1.0  # arrived at 0, first token at the end of step 1
+    assert engine.abort(keep) is True and engine.requests[keep].finish_reason == "abort"
+    assert engine.abort(keep) is False
+    assert not engine.has_unfinished() and engine.allocator.num_free_blocks == 16
+
+
+def test_bad_input_and_bad_scheduler(model):
+    engine = Engine(model, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="at most 16"):
+        engine.add_request(list(range(16)))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([CFG.vocab_size])
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="clock"):
+        Engine(model, clock="sundial")
+
+    def greedy_scheduler(running, waiting, token_budget, free_blocks, block_size, max_running):
+        return {s.request_id: s.left for s in list(running) + list(waiting)}, []
+
+    bad = Engine(model, num_blocks=8, block_size=4, token_budget=4, scheduler=greedy_scheduler)
+    bad.add_request(list(range(10)))
+    with pytest.raises(ValueError, match="over the budget"):
+        bad.step()
+
+
+def test_poisson_trace_and_summary(model):
+    trace = poisson_trace(5, rate=0.5, prompt_lens=[4, 8], output_lens=[2, 3], vocab_size=CFG.vocab_size, seed=1)
+    assert [t.arrival_s for t in trace] == sorted(t.arrival_s for t in trace)
+    assert trace == poisson_trace(5, 0.5, [4, 8], [2, 3], CFG.vocab_size, seed=1)
+    reqs = run_trace(Engine(model, num_blocks=32, block_size=4, clock="virtual"), trace)
+    summary = trace_summary(reqs)
+    assert summary["output_tokens"] == sum(t.params.max_tokens for t in trace)
+    assert summary["throughput"] > 0 and summary["ttft"].p50 > 0
+    with pytest.raises(ValueError, match="virtual"):
+        run_trace(Engine(model, num_blocks=8, block_size=4), trace)
