@@ -197,6 +197,7 @@ class _SimSeq:
     generated: int = 0
     num_computed: int = 0
     first_step: int | None = None
+    first_token_step: int | None = None
     finish_step: int | None = None
     preemptions: int = 0
 
@@ -228,8 +229,10 @@ def simulate(decide: Callable, trace: Sequence[TraceItem], *, token_budget: int 
     known tokens generates one more, finished ones free their blocks, preempted ones lose theirs
     and go to the front of the queue. ``decide`` has :func:`schedule_step`'s interface;
     ``observe(step)`` sees every step (the lab's check tests invariants there). Returns
-    ``{"steps": number of steps, "requests": [{"arrival", "first", "finish", "preemptions"}, ...]}``
-    (steps, in trace order). Raises RuntimeError when nothing finishes within ``max_steps``."""
+    ``{"steps": number of steps, "requests": [{"arrival", "first", "first_token", "finish",
+    "preemptions"}, ...]}``: the step it arrived at, first ran, made its first token, made its last
+    token, and how often it was preempted (in trace order). A token made in step ``s`` is out at
+    the end of that step, so the time to first token in steps is ``first_token - arrival + 1``. Raises RuntimeError when nothing finishes within ``max_steps``."""
     seqs = [_SimSeq(i, t.prompt_len, t.output_len, t.arrival_step) for i, t in enumerate(trace)]
     pending = sorted(seqs, key=lambda s: (s.arrival_step, s.request_id))
     running: list[_SimSeq] = []
@@ -240,7 +243,8 @@ def simulate(decide: Callable, trace: Sequence[TraceItem], *, token_budget: int 
         if not running and not waiting:
             if not pending:
                 return {"steps": step, "requests": [
-                    {"arrival": s.arrival_step, "first": s.first_step, "finish": s.finish_step,
+                    {"arrival": s.arrival_step, "first": s.first_step, "first_token": s.first_token_step,
+                     "finish": s.finish_step,
                      "preemptions": s.preemptions} for s in seqs]}
             continue
         used = sum(blocks_for(s.num_computed, block_size) for s in running)
@@ -268,6 +272,8 @@ def simulate(decide: Callable, trace: Sequence[TraceItem], *, token_budget: int 
             s.num_computed += n
             if s.num_computed == s.num_tokens:
                 s.generated += 1
+                if s.first_token_step is None:
+                    s.first_token_step = step
                 if s.generated == s.output_len:
                     s.finish_step = step
                     running.remove(s)
