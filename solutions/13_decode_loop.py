@@ -47,6 +47,7 @@ from labsupport.speculative import (
     measured_alpha,
     speculative_generate,
 )
+from labsupport.timing import benchmark
 from labsupport.transformer import Transformer
 
 torch.set_num_threads(1)  # the tiny model's steps take milliseconds; one thread keeps timings steady
@@ -76,6 +77,26 @@ print("step  seqs  prefill  decode  waiting  free blocks")
 for s in engine.steps:
     print(f"{s.step:4d} {s.num_seqs:5d} {s.prefill_tokens:8d} {s.decode_tokens:7d} {s.waiting:8d} {s.free_blocks:12d}")
 print("TTFT in steps per request:", [engine.requests[i].metrics()["ttft"] for i in ids])
+
+# %% [markdown]
+# ### One decode step against the batch size
+#
+# How long does one step take when it decodes one token for each of `B` sequences? The engine
+# first prefills `B` prompts, then every step is a pure decode step; `benchmark` times those.
+# If a step cost the same whatever the batch, a token's cost would fall as $1/B$; how far it falls
+# here shows how much of a step is fixed cost (the loop, Python, one attention call per sequence
+# and layer) and how much grows with the batch.
+
+# %%
+decode_ms = {}
+for B in (1, 2, 4, 8, 16):
+    eng = Engine(model, num_blocks=256, block_size=16, token_budget=16 * B, max_running=B)
+    for b in range(B):
+        eng.add_request(list(range(b, b + 16)), SamplingParams(temperature=0, max_tokens=200))
+    eng.step()  # the prefills; from here on every step decodes B tokens
+    decode_ms[B] = benchmark(eng.step, repeats=20, warmup=2).median_s * 1e3
+    print(f"batch {B:3d}: {decode_ms[B]:6.2f} ms per step, {decode_ms[B] / B:6.2f} ms per token")
+print(f"(measured on {settings.device_name}, fp32, one thread)")
 
 # %% [markdown]
 # ## 1. Sampling
