@@ -236,6 +236,9 @@ class Engine:
         free = self.allocator.num_free_blocks
         args = (running_views, waiting_views, self.token_budget, free, self.block_size, self.max_running)
         scheduled, preempted = check_decision(self.scheduler(*args), *args)
+        if not scheduled and not preempted and self.has_unfinished():
+            raise RuntimeError(f"the scheduler ran nothing although {len(self.running)} sequences run and "
+                               f"{len(self.waiting)} wait, with {free} free blocks: the engine would loop forever")
 
         for rid in preempted:  # the newest first: each goes back to the front of the queue
             req = self.requests[rid]

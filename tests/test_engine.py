@@ -127,6 +127,10 @@ def test_bad_input_and_bad_scheduler(model):
     bad.add_request(list(range(10)))
     with pytest.raises(ValueError, match="over the budget"):
         bad.step()
+    idle = Engine(model, num_blocks=8, block_size=4, scheduler=lambda *args: ({}, []))
+    idle.add_request([1, 2, 3])
+    with pytest.raises(RuntimeError, match="loop forever"):
+        idle.step()
 
 
 def test_poisson_trace_and_summary(model):
