@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from labsupport._answers import unguarded
-from labsupport.scheduler import SeqView, TraceItem, check_decision, schedule_step, simulate, static_batch_step
+from labsupport.scheduler import (
+    SeqView,
+    TraceItem,
+    check_decision,
+    schedule_step,
+    simulate,
+    static_batch_step,
+)
 
 schedule = unguarded(schedule_step)
 RUNNING = [SeqView("a", 12, 11, 3), SeqView("b", 30, 8, 2), SeqView("c", 7, 6, 2)]
