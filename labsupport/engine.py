@@ -350,7 +350,7 @@ class Engine:
         pos = torch.tensor(positions, device=dev)  # (N,)
         blk = torch.tensor(blocks, dtype=torch.long, device=dev)
         off = torch.tensor(offsets, dtype=torch.long, device=dev)
-        cos, sin = rope_cos_sin(pos, D, model.dtype, cfg.rope_theta)  # (N, D) each
+        cos, sin = rope_cos_sin(pos, D, model.dtype, cfg.rope_theta, cfg.rope_scaling)  # (N, D) each
         x = model.tok_embeddings(tok)  # (1, N, d)
         for li, layer in enumerate(model.layers):
             att = layer.attention

@@ -136,7 +136,8 @@ def all_position_logits(model: Transformer, tokens: torch.Tensor, cache: KVCache
     if start + S > cache.max_len:
         raise ValueError(f"cache overflow: {start} + {S} positions > max_len={cache.max_len}")
     positions = torch.arange(start, start + S, device=model.device)
-    cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.dtype, model.cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.dtype, model.cfg.rope_theta,
+                            model.cfg.rope_scaling)
     fold_gqa = model._attention_name == "sdpa"
     x = model.tok_embeddings(tokens.to(model.device))  # (B, S, d)
     for i, layer in enumerate(model.layers):

@@ -143,3 +143,16 @@ def test_poisson_trace_and_summary(model):
     assert summary["throughput"] > 0 and summary["ttft"].p50 > 0
     with pytest.raises(ValueError, match="virtual"):
         run_trace(Engine(model, num_blocks=8, block_size=4), trace)
+
+
+def test_the_engine_follows_the_models_fields():
+    # Qwen-style biases and q/k norms, another RoPE base and a RoPE scaling (linear, strong enough to
+    # change short sequences): the engine's forward pass must follow each of them as the model does
+    cfg = dataclasses.replace(CFG, qkv_bias=True, qk_norm=True, rope_theta=10000.0,
+                              rope_scaling={"rope_type": "linear", "factor": 16.0}, name="tiny-2m-variant")
+    model = Transformer(cfg, seed=4)
+    trace = mixed_trace(cfg.vocab_size, n=5)
+    requests = run_trace(Engine(model, num_blocks=32, block_size=4, token_budget=8, max_running=3, clock="steps"),
+                         trace)
+    for t, r in zip(trace, requests):
+        assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens)
