@@ -411,7 +411,7 @@ check_speculative_accept(speculative_accept)
 # $1 + a + \dots + a^k = (1 - a^{k+1}) / (1 - a)$ tokens on average. With fixed distributions that
 # holds exactly; your function reproduces it:
 
-# %% tags=["nbval-check-output"]
+# %%
 p = torch.tensor([0.5, 0.2, 0.2, 0.1])
 q = torch.tensor([0.3, 0.3, 0.1, 0.3])
 a = float(torch.minimum(p, q).sum())
