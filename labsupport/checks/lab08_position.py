@@ -100,8 +100,8 @@ def _positions(kind: str, s: int, gen) -> torch.Tensor:
         return torch.arange(s)
     if kind == "decode":  # continuing a sequence of 1000 tokens
         return 1000 + torch.arange(s)
-    if kind == "past 8192":
-        return 9000 + torch.arange(s)
+    if kind == "past 8192":  # odd, so a position rounded through float16 (spacing 8 there) shows
+        return 9001 + torch.arange(s)
     return torch.randperm(4 * s, generator=gen)[:s]  # "shuffled": any positions, in any order
 
 
@@ -152,11 +152,7 @@ def _llama3_variant(head_dim, theta, scaling, *, mistake: str) -> torch.Tensor:
     original = scaling["original_max_position_embeddings"]
     inv_freq = default_inv_freq(head_dim, theta).double()
     wavelength = (1 if mistake == "no 2 pi" else 2 * math.pi) / inv_freq
-    if mistake == "swapped":
-        low, high = high, low
     low_wl, high_wl = original / low, original / high
-    if mistake == "swapped":
-        low_wl, high_wl = high_wl, low_wl
     long = wavelength > low_wl
     short = wavelength < high_wl
     if mistake == "inverted":  # the factor applied to the fast pairs instead of the slow ones

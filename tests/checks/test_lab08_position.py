@@ -179,7 +179,8 @@ BLOCK = 16
 @triton.jit
 def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_len, n_heads, n_kv_heads,
                 HALF: tl.constexpr, BLOCK_S: tl.constexpr, ROTATE_K: tl.constexpr, INTERLEAVED: tl.constexpr,
-                SHIFT: tl.constexpr, USE_INDEX: tl.constexpr, MASK_LEN: tl.constexpr, K_HEADS_FROM_Q: tl.constexpr):
+                SHIFT: tl.constexpr, USE_INDEX: tl.constexpr, MASK_LEN: tl.constexpr, K_HEADS_FROM_Q: tl.constexpr,
+                POS_FP16: tl.constexpr):
     """The reference design with switches that plant one mistake each (all default to correct)."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1)
@@ -189,7 +190,10 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_l
     if USE_INDEX:
         pos = offs_s.to(tl.float32)
     else:
-        pos = tl.load(pos_ptr + offs_s, mask=row_ok, other=0).to(tl.float32) + SHIFT
+        pos = tl.load(pos_ptr + offs_s, mask=row_ok, other=0)
+        if POS_FP16:  # the positions pass through the inputs' 16-bit type: 9001 becomes 9000
+            pos = pos.to(tl.float16)
+        pos = pos.to(tl.float32) + SHIFT
     angle = pos[:, None] * tl.load(inv_freq_ptr + offs_f)[None, :]
     cos, sin = tl.cos(angle), tl.sin(angle)
     if INTERLEAVED:
@@ -219,13 +223,14 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_l
 
 
 def fused(q, k, positions, inv_freq, *, rotate_k=True, interleaved=False, shift=0, use_index=False,
-          mask_len=0, k_heads_from_q=False, floor_grid=False, two_launches=False):
+          mask_len=0, k_heads_from_q=False, floor_grid=False, two_launches=False, pos_fp16=False):
     b, h, s, d = q.shape
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.zeros_like(q), torch.zeros_like(k)
     blocks = s // BLOCK if floor_grid else triton.cdiv(s, BLOCK)
     switches = dict(HALF=d // 2, BLOCK_S=BLOCK, ROTATE_K=rotate_k, INTERLEAVED=interleaved, SHIFT=shift,
-                    USE_INDEX=use_index, MASK_LEN=mask_len, K_HEADS_FROM_Q=k_heads_from_q)
+                    USE_INDEX=use_index, MASK_LEN=mask_len, K_HEADS_FROM_Q=k_heads_from_q,
+                    POS_FP16=pos_fp16)
     if blocks == 0:
         return q_out, k_out
     if two_launches:
@@ -282,6 +287,12 @@ def test_fused_rejects_a_grid_without_the_partial_block():
 def test_fused_rejects_a_wrong_head_count_for_k():
     with pytest.raises(CheckFailed, match=r"k is wrong only for heads"):
         check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, k_heads_from_q=True))
+
+
+def test_fused_rejects_positions_rounded_to_float16():
+    # float16 holds every integer only up to 2,048; past 8,192 its spacing is 8
+    with pytest.raises(CheckFailed, match=r"positions=past 8192 \(\[9001\]"):
+        check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, pos_fp16=True))
 
 
 @pytest.mark.skipif(not interpreter_mode(), reason="launches are counted exactly in the interpreter")
