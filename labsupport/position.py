@@ -13,7 +13,8 @@ Conventions used throughout:
   model), ``"interleaved"`` pairs ``2i`` with ``2i + 1`` (Meta's original Llama code, GPT-J,
   RoFormer). They compute the same thing on weights permuted by :func:`interleaved_to_halves`.
 * Angles are computed in float32 (``positions * inv_freq``), as Hugging Face and Meta do, and
-  the rotation is applied in float32 before the result is cast back to the input's dtype.
+  the rotation is applied in float32 before the result is cast back to the input's dtype (as
+  Meta's reference does; Hugging Face's Llama rounds cos and sin to the model's dtype first).
 * ``scaling`` is a Hugging Face ``rope_scaling`` dict as found in a model's ``config.json``
   (``{"rope_type": "llama3", "factor": 8.0, ...}``); ``None`` means no scaling.
 """
@@ -156,7 +157,8 @@ def rope_wavelengths(head_dim: int, theta: float, scaling: Mapping | None = None
 
 def ntk_aware_theta(theta: float, factor: float, head_dim: int) -> float:
     """NTK-aware scaling's new base (bloc97, 2023): ``theta * factor ** (D / (D - 2))``, which
-    stretches the slowest pair's wavelength by ``factor`` and leaves the fastest almost unchanged."""
+    stretches the slowest pair's wavelength by exactly ``factor`` and leaves the fastest (pair 0,
+    one radian per position) unchanged."""
     head_dim = _head_dim(head_dim)
     theta, factor = positive_number("theta", theta), positive_number("factor", factor)
     return theta * factor ** (head_dim / (head_dim - 2))
