@@ -462,8 +462,11 @@ check_flash_attention(flash_attention)
 # $S \times S$ scores, $4SD + 4S^2$ elements; the tiled kernel reads Q once, K and V once per
 # query block, and writes the output and the log-sum-exps. In Triton's interpreter you can count
 # what your own kernel loaded and stored instead: `labsupport.interpreter_bytes.count_bytes`
-# adds up every active lane of every `tl.load` and `tl.store` (masked-off lanes excluded). On a
-# GPU kernels are compiled and nothing can be counted there: the formulas are the figure.
+# adds up every active lane of every `tl.load` and `tl.store` (masked-off lanes excluded). It
+# counts lanes, not distinct addresses: K and V re-read by every query block count every time, as
+# in the pessimistic formula, so the count is an upper bound on the HBM traffic of the same kernel
+# on a GPU, where L2 serves part of the re-reads. On a GPU kernels are compiled and nothing can be
+# counted there: the formulas are the figure.
 
 # %%
 io_s, io_d = 256, 64

@@ -187,10 +187,12 @@ print("without the permutation:", torch.allclose(s_interleaved, scores(w_q, w_k,
 #
 # Rotations compose: $R(m\omega)^\top R(n\omega) = R((n - m)\omega)$, so the dot product of a
 # query rotated to position $m$ with a key rotated to $n$ is the dot product of the unrotated
-# pair with one rotation by $(m - n)\omega$. Shift both by the same amount and the score stays
-# put. Below, 256 random query-key pairs 16 positions apart slide from positions (16, 0) to
-# (100,016, 100,000), with your `apply_rope`; the table shows the largest change of a score
-# (scores here have a standard deviation near 1). In exact arithmetic every entry is 0.
+# key with the unrotated query turned once, by $(m - n)\omega$. Shift both by the same amount and
+# the score stays put. Below, 256 random query-key pairs 16 positions apart slide from positions (16, 0) to
+# (100,016, 100,000), with your `apply_rope` (angles and rotation in float32, the result rounded
+# to the dtype of the column); the table shows the largest change of a score $q \cdot k/\sqrt{D}$,
+# summed in float32 (scores here have a standard deviation near 1). In exact arithmetic every
+# entry is 0.
 
 # %%
 def score_change(dtype, starts, distance=16, head_dim=128, pairs=256):
@@ -393,8 +395,11 @@ check_fused_rope(fused_rope)
 # A fused RoPE kernel must read every element of q and k once and write it once; the positions
 # and the frequencies add a little. In Triton's interpreter, `labsupport.interpreter_bytes`
 # counts what your kernel actually loaded and stored (every active lane of every `tl.load` and
-# `tl.store`, masked-off lanes excluded), so on a CPU you can compare it with that formula. On a
-# GPU kernels are compiled and nothing can be counted: there the figure is the formula.
+# `tl.store`, masked-off lanes excluded), so on a CPU you can compare it with that formula. It
+# counts lanes, not distinct addresses: a tile loaded twice counts twice, so the count is what the
+# kernel asks of memory, an upper bound on the HBM traffic of the same kernel on a GPU (where
+# caches may serve the repeats). On a GPU kernels are compiled and nothing can be counted: there
+# the figure is the formula.
 
 # %%
 bytes_b, bytes_h, bytes_hkv, bytes_s, bytes_d = 2, 8, 2, 100, 64
@@ -421,8 +426,9 @@ else:
     print("On a GPU the kernel is compiled, so its bytes cannot be counted; the formula above is the figure.")
 
 # %% [markdown]
-# Any correct kernel moves exactly the formula's bytes of q and k; what differs between designs
-# is the small change: the solution's programs each read the `D/2` frequencies once, and a kernel
+# A kernel that loads each element of q and k once and stores it once moves exactly the
+# formula's bytes of q and k; one that loads a row twice (the whole row, then its swapped halves)
+# counts more, although L2 would absorb most of that on a GPU. The rest is small change: the solution's programs each read the `D/2` frequencies once, and a kernel
 # with one program per position would read them `B * S` times. A kernel that rotated q and k in
 # two launches would move the same bytes but compute every angle twice and pay for a second launch.
 #
