@@ -287,10 +287,12 @@ def rope_kernel_bytes(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, h
                       dtype_bytes: int, programs: int = 0, position_dtype_bytes: int = 8,
                       inv_freq_dtype_bytes: int = 4) -> int:
     """Bytes a fused RoPE kernel for q (B, H, S, D) and k (B, Hkv, S, D) moves: every element of q
-    and k read once and written once, each of the B * S positions read once, and the D/2 inverse
-    frequencies read once by each of ``programs`` programs (0 leaves them out: a kernel that
-    computes them from theta reads none). Chapter 08 compares it with the bytes counted in the
-    interpreter (:mod:`labsupport.interpreter_bytes`)."""
+    and k read once and written once, the (S,) positions read once per sequence (B * S reads of
+    ``position_dtype_bytes``; 0 leaves them out), and the D/2 inverse frequencies read once by each
+    of ``programs`` programs (0 leaves them out: a kernel that computes them from theta reads none).
+    A kernel that loads anything twice moves more. Chapter 08 compares it with the bytes counted in
+    the interpreter (:mod:`labsupport.interpreter_bytes`), which counts lanes, not distinct
+    addresses."""
     for name, value in (("batch", batch), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
                         ("seq_len", seq_len), ("dtype_bytes", dtype_bytes)):
         positive_int(name, value)
