@@ -5,6 +5,7 @@ whether the request runs or waits, and prompts that do not fit are refused."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -28,7 +29,10 @@ def _run(engine, body):
         finally:
             await engine.stop()
 
-    return asyncio.run(main())
+    # A fresh thread: other tests in this worker (nbclient, nbval) may leave an event loop marked
+    # as running in the main thread, where asyncio.run would refuse to start.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, main()).result()
 
 
 def test_streamed_pieces_join_to_the_decoded_ids(engine):
