@@ -21,7 +21,11 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import labsupport
 
 MEMORY_LIMIT = 8 * 2**30  # bytes of address space a sandboxed kernel may map, by default (torch maps ~2 GiB)
 
@@ -44,6 +48,8 @@ class Sandbox:
             outer = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
                      "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                      "--unsetenv", "JPY_PARENT_PID"]  # ipykernel would watch a pid it cannot see
+            for folder in _under_private_tmp():
+                outer += ["--ro-bind", folder, folder]
             for folder in writable:
                 outer += ["--bind", folder, folder]
             outer += ["--chdir", cwd, "--"]
@@ -56,6 +62,18 @@ class Sandbox:
             outer += ["-v", f"{folder}:{folder}"]
         outer += ["-w", cwd, self.image]
         return outer + ["python", *argv[1:]]  # the image's own Python runs the kernel
+
+
+def _under_private_tmp() -> list[str]:
+    """What the kernel needs read-only that the sandbox's private ``/tmp`` would hide: the Python
+    environment and the course checkout, when they live under ``/tmp`` (a clone in ``/tmp/x`` for a
+    test run, a CI checkout there)."""
+    needed = {sys.prefix, sys.base_prefix, str(Path(labsupport.__file__).resolve().parents[1])}
+    needed.update(entry for entry in sys.path if entry and Path(entry).is_dir())
+    tmp = Path("/tmp").resolve()
+    inside = sorted(p for p in {str(Path(n).resolve()) for n in needed} if Path(p).is_relative_to(tmp))
+    # an outer folder covers the ones inside it
+    return [p for p in inside if not any(p != q and Path(p).is_relative_to(q) for q in inside)]
 
 
 @functools.lru_cache(maxsize=1)
