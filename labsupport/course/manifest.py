@@ -44,9 +44,10 @@ def load_manifest(path: Path | None = None) -> dict[str, list[tuple[str, float]]
         ) from None
 
 
-def lab_checks(sources: list[Path], cells: bool = True) -> dict:
-    """What the grader needs to know of each lab: the checks its source calls, with their points, and
-    the code cells of the learner's notebook (see :func:`course_cells`)."""
+def lab_checks(sources: list[Path], course_cells=None) -> dict:
+    """What the grader needs to know of each lab: the checks its source calls, with their points, and,
+    given ``course_cells`` (:func:`labsupport.course.release.course_cells`, which ``release`` passes),
+    the code cells of the learner's notebook."""
     labs = {}
     for source in sources:
         checks: list[dict] = []
@@ -57,7 +58,7 @@ def lab_checks(sources: list[Path], cells: bool = True) -> dict:
                 if name in REGISTRY and all(c["check"] != name for c in checks):
                     checks.append({"check": name, "points": REGISTRY[name].points})
         labs[source.stem] = {"source": f"solutions/{source.name}", "checks": checks}
-        if cells:
+        if course_cells is not None:
             labs[source.stem]["cells"] = course_cells(source)
     return {
         "about": "Written by `python -m labsupport release` from solutions/*.py (do not edit): the checks "
@@ -65,33 +66,6 @@ def lab_checks(sources: list[Path], cells: bool = True) -> dict:
                  "without the course's sources.",
         "labs": labs,
     }
-
-
-def course_cells(source: Path) -> list[dict]:
-    """The code cells of the released learner notebook of ``source``, as the grader rebuilds it.
-
-    Each is ``{"id", "source", "exercise"}``; an exercise cell (one with a solution region) also
-    lists the names it defines at the top level (``"defines"``), by which a learner's copy is found
-    when its cell id changed (a notebook released before the course inserted a cell). The grader
-    runs these cells, with the learner's version of each exercise cell in its place.
-    """
-    from .release import build_notebook  # release imports this module
-    from .sources import BEGIN
-
-    exercises = set()
-    for index, cell in enumerate(parse_source(source)):
-        if cell.kind == "code" and any(BEGIN.match(line) for line in cell.lines):
-            exercises.add(index)
-    nb = build_notebook(source, student=True)
-    out = []
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        entry = {"id": cell["id"], "source": cell.source, "exercise": index in exercises}
-        if entry["exercise"]:
-            entry["defines"] = top_level_names(cell.source)
-        out.append(entry)
-    return out
 
 
 def top_level_names(text: str) -> list[str]:
@@ -107,7 +81,7 @@ def top_level_names(text: str) -> list[str]:
 
 
 def load_course_cells(lab: str, path: Path | None = None) -> list[dict] | None:
-    """The course's code cells of ``lab`` (:func:`course_cells`), or None when the manifest predates them."""
+    """The course's code cells of ``lab`` (:func:`labsupport.course.release.course_cells`), or None when the manifest predates them."""
     path = Path(path or MANIFEST)
     try:
         cells = json.loads(path.read_text(encoding="utf-8"))["labs"][lab].get("cells")
@@ -127,7 +101,7 @@ def manifest_drift(manifest: dict, root: Path = COURSE_ROOT) -> str:
         return ""  # installed without the sources: the manifest is all there is
     try:
         current = {lab: [(c["check"], float(c["points"])) for c in entry["checks"]]
-                   for lab, entry in lab_checks(sources, cells=False)["labs"].items()}
+                   for lab, entry in lab_checks(sources)["labs"].items()}
     except Exception as exc:  # a source that does not parse: release --check says more
         return f"could not compare lab_checks.json with solutions/*.py ({type(exc).__name__}: {exc})"
     if current != manifest:

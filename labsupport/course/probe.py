@@ -19,68 +19,14 @@ scanner still reads the source); the README's trust model says so.
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 from ..checks.framework import RESULT_MIME
 from .scan import check_calls
 
 PROBE_MIME = RESULT_MIME.replace("check-result", "probe")
 
-PROBE = '''\
-def _labsupport_probe(nonce):
-    import inspect, os, sys, sysconfig, types
-    from IPython.display import display
-    problems = []
-    cache = {}
-    def codes(path):
-        if path in cache:
-            return cache[path]
-        found = cache[path] = {}
-        stack = [compile(open(path, encoding="utf-8").read(), path, "exec")]
-        while stack:
-            code = stack.pop()
-            found.setdefault(code.co_qualname, []).append(code.co_code)
-            stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        return found
-    try:
-        import labsupport.checks as checks
-        fw = sys.modules["labsupport.checks.framework"]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(checks.__file__))) + os.sep  # labsupport/
-        stdlib = sysconfig.get_paths()["stdlib"] + os.sep
-        def same(value, where):
-            path = value.__code__.co_filename
-            while path.startswith(stdlib) and inspect.isfunction(getattr(value, "__wrapped__", None)):
-                value = value.__wrapped__  # a contextmanager's or functools.wraps' wrapper: what it wraps
-                path = value.__code__.co_filename
-            if not os.path.abspath(path).startswith(root):
-                problems.append(f"{where} comes from {path}")
-            elif value.__code__.co_code not in codes(path).get(value.__code__.co_qualname, []):
-                problems.append(f"{where} differs from its file")
-        for module in [fw] + [m for n, m in list(sys.modules.items()) if n.startswith("labsupport.checks.lab")]:
-            disk = codes(module.__file__)
-            for name, value in list(vars(module).items()):
-                if inspect.isfunction(value) and (value.__module__ == module.__name__ or name in disk):
-                    same(value, f"{module.__name__}.{name}")
-                elif inspect.isclass(value) and value.__module__ == module.__name__:
-                    for attr, member in list(vars(value).items()):  # the methods its file defines
-                        if inspect.isfunction(member) and f"{value.__qualname__}.{attr}" in disk:
-                            same(member, f"{module.__name__}.{name}.{attr}")
-            for qualname in disk:
-                if "." not in qualname and qualname != "<module>" and not callable(vars(module).get(qualname)):
-                    problems.append(f"{module.__name__}.{qualname} was replaced")
-        fw_codes = codes(fw.__file__)
-        for name, check in list(fw.REGISTRY.items()):
-            if getattr(check, "__code__", None) is None or check.__code__.co_code not in fw_codes.get(
-                    "graded.<locals>.decorate.<locals>.check", []):
-                problems.append(f"the registered {name} is not the course's")
-            if getattr(checks, name, check) is not check:
-                problems.append(f"labsupport.checks.{name} is not the registered check")
-        if sys.gettrace() is not None or sys.getprofile() is not None:
-            problems.append("a trace or profile hook is set")
-    except Exception as exc:
-        problems.append(f"the probe failed: {type(exc).__name__}: {exc}")
-    display({MIME: {"nonce": nonce, "problems": problems}}, raw=True)
-_labsupport_probe(NONCE)
-'''
+PROBE_SOURCE = Path(__file__).with_name("probe_cell.py")  # the last cell's function, a file of its own
 
 
 def reimport(source: str) -> str:
@@ -94,7 +40,8 @@ def reimport(source: str) -> str:
 def probe_cell() -> tuple[str, str]:
     """The last cell's source, and the nonce its answer must carry."""
     nonce = secrets.token_hex(16)
-    return PROBE.replace("MIME", repr(PROBE_MIME)).replace("NONCE", repr(nonce)), nonce
+    source = PROBE_SOURCE.read_text(encoding="utf-8")
+    return f"{source}\n_labsupport_probe({nonce!r}, {PROBE_MIME!r})\n", nonce
 
 
 def verdict(cell, nonce: str, kernel_alive: bool) -> list[str]:

@@ -53,7 +53,7 @@ import nbformat
 
 from ..checks import REGISTRY
 from . import stored_outputs
-from .manifest import MANIFEST_IN_REPO, lab_checks, render_manifest
+from .manifest import MANIFEST_IN_REPO, lab_checks, render_manifest, top_level_names
 from .notebooks import execute
 from .scan import check_calls, python_source
 from .sources import (
@@ -204,7 +204,7 @@ def plan(root: Path, names: list[str] | None = None) -> list[Planned]:
             text = render(build_notebook(source, student, recording=recording))
             planned.append(Planned(target, text, _status(target, text)))
     manifest = root / MANIFEST_IN_REPO
-    text = render_manifest(lab_checks(every))
+    text = render_manifest(lab_checks(every, course_cells))
     if not manifest.exists():
         status = "new"
     else:
@@ -311,3 +311,27 @@ def record_outputs(root: Path, names: list[str] | None = None, log=print, timeou
         log(f"wrote {target.relative_to(root)} ({len(stored_outputs.compared_cells(nb))} compared cells)")
         written.append(target)
     return written
+
+
+def course_cells(source: Path) -> list[dict]:
+    """The code cells of the released learner notebook of ``source``, as the grader rebuilds it.
+
+    Each is ``{"id", "source", "exercise"}``; an exercise cell (one with a solution region) also
+    lists the names it defines at the top level (``"defines"``), by which a learner's copy is found
+    when its cell id changed (a notebook released before the course inserted a cell). The grader
+    runs these cells, with the learner's version of each exercise cell in its place.
+    """
+    exercises = set()
+    for index, cell in enumerate(parse_source(source)):
+        if cell.kind == "code" and any(BEGIN.match(line) for line in cell.lines):
+            exercises.add(index)
+    nb = build_notebook(source, student=True)
+    out = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        entry = {"id": cell["id"], "source": cell.source, "exercise": index in exercises}
+        if entry["exercise"]:
+            entry["defines"] = top_level_names(cell.source)
+        out.append(entry)
+    return out
