@@ -86,6 +86,8 @@ __all__ = [
     "bpe_merges",
     "bpe_encode",
     "bpe_decode",
+    "token_table",
+    "apply_merges",
     "utf8_incomplete_tail",
     "train_bpe",
     "BPETokenizer",
@@ -304,6 +306,44 @@ def bpe_decode(ids: Iterable[int], merges) -> str:
     return b"".join(tok.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
 
+@answer
+def token_table(merges) -> tuple[list[bytes], dict[tuple[int, int], int]]:
+    """The bytes of every id under ``merges`` (ids 0-255 the bytes themselves, ``256 + k`` the two
+    parts of merge ``k`` joined) and each merge's rank, ``{pair: k}``; a ValueError for a merge that
+    is not a pair of earlier ids, or that repeats one. What :class:`BPETokenizer` is built on (and
+    what decoding needs), so the encode and decode checks refuse it to a learner's function."""
+    vocab = [bytes([b]) for b in range(256)]
+    ranks: dict[tuple[int, int], int] = {}
+    for k, pair in enumerate(merges):
+        try:
+            a, b = (operator.index(x) for x in pair)
+        except (TypeError, ValueError):
+            raise ValueError(f"merge {k} must be a pair of ids, got {pair!r}") from None
+        if not (0 <= a < 256 + k and 0 <= b < 256 + k):
+            raise ValueError(f"merge {k} is {pair!r}, but merge {k} may only join ids made before it "
+                             f"(0 to {255 + k})")
+        if (a, b) in ranks:
+            raise ValueError(f"merge {k} repeats the pair {pair!r} (already merge {ranks[(a, b)]})")
+        ranks[(a, b)] = k
+        vocab.append(vocab[a] + vocab[b])
+    return vocab, ranks
+
+
+@answer
+def apply_merges(ids: list[int], ranks: dict[tuple[int, int], int]) -> list[int]:
+    """One chunk's ids with the merges applied in the order learned: repeatedly merge (everywhere,
+    left to right) the adjacent pair of lowest rank, until no adjacent pair is a merge. Merge ``k``
+    can never re-create a pair of lower rank (it makes id ``256 + k``, larger than any id a lower
+    merge joins), so this is the same as going through the merges once in order."""
+    while len(ids) >= 2:
+        best = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, sys.maxsize))
+        rank = ranks.get(best)
+        if rank is None:
+            break
+        ids = merge_pair(ids, best, 256 + rank)
+    return ids
+
+
 # -- the tokenizer -------------------------------------------------------------------------------------
 
 class BPETokenizer:
@@ -312,22 +352,7 @@ class BPETokenizer:
     Build one with :func:`train_bpe` or :meth:`load`."""
 
     def __init__(self, merges: Iterable[tuple[int, int]], special_tokens: dict[str, int] | None = None):
-        vocab = [bytes([b]) for b in range(256)]
-        ranks: dict[tuple[int, int], int] = {}
-        merge_list: list[tuple[int, int]] = []
-        for k, pair in enumerate(merges):
-            try:
-                a, b = (operator.index(x) for x in pair)
-            except (TypeError, ValueError):
-                raise ValueError(f"merge {k} must be a pair of ids, got {pair!r}") from None
-            if not (0 <= a < 256 + k and 0 <= b < 256 + k):
-                raise ValueError(f"merge {k} is {pair!r}, but merge {k} may only join ids made before it "
-                                 f"(0 to {255 + k})")
-            if (a, b) in ranks:
-                raise ValueError(f"merge {k} repeats the pair {pair!r} (already merge {ranks[(a, b)]})")
-            ranks[(a, b)] = k
-            merge_list.append((a, b))
-            vocab.append(vocab[a] + vocab[b])
+        vocab, ranks = token_table(merges)
         if special_tokens is None:
             special_tokens = {END_OF_TEXT: len(vocab)}
         specials = dict(special_tokens)
@@ -337,11 +362,10 @@ class BPETokenizer:
                              f"({expected}), got {specials!r}")
         for text, _ in sorted(specials.items(), key=lambda item: item[1]):
             vocab.append(text.encode("utf-8"))
-        self._merges = merge_list
+        self._merges = list(ranks)
         self._ranks = ranks
         self._vocab = vocab
         self._special = specials
-        self._special_re = None
         self._cache: dict[str, tuple[int, ...]] = {}
 
     # what it is
@@ -383,15 +407,7 @@ class BPETokenizer:
         cached = self._cache.get(chunk)
         if cached is not None:
             return cached
-        ids = list(chunk.encode("utf-8"))
-        ranks = self._ranks
-        while len(ids) >= 2:
-            best = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, sys.maxsize))
-            rank = ranks.get(best)
-            if rank is None:
-                break
-            ids = merge_pair(ids, best, 256 + rank)
-        result = tuple(ids)
+        result = tuple(apply_merges(list(chunk.encode("utf-8")), self._ranks))
         if len(self._cache) > 50_000:
             self._cache.clear()
         self._cache[chunk] = result

@@ -6,12 +6,14 @@ import codecs
 import contextlib
 import functools
 import numbers
+import random
 from collections import Counter
 
 from ..tokenizer import (
     END_OF_TEXT,
     BPETokenizer,
     IncrementalDetokenizer,
+    apply_merges,
     bpe_decode,
     bpe_encode,
     bpe_merges,
@@ -19,6 +21,7 @@ from ..tokenizer import (
     course_tokenizer,
     merge_pair,
     pretokenize,
+    token_table,
     utf8_incomplete_tail,
 )
 from .framework import Case, ForbiddenCall, graded
@@ -43,7 +46,8 @@ DECODE_RULE = (
 STREAM_RULE = (
     "keep the bytes you have not emitted; after adding a token's bytes, emit everything except a trailing "
     "incomplete character (a lead byte 0xC2-0xF4 followed by fewer continuation bytes than it needs), "
-    "decoded with errors='replace'; flush() decodes and returns whatever is still held."
+    "decoded with errors='replace'; flush() decodes and returns whatever is still held, and empties the "
+    "buffer."
 )
 
 
@@ -118,6 +122,24 @@ def _first_difference(got, expected) -> str:
 
 # -- the texts the checks use ------------------------------------------------------------------------------
 
+# Pieces of random words: ASCII, accented Latin, Cyrillic, CJK, Hangul, an emoji; digits and punctuation.
+_RANDOM_PIECES = list("aeinorstlm") + ["é", "ü", "ж", "ы", "東", "京", "한", "😀"]
+
+
+def _random_text(seed: int, n_words: int = 90) -> str:
+    """Text no answer can have been stored for: words drawn (with repeats, so that pairs recur and
+    counts tie) from a vocabulary of random words, digits and punctuation, made from ``seed``."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(_RANDOM_PIECES) for _ in range(rng.randint(1, 6))) for _ in range(25)]
+    words += [str(rng.randint(0, 99999)), "-", ",", "...", "!"]
+    return " ".join(rng.choice(words) for _ in range(n_words))
+
+
+def _fresh_seed() -> int:
+    """A seed drawn when the check runs (shown in the case, so a failure can be replayed)."""
+    return random.SystemRandom().randrange(10**6)
+
+
 @functools.lru_cache(maxsize=1)
 def _merge_cases() -> list[tuple[str, str, int]]:
     """(label, text, vocab_size): each exposes one mistake, then real text."""
@@ -135,6 +157,12 @@ def _merge_cases() -> list[tuple[str, str, int]]:
     ]
 
 
+def _merge_cases_now() -> list[tuple[str, str, int]]:
+    """The fixed cases, then one made up as the check runs."""
+    seed = _fresh_seed()
+    return [*_merge_cases(), (f"random words, seed {seed}", _random_text(seed), 300)]
+
+
 def _encode_cases() -> list[tuple[str, str, list]]:
     passages = course_passages()
     small = bpe_merges(passages["german"][:800], 300)
@@ -148,7 +176,14 @@ def _encode_cases() -> list[tuple[str, str, list]]:
         ("CJK, emoji and combining marks", "東京 😀👍🏽 e\u0301 ❤️ 한국어", course),
         ("code", passages["c"][:300], course),
         (f"the special token's string is ordinary text here: {END_OF_TEXT}", f"a{END_OF_TEXT}b", course),
+        *_random_encode_cases(_fresh_seed()),
     ]
+
+
+def _random_encode_cases(seed: int) -> list[tuple[str, str, list]]:
+    """Merges learned on one random text, applied to another made of the same words."""
+    merges = bpe_merges(_random_text(seed, 120), 320)
+    return [(f"random words, seed {seed}", _random_text(seed + 1, 60), merges)]
 
 
 # -- checks ---------------------------------------------------------------------------------------------------
@@ -157,7 +192,7 @@ def _encode_cases() -> list[tuple[str, str, list]]:
 def check_bpe_merges(fn, checker):
     """``fn(text, vocab_size)`` must return the merges (a list of pairs of ids) byte-level BPE learns,
     with the tie rule and pre-tokenisation of :mod:`labsupport.tokenizer`."""
-    for label, text, vocab_size in _merge_cases():
+    for label, text, vocab_size in _merge_cases_now():
         case = Case(text=label, vocab_size=vocab_size, chars=len(text))
         got = _as_pairs(checker, checker.call(fn, text, vocab_size, case=case), case, "result")
         expected = bpe_merges(text, vocab_size)
@@ -171,9 +206,10 @@ def check_bpe_merges(fn, checker):
         checker.fail(case, problem, MERGE_RULE)
 
 
-@graded(points=5, bans=(bpe_encode,))
+@graded(points=5, bans=(bpe_encode, apply_merges, token_table))
 def check_bpe_encode(fn, checker):
-    """``fn(text, merges)`` must return the ids of ``text``; a lone surrogate must raise ValueError."""
+    """``fn(text, merges)`` must return the ids of ``text``; a lone surrogate must raise ValueError.
+    The course's tokenizer (its class, its merge loop, its table of ids) may not do the work."""
     for label, text, merges in _encode_cases():
         case = Case(text=label, merges=len(merges))
         got = _ids(checker, checker.call(fn, text, list(merges), case=case), case, "result", ENCODE_RULE)
@@ -204,22 +240,30 @@ def check_bpe_encode(fn, checker):
 def _decode_cases() -> list[tuple[str, list, list]]:
     course = course_tokenizer()
     merges = course.merges
+    german = bpe_merges(course_passages()["german"][:800], 300)  # not the course tokenizer's merges
     euro = list("€".encode())
+    seed = _fresh_seed()
+    rng = random.Random(seed)
     return [
         ("empty", [], merges),
         ("ASCII and merged tokens", bpe_encode("the tokens of a prompt", merges), merges),
+        ("merges of a small German tokenizer", bpe_encode(" Zusammensetzungen und Übergänge", german), german),
         ("a character split over three byte tokens: €", [ord("a"), *euro, ord("b")], merges),
         ("emoji and CJK", bpe_encode("東京 👍🏽 한국어 ❤️", merges), merges),
         ("invalid: a character cut short", [ord("a"), euro[0], euro[1], ord("b")], merges),
         ("invalid: stray bytes 0xFF and 0x80", [0xFF, ord("x"), 0x80], merges),
+        ("invalid: three invalid sequences in a row (a cut €, 0xFF, 0xC0)", [euro[0], euro[1], 0xFF, 0xC0, ord("z")],
+         merges),
         ("no merges at all", [104, 105], []),
+        (f"random ids of the German tokenizer, seed {seed}", [rng.randrange(256 + len(german)) for _ in range(40)],
+         german),
     ]
 
 
-@graded(points=5, bans=(bpe_decode,))
+@graded(points=5, bans=(bpe_decode, token_table))
 def check_bpe_decode(fn, checker):
     """``fn(ids, merges)`` must return the text; invalid bytes become U+FFFD, never dropped; an id
-    outside the vocabulary raises ValueError."""
+    outside the vocabulary raises ValueError. The course's tokenizer may not build the table of ids."""
     for label, ids, merges in _decode_cases():
         case = Case(ids=label, n_ids=len(ids), merges=len(merges))
         got = checker.call(fn, list(ids), list(merges), case=case)
@@ -296,8 +340,21 @@ def _stream_cases(tok) -> list[tuple[str, list, bool]]:
         ("merged tokens with a character's bytes split between them", _split_char_ids(tok), True),
         ("the end-of-text token after a character", byte_ids("é") + [tok.end_of_text_id], True),
         ("ends in the middle of a character (flush must return it)", byte_ids("ab") + byte_ids("€")[:2], False),
-        ("invalid bytes in the middle", [ord("a"), 0xFF, 0xE2, 0x82, ord("b"), 0x80], False),
+        ("invalid bytes in the middle", [ord("a"), 0xFF, 0xE2, 0x82, ord("b"), 0x80, *enc(" and then more text")],
+         False),
         ("empty stream", [], True),
+        *_random_streams(tok, _fresh_seed()),
+    ]
+
+
+def _random_streams(tok, seed: int) -> list[tuple[str, list, bool]]:
+    """Random words, as the course tokenizer's ids and as single bytes; and random bytes."""
+    text = _random_text(seed, 30)
+    rng = random.Random(seed)
+    return [
+        (f"random words, seed {seed}", bpe_encode(text, tok), True),
+        (f"random words as byte tokens, seed {seed}", list(text.encode()), True),
+        (f"random bytes, seed {seed}", [rng.randrange(256) for _ in range(40)], False),
     ]
 
 
@@ -341,10 +398,38 @@ def check_incremental_detokenizer(cls, checker):
             if pieces[-1] == "" and expected[-1]:
                 problem += f"\nflush() returned '' but should return the held bytes, decoded: {expected[-1]!r}."
             checker.fail(case, problem, STREAM_RULE)
-        if valid:
-            for k in range(len(ids)):
-                sent, due = "".join(pieces[:k + 1]), "".join(expected[:k + 1])
-                if sent != due:
-                    checker.fail(case, f"after {k + 1} push(es) you had emitted {sent!r}, expected {due!r}: "
-                                       f"every character whose bytes have all arrived must be emitted at once "
-                                       f"(a stream that waits for flush is no stream).", STREAM_RULE)
+        data = [b"".join(tok.token_bytes(i) for i in ids[:k + 1]) for k in range(len(ids))]
+        for k in range(len(ids)):
+            sent, due = "".join(pieces[:k + 1]), "".join(expected[:k + 1])
+            if valid and sent != due:
+                checker.fail(case, f"after {k + 1} push(es) you had emitted {sent!r}, expected {due!r}: "
+                                   f"every character whose bytes have all arrived must be emitted at once "
+                                   f"(a stream that waits for flush is no stream).", STREAM_RULE)
+            if not valid and sent not in {data[k][:len(data[k]) - j].decode("utf-8", "replace") for j in range(4)}:
+                checker.fail(case, f"after {k + 1} push(es) you had emitted {sent!r}, expected {due!r}: you are "
+                                   f"holding more than the 3 bytes an unfinished character can have. Bytes that can "
+                                   f"never complete a character (here {data[k][-8:]!r} ends the stream so far) "
+                                   f"must come out as U+FFFD, not wait: a model that emits one bad byte would "
+                                   f"otherwise freeze the stream until its end.", STREAM_RULE)
+    _check_reuse(cls, tok, checker)
+
+
+def _check_reuse(cls, tok, checker) -> None:
+    """One object, two streams: what flush() returned must not come back in the second stream."""
+    first, second = list("ab€".encode())[:-1], bpe_encode(" ok", tok)
+    case = Case(stream="one object for two streams: flush() after a cut-off €, then ' ok'",
+                ids=f"{first} then flush, then {second}")
+
+    def two_streams(ids_a, ids_b):
+        with _no_incremental_decoder():
+            detok = cls(tok)
+            for i in ids_a:
+                detok.push(i)
+            detok.flush()
+            return [detok.push(i) for i in ids_b] + [detok.flush()]
+
+    two_streams.__name__ = f"{getattr(cls, '__name__', 'your class')}.push"
+    pieces = checker.call(two_streams, first, second, case=case)
+    if "".join(pieces) != tok.decode(second):
+        checker.fail(case, f"the second stream came out as {''.join(pieces)!r}, expected {tok.decode(second)!r}: "
+                           f"flush() must empty the buffer as well as return it.", STREAM_RULE)

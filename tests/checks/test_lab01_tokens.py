@@ -15,6 +15,7 @@ from labsupport.checks import (
     check_bpe_merges,
     check_incremental_detokenizer,
 )
+from labsupport.checks.framework import Checker
 from labsupport.tokenizer import IncrementalDetokenizer, bpe_decode, bpe_encode, bpe_merges, pretokenize
 
 # --- a learner's correct solutions, written as the lab asks -------------------------------------------
@@ -147,11 +148,16 @@ def test_the_course_answer_is_refused_to_a_learner():
 
 def test_encode_and_decode_references_pass(capsys):
     check_bpe_encode(learner_encode)
-    check_bpe_encode(unguarded(bpe_encode))
     check_bpe_decode(learner_decode)
-    check_bpe_decode(unguarded(bpe_decode))
     out = capsys.readouterr().out
     assert "PASSED check_bpe_encode" in out and "PASSED check_bpe_decode" in out
+
+
+def test_the_course_answers_meet_their_own_checks():
+    """The course's encode and decode are built on the table of ids and the merge loop that their
+    checks ban, so they are run through the checks' bodies without the bans."""
+    check_bpe_encode.__wrapped__(unguarded(bpe_encode), Checker("check_bpe_encode"))
+    check_bpe_decode.__wrapped__(unguarded(bpe_decode), Checker("check_bpe_decode"))
 
 
 def test_encode_mutants_fail():
@@ -261,3 +267,86 @@ def test_numpy_integers_are_accepted(capsys):
     check_bpe_merges(lambda t, v: [(np.int64(a), np.int64(b)) for a, b in learner_merges(t, v)])
     check_bpe_encode(lambda t, m: np.array(learner_encode(t, m), dtype=np.int64).tolist())
     assert capsys.readouterr().out.count("PASSED") == 2
+
+
+# --- shortcuts and mistakes found in review (issue 10) -----------------------------------------------------
+
+
+def test_memorised_merges_fail_on_the_text_made_up_at_check_time():
+    from labsupport.checks.lab01_tokens import _merge_cases
+
+    stored = {(text, v): learner_merges(text, v) for _, text, v in _merge_cases()}  # the fixed cases, answered
+    assert "random words, seed" in failure(check_bpe_merges, lambda t, v: stored[(t, v)])
+
+
+def test_the_course_tokenizer_cannot_encode_or_decode_for_the_learner():
+    from labsupport.tokenizer import BPETokenizer, course_tokenizer
+
+    def through_the_class(text, merges):
+        return BPETokenizer(merges, {}).encode(text)
+
+    def through_its_merge_loop(text, merges):  # a private method, skipping bpe_encode
+        tok = BPETokenizer(merges, {})
+        return [i for chunk in pretokenize(text) for i in tok._encode_chunk(chunk)]
+
+    def through_the_course_tokenizer(ids, merges):  # its table of ids fits the course's merges only
+        return b"".join(course_tokenizer().token_bytes(i) for i in ids).decode("utf-8", "replace")
+
+    def through_a_fresh_table(ids, merges):
+        return b"".join(BPETokenizer(merges, {}).token_bytes(i) for i in ids).decode("utf-8", "replace")
+
+    with course_checks_its_answers(False):
+        assert "course's own answer" in failure(check_bpe_encode, through_the_class)
+        assert "token_table" in failure(check_bpe_encode, through_its_merge_loop)
+        assert "small German tokenizer" in failure(check_bpe_decode, through_the_course_tokenizer)
+        assert "token_table" in failure(check_bpe_decode, through_a_fresh_table)
+
+
+def test_decode_that_collapses_replacement_characters_fails():
+    import re
+
+    assert "three invalid sequences in a row" in failure(
+        check_bpe_decode, lambda i, m: re.sub("\ufffd+", "\ufffd", learner_decode(i, m)))
+
+
+class StallsOnInvalidBytes:
+    """Right on valid text; after a byte that can never be valid it waits for flush (a frozen stream)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pending = b""
+
+    def push(self, token_id):
+        self.pending += self.tokenizer.token_bytes(token_id)
+        try:
+            text, self.pending = self.pending.decode(), b""
+            return text
+        except UnicodeDecodeError as error:
+            if error.reason == "unexpected end of data" and error.end == len(self.pending):
+                text, self.pending = self.pending[:error.start].decode(), self.pending[error.start:]
+                return text
+            return ""
+
+    def flush(self):
+        text, self.pending = self.pending.decode("utf-8", "replace"), b""
+        return text
+
+
+class FlushKeepsItsBuffer(LearnerDetokenizer):
+    def flush(self):
+        return self.pending.decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("mutant, message", [
+    (StallsOnInvalidBytes, "must come out as U+FFFD, not wait"),
+    (FlushKeepsItsBuffer, "flush() must empty the buffer"),
+])
+def test_detokenizer_review_mutants_fail(mutant, message):
+    assert message in failure(check_incremental_detokenizer, mutant)
+
+
+def test_the_random_cases_are_new_each_run():
+    from labsupport.checks.lab01_tokens import _decode_cases, _merge_cases_now
+
+    assert len({_merge_cases_now()[-1][1] for _ in range(5)}) > 1
+    assert len({_decode_cases()[-1][0] for _ in range(5)}) > 1
