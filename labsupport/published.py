@@ -76,6 +76,32 @@ LLAMA3_SPECIAL_TOKENS = Figure(
     "meta-llama/llama3, llama/tokenizer.py (num_reserved_special_tokens)",
 )
 
+#: Llama 3's ordinary (BPE) tokens: the ranks in its tiktoken ``tokenizer.model``; with the 256
+#: special ids they make the 128,256 of its config.json.
+LLAMA3_BPE_TOKENS = Figure(
+    128_000, "ids", "Llama 3's BPE tokens (tiktoken mergeable ranks)",
+    "meta-llama/llama3, llama/tokenizer.py (num_base_tokens = len(mergeable_ranks))",
+)
+
+#: Where they come from, in the report's round numbers: tokens of OpenAI's tiktoken tokenizer, and
+#: tokens added for languages other than English.
+LLAMA3_TIKTOKEN_TOKENS = Figure(
+    100_000, "ids", "Llama 3 tokens taken from the tiktoken tokenizer ('100K')",
+    "Grattafiori et al., 'The Llama 3 Herd of Models', 2024, section 3.2",
+)
+LLAMA3_ADDED_TOKENS = Figure(
+    28_000, "ids", "Llama 3 tokens added for non-English languages ('28K')",
+    "Grattafiori et al., 'The Llama 3 Herd of Models', 2024, section 3.2",
+)
+
+#: The largest gap in tokenised length between languages (the same text translated; FLORES-200)
+#: across the tokenizers of deployed models.
+PETROV_MAX_LENGTH_RATIO = Figure(
+    15, "times", "largest ratio of tokenised lengths between languages for the same text",
+    "Petrov, La Malfa, Torr and Bibi, 'Language Model Tokenizers Introduce Unfairness Between Languages', "
+    "NeurIPS 2023 (abstract)",
+)
+
 # Models (chapter 02): mixtures of experts and a head width that is not d_model / n_heads.
 
 #: Mixtral 8x7B's parameters: all of them, and those one token uses (2 of 8 experts per layer).

@@ -11,7 +11,7 @@
 # 2. write the heart of byte-level BPE, the merge loop, and then `encode` and `decode`; each is
 #    checked;
 # 3. train tokenizers of several sizes on the course's corpus and measure characters per token for
-#    each kind of text (English, eleven other languages, emoji, code), and plot it;
+#    each kind of text (English, ten other languages, emoji, code), and plot it;
 # 4. train Hugging Face `tokenizers` on the same text with the same vocabulary size, and compare
 #    compression and speed in the same run;
 # 5. write the incremental detokenizer a server needs to stream text, which must never emit half
