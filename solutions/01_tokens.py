@@ -402,7 +402,10 @@ print("all at once:   ", tok.decode(ids))
 #   one. Keep back only a **trailing incomplete character**: a lead byte (`0xC2`-`0xDF` starts a
 #   2-byte character, `0xE0`-`0xEF` a 3-byte one, `0xF0`-`0xF4` a 4-byte one) followed by fewer
 #   continuation bytes (`0x80`-`0xBF`) than it needs. Everything before it is decoded with
-#   `errors="replace"` and returned (return `""` when nothing is complete).
+#   `errors="replace"` and returned (return `""` when nothing is complete). So you never hold more
+#   than 3 bytes, and a byte that can never be part of a character (a stray continuation byte, or
+#   `0xC0`, `0xC1`, `0xF5`-`0xFF`) comes out at once as `"\ufffd"`: a stream must not freeze because a
+#   model emitted one bad byte.
 # * `flush()` returns whatever is still held, decoded with `errors="replace"` (a stream that
 #   stops in the middle of a character ends with `"\ufffd"`), and empties the buffer.
 #
