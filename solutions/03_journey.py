@@ -21,8 +21,8 @@
 # meaningless, and that is fine, since every cost measured here depends on the number of tokens,
 # not on what they say. It runs on the CPU even on a GPU machine (the model is tiny), so the
 # numbers are this machine's, not a production server's. The server and this lab need `fastapi`,
-# `uvicorn` and `openai`: `make lab` installs them; on Colab, if the imports below fail, run
-# `%pip install fastapi uvicorn openai` in a cell and run them again.
+# `uvicorn` and `openai`: `make lab` installs them, and on Colab the cell after the setup installs
+# whichever are missing (never torch or triton, which it holds at the versions already there).
 #
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
 # that raises an error. Until you have written an exercise, its check cell raises, and nothing
@@ -35,6 +35,11 @@
 import labsupport
 
 settings = labsupport.setup()
+
+# %%
+from labsupport.serve import install_missing
+
+install_missing()  # fastapi, uvicorn and openai, only where missing (a fresh Colab runtime)
 
 # %%
 import threading
@@ -263,7 +268,7 @@ fig.tight_layout()
 # With $N$ requests at once, the last in the queue waits for $N - 1$ whole requests: p99 grows
 # about linearly with $N$, and p50 about half as fast. The mean would sit between them and hide
 # the requests that waited longest. Continuous batching (chapter 12) serves the queue together
-# instead of one by one, which is why every production engine does it.
+# instead of one by one, which is why vLLM, SGLang and TensorRT-LLM all do.
 #
 # Try it yourself: send `OUT_TOKENS = 64` and see the slope grow with the service time; or give
 # one request a long answer and the others short ones, and look at who pays.

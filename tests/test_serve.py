@@ -4,6 +4,7 @@ health, every bad input the issue names, a stream dropped mid-way, FIFO order an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -88,6 +89,15 @@ def test_raw_stream_is_server_sent_events_ending_with_done(http):
     assert all(line.startswith("data: ") for line in lines)
     payloads = [json.loads(line[6:]) for line in lines[:-1]]
     assert len(payloads) == 4 and payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(p["usage"] is None and p["object"] == "text_completion" for p in payloads)  # OpenAI's chunk shape
+
+
+def test_null_parameters_mean_their_defaults(http):
+    """OpenAI's API reads ``null`` as "the default"; clients that serialise every field send it."""
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": None,
+                                           "temperature": None, "stream": None, "seed": None, "stop": None})
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 16  # OpenAI's default max_tokens
 
 
 def test_models_and_health_say_the_weights_are_random(client, http):
@@ -137,6 +147,9 @@ BAD = {
     "unknown model": ({"model": "gpt-5", "prompt": "hi"}, 404, "model", "model_not_found"),
     "unsupported parameter": ({"model": MODEL_NAME, "prompt": "hi", "n": 3}, 400, "n", None),
     "temperature out of range": ({"model": MODEL_NAME, "prompt": "hi", "temperature": 9}, 400, "temperature", None),
+    "stream_options without stream": ({"model": MODEL_NAME, "prompt": "hi", "stream_options": {"include_usage": True}},
+                                      400, "stream_options", None),
+    "prompt null": ({"model": MODEL_NAME, "prompt": None}, 400, "prompt", "missing_required_parameter"),
 }
 
 
@@ -191,10 +204,17 @@ def test_dropped_streams_free_their_slots(server, http):
     assert health["slots_used"] == SLOTS and health["running"] == 1 and health["queued"] == 1
     full = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "one more", "max_tokens": 2})
     assert full.status_code == 429 and full.json()["error"]["code"] == "server_full"
-    # both clients go away mid-stream (the second before its first token)
-    for c, r in ((first_client, first), (second_client, second)):
-        r.close()
-        c.close()
+    # the queued client goes away before its first token: its slot is free at once, while the
+    # first request is still generating
+    second.close()
+    second_client.close()
+    deadline = time.monotonic() + 10
+    while server.health()["slots_used"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    health = server.health()
+    assert health["slots_used"] == 1 and health["running"] == 1 and health["queued"] == 0
+    first.close()  # then the running one goes away mid-stream
+    first_client.close()
     health = wait_idle(server)
     assert health["slots_used"] == 0 and health["running"] == 0 and health["queued"] == 0
     assert health["cancelled"] == before + 2
@@ -296,3 +316,103 @@ def test_the_server_goes_when_the_python_that_started_it_dies(tmp_path):
     else:
         os.kill(pid, 9)
         pytest.fail("the orphaned server was still running 15 s after its parent died")
+
+
+def test_a_failure_mid_stream_is_an_error_event_and_the_stream_still_ends():
+    """After the 200 and the first chunks, a failure can only be told inside the stream: one
+    ``data: {"error": ...}`` event, then ``[DONE]``; the openai client raises it as an APIError."""
+    from labsupport.serve.app import create_app
+    from labsupport.serve.engine import GenerationRequest, RequestHandle, TokenOut
+
+    class Failing:  # a back end whose model fails after one token
+        model_name, context_tokens, max_tokens_limit, description = "failing", 64, 8, "fails"
+
+        def prepare(self, prompt, max_tokens, temperature, seed, timeline):
+            return GenerationRequest([1, 2], max_tokens, temperature, seed, timeline)
+
+        def submit(self, request):
+            handle = RequestHandle(request)
+            handle.outputs.put_nowait(TokenOut(0, 5, "a"))
+            handle.outputs.put_nowait(RuntimeError("the model broke"))
+            return handle
+
+        def stats(self):
+            return {}
+
+        def timeline(self, request_id):
+            return None
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+    app = create_app(Failing())
+    body = {"model": "failing", "prompt": "x", "max_tokens": 4, "stream": True}
+
+    async def drive():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # as uvicorn: log, answer 500
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            streamed = await c.post("/v1/completions", json=body)
+            whole = await c.post("/v1/completions", json={**body, "stream": False})
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0,
+                                    http_client=httpx.AsyncClient(transport=transport))
+        with pytest.raises(openai.APIError, match="model broke"):
+            async for _ in await client.completions.create(model="failing", prompt="x", max_tokens=4, stream=True):
+                pass
+        await client.close()
+        return streamed, whole
+
+    streamed, whole = asyncio.run(drive())
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[1])["error"]["type"] == "server_error" and "model broke" in events[1]
+    assert whole.status_code == 500 and "model broke" in whole.json()["error"]["message"]
+
+
+# --- installing the server's packages where they are missing (a fresh Colab runtime) ---------------
+
+
+def test_install_missing_installs_nothing_where_all_are_there(monkeypatch):
+    from labsupport.serve import process
+
+    monkeypatch.setattr(process.subprocess, "run", lambda *a, **k: pytest.fail("pip ran with nothing missing"))
+    assert process.install_missing() == []
+
+
+def test_install_missing_pins_torch_and_numpy_as_constraints(monkeypatch, capsys):
+    from labsupport.serve import process
+
+    seen = {}
+
+    def fake_pip(command, **_):
+        seen["command"] = command
+        seen["constraints"] = open(command[command.index("-c") + 1]).read().split()
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(process.subprocess, "run", fake_pip)
+    wanted = {"json": "json-is-there", "no_such_module_here": "no-such-package>=1"}
+    assert process.install_missing(wanted) == ["no-such-package>=1"]
+    assert seen["command"][:4] == [sys.executable, "-m", "pip", "install"] and seen["command"][-1] == "no-such-package>=1"
+    import numpy
+    import torch
+
+    assert f"torch=={torch.__version__}" in seen["constraints"] and f"numpy=={numpy.__version__}" in seen["constraints"]
+    assert "held as they are" in capsys.readouterr().out
+    monkeypatch.setattr(process.subprocess, "run",
+                        lambda command, **_: subprocess.CompletedProcess(command, 1, "", "no network"))
+    with pytest.raises(RuntimeError, match="no network"):
+        process.install_missing(wanted)
+
+
+def test_server_packages_are_the_serve_extra_of_pyproject():
+    import pathlib
+
+    from labsupport.serve.process import SERVER_PACKAGES
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert sorted(pyproject["project"]["optional-dependencies"]["serve"]) == sorted(SERVER_PACKAGES.values())

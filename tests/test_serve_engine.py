@@ -60,6 +60,9 @@ def test_cancelling_frees_the_slot_of_a_running_and_of_a_queued_request(engine):
         first = await handles[0].__anext__()  # the first request is running
         handles[0].cancel()  # stops at its next step
         handles[2].cancel()  # never leaves the queue
+        stats = engine.stats()  # the queued request's slot is free at once, not when its turn comes
+        assert stats["slots_used"] == 2 and stats["queued"] == 1
+        engine.submit(engine.prepare("takes the freed slot", max_tokens=2)).cancel()
         results = await asyncio.gather(*(_collect(h) for h in handles))
         return first, results
 
@@ -69,9 +72,9 @@ def test_cancelling_frees_the_slot_of_a_running_and_of_a_queued_request(engine):
     stats = engine.stats()
     assert stats["slots_used"] == 0 and stats["running"] == 0
     events = {}
-    for tl in list(engine._timelines.values())[-3:]:
+    for tl in list(engine._timelines.values())[-4:]:
         events[tl.outcome.split()[0]] = events.get(tl.outcome.split()[0], 0) + 1
-    assert events == {"cancelled": 2, "completed": 1}
+    assert events == {"cancelled": 3, "completed": 1}
 
 
 @pytest.mark.parametrize("prompt, max_tokens, param", [

@@ -10,11 +10,12 @@ decoder with **random weights**, so its text is meaningless) and the course toke
   chapter's first-in, first-out scheduler, the model worker, and each request's stage timestamps.
 * :mod:`~labsupport.serve.cli`: the command line (``--port 0`` picks a free port and prints it).
 * :mod:`~labsupport.serve.process`: :class:`ServerProcess` (and :func:`start_server`), which starts the server in the
-  background for a lab or a test, waits for ``/health`` and stops it.
+  background for a lab or a test, waits for ``/health`` and stops it; :func:`install_missing`, which
+  installs fastapi, uvicorn and openai where they are missing (a fresh Colab runtime).
 
 Importing this package imports only :mod:`~labsupport.serve.process` (no web framework, no model).
 """
 
-from .process import ServerFailed, ServerProcess, start_server
+from .process import ServerFailed, ServerProcess, install_missing, start_server
 
-__all__ = ["ServerFailed", "ServerProcess", "start_server"]
+__all__ = ["ServerFailed", "ServerProcess", "install_missing", "start_server"]

@@ -11,7 +11,17 @@ Endpoints:
   of a recent request (see :mod:`labsupport.serve.engine`).
 
 Bad input gets an HTTP 4xx with OpenAI's error body,
-``{"error": {"message", "type", "param", "code"}}``, and the server goes on serving.
+``{"error": {"message", "type", "param", "code"}}``, and the server goes on serving. A failure
+after a stream has started cannot change the HTTP status any more: it arrives as one last event
+``data: {"error": {...}}`` before ``data: [DONE]`` (as vLLM does), which the ``openai`` client
+raises as an ``APIError``.
+
+Where this server departs from OpenAI's API (on purpose, and said here so no client is surprised):
+``temperature`` defaults to 0 (greedy, reproducible) where OpenAI's and vLLM's default is 1;
+``max_tokens`` defaults to 16 as in OpenAI's API (vLLM's default is the rest of the context);
+one prompt per request; the parameters in :data:`UNSUPPORTED` are refused, not ignored; and a full
+server answers HTTP 429, which the ``openai`` client retries by default (``max_retries=2``).
+A parameter sent as ``null`` means its default, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ def _parse(body: dict, backend: Backend) -> dict:
     """Validate a completions request; raise InvalidRequest naming the parameter at fault."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}  # null means "the default", as in OpenAI's API
     model = body.get("model")
     if model is None:
         raise InvalidRequest("you must provide a model parameter", "model", "missing_required_parameter")
@@ -61,7 +72,7 @@ def _parse(body: dict, backend: Backend) -> dict:
             f"The model `{model}` does not exist. This server serves `{backend.model_name}` (GET /v1/models).",
             "model", "model_not_found", status=404,
         )
-    if "prompt" not in body or body["prompt"] is None:
+    if "prompt" not in body:
         raise InvalidRequest("you must provide a prompt parameter", "prompt", "missing_required_parameter")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -93,14 +104,16 @@ def _parse(body: dict, backend: Backend) -> dict:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidRequest(f"seed must be an integer, got {seed!r}", "seed")
     for name, default in UNSUPPORTED.items():
-        if name in body and body[name] != default and body[name] is not None:
+        if name in body and body[name] != default and not (name == "stop" and body[name] == []):
             raise InvalidRequest(f"{name} is not supported by the course server (leave it out)", name)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options", {})
     if not isinstance(options, dict):
         raise InvalidRequest("stream_options must be an object", "stream_options")
+    if options and not stream:
+        raise InvalidRequest("stream_options can only be set when stream is true", "stream_options")
     return {
         "prompt": prompt, "max_tokens": max_tokens, "temperature": float(temperature), "seed": seed,
         "stream": stream, "include_usage": bool(options.get("include_usage", False)),
@@ -181,22 +194,29 @@ def create_app(backend: Backend) -> FastAPI:
             return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                     "total_tokens": n_prompt + n_completion}
 
-        def chunk(choices: list, **extra) -> str:
+        def chunk(choices: list, usage_: dict | None = None) -> str:
             payload = {"id": rid, "object": "text_completion", "created": created,
-                       "model": backend.model_name, "choices": choices, **extra}
+                       "model": backend.model_name, "choices": choices, "usage": usage_}
             return f"data: {json.dumps(payload)}\n\n"
 
         if params["stream"]:
             async def events():
                 produced = 0
                 try:
-                    async for out in handle:
-                        produced += 1
-                        timeline.mark("chunk_sent", out.index)
-                        yield chunk([{"text": out.text, "index": 0, "logprobs": None,
-                                      "finish_reason": out.finish_reason}])
-                    if params["include_usage"]:
-                        yield chunk([], usage=usage(produced))
+                    try:
+                        async for out in handle:
+                            produced += 1
+                            timeline.mark("chunk_sent", out.index)
+                            # usage is null on every token chunk (OpenAI's stream format); the counts
+                            # come in a last chunk with no choices when the request asks for them
+                            yield chunk([{"text": out.text, "index": 0, "logprobs": None,
+                                          "finish_reason": out.finish_reason}])
+                        if params["include_usage"]:
+                            yield chunk([], usage(produced))
+                    except Exception as exc:  # the status line has gone: say so in the stream itself
+                        failure = error_body(f"the server failed on this request: {type(exc).__name__}: {exc}",
+                                             "server_error")
+                        yield f"data: {json.dumps(failure)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:  # also when the client disconnects: the stream is cancelled, the slot freed
                     handle.cancel()

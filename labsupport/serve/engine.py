@@ -102,15 +102,19 @@ class RequestHandle:
     """What ``submit`` returns: iterate it (``async for out in handle``) for the tokens;
     ``cancel()`` frees the request's slot, whether it is queued or generating."""
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, on_cancel=None):
         self.request = request
         self.outputs: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
-        self.done = False
+        self.done = False  # the consumer has read the end of the stream
+        self.finished = False  # the engine has finished with it (completed, cancelled or failed)
+        self._on_cancel = on_cancel
 
     def cancel(self) -> None:
-        if not self.done:
+        if not self.done and not self.finished:
             self.cancelled = True
+            if self._on_cancel is not None:
+                self._on_cancel(self)
 
     def __aiter__(self):
         return self
@@ -230,7 +234,7 @@ class FifoEngine:
                 f"the server is full: {self.max_requests} requests are already queued or running. Retry later.",
                 None, "server_full", status=429,
             )
-        handle = RequestHandle(request)
+        handle = RequestHandle(request, on_cancel=self._cancel)
         self._remember(request.timeline)
         self._active.add(handle)
         request.timeline.mark("queued")
@@ -266,6 +270,11 @@ class FifoEngine:
 
     # -- the scheduler and the model worker --
 
+    def _cancel(self, handle: RequestHandle) -> None:
+        """A queued request leaves at once, freeing its slot; a running one stops at its next step."""
+        if handle is not self._running and handle in self._active:
+            self._finish(handle, "cancelled while queued")
+
     def _remember(self, timeline: Timeline) -> None:
         self._timelines[timeline.request_id] = timeline
         while len(self._timelines) > TIMELINES_KEPT:
@@ -275,8 +284,7 @@ class FifoEngine:
         while True:
             handle = await self._queue.get()
             timeline = handle.request.timeline
-            if handle.cancelled:  # dropped while it waited
-                self._finish(handle, "cancelled while queued")
+            if handle.finished:  # cancelled while it waited: its slot is already free
                 continue
             timeline.mark("scheduled")
             self._running = handle
@@ -289,6 +297,7 @@ class FifoEngine:
                 self._running = None
 
     def _finish(self, handle: RequestHandle, outcome: str) -> None:
+        handle.finished = True
         handle.request.timeline.outcome = outcome
         handle.request.timeline.mark("finished")
         self._active.discard(handle)

@@ -11,21 +11,69 @@ that Python is killed outright::
 
 In a notebook, ``server = ServerProcess().start()`` then ``server.stop()`` in the last cell; if
 Run All stops early, the server still goes when the kernel shuts down or restarts.
+
+:func:`install_missing` pip-installs the server's own packages (fastapi, uvicorn, openai) where they
+are missing, as on a fresh Colab runtime, with the installed torch, triton and numpy pinned so pip
+can never replace them.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 
 LISTENING = "labsupport.serve: listening on"  # the line the server prints once its socket is bound
+
+
+#: What the server and lab 03's client need beyond the course's own dependencies: the ``serve``
+#: extra of pyproject.toml (a test keeps the two the same).
+SERVER_PACKAGES = {"fastapi": "fastapi>=0.110", "uvicorn": "uvicorn>=0.30", "openai": "openai>=1.40"}
+PINNED = ("torch", "triton", "numpy")  # what an install must never replace (Colab's builds)
+
+
+def install_missing(packages: dict[str, str] | None = None) -> list[str]:
+    """pip-install those of ``packages`` (module name -> requirement; default
+    :data:`SERVER_PACKAGES`) that this Python cannot import, and return their requirements.
+
+    Nothing happens where they are all installed (``make lab``, ``pip install "labsupport[serve]"``).
+    The versions of torch, triton and numpy installed now are passed to pip as constraints, so an
+    install that would replace one fails instead of changing them."""
+    packages = SERVER_PACKAGES if packages is None else packages
+    missing = [req for module, req in packages.items() if importlib.util.find_spec(module) is None]
+    if not missing:
+        return []
+    pins = []
+    for name in PINNED:
+        try:
+            pins.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    print(f"installing {', '.join(missing)} (the course server's packages; {', '.join(pins) or 'nothing'} "
+          f"held as they are)", flush=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
+        constraints.write("\n".join(pins) + "\n")
+    try:
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", constraints.name, *missing],
+                             capture_output=True, text=True)
+    finally:
+        os.unlink(constraints.name)
+    if pip.returncode:
+        raise RuntimeError(f"could not install {', '.join(missing)}; install them yourself "
+                           f"(pip install {' '.join(repr(m) for m in missing)}) and rerun. pip said:\n"
+                           f"{pip.stderr[-1500:]}")
+    importlib.invalidate_caches()
+    return missing
 
 
 class ServerFailed(RuntimeError):
@@ -45,7 +93,7 @@ class ServerProcess:
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
-        self.output: list[str] = []
+        self.output: collections.deque[str] = collections.deque(maxlen=500)  # its latest lines
         self._listening = threading.Event()
 
     @property
@@ -88,7 +136,7 @@ class ServerProcess:
     def _why(self, what: str) -> str:
         code = self.process.poll()
         status = f"exited with code {code}" if code is not None else f"still running after {self.startup_timeout_s:g} s"
-        log = "\n".join(self.output[-30:]) or "(no output)"
+        log = "\n".join(list(self.output)[-30:]) or "(no output)"
         return f"the course server {what} ({status}). Its output:\n{log}"
 
     def _healthy(self) -> bool:
