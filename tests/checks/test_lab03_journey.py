@@ -113,7 +113,7 @@ def test_metrics_refuses_the_course_answer():
 
 def ref_percentile(values, p):
     data = sorted(values)
-    return data[max(1, math.ceil(p / 100 * len(data))) - 1]
+    return data[max(1, math.ceil(p * len(data) / 100)) - 1]
 
 
 def test_percentile_references_pass(capsys):
@@ -130,7 +130,9 @@ PERCENTILE_MUTANTS = {
     "0-based rank": (lambda v, p: sorted(v)[min(len(v) - 1, math.ceil(p / 100 * len(v)))], "0-based index"),
     "unsorted": (lambda v, p: v[max(1, math.ceil(p / 100 * len(v))) - 1], "not sorted"),
     "the mean": (lambda v, p: sum(v) / len(v), "mean"),
-    "p = 0 not handled": (lambda v, p: sorted(v)[math.ceil(p / 100 * len(v)) - 1], "p0"),
+    "p = 0 not handled": (lambda v, p: sorted(v)[math.ceil(p * len(v) / 100) - 1], "p0"),
+    "numpy's nearest method (rounds half to even)": (
+        lambda v, p: float(np.percentile(v, p, method="nearest")), r"the p\d+ is .*, expected"),
 }
 
 
