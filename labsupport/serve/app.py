@@ -17,9 +17,9 @@ after a stream has started cannot change the HTTP status any more: it arrives as
 raises as an ``APIError``.
 
 Where this server departs from OpenAI's API (on purpose, and said here so no client is surprised):
-``temperature`` defaults to 0 (greedy, reproducible) where OpenAI's and vLLM's default is 1;
-``max_tokens`` defaults to 16 as in OpenAI's API (vLLM's default is the rest of the context);
-one prompt per request; the parameters in :data:`UNSUPPORTED` are refused, not ignored; and a full
+``temperature`` defaults to 0 (greedy, reproducible) where OpenAI's default is 1 (vLLM's, the
+model's generation config, else 1); sampling without a ``seed`` uses the server's seed, so it repeats;
+``max_tokens`` defaults to 16, as in OpenAI's and vLLM's completions; one prompt per request; the parameters in :data:`UNSUPPORTED` are refused, not ignored; and a full
 server answers HTTP 429, which the ``openai`` client retries by default (``max_retries=2``).
 A parameter sent as ``null`` means its default, as in OpenAI's API.
 """
