@@ -138,7 +138,10 @@ fig.tight_layout()
 # ### Exercise 1: latency metrics
 #
 # Complete `latency_metrics(sent_s, token_times_s)`: return a dict with keys `"ttft"`, `"tpot"`,
-# `"itl"` (a list) and `"e2e"`, all in seconds.
+# `"itl"` (a list) and `"e2e"`, all in seconds. `sent_s` is one number, `token_times_s` a list of
+# `n >= 1` arrival times on the same clock, in order. For example, sent at `1.0` with tokens at
+# `[1.2, 1.25, 1.35]`: TTFT 0.2, E2E 0.35, ITL `[0.05, 0.1]` and TPOT 0.075 (up to rounding);
+# with the one token `[1.2]`: ITL `[]` and TPOT `None`.
 
 # %%
 def latency_metrics(sent_s, token_times_s):
@@ -188,7 +191,9 @@ for part, seconds in parts.items():
 # always one of the measured values. (NumPy's default, `np.percentile(values, p)`, interpolates
 # between two values instead; with few samples the two differ.)
 #
-# Complete `percentile(values, p)`.
+# Complete `percentile(values, p)`: `values` a non-empty list of numbers in any order, `p` from 0
+# to 100. For example, `percentile([0.3, 0.1, 0.5, 0.2, 0.4], 90)` is the 5th smallest
+# (`ceil(4.5) = 5`), `0.5`; with `p = 50` it is the 3rd smallest, `0.3`.
 
 # %%
 def percentile(values, p):
