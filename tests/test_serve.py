@@ -233,6 +233,27 @@ def test_dropped_streams_free_their_slots(server, http):
     assert wait_idle(server)["slots_used"] == 0
 
 
+def test_a_burst_beyond_the_slots_gets_429s_and_every_admitted_request_is_served(server):
+    """Many requests at once: each is either served (200) or refused at once as full (429, OpenAI's
+    error body); nothing else goes wrong, and the server ends idle and still serving."""
+    wait_idle(server)
+    statuses = []
+
+    def send(i):
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL_NAME, "prompt": f"burst {i}", "max_tokens": 8, "stream": i % 2 == 0})
+        statuses.append((r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None))
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(statuses) == 16 and set(statuses) <= {(200, None), (429, "server_full")}
+    assert statuses.count((200, None)) >= SLOTS
+    assert wait_idle(server)["slots_used"] == 0
+
+
 def test_requests_are_served_one_at_a_time_first_in_first_out(server, client):
     wait_idle(server)
     ids = [None] * SLOTS
