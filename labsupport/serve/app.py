@@ -199,9 +199,17 @@ def create_app(backend: Backend) -> FastAPI:
                        "model": backend.model_name, "choices": choices, "usage": usage_}
             return f"data: {json.dumps(payload)}\n\n"
 
+        async def watch_disconnect() -> None:
+            """Cancel the request when its client goes away, whether it waits in the queue (no
+            byte sent yet) or generates: independent of how the web stack reports disconnects."""
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.1)
+            handle.cancel()
+
         if params["stream"]:
             async def events():
                 produced = 0
+                watcher = asyncio.create_task(watch_disconnect())
                 try:
                     try:
                         async for out in handle:
@@ -219,15 +227,11 @@ def create_app(backend: Backend) -> FastAPI:
                         yield f"data: {json.dumps(failure)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:  # also when the client disconnects: the stream is cancelled, the slot freed
+                    watcher.cancel()
                     handle.cancel()
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-
-        async def watch_disconnect() -> None:  # a client that gives up on a whole answer frees its slot too
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.1)
-            handle.cancel()
 
         watcher = asyncio.create_task(watch_disconnect())
         pieces, finish = [], None
