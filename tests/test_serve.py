@@ -437,3 +437,56 @@ def test_server_packages_are_the_serve_extra_of_pyproject():
 
     pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert sorted(pyproject["project"]["optional-dependencies"]["serve"]) == sorted(SERVER_PACKAGES.values())
+
+
+def test_dropped_streams_free_their_slots_under_asgi_2_4():
+    """From ASGI 2.4 on, Starlette stops listening for a streaming client's disconnect and learns
+    of it only when a send fails, which a queued stream never tries: the server must notice
+    itself. Served in-process by uvicorn, with the scope claiming spec 2.4."""
+    import socket
+
+    import uvicorn
+
+    from labsupport.serve.app import create_app
+    from labsupport.serve.engine import FifoEngine
+
+    app = create_app(FifoEngine(max_requests=2, max_tokens_limit=400))
+
+    async def asgi_2_4(scope, receive, send):
+        if scope["type"] == "http":
+            scope = dict(scope, asgi={**scope.get("asgi", {}), "spec_version": "2.4"})
+        await app(scope, receive, send)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    uv = uvicorn.Server(uvicorn.Config(asgi_2_4, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+        def health():
+            return httpx.get(url + "/health").json()
+
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 400, "stream": True}
+        opened = []
+        for _ in range(2):
+            c = httpx.Client(base_url=url, timeout=30)
+            opened.append((c, c.send(c.build_request("POST", "/v1/completions", json=body), stream=True)))
+        lines = opened[0][1].iter_lines()
+        next(line for line in lines if line)  # the first is generating, the second queued
+        assert health()["slots_used"] == 2
+        for c, r in reversed(opened):  # the queued one goes first, then the running one
+            r.close()
+            c.close()
+        deadline = time.monotonic() + 10
+        while health()["slots_used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        final = health()
+        assert final["slots_used"] == 0 and final["cancelled"] == 2 and final["served"] == 0
+    finally:
+        uv.should_exit = True
+        thread.join(10)
