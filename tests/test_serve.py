@@ -5,6 +5,7 @@ health, every bad input the issue names, a stream dropped mid-way, FIFO order an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -385,7 +386,9 @@ def test_a_failure_mid_stream_is_an_error_event_and_the_stream_still_ends():
         await client.close()
         return streamed, whole
 
-    streamed, whole = asyncio.run(drive())
+    # a fresh thread: other tests in this worker may leave an event loop marked running in this one
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        streamed, whole = pool.submit(asyncio.run, drive()).result()
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert streamed.status_code == 200 and events[-1] == "[DONE]"
     assert json.loads(events[0])["choices"][0]["text"] == "a"
