@@ -18,8 +18,9 @@ The functions a learner writes, and how the checks call them (conventions in
   N not a multiple of any tile, per channel and per group, float32 and float16 (bfloat16 as well
   on a GPU with compute capability 8.0), one square case (so a scale applied along K is named),
   and one case whose partial sums grow large and cancel (an fp16 accumulator loses the answer).
-  A Triton kernel launched by the function must write the result; torch's matmuls are refused,
-  and so is a float tensor as large as ``W`` (the weights are dequantised in registers).
+  A Triton kernel launched by the function must write the result and receive ``w_q``; torch's
+  matmuls are refused, and so are a float tensor as large as ``W`` and any torch call that makes
+  floats from the codes, whole or a slice at a time (the weights are dequantised in registers).
 """
 
 from __future__ import annotations
@@ -260,6 +261,71 @@ def check_dequantize_groupwise(fn, checker):
 # --- the checks: the int8 matmul kernel -------------------------------------------------------------
 
 
+class _weights_in_torch:
+    """Context manager watching torch while the learner's function runs: it records the first torch
+    call that makes floats out of the int8 codes ``w_q``, or out of an integer tensor derived from
+    them (a slice, a copy, a view), and any call that hands the codes to Python or NumPy
+    (``.tolist()``, ``.numpy()``, ``.item()``). Dequantising ``W`` in torch, whole or a chunk at a
+    time, and computing ``y`` in torch for a kernel to copy all go through such a call.
+    ``used`` is None or ``(function name, dtype, shape)``; ``received`` says whether a tensor
+    holding the codes was passed to a Triton launch (checked with :class:`triton_launches`)."""
+
+    LEAKS = ("tolist", "numpy", "item", "__array__", "__int__", "__float__", "__index__")
+
+    def __init__(self, w_q: torch.Tensor):
+        from torch.overrides import TorchFunctionMode
+
+        self.codes = {_storage_of(w_q)}
+        self.used: tuple[str, str, tuple] | None = None
+        watch = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                result = func(*args, **kwargs)
+                if watch.used is None and any(_storage_of(t) in watch.codes for t in _tensors_in((args, kwargs))):
+                    name = getattr(func, "__name__", str(func))
+                    outputs = list(_tensors_in(result))
+                    if name in watch.LEAKS:
+                        watch.used = (name, "Python or NumPy values", ())
+                    for t in outputs:
+                        if t.is_floating_point() or t.is_complex():
+                            watch.used = (name, str(t.dtype).replace("torch.", ""), tuple(t.shape))
+                            break
+                        watch.codes.add(_storage_of(t))
+                return result
+
+        self.mode = Mode()
+
+    def received(self, launches: triton_launches) -> bool:
+        return launches.count is None or bool(self.codes & launches.storages)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _storage_of(t) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage
+        return None
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+
+
 def _gpu_compiles() -> bool:
     return cuda_available() and not interpreter_mode()
 
@@ -368,7 +434,7 @@ def check_int8_matmul(fn, checker):
         def watched(*args):
             return peak_tensor_memory(fn, *args)
 
-        with triton_launches() as launches, torch_calls(MATMULS) as calls:
+        with triton_launches() as launches, torch_calls(MATMULS) as calls, _weights_in_torch(w_q) as codes:
             y, report = checker.call(watched, x, w_q, scales, case=case)
         if not all(torch.equal(t, b) for t, b in zip((x, w_q, scales), before)):
             checker.fail(case, "your function changed x, w_q or scales.", "never write into the inputs.")
@@ -390,3 +456,14 @@ def check_int8_matmul(fn, checker):
                                f"({report.largest_numel:,} numbers, as many as W has weights).",
                          "the weights stay int8 in memory: the kernel loads int8 tiles and dequantises them in "
                          "registers. Dequantising W in torch first moves four times the bytes.")
+        if codes.used is not None:
+            name, dtype, shape = codes.used
+            made = f"a {dtype} tensor of shape {shape}" if shape or dtype != "Python or NumPy values" else dtype
+            checker.fail(case, f"your function computed with the int8 weights in torch: `{name}` made {made} "
+                               f"from w_q (dequantising W in torch, even a slice at a time, or computing y in "
+                               f"torch for a kernel to copy).",
+                         "pass w_q to your kernel as it is; the kernel loads int8 tiles, converts and scales them "
+                         "in registers, and multiplies them there.")
+        if not codes.received(launches):
+            checker.fail(case, "no Triton kernel you launched received w_q (or a tensor holding its codes).",
+                         TRITON_HINT)
