@@ -183,8 +183,12 @@ def _check_codes(checker, case, w, bits, group, codes, want_packed, scales):
     want = _codes_of(bits, want_packed).float()
     if bool((got.abs() > qmax(bits)).any()):
         idx = tuple(int(i) for i in (got.abs() > qmax(bits)).nonzero()[0])
-        checker.fail(case, f"code {idx} is {got[idx].item():.0f}, outside the symmetric range +-{qmax(bits)}.",
-                     f"clamp the rounded codes to [-{qmax(bits)}, {qmax(bits)}].")
+        problem = f"code {idx} is {got[idx].item():.0f}, outside the symmetric range +-{qmax(bits)}."
+        offset = (unpack_int4(codes).to(torch.int16) & 0xF) - 8 if bits == 4 else None
+        if offset is not None and torch.equal(offset.float(), want):
+            problem += ("\nYour bytes hold code + 8 (unsigned, as llama.cpp's Q4_0 stores them); this lab stores "
+                        "each code as a 4-bit two's complement (-1 is 0xF, -7 is 0x9).")
+        checker.fail(case, problem, f"clamp the rounded codes to [-{qmax(bits)}, {qmax(bits)}].")
     ratio = (w.float().reshape(n, k // group, group)
              / torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]).reshape(n, k)
     near_tie = ((ratio - ratio.floor()) - 0.5).abs() < TIE
@@ -252,6 +256,10 @@ def check_dequantize_groupwise(fn, checker):
                 scales[0, 0] = 0.25
             want = dequantize_groupwise(codes, scales, bits, group)
             result = checker.call(fn, codes.clone(), scales.clone(), bits=bits, group_size=group, case=case)
+            if isinstance(result, torch.Tensor) and result.dtype != torch.float32:
+                checker.fail(case, f"the dequantised weights are {str(result.dtype).replace('torch.', '')}, "
+                                   f"expected float32 (the lab's convention, whatever dtype w had).",
+                             "return codes.float() * the scales, as float32.")
             checker.expect_tensor(result, want, case=case, atol=0.0, rtol=1e-6, what="dequantised weights",
                                   mistakes=_dequant_mistakes(codes, scales, bits, group),
                                   hint="w[n, k] = code[n, k] * scales[n, k // group_size]; int4: unpack both "

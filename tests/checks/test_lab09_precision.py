@@ -65,6 +65,21 @@ def quantize_unpacked_int4(w, bits=8, group_size=128):
     return (Q.unpack_int4(codes) if bits == 4 else codes), scales  # int4: one code per byte, not packed
 
 
+def quantize_offset_binary(w, bits=8, group_size=128):
+    """int4 stored as code + 8 in each nibble (llama.cpp's Q4_0 convention), not two's complement."""
+    codes, scales = quantize(w, bits, group_size)
+    if bits == 4:
+        u = Q.unpack_int4(codes).to(torch.int16) + 8
+        codes = (u[:, 0::2] | (u[:, 1::2] << 4)).to(torch.uint8)
+    return codes, scales
+
+
+def quantize_groups_in_column_order(w, bits=8, group_size=128):
+    """Groups taken from W in column-major order (w.T's memory) instead of along each row."""
+    n, k = w.shape
+    return quantize(w.T.contiguous().reshape(n, k), bits, group_size)
+
+
 def quantize_stub(w, bits=8, group_size=128):
     raise NotImplementedError("Exercise: quantise w")
 
@@ -78,6 +93,8 @@ QUANT_MUTANTS = {
     "scales_in_fp16": (quantize_mutant(scale_dtype=torch.float16), "expected float32"),
     "nan_scale_for_zero_group": (quantize_nan_for_zero_groups, "all-zero group"),
     "int4_not_packed": (quantize_unpacked_int4, "expected uint8"),
+    "int4_offset_binary": (quantize_offset_binary, "code + 8"),
+    "groups_in_column_order": (quantize_groups_in_column_order, "the scales is wrong"),
     "stub": (quantize_stub, "NotImplementedError"),
 }
 
@@ -124,6 +141,10 @@ def dequantize_mutant(**mistake):
     return lambda codes, scales, bits=8, group_size=128: dequantize(codes, scales, bits, group_size, **mistake)
 
 
+def dequantize_in_float16(codes, scales, bits=8, group_size=128):
+    return dequantize(codes, scales, bits, group_size).half()
+
+
 def dequantize_stub(codes, scales, bits=8, group_size=128):
     raise NotImplementedError("Exercise: dequantise")
 
@@ -132,6 +153,7 @@ DEQUANT_MUTANTS = {
     "nibbles_swapped": (dequantize_mutant(swap_nibbles=True), "nibbles are swapped"),
     "no_sign_extension": (dequantize_mutant(sign_extend=False), "not sign-extended"),
     "wrong_group_index": (dequantize_mutant(wrong_group=True), "k % G"),
+    "returns_float16": (dequantize_in_float16, "expected float32 (the lab's convention"),
     "stub": (dequantize_stub, "NotImplementedError"),
 }
 
