@@ -6,8 +6,13 @@ Chapter 09 explains them. Every figure is read from torch where torch has the fo
 definitions (:data:`TF32` and :data:`INT4`), and the table says so.
 
 Conventions: ``max`` is the largest finite value; ``smallest_normal`` the smallest positive normal
-value; ``eps`` the spacing between 1 and the next representable value (for the integer formats,
-the spacing is 1); ``mantissa_bits`` counts the stored fraction bits, not the implicit leading 1.
+value; ``eps`` is ``torch.finfo``'s: the gap between 1 and the next larger representable value,
+``2**-mantissa_bits``, which is also the spacing (one ulp) of every number in ``[1, 2)``; round to
+nearest errs by at most half of it relative to the value (the "unit roundoff", ``eps / 2``). For
+the integer formats the spacing is 1. ``mantissa_bits`` counts the stored fraction bits, not the
+implicit leading 1. ``has_inf`` says whether the format can hold an infinity, read from torch by
+casting ``inf`` (``float8_e4m3fn`` cannot: "fn" is finite, with NaN, which is how it reaches 448
+instead of the 240 an IEEE-style E4M3 would).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class NumberFormat:
     smallest_normal: float  # smallest positive normal (1 for integers)
     eps: float  # spacing just above 1 (1 for integers)
     source: str  # where the figures come from
+    has_inf: bool = True  # can hold +-infinity (False for float8_e4m3fn and the integers)
 
     @property
     def relative_rounding_error(self) -> float:
@@ -44,13 +50,15 @@ class NumberFormat:
 def _float_format(name: str, dtype: torch.dtype) -> NumberFormat:
     info = torch.finfo(dtype)
     mantissa = round(-torch.log2(torch.tensor(info.eps, dtype=torch.float64)).item())
+    has_inf = bool(torch.isinf(torch.tensor([float("inf")]).to(dtype).float()).item())
     return NumberFormat(name, info.bits, info.bits - 1 - mantissa, mantissa, float(info.max), float(info.min),
-                        float(info.smallest_normal), float(info.eps), f"torch.finfo({dtype})")
+                        float(info.smallest_normal), float(info.eps), f"torch.finfo({dtype})", has_inf)
 
 
 def _int_format(name: str, dtype: torch.dtype) -> NumberFormat:
     info = torch.iinfo(dtype)
-    return NumberFormat(name, info.bits, 0, 0, float(info.max), float(info.min), 1.0, 1.0, f"torch.iinfo({dtype})")
+    return NumberFormat(name, info.bits, 0, 0, float(info.max), float(info.min), 1.0, 1.0, f"torch.iinfo({dtype})",
+                        has_inf=False)
 
 
 def _tf32() -> NumberFormat:
@@ -67,7 +75,7 @@ def _int4() -> NumberFormat:
     """Signed 4-bit two's complement, -8 to 7. Not a torch dtype: computed from that definition."""
     bits = 4
     return NumberFormat("int4", bits, 0, 0, float(2 ** (bits - 1) - 1), float(-(2 ** (bits - 1))), 1.0, 1.0,
-                        "computed: 4-bit two's complement")
+                        "computed: 4-bit two's complement", has_inf=False)
 
 
 TF32 = _tf32()
@@ -100,15 +108,24 @@ def get_format(name: str) -> NumberFormat:
 
 def format_table_markdown() -> str:
     """The formats as a Markdown table (the book glues it)."""
-    lines = ["| format | bits | exponent | mantissa | largest | smallest normal | spacing at 1 | from |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| format | bits | exponent | mantissa | largest | smallest normal | spacing at 1 (eps) | infinities "
+             "| from |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in number_formats():
+        inf = "yes" if f.has_inf else "no"
         if f.is_float:
-            lines.append(f"| {f.name} | {f.bits} | {f.exponent_bits} | {f.mantissa_bits} | {f.max:.4g} "
-                         f"| {f.smallest_normal:.3g} | {f.eps:.3g} | {f.source} |")
+            lines.append(f"| {f.name} | {f.bits} | {f.exponent_bits} | {f.mantissa_bits} | {_exact(f.max)} "
+                         f"| {f.smallest_normal:.3g} | {f.eps:.3g} | {inf} | {f.source} |")
         else:
-            lines.append(f"| {f.name} | {f.bits} | - | - | {f.max:.0f} (min {f.min:.0f}) | - | 1 | {f.source} |")
+            lines.append(f"| {f.name} | {f.bits} | - | - | {f.max:.0f} (min {f.min:.0f}) | - | 1 | {inf} "
+                         f"| {f.source} |")
     return "\n".join(lines)
+
+
+def _exact(value: float) -> str:
+    """A format's largest value: exact when it is a whole number below a million (448, 57,344,
+    65,504), else four significant figures."""
+    return f"{value:,.0f}" if value < 1e6 and value == int(value) else f"{value:.4g}"
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,10 @@ Conventions (the lab states them too):
 * int8 codes are returned as an ``int8`` tensor ``(N, K)``. int4 codes are packed two to a byte in
   a ``uint8`` tensor ``(N, K // 2)``: element ``2j`` of a row in the low nibble (bits 0-3) of byte
   ``j``, element ``2j + 1`` in the high nibble (bits 4-7), each as a 4-bit two's complement
-  (``-1`` is ``0xF``), the order of GPTQ's and AWQ's packed int32 words, read a byte at a time.
+  (``-1`` is ``0xF``). Released formats differ: GPTQ packs eight unsigned codes (offset by a zero
+  point) into an int32 in this order, AWQ interleaves them (elements 0, 2, 4, 6, 1, 3, 5, 7 from
+  the low nibble up) and llama.cpp's Q4_0 stores code + 8 with elements 0-15 of a block in the
+  low nibbles and 16-31 in the high ones; a kernel must know which layout it reads.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 
 from ._answers import answer
-from ._validate import positive_int
+from ._validate import positive_int, positive_number
 
 SUPPORTED_BITS = (4, 8)
 
@@ -121,7 +124,11 @@ def fake_quantize(w: torch.Tensor, bits: int = 8, group_size: int | str = "chann
 
     ``group_size`` is a number, ``"channel"`` (one scale per row) or ``"tensor"`` (one scale for
     all of ``w``). Asymmetric quantisation maps ``[min, max]`` of each group onto ``0 .. 2**bits - 1``
-    with ``scale = (max - min) / (2**bits - 1)`` and an integer zero point ``round(-min / scale)``.
+    with ``scale = (max - min) / (2**bits - 1)`` and an integer zero point ``round(-min / scale)``,
+    so that 0.0 is exactly a code. The range is widened to include 0 first (``min <= 0 <= max``, as
+    GPTQ's quantiser does), which keeps the zero point within ``0 .. 2**bits - 1``, storable in
+    ``bits`` bits. Rounding the zero point moves the grid by up to half a step, so the error stays
+    within ``scale / 2`` at the ends of the range as inside it.
     """
     n, k = w.shape
     if group_size == "tensor":
@@ -138,7 +145,8 @@ def fake_quantize(w: torch.Tensor, bits: int = 8, group_size: int | str = "chann
         out = torch.round(g / scale).clamp(-top, top) * scale
     else:
         levels = 2**bits - 1
-        lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+        lo = g.amin(dim=-1, keepdim=True).clamp(max=0.0)  # 0 inside the range: the zero point is a code
+        hi = g.amax(dim=-1, keepdim=True).clamp(min=0.0)
         scale = (hi - lo) / levels
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         zero = torch.round(-lo / scale)
@@ -179,6 +187,31 @@ def weight_dtype_bytes_with_scales(bits: int, group_size: int, scale_dtype_bytes
     (a 16-bit scale per group of 128 adds 1/64 of a byte). Feed it to
     :func:`labsupport.costs.decode_step_bytes` as ``weight_dtype_bytes``."""
     return positive_int("bits", bits) / 8 + scale_dtype_bytes / positive_int("group_size", group_size)
+
+
+def projection_params(cfg) -> int:
+    """Weights in the projections of every block (attention's q, k, v, o and the feed-forward's
+    three matrices; biases excluded): what weight-only schemes quantise."""
+    from .models import as_model
+
+    cfg = as_model(cfg)
+    d = cfg.d_model
+    return cfg.n_layers * (2 * d * cfg.q_width + 2 * d * cfg.kv_width + 3 * d * cfg.d_ff)
+
+
+def weight_only_bytes_per_param(cfg, bits: int, group_size: int = 128, scale_dtype_bytes: float = 2,
+                                other_dtype_bytes: float = 2) -> float:
+    """Bytes per parameter, averaged over the whole model, when the projections
+    (:func:`projection_params`) are quantised to ``bits`` with a scale per ``group_size`` and
+    everything else (embedding table, output head, norms, biases) stays at ``other_dtype_bytes``,
+    as weight-only releases (GPTQ, AWQ) leave them. Feed it to
+    :func:`labsupport.costs.decode_step_bytes` as ``weight_dtype_bytes``; chapter 09 does."""
+    from .costs import param_count
+
+    total, quantised = param_count(cfg), projection_params(cfg)
+    other = positive_number("other_dtype_bytes", other_dtype_bytes)
+    per_weight = weight_dtype_bytes_with_scales(bits, group_size, scale_dtype_bytes)
+    return (quantised * per_weight + (total - quantised) * other) / total
 
 
 # --- the course model, quantised ----------------------------------------------------------------

@@ -53,3 +53,12 @@ def test_fp8_bad_input():
         NF.to_fp8(torch.ones(3), torch.float16)
     with pytest.raises(ValueError, match="unknown format"):
         NF.get_format("fp12")
+
+
+def test_infinities_and_exact_largest_values():
+    by_name = {f.name: f for f in NF.number_formats()}
+    assert not by_name["fp8 E4M3"].has_inf and by_name["fp8 E5M2"].has_inf  # "fn": finite, NaN only
+    assert by_name["bf16"].has_inf and not by_name["int4"].has_inf
+    table = NF.format_table_markdown()
+    for exact in ("| 448 |", "| 57,344 |", "| 65,504 |", "| 7 (min -8) |"):
+        assert exact in table

@@ -70,3 +70,25 @@ def test_quantised_model_leaves_the_original_alone():
     a8 = Q.output_agreement(model, q8, prompts)
     a4 = Q.output_agreement(model, Q.quantize_model_weights(model, 4, 64), prompts)
     assert 0 < a8.kl_mean < a4.kl_mean and a8.positions == 8
+
+
+def test_weight_only_bytes_leave_embeddings_and_head_in_16_bits():
+    from labsupport.costs import param_count
+    from labsupport.models import get_model
+
+    m8 = get_model("llama-3.1-8b")
+    total, proj = param_count(m8), Q.projection_params(m8)
+    # Llama 3.1 8B: 32 layers of (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) weights
+    assert proj == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    per_param = Q.weight_only_bytes_per_param(m8, 8, 128)
+    assert per_param * total == pytest.approx(proj * (1 + 2 / 128) + (total - proj) * 2)
+    assert 1 + 2 / 128 < per_param < 2  # the 16-bit embedding table and head cost more than the scales
+
+
+def test_asymmetric_zero_point_is_a_storable_code():
+    # an all-positive group: without widening the range to 0, the zero point would be negative
+    w = torch.tensor([[1.0, 1.5, 2.0, 3.0]])
+    out = Q.fake_quantize(w, 4, 4, symmetric=False)
+    step = 3.0 / 15
+    assert (out - w).abs().max() <= step / 2 + 1e-6
+    assert Q.fake_quantize(torch.tensor([[-1.0, 0.0, 0.3, 2.0]]), 4, 4, symmetric=False)[0, 1] == 0.0
