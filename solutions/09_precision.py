@@ -245,8 +245,10 @@ print(f"\nyour int4 groups of 128 on the outlier weights: {relative_error(dequan
 # * **Masks**: `M` and `N` are rarely multiples of the tiles (the batch is 1, 3, 33...). K needs
 #   none: it is a multiple of the group size, and the group size of `BLOCK_K`.
 #
-# The check refuses a result not written by your kernel, torch matmuls, and a float tensor as
-# large as `W` (dequantising W in torch first would move four times the bytes). On a GPU, compiling
+# The check refuses a result not written by your kernel, torch matmuls, a float tensor as large
+# as `W`, and any torch operation that makes floats out of `w_q` (dequantising W in torch, even a
+# slice at a time, would move the weights several times instead of once). Pass `w_q` to your
+# kernel as it is. On a GPU, compiling
 # a kernel that still holds its `raise NotImplementedError` line fails with
 # `unsupported AST node type: Raise`: that only means the body is not written yet.
 #
