@@ -60,6 +60,7 @@ SHAPES = ([("8B up projection", 14336, 4096), ("8B down projection", 4096, 14336
 BATCHES = ([1, 2, 4, 8, 16, 32, 64], [1, 4])
 GROUPS = ([None, 128], [None, 128])  # None: per channel
 BOOK_BATCH = 1  # the chapter quotes batch 1, where the bytes promise nearly 2x
+BOOK_GROUP = 128  # ... with groups of 128, the scales its bytes ratio counts
 
 
 def _row(name: str, n: int, k: int, group: int | None, batch: int, dtype, device: str, quick: dict) -> dict:
@@ -176,15 +177,18 @@ def results_markdown(results: dict | None) -> str:
     return "\n".join(lines)
 
 
-def batch1_speedup(results: dict | None) -> str:
-    """The measured speedup at batch 1 (the first shape, per channel), or "not yet measured"."""
+def batch1_speedup(results: dict | None, group_size: int | None = BOOK_GROUP) -> str:
+    """The measured speedup at batch 1 on the first shape (the up projection) with ``group_size``
+    (the chapter's groups of 128; None for per channel), beside the bytes ratio of that row, or
+    "not yet measured"."""
     if results is None:
         return NOT_MEASURED
-    rows = [r for r in results["rows"] if r["batch"] == BOOK_BATCH and r["group_size"] is None]
+    rows = [r for r in results["rows"] if r["batch"] == BOOK_BATCH and r["group_size"] == group_size]
     if not rows:
         return NOT_MEASURED
     r = rows[0]
-    return f"{r['speedup']:.2f}x on {results['device']} ({results['date']})"
+    return (f"{r['speedup']:.2f}x of the {r['bytes_ratio']:.2f}x the bytes allow, {r['shape']}, on {results['device']} "
+            f"({results['date']})")
 
 
 def main(argv: list[str] | None = None) -> int:

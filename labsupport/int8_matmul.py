@@ -84,9 +84,11 @@ def int8_matmul_config(m: int, n: int, k: int, group_size: int, *, interpreter: 
     if block_k < 16:
         raise ValueError(f"group size {group_size} must be a multiple of 16 for this kernel")
     # On a GPU at small batches, narrow column blocks give more programs to stream the weights:
-    # Llama 3.1 8B's down projection (N = 4,096) is 128 programs at 32 columns, 32 at 128. A choice
-    # made without a measurement; python -m labsupport.bench_precision measures what it gives.
-    block_n = 64 if interpreter else (32 if m <= 16 else 128)
+    # Llama 3.1 8B's down projection (N = 4,096) is 128 programs at 32 columns, 32 at 128. Above 16
+    # rows, 64 columns keep a stage of tiles (x 64 x 64 and W 64 x 64 in 16 bits, 8 + 4 KiB) small
+    # enough that four stages fit the 64 KiB of shared memory of a T4 (compute capability 7.5).
+    # Choices made without a measurement; python -m labsupport.bench_precision measures what they give.
+    block_n = 32 if not interpreter and m <= 16 else 64
     return MatmulConfig(block_m, block_n, block_k, num_warps=4, num_stages=1 if interpreter else 4)
 
 

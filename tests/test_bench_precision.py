@@ -52,13 +52,18 @@ def test_a_real_run_renders_with_device_and_date(tmp_path):
     row = dict(shape="8B up projection", N=14336, K=4096, group_size=None, batch=1, int8_seconds=2e-5,
                dense_seconds=3.5e-5, int8_bytes=58_785_792, dense_bytes=117_473_280, int8_Bps=2.9e12,
                dense_Bps=3.4e12, speedup=1.75, bytes_ratio=1.998, max_error=0.0)
+    grouped = {**row, "group_size": 128, "speedup": 1.70, "bytes_ratio": 1.94}
     path = tmp_path / "gpu_precision.json"
     path.write_text(json.dumps(dict(dry_run=False, device="NVIDIA H200", date="2026-12-01 10:00 UTC",
-                                    torch="2.11", triton="3.6.0", dtype="bfloat16", checks="PASSED", rows=[row])))
+                                    torch="2.11", triton="3.6.0", dtype="bfloat16", checks="PASSED",
+                                    rows=[row, grouped])))
     results = B.load_results(path)
     text = B.results_markdown(results)
     assert "NVIDIA H200" in text and "2026-12-01" in text and "1.75x" in text
-    assert B.batch1_speedup(results).startswith("1.75x on NVIDIA H200")
+    # the book quotes groups of 128, the case its bytes ratio is computed for
+    assert B.batch1_speedup(results).startswith("1.70x of the 1.94x the bytes allow")
+    assert "on NVIDIA H200" in B.batch1_speedup(results)
+    assert B.batch1_speedup(results, group_size=None).startswith("1.75x")
 
 
 def test_a_broken_results_file_says_what_to_do(tmp_path):

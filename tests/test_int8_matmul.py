@@ -47,3 +47,13 @@ def test_config_keeps_each_k_tile_inside_one_group():
         assert group % cfg.block_k == 0 and cfg.block_m >= 16 and cfg.block_k >= 16
     with pytest.raises(ValueError, match="multiple of 16"):
         IM.int8_matmul_config(1, 64, 72, 24, interpreter=True)
+
+
+def test_gpu_tiles_compile_for_tl_dot_and_fit_small_shared_memory():
+    """tl.dot on NVIDIA needs every dimension >= 16; a stage of 16-bit x and int8 W tiles stays small."""
+    for m in (1, 3, 16, 17, 64, 200):
+        for group in (32, 128, 4096):
+            cfg = IM.int8_matmul_config(m, 4096, 4096, group, interpreter=False)
+            assert min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16
+            stage = cfg.block_m * cfg.block_k * 2 + cfg.block_k * cfg.block_n  # bytes of one pipeline stage
+            assert stage * cfg.num_stages <= 64 * 1024
