@@ -224,6 +224,11 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# Defaults of transformers' configuration classes for a field the file leaves out (transformers
+# 4.51 to 5.x: MistralConfig.num_key_value_heads = 8, Qwen2Config and Qwen3Config 32, Qwen3Config.head_dim
+# = 128; LlamaConfig derives both, as the families not listed here do).
+_HF_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+_HF_DEFAULT_HEAD_DIM = {"qwen3": 128}
 _HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
@@ -247,14 +252,19 @@ def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -
     """The :class:`ModelConfig` of a Hugging Face ``config.json`` (parsed into a dict).
 
     Reads the Llama, Mistral, Qwen2 and Qwen3 spellings: ``num_hidden_layers``, ``hidden_size``,
-    ``num_attention_heads``, ``num_key_value_heads`` (absent or null: as many as the query heads),
-    ``intermediate_size``, ``vocab_size``, ``tie_word_embeddings`` (absent: false, as all four
-    families default), ``head_dim`` (absent or null: ``hidden_size / num_attention_heads``),
+    ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
+    ``tie_word_embeddings`` (absent: false, as all four families default), ``head_dim``,
     ``rope_theta`` and ``rope_scaling`` (or transformers 5's ``rope_parameters``, which holds
     both), and the biases: ``attention_bias`` in Llama and Qwen3 puts a bias on the q, k, v *and*
     output projections; Qwen2 always has q/k/v biases and no output bias; Mistral has none. Qwen3
     adds a per-head RMSNorm on queries and keys (``qk_norm``). ``sliding_window`` (Mistral 7B
     v0.1, some Qwen2) changes neither the parameters nor the per-token cache, and is not carried.
+
+    A field the file leaves out takes the default of the family's configuration class in
+    ``transformers``, which is what transformers and vLLM build: ``num_key_value_heads`` is then as
+    many as the query heads for Llama but 8 for Mistral and 32 for Qwen2 and Qwen3, and ``head_dim``
+    is ``hidden_size / num_attention_heads`` except for Qwen3 (128). An explicit null means as many
+    as the query heads and ``hidden_size / num_attention_heads``.
 
     The family is ``model_type`` (or, when that is absent, the ``architectures`` entry). An unknown
     family, a missing or malformed field, ``mlp_bias`` true or an activation other than ``silu``
@@ -288,8 +298,19 @@ def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -
     n_heads = _hf_int(config, "num_attention_heads", "")
     d_ff = _hf_int(config, "intermediate_size", "")
     vocab = _hf_int(config, "vocab_size", "")
-    n_kv = n_heads if config.get("num_key_value_heads") is None else _hf_int(config, "num_key_value_heads", "")
-    head_dim = None if config.get("head_dim") is None else _hf_int(config, "head_dim", " or null")
+    # An absent field takes the default of the family's configuration class in transformers (what
+    # transformers and vLLM build from the file); an explicit null means "as many as the query heads"
+    # and "hidden_size / num_attention_heads".
+    if "num_key_value_heads" not in config:
+        n_kv = _HF_DEFAULT_KV_HEADS.get(family, n_heads)
+    elif config["num_key_value_heads"] is None:
+        n_kv = n_heads
+    else:
+        n_kv = _hf_int(config, "num_key_value_heads", "")
+    if "head_dim" not in config:
+        head_dim = _HF_DEFAULT_HEAD_DIM.get(family)
+    else:
+        head_dim = None if config["head_dim"] is None else _hf_int(config, "head_dim", " or null")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"from_hf_config: hidden_act is {act!r}; only 'silu' (a SwiGLU feed-forward) is modelled")

@@ -93,7 +93,8 @@ def test_family_spellings():
     qwen2 = hf_config("qwen2-7b") | {"attention_bias": False}  # Qwen2 ignores the field: biases always
     assert from_hf_config(qwen2).qkv_bias
     no_kv = {k: v for k, v in hf_config("mistral-7b-v0.1").items() if k != "num_key_value_heads"}
-    assert from_hf_config(no_kv).n_kv_heads == 32  # absent: plain multi-head attention
+    assert from_hf_config(no_kv).n_kv_heads == 8  # absent: MistralConfig's default, not the query heads
+    assert from_hf_config(no_kv | {"num_key_value_heads": None}).n_kv_heads == 32  # null: multi-head
     no_type = {k: v for k, v in hf_config("qwen3-8b").items() if k != "model_type"}
     assert from_hf_config(no_type).qk_norm  # the architectures entry names the family
     # transformers 5 writes theta and the scaling together in rope_parameters
@@ -103,6 +104,23 @@ def test_family_spellings():
     plain = {k: v for k, v in hf_config("qwen3-8b").items() if k != "rope_theta"}
     plain["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
     assert from_hf_config(plain).rope_scaling is None and from_hf_config(plain).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("name, field", [
+    ("llama-3.1-8b", "num_key_value_heads"), ("mistral-7b-v0.1", "num_key_value_heads"),
+    ("qwen3-8b", "num_key_value_heads"), ("qwen3-0.6b", "head_dim"), ("qwen2-7b", "head_dim"),
+    ("mistral-7b-v0.1", "head_dim"),
+])
+def test_an_absent_field_takes_the_default_transformers_builds(name, field):
+    """A config.json without num_key_value_heads or head_dim: the reader must build what transformers
+    (and vLLM, which reads the same config classes) builds, whose defaults differ by family
+    (Qwen3's head_dim is 128 whatever the width; Mistral's KV heads 8, Qwen's 32)."""
+    config = {k: v for k, v in hf_config(name).items() if k != field}
+    cfg = from_hf_config(config)
+    attention = hf_model(config).model.layers[0].self_attn
+    assert attention.k_proj.out_features == cfg.n_kv_heads * cfg.head_dim
+    assert attention.q_proj.out_features == cfg.n_heads * cfg.head_dim
+    assert costs.param_count(cfg) == sum(p.numel() for p in hf_model(config).parameters())
 
 
 @pytest.mark.parametrize(
