@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import random
 from collections.abc import Mapping
 
 from ..anatomy import COMPONENTS, param_count_by_component
@@ -20,6 +21,7 @@ COUNT_RULE = (
 
 
 def _cases() -> list[ModelConfig]:
+    rng = random.SystemRandom()
     return [
         get_model("tiny-2m"),  # tied
         get_model("llama-3.1-8b"),
@@ -33,7 +35,26 @@ def _cases() -> list[ModelConfig]:
         # tied, every attention projection biased, a head width narrower than d / H
         ModelConfig("all-bias-test", 2, 160, 8, 2, 416, 777, tied_embeddings=True, head_dim=16,
                     qkv_bias=True, o_bias=True),
+        # an output bias alone (in no family, but the spec counts each flag on its own)
+        ModelConfig("o-bias-only-test", 2, 64, 4, 2, 96, 300, o_bias=True),
+        # two shapes drawn afresh at every run, so a table of the answers above cannot pass
+        *(_random_config(rng, i) for i in range(2)),
     ]
+
+
+def _random_config(rng: random.Random, index: int) -> ModelConfig:
+    """A decoder shape no one has seen: random sizes, a head width that differs from d / H, and
+    random flags."""
+    kv_heads = rng.randint(1, 4)
+    heads = kv_heads * rng.randint(1, 4)
+    d_model = heads * rng.randint(4, 40)
+    head_dim = 2 * rng.randint(2, 40)
+    if head_dim * heads == d_model:
+        head_dim += 2
+    return ModelConfig(
+        f"random-shape-{index}", rng.randint(1, 9), d_model, heads, kv_heads, rng.randint(8, 999),
+        rng.randint(256, 99_999), tied_embeddings=rng.random() < 0.5, head_dim=head_dim,
+        qkv_bias=rng.random() < 0.5, o_bias=rng.random() < 0.5, qk_norm=rng.random() < 0.5)
 
 
 def _mistakes(cfg: ModelConfig) -> dict[str, dict]:
@@ -49,9 +70,10 @@ def _mistakes(cfg: ModelConfig) -> dict[str, dict]:
             count(dataclasses.replace(cfg, head_dim=None)) if cfg.d_model % cfg.n_heads == 0 else None,
         "the tied output layer is counted again (a tied model stores one table)":
             right | {"output": V * d},
+        "the output projection's bias is left out (o_bias is its own flag, whether or not qkv_bias is set)":
+            count(dataclasses.replace(cfg, o_bias=False)),
         "the q/k/v (and output) biases are left out":
             count(dataclasses.replace(cfg, qkv_bias=False, o_bias=False)),
-        "the output projection's bias is left out": count(dataclasses.replace(cfg, o_bias=False)),
         "Qwen3's q/k norms (2 * head_dim per layer) are left out": count(dataclasses.replace(cfg, qk_norm=False)),
         "the final norm (d weights after the last layer) is left out": right | {"norms": right["norms"] - d},
         "the output layer of an untied model is left out": right | {"output": 0},

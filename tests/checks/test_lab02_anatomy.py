@@ -40,7 +40,7 @@ def learner(cfg, *, kv_heads=None, head_dim=None, tied_twice=False, biases=True,
 def test_reference_and_a_spec_version_pass(capsys):
     check_param_count_by_component(reference)
     check_param_count_by_component(learner)
-    assert "PASSED check_param_count_by_component: 9 cases, 10/10 points" in capsys.readouterr().out
+    assert "PASSED check_param_count_by_component: 12 cases, 10/10 points" in capsys.readouterr().out
 
 
 MUTATIONS = {
@@ -64,6 +64,9 @@ MUTATIONS = {
                                                  - cfg.n_layers * (cfg.n_heads * cfg.head_dim - cfg.d_model)
                                                  * cfg.d_model},
                       "sized from d_model only"),
+    # an output bias counted only when the q/k/v biases are there (Llama's switch read as one flag)
+    "output bias nested under qkv_bias": (
+        lambda cfg: learner(cfg, o_bias=cfg.qkv_bias), "output projection's bias is left out"),
     # shapes of the answer
     "floats": (lambda cfg: learner(cfg, floats=True), "expected an int"),
     "a total, not a dict": (lambda cfg: sum(learner(cfg).values()), "expected a dict"),
@@ -113,3 +116,21 @@ def test_torch_is_allowed_again_after_the_check():
     with pytest.raises(CheckFailed):
         check_param_count_by_component(MUTATIONS["counts the model's numel"][0])
     assert torch.ones(2).sum().item() == 2
+
+
+def test_a_table_of_the_fixed_answers_does_not_pass():
+    """A learner who copies the expected counts from the failure messages into a table keyed by the
+    case's name (or its fields) fails on the shapes drawn afresh at every run."""
+    from labsupport.checks.lab02_anatomy import _cases
+
+    table = {cfg.name: reference(cfg) for cfg in _cases() if not cfg.name.startswith("random-")}
+    with pytest.raises(CheckFailed, match="random-shape"):
+        check_param_count_by_component(lambda cfg: table[cfg.name])
+
+
+def test_random_shapes_are_valid_and_vary():
+    from labsupport.checks.lab02_anatomy import _cases
+
+    drawn = [cfg for _ in range(20) for cfg in _cases() if cfg.name.startswith("random-")]
+    assert len(drawn) == 40 and len({(c.d_model, c.head_dim, c.vocab_size) for c in drawn}) > 30
+    assert all(c.head_dim * c.n_heads != c.d_model for c in drawn)
