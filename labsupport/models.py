@@ -227,8 +227,8 @@ HF_ARCHITECTURES = {
 # Defaults of transformers' configuration classes for a field the file leaves out (transformers
 # 4.51 to 5.x: MistralConfig.num_key_value_heads = 8, Qwen2Config and Qwen3Config 32, Qwen3Config.head_dim
 # = 128; LlamaConfig derives both, as the families not listed here do).
-_HF_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
-_HF_DEFAULT_HEAD_DIM = {"qwen3": 128}
+HF_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+HF_DEFAULT_HEAD_DIM = {"qwen3": 128}
 _HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
@@ -302,13 +302,13 @@ def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -
     # transformers and vLLM build from the file); an explicit null means "as many as the query heads"
     # and "hidden_size / num_attention_heads".
     if "num_key_value_heads" not in config:
-        n_kv = _HF_DEFAULT_KV_HEADS.get(family, n_heads)
+        n_kv = HF_DEFAULT_KV_HEADS.get(family, n_heads)
     elif config["num_key_value_heads"] is None:
         n_kv = n_heads
     else:
         n_kv = _hf_int(config, "num_key_value_heads", "")
     if "head_dim" not in config:
-        head_dim = _HF_DEFAULT_HEAD_DIM.get(family)
+        head_dim = HF_DEFAULT_HEAD_DIM.get(family)
     else:
         head_dim = None if config["head_dim"] is None else _hf_int(config, "head_dim", " or null")
     act = config.get("hidden_act", "silu")

@@ -206,16 +206,28 @@ fig.tight_layout()
 # %% [markdown]
 # Read the two panels:
 #
-# * **Prefill** follows the FLOPs: the feed-forward and the projections take nearly all of the
-#   time, in proportion to their matrix sizes. Attention's share is small at this prompt length
-#   and grows with it (its FLOPs grow with the square of the prompt, chapter 05).
-# * **Decode** follows the bytes, roughly: each part costs about what it must read. The parts that
-#   read little but launch many small operations (norms, the rotation and cache writes in
+# * **Prefill** should follow the FLOPs: the feed-forward and the projections take nearly all of
+#   the time, in proportion to their matrix sizes. Attention's share is small at this prompt
+#   length and grows with it (its FLOPs grow with the square of the prompt, chapter 05).
+# * **Decode** should follow the bytes, roughly: each part costs about what it must read. The
+#   parts that read little but run many small operations (norms, the rotation and cache writes in
 #   attention, the residual adds in "other") take more than their bytes say: at one token per
-#   step, fixed per-operation costs matter. On a GPU those costs are kernel launches, which is why
-#   engines capture decode in CUDA graphs (chapter 13).
+#   step, fixed per-operation costs matter. Note that in decode the FLOP and byte columns nearly
+#   coincide (every weight is read once and used for 2 FLOPs), so shares alone cannot say whether
+#   a part waits on memory or on arithmetic; a rate can (chapter 04): divide a part's bytes by its
+#   time and compare with the device's memory bandwidth.
 # * The profiler itself costs time (compare the two step times): use it to see *where* time goes,
 #   and time the step without it to see *how much*.
+#
+# What a CPU profile cannot tell you about a GPU. A CPU core is slow at arithmetic and fast to
+# start an operation, a GPU the reverse, so the shares move: on a GPU a decode step of a small
+# model can be dominated by kernel launches (microseconds each, dozens per layer), which is why
+# engines capture decode in CUDA graphs (chapter 13), and prefill's attention share depends on
+# the attention kernel (chapter 07). On a GPU, `profile_step` synchronises at every label so
+# that each part's CPU-side range includes its kernels; that removes the overlap of launching
+# and running, so small parts look larger than in an unprofiled step. For a GPU's own view, add
+# `ProfilerActivity.CUDA` and read the kernel times. Measurements of the course on a GPU: not
+# yet made.
 
 # %% [markdown]
 # ## 4. Exercise: the parameters of any decoder, by component
@@ -300,15 +312,16 @@ for name, (cfg, hf_dict) in shapes.items():
     assert agree, (name, yours, course, theirs)
 
 # %% [markdown]
-# All three agree component by component, not just in total. The totals are the sizes on the
-# models' cards: 8.03B for Llama 3.1 8B, 7.24B for Mistral 7B, 7.62B for Qwen2-7B, 8.19B for
-# Qwen3-8B.
+# All three agree component by component, not just in total. Rounded, the totals are the sizes
+# the Hugging Face Hub lists beside each checkpoint (counted from its weight files): 8.03B for
+# Llama 3.1 8B, 7.24B for Mistral 7B v0.1, 7.62B for Qwen2-7B, 8.19B for Qwen3-8B. Announcements
+# round differently (Mistral AI called its model 7.3B): trust the count, not the name.
 
 # %% [markdown]
 # ## 6. Where the parameters are
 #
 # The components of section 4 as shares of each model. In the 7-8B models the feed-forward holds
-# two thirds to three quarters of the weights and attention a tenth to a fifth (grouped-query attention keeps
+# two thirds to four fifths of the weights and attention a tenth to a fifth (grouped-query attention keeps
 # the key and value projections small); the norms are a rounding error. In a small model with a
 # 150k-entry vocabulary the embedding table is a quarter of everything, which is why small models
 # tie it to the output layer; and Qwen3-0.6B's attention is large for its width, because its
@@ -338,8 +351,8 @@ fig.tight_layout()
 # %% [markdown]
 # **Mixture of experts.** Mixtral 8x7B has the attention of Mistral 7B, but each layer's
 # feed-forward is 8 experts, and a router sends every token to 2 of them. The memory holds all the
-# experts; each token computes with two. (`moe_param_counts` counts it; transformers' `mixtral`
-# architecture agrees.)
+# experts; each token computes with two. (`moe_param_counts` counts it, and transformers' `mixtral`
+# architecture, built on the meta device, must agree.)
 
 # %% tags=["nbval-check-output"]
 # the shape in the config.json of mistralai/Mixtral-8x7B-v0.1 (Hugging Face Hub), experts aside
@@ -350,6 +363,7 @@ mixtral_config = {**to_hf_config(mixtral_shape), "model_type": "mixtral", "archi
 hf_total = sum(p.numel() for p in hf_model(mixtral_config).parameters())
 print(f"total {moe['total']:,} (transformers: {hf_total:,}); active per token {moe['active']:,} "
       f"({moe['active'] / moe['total']:.0%})")
+assert hf_total == moe["total"], (hf_total, moe["total"])
 
 # %% [markdown]
 # **Question.** In section 2 the output layer takes a visible share of a decode step's reads.

@@ -21,7 +21,8 @@ from labsupport.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
 
-# Published totals, rounded as the model cards round them.
+# The totals the Hugging Face Hub lists beside each checkpoint (counted from its weight files), rounded
+# as it rounds them.
 PUBLISHED_BILLIONS = {"llama-3.1-8b": 8.03, "mistral-7b-v0.1": 7.24, "qwen2-7b": 7.62, "qwen3-8b": 8.19,
                       "qwen3-0.6b": 0.60}
 
