@@ -60,6 +60,9 @@ NO_COW = ("append_token writes into a shared block in place (no copy-on-write)",
           "when the last block is shared (reference count > 1) and partly filled, take a new block, "
           "return (new_block, offset, (old_block, new_block)), put new_block in this sequence's table and "
           "drop one reference from old_block.")
+COPY_ALWAYS = ("append_token copies a block nobody else holds (copy on every write, not only on a shared one)",
+               "copy only when the last block is partly filled and its reference count is above 1; a block this "
+               "sequence holds alone is written in place, and a full last block just gets a new empty block.")
 
 
 _OUT_OF_BLOCKS = object()
@@ -148,6 +151,8 @@ class _Driver:
     def append(self, seq: int) -> None:
         m = self.model
         held = len(m.tokens[seq])
+        last = self.table(seq)[-1] if held % m.block_size else None  # the partly filled last block, if any
+        holders = sum(last in self.table(s) for s in m.tokens) if last is not None else 0
         result = self.call(self.alloc.append_token, seq, op=f"append_token({seq})")
         if not (isinstance(result, (tuple, list)) and len(result) == 3):
             self.fail(f"append_token({seq}) returned {result!r}, expected (block, offset, copy).",
@@ -161,11 +166,22 @@ class _Driver:
         if not table or table[-1] != block:
             self.fail(f"append_token({seq}) returned block {block}, but the sequence's table is now {table}: the "
                       f"token must go to the last block of the table.")
+        if copy is None and holders > 1:
+            self.fail(f"append_token({seq}) wrote into block {last}, partly filled and held by {holders} sequences, "
+                      f"without a copy.\nThis matches what happens when {NO_COW[0]}.", NO_COW[1])
         if copy is not None:
             try:
                 src, dst = (int(x) for x in copy)
             except (TypeError, ValueError):
                 self.fail(f"append_token({seq}) returned copy={copy!r}, expected None or (src, dst).")
+            if holders <= 1:
+                where = (f"block {last} is held by this sequence alone" if last is not None else
+                         f"the token starts a new block (token number {held} is a multiple of the block size)")
+                self.fail(f"append_token({seq}) returned copy {copy!r}, but {where}: there is nothing to copy.\n"
+                          f"This matches what happens when {COPY_ALWAYS[0]}.", COPY_ALWAYS[1])
+            if src != last:
+                self.fail(f"append_token({seq}) returned copy {copy!r}, but the shared last block was {last}: the "
+                          f"copy's source is the block being replaced.", NO_COW[1])
             if dst != block:
                 self.fail(f"append_token({seq}) returned copy {copy!r} into a block other than the one the token "
                           f"goes to ({block}).", NO_COW[1])

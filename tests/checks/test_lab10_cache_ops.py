@@ -36,6 +36,8 @@ class Allocator:
     copy_on_write = True
     free_returns_blocks = True
     atomic_allocate = True
+    copy_only_shared = True
+    fork_shares = True
 
     def __init__(self, num_blocks, block_size):
         self.block_size = block_size
@@ -68,7 +70,7 @@ class Allocator:
         copy = None
         if offset == 0:
             table.append(self._take())
-        elif self.copy_on_write and self.refs[table[-1]] > 1:
+        elif self.copy_on_write and (self.refs[table[-1]] > 1 or not self.copy_only_shared):
             new = self._take()
             self.refs[table[-1]] -= 1
             copy = (table[-1], new)
@@ -77,6 +79,10 @@ class Allocator:
         return table[-1], offset, copy
 
     def fork(self, parent_id, child_id):
+        if not self.fork_shares:  # a private copy of every block: correct data, no memory saved
+            self.tables[child_id] = [self._take() for _ in self.tables[parent_id]]
+            self.lengths[child_id] = self.lengths[parent_id]
+            return
         self.tables[child_id] = list(self.tables[parent_id])
         self.lengths[child_id] = self.lengths[parent_id]
         if self.fork_refcount:
@@ -116,6 +122,8 @@ ALLOCATOR_MUTANTS = {
     "no_copy_on_write": (mutant(copy_on_write=False), "no copy-on-write"),
     "free_leaks_blocks": (mutant(free_returns_blocks=False), "leaked"),
     "allocate_not_atomic": (mutant(atomic_allocate=False), "not atomic"),
+    "copy_on_every_write": (mutant(copy_only_shared=False), "copies a block nobody else holds"),
+    "fork_copies_instead_of_sharing": (mutant(fork_shares=False), "the child shares the parent's blocks"),
 }
 
 
@@ -170,7 +178,8 @@ def test_allocator_check_names_a_wrong_offset():
 @triton.jit
 def _mutant_paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, max_blocks, sm_scale,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         LOGICAL: tl.constexpr, TAIL_MASK: tl.constexpr, GQA_MOD: tl.constexpr):
+                         LOGICAL: tl.constexpr, TAIL_MASK: tl.constexpr, GQA_MOD: tl.constexpr,
+                         ROW0: tl.constexpr, MASK_EVERY_BLOCK: tl.constexpr):
     """One program per (sequence, query head), contiguous inputs; the flags plant mistakes."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -188,10 +197,14 @@ def _mutant_paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, max_bloc
     for i in range(0, tl.cdiv(n, BS)):
         if LOGICAL:
             phys = i
+        elif ROW0:  # the table's row stride forgotten: every sequence reads sequence 0's table
+            phys = tl.load(bt_ptr + i)
         else:
             phys = tl.load(bt_ptr + b * max_blocks + i)
         pos = i * BS + offs_t
-        if TAIL_MASK:
+        if MASK_EVERY_BLOCK:  # the last block's fill applied to every block
+            valid = offs_t < n - (tl.cdiv(n, BS) - 1) * BS
+        elif TAIL_MASK:
             valid = pos < n
         else:
             valid = pos >= 0
@@ -209,7 +222,7 @@ def _mutant_paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, max_bloc
     tl.store(out_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
-def triton_paged(logical=False, tail_mask=True, gqa_mod=False):
+def triton_paged(logical=False, tail_mask=True, gqa_mod=False, row0=False, mask_every_block=False):
     def paged_attention(q, k_cache, v_cache, block_tables, seq_lens):
         q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
         tables = block_tables.to(torch.int32).contiguous()
@@ -217,7 +230,8 @@ def triton_paged(logical=False, tail_mask=True, gqa_mod=False):
         out = torch.empty_like(q)
         _mutant_paged_kernel[(b, h)](q, k_cache, v_cache, tables, seq_lens, out, tables.shape[1],
                                      1 / math.sqrt(d), H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1],
-                                     LOGICAL=logical, TAIL_MASK=tail_mask, GQA_MOD=gqa_mod)
+                                     LOGICAL=logical, TAIL_MASK=tail_mask, GQA_MOD=gqa_mod, ROW0=row0,
+                                     MASK_EVERY_BLOCK=mask_every_block)
         return out
 
     return paged_attention
@@ -249,6 +263,8 @@ PAGED_MUTANTS = {
     "logical_block_used_as_physical": (lambda: triton_paged(logical=True), "logical block index is used"),
     "tail_not_masked": (lambda: triton_paged(tail_mask=False), "tail of the last block is not masked"),
     "gqa_group_mapped_wrongly": (lambda: triton_paged(gqa_mod=True), "GQA group mapped wrongly"),
+    "every_sequence_reads_row_0": (lambda: triton_paged(row0=True), "seq_lens=[1, 5, 16]"),  # the first B > 1
+    "last_block_mask_on_every_block": (lambda: triton_paged(mask_every_block=True), "output is wrong"),
     "torch_not_triton": (lambda: lambda *a: P.contiguous_decode_attention(*_contiguous(*a)), "no Triton kernel"),
     "torch_beside_an_idle_kernel": (lambda: torch_beside_an_idle_kernel, "the result is right, but your function "
                                                                          "called"),
