@@ -10,8 +10,8 @@ Three ways of holding a request's cache, compared over its whole life:
 
 * ``"max_len"``: one contiguous slab of ``max_len`` tokens per request, the context limit (what an
   engine must reserve when it cannot know how long a request will run);
-* ``"prompt+max_tokens"``: a slab of the prompt plus the request's output limit ``max_tokens``
-  (what it can reserve when every request states a limit);
+* ``"prompt+max_tokens"``: a slab of the prompt plus the request's output limit ``max_tokens``,
+  capped at ``max_len`` (what it can reserve when every request states a limit);
 * paging with blocks of ``block_size`` tokens: ``ceil(held / block_size)`` blocks at each step.
 
 Waste is ``1 - tokens held / tokens reserved``, both integrated over time (token-seconds), so a
@@ -107,7 +107,8 @@ def waste_over_life(requests: dict, *, max_len: int = 8192, max_tokens: int = 20
     held = _held_token_steps(prompt, output).sum()
     result = {
         "max_len": 1 - held / (output * positive_int("max_len", max_len)).sum(),
-        "prompt+max_tokens": 1 - held / (output * (prompt + positive_int("max_tokens", max_tokens))).sum(),
+        "prompt+max_tokens": 1 - held / (output * np.minimum(prompt + positive_int("max_tokens", max_tokens),
+                                                             max_len)).sum(),
     }
     for bs in block_sizes:
         result[f"paged_{bs}"] = 1 - held / _paged_token_steps(prompt, output, positive_int("block_size", bs)).sum()

@@ -163,13 +163,23 @@ LLM_INT8_EMERGENCE_PARAMS = Figure(
     "Dettmers et al., 'LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale', NeurIPS 2022",
 )
 
-#: Share of the reserved KV-cache memory that held token states in earlier serving systems
-#: (Orca with three reservation policies, on their traces), lowest and highest: the vLLM paper's Figure 2.
+_KWON = "Kwon et al., 'Efficient Memory Management for Large Language Model Serving with PagedAttention', SOSP 2023"
+
+#: Share of the reserved KV-cache memory that held token states in the contiguous-reservation
+#: baselines of the vLLM paper's Figure 2 (averages over its section 6.2 experiment), lowest and
+#: highest. The baselines are the authors' own reimplementation of Orca (not publicly available)
+#: with three reservation policies: the maximum length (20.4%), a power of two above the real
+#: output length, and an oracle that knows the output length (38.2%); the introduction quotes the
+#: same range for "existing systems".
 KWON_TOKEN_SHARE = (
-    Figure(0.204, "fraction of reserved KV memory", "token states, earlier systems, worst policy",
-           "Kwon et al., 'Efficient Memory Management for Large Language Model Serving with PagedAttention', "
-           "SOSP 2023, Figure 2"),
-    Figure(0.382, "fraction of reserved KV memory", "token states, earlier systems, best policy",
-           "Kwon et al., 'Efficient Memory Management for Large Language Model Serving with PagedAttention', "
-           "SOSP 2023, Figure 2"),
+    Figure(0.204, "fraction of reserved KV memory", "token states, Orca (Max): slabs of the maximum length",
+           _KWON + ", Figure 2"),
+    Figure(0.382, "fraction of reserved KV memory", "token states, Orca (Oracle): slabs of the true output length",
+           _KWON + ", Figure 2"),
+)
+
+#: vLLM's throughput against FasterTransformer and Orca at the same latency (the paper's abstract).
+KWON_THROUGHPUT_GAIN = (
+    Figure(2, "x", "throughput gain over FasterTransformer and Orca, same latency, low end", _KWON + ", abstract"),
+    Figure(4, "x", "throughput gain over FasterTransformer and Orca, same latency, high end", _KWON + ", abstract"),
 )
