@@ -219,7 +219,9 @@ print(f"  the hit takes {t_hit.median_s / t_miss.median_s:.0%} of the miss's tim
 # a sequence appends a token to a shared, partly filled last block, it first takes a new block,
 # copies the old block's contents into it, and points its own table there (**copy-on-write**).
 # **Freeing** a sequence drops one reference from each of its blocks; a block goes back to the
-# free list only when nobody holds it.
+# free list only when nobody holds it. (This is the vLLM paper's design and vLLM V0's; the V1
+# engine splits a request for several samples into independent requests that share only full
+# blocks, through prefix caching, so it needs no copy-on-write. Chapter 10 compares the two.)
 #
 # ### Exercise 1: `BlockAllocator`
 #
