@@ -207,60 +207,59 @@ if triton is not None:
         GROUP: tl.constexpr,  # H // Hkv query heads share one KV head
         GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
         HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (tl.arange needs one)
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        BLOCK_PAD: tl.constexpr,  # BLOCK_SIZE rounded up to a power of two
     ):
         # One program per (sequence, KV head): it loads each key and value block once for all
         # GROUP query heads that read it.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_t = tl.arange(0, BLOCK_SIZE)
+        offs_d = tl.arange(0, D_PAD)
+        offs_t = tl.arange(0, BLOCK_PAD)
         heads = kvh * GROUP + offs_g  # (GROUP_PAD,) query heads of this group
         head_ok = offs_g < GROUP
+        d_ok = offs_d < HEAD_DIM
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=head_ok[:, None], other=0.0).to(tl.float32)  # (GROUP_PAD, D)
+                    mask=head_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # (GROUP_PAD, D_PAD)
         seq_len = tl.load(len_ptr + b)
 
         m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
+        acc = tl.zeros((GROUP_PAD, D_PAD), dtype=tl.float32)
         for logical in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
             physical = tl.load(bt_ptr + b * stride_btb + logical).to(tl.int64)  # the block table lookup
-            pos = logical * BLOCK_SIZE + offs_t  # (BS,) token positions in this block
-            valid = pos < seq_len  # the last block may be partly filled
+            pos = logical * BLOCK_SIZE + offs_t  # (BLOCK_PAD,) token positions in this block
+            valid = (offs_t < BLOCK_SIZE) & (pos < seq_len)  # the last block may be partly filled
+            kv_ok = valid[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + physical * stride_kn + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0).to(tl.float32)  # (BS, D)
+                        mask=kv_ok, other=0.0).to(tl.float32)  # (BLOCK_PAD, D_PAD)
             v = tl.load(v_ptr + physical * stride_vn + offs_t[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # (GROUP_PAD, BS)
+                        mask=kv_ok, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # (GROUP_PAD, BLOCK_PAD)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])  # (GROUP_PAD, BS)
+            p = tl.exp(s - m_new[:, None])  # (GROUP_PAD, BLOCK_PAD)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (GROUP_PAD, D)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
 
 
 @answer
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens) -> torch.Tensor:
     """The course's paged decode-attention kernel: same arguments and result as
-    :func:`paged_decode_attention`. ``block_size`` and ``D`` must be powers of two."""
+    :func:`paged_decode_attention`. Any ``block_size`` and ``D``: tiles are padded to powers of two
+    and masked, so the padding is never loaded or stored."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("paged_decode_attention_triton needs triton; install the course's requirements")
     from .device import interpreter_mode
 
     b, h, h_kv, d, _, block_size = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
-    if not (_power_of_two(block_size) and _power_of_two(d)):
-        raise ValueError(f"the kernel needs a power-of-two block_size and head dim, got {block_size} and {d}")
     interp = interpreter_mode()
     if q.device.type == "cpu" and not interp:
         raise ValueError("the tensors are on the CPU but Triton is not in interpreter mode: move them to the GPU")
@@ -282,6 +281,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens) -
         tables.stride(0),
         out.stride(0), out.stride(1),
         1.0 / math.sqrt(d),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=d, BLOCK_SIZE=block_size,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+        BLOCK_SIZE=block_size, BLOCK_PAD=triton.next_power_of_2(block_size),
     )
     return out.to(out_dtype)

@@ -416,7 +416,8 @@ print("same as contiguous attention:",
 # Write `out = acc / l` for the group's heads. Do the arithmetic in float32 (`.to(tl.float32)`
 # after loading) and store in the output's dtype. Convert the physical block id to 64 bits before
 # multiplying by a stride (`.to(tl.int64)`): a large cache passes 2**31 elements. Block sizes and
-# head dims are powers of two here. The check runs block tables in shuffled physical order,
+# head dims are powers of two here (`tl.arange` needs one; the course's kernel also takes others,
+# such as 12-token blocks or head dim 80, by padding the tile to a power of two and masking). The check runs block tables in shuffled physical order,
 # partly filled last blocks, sequences of length 1, groups of 1, 2, 3 and 4 query heads per KV
 # head, float32 and float16 (bfloat16 too on a GPU), and it wants the output written by your
 # kernel, with no torch matmul or softmax. On a GPU, Triton compiles the kernel when the wrapper

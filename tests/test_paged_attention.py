@@ -105,3 +105,17 @@ def test_counted_bytes_equal_the_formula(dtype):
         kernel(q, k_cache, v_cache, tables, seq_lens)
     assert counted.total == P.paged_decode_bytes(lens, h, h_kv, d, bs, dtype_bytes=q.element_size())
     assert counted.by_argument["bt_ptr"].loaded == sum(-(-n // bs) for n in lens) * h_kv * 4
+
+
+@pytest.mark.parametrize("bs,d", [(3, 32), (12, 24), (16, 80)])
+def test_the_kernel_takes_block_sizes_and_head_dims_that_are_not_powers_of_two(bs, d):
+    """Tiles are padded to a power of two and masked: the padding slots of a block (which belong
+    to the next block in memory) and the padding lanes of a head must never count."""
+    lens, h, h_kv = [1, 7, 25], 6, 2
+    k_cache, v_cache, tables, seq_lens = P.random_paged_cache(lens, h_kv, d, bs, seed=bs)
+    q = torch.randn(len(lens), h, d)
+    want = P.contiguous_decode_attention(*contiguous_inputs(q, k_cache, v_cache, tables, seq_lens))
+    with count_bytes() as counted:
+        got = kernel(q, k_cache, v_cache, tables, seq_lens)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert counted.total == P.paged_decode_bytes(lens, h, h_kv, d, bs, dtype_bytes=4)
