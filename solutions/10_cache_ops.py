@@ -249,8 +249,10 @@ print(f"  the hit takes {t_hit.median_s / t_miss.median_s:.0%} of the miss's tim
 #   this table, drop one reference from the old one, and return `(new, offset, (old, new))`: the
 #   caller copies block `old`'s contents into `new` before writing the token.
 #
-# Raise `MemoryError` when `append_token` needs a block and none is free. The check runs short
-# scenarios aimed at the classic mistakes, then three seeded random sequences of 120 operations.
+# Copy only in that last case: a block this sequence holds alone is written in place. Raise
+# `MemoryError` when `append_token` needs a block and none is free, and change nothing (take the
+# new block before touching the table or a count). The check runs short scenarios aimed at the
+# classic mistakes, then three seeded random sequences of 120 operations.
 # After every operation it checks that each table has the right length and valid, distinct
 # blocks; each reference count equals the number of tables that hold the block; no block is both
 # free and in use; every block is one or the other (nothing leaked). It also writes a token value

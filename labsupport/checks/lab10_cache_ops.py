@@ -8,7 +8,8 @@ states it (sequence ids are ints here; blocks are ints in ``[0, num_blocks)``):
   (``ceil(num_tokens / block_size)`` of them); raises ``MemoryError`` and changes nothing when
   too few blocks are free;
 * ``append_token(seq_id) -> (block, offset, copy)``: where the next token goes; ``copy`` is
-  ``None`` or ``(src, dst)`` when a shared, partly filled last block was copied (copy-on-write);
+  ``None`` or ``(src, dst)`` when a shared, partly filled last block was copied (copy-on-write,
+  only then); raises ``MemoryError`` and changes nothing when it needs a block and none is free;
 * ``fork(parent_id, child_id)``: the child shares every block of the parent;
 * ``free(seq_id)``: one reference fewer on each of its blocks; a block nobody holds is free;
 * ``block_table(seq_id) -> list[int]``, ``ref_count(block) -> int``, ``free_blocks() -> set[int]``.
@@ -63,6 +64,10 @@ NO_COW = ("append_token writes into a shared block in place (no copy-on-write)",
 COPY_ALWAYS = ("append_token copies a block nobody else holds (copy on every write, not only on a shared one)",
                "copy only when the last block is partly filled and its reference count is above 1; a block this "
                "sequence holds alone is written in place, and a full last block just gets a new empty block.")
+APPEND_NOT_ATOMIC = ("append_token raised MemoryError but had already changed the table or a reference count "
+                     "(not atomic)",
+                     "take the new block first (raising MemoryError if there is none), and only then change the "
+                     "table and drop the old block's reference.")
 
 
 _OUT_OF_BLOCKS = object()
@@ -112,7 +117,8 @@ class _Driver:
 
     def fail(self, problem: str, hint: str = ALLOCATOR_HINT):
         if self.refused and self.history[-1].endswith("MemoryError"):
-            problem, hint = problem + f"\nThis matches what happens when {NOT_ATOMIC[0]}.", NOT_ATOMIC[1]
+            mistake = NOT_ATOMIC if self.history[-1].startswith("allocate") else APPEND_NOT_ATOMIC
+            problem, hint = problem + f"\nThis matches what happens when {mistake[0]}.", mistake[1]
         self.checker.fail(self.case(), problem, hint)
 
     # -- operations ------------------------------------------------------------------------------
@@ -148,12 +154,31 @@ class _Driver:
         m.tokens[seq] = m.fresh(n)
         self._write_prompt(seq, table)
 
-    def append(self, seq: int) -> None:
+    def append(self, seq: int, expect_oom: bool = False) -> None:
         m = self.model
         held = len(m.tokens[seq])
         last = self.table(seq)[-1] if held % m.block_size else None  # the partly filled last block, if any
         holders = sum(last in self.table(s) for s in m.tokens) if last is not None else 0
-        result = self.call(self.alloc.append_token, seq, op=f"append_token({seq})")
+
+        def append_token(seq_id):  # MemoryError is an answer here, not a crash
+            try:
+                return self.alloc.append_token(seq_id)
+            except MemoryError:
+                return _OUT_OF_BLOCKS
+
+        result = self.call(append_token, seq, op=f"append_token({seq})")
+        self.refused = result is _OUT_OF_BLOCKS
+        if result is _OUT_OF_BLOCKS:
+            self.history[-1] += " -> MemoryError"
+            if expect_oom:
+                return
+            self.fail(f"append_token({seq}) raised MemoryError although a block was free or none was needed.",
+                      "append_token needs a new block only when the last one is full or shared.")
+        if expect_oom:
+            why = "the last block is shared" if holders > 1 else "the last block is full"
+            self.fail(f"append_token({seq}) needed a new block ({why}) and none was free, but it did not raise "
+                      f"MemoryError.",
+                      "raise MemoryError when append_token needs a block and none is free, changing nothing.")
         if not (isinstance(result, (tuple, list)) and len(result) == 3):
             self.fail(f"append_token({seq}) returned {result!r}, expected (block, offset, copy).",
                       "return a tuple of three: the block the token goes to, its slot in that block, and None "
@@ -323,6 +348,18 @@ def _directed(checker, cls) -> None:
     d.verify("allocate")
     d.allocate(1, 4)
     d.verify("allocate")
+    d.append(1, expect_oom=True)  # block 1's only block is full, and no block is free
+    d.verify("append")
+
+    d = _Driver(checker, cls, 2, 4, "copy-on-write with no free block")
+    d.allocate(0, 6)
+    d.fork(0, 1)
+    d.append(1, expect_oom=True)  # the shared last block must be copied, and there is nowhere to copy it
+    d.verify("append")
+    d.free(0)
+    d.verify("free")
+    d.append(1)  # now held alone: written in place, no block needed
+    d.verify("append")
 
 
 def _random(checker, cls, seed: int, steps: int) -> None:
@@ -376,7 +413,7 @@ def check_block_allocator(cls, checker):
     _directed(checker, cls)
     for seed in range(3):
         _random(checker, cls, seed, steps=120)
-    checker.cases = 4 + 3  # scenarios, not the thousands of calls they make
+    checker.cases = 5 + 3  # scenarios, not the thousands of calls they make
 
 
 # --- paged decode attention ----------------------------------------------------------------------

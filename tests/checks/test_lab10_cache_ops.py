@@ -38,6 +38,7 @@ class Allocator:
     atomic_allocate = True
     copy_only_shared = True
     fork_shares = True
+    atomic_copy_on_write = True
 
     def __init__(self, num_blocks, block_size):
         self.block_size = block_size
@@ -71,8 +72,11 @@ class Allocator:
         if offset == 0:
             table.append(self._take())
         elif self.copy_on_write and (self.refs[table[-1]] > 1 or not self.copy_only_shared):
+            if not self.atomic_copy_on_write:
+                self.refs[table[-1]] -= 1  # dropped before _take, which may raise: the count is lost
             new = self._take()
-            self.refs[table[-1]] -= 1
+            if self.atomic_copy_on_write:
+                self.refs[table[-1]] -= 1
             copy = (table[-1], new)
             table[-1] = new
         self.lengths[seq_id] = n + 1
@@ -124,6 +128,7 @@ ALLOCATOR_MUTANTS = {
     "allocate_not_atomic": (mutant(atomic_allocate=False), "not atomic"),
     "copy_on_every_write": (mutant(copy_only_shared=False), "copies a block nobody else holds"),
     "fork_copies_instead_of_sharing": (mutant(fork_shares=False), "the child shares the parent's blocks"),
+    "copy_on_write_not_atomic": (mutant(atomic_copy_on_write=False), "append_token raised MemoryError but had"),
 }
 
 
