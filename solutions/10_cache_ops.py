@@ -419,8 +419,8 @@ print("same as contiguous attention:",
 # after loading) and store in the output's dtype. Convert the physical block id to 64 bits before
 # multiplying by a stride (`.to(tl.int64)`): a large cache passes 2**31 elements. Block sizes and
 # head dims are powers of two here (`tl.arange` needs one; the course's kernel also takes others,
-# such as 12-token blocks or head dim 80, by padding the tile to a power of two and masking). The check runs block tables in shuffled physical order,
-# partly filled last blocks, sequences of length 1, groups of 1, 2, 3 and 4 query heads per KV
+# such as 12-token blocks or head dim 80, by padding the tile to a power of two and masking).
+# The check runs block tables in shuffled physical order, partly filled last blocks, sequences of length 1, groups of 1, 2, 3 and 4 query heads per KV
 # head, float32 and float16 (bfloat16 too on a GPU), and it wants the output written by your
 # kernel, with no torch matmul or softmax. On a GPU, Triton compiles the kernel when the wrapper
 # first launches it: a kernel that still contains its `raise NotImplementedError` line fails there
