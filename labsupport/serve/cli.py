@@ -13,6 +13,7 @@ import uvicorn
 
 from ..models import get_model, list_models
 from .app import create_app
+from .continuous import ContinuousEngine
 from .engine import BASE_PRESET, FifoEngine
 from .process import LISTENING
 
@@ -32,10 +33,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (0)")
     p.add_argument("--base-model", default=BASE_PRESET, help=f"labsupport.models preset for the shape ({BASE_PRESET})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--engine", choices=("fifo", "continuous"), default="fifo",
+                   help="fifo (default): chapter 03's one request at a time; continuous: chapter 13's engine, "
+                   "concurrent requests share each forward pass (chapter 12)")
+    p.add_argument("--block-size", type=int, default=16, help="continuous engine: tokens per KV block (16)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="continuous engine: KV blocks (default: --max-running requests at the full --context)")
+    p.add_argument("--token-budget", type=int, default=256, help="continuous engine: most tokens per step (256)")
+    p.add_argument("--max-running", type=int, default=16, help="continuous engine: most requests per step (16)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the process that started the server exits (used by ServerProcess)")
     args = p.parse_args(argv)
-    for name in ("context", "max_tokens_limit", "max_requests", "threads"):
+    for name in ("context", "max_tokens_limit", "max_requests", "threads", "block_size", "num_blocks",
+                 "token_budget", "max_running"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -45,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.base_model.strip().lower() not in cpu_presets:
         p.error(f"--base-model {args.base_model!r} is not one of the course's small presets "
                 f"({', '.join(cpu_presets)}); the server runs on the CPU")
+    if args.num_blocks is not None and args.num_blocks * args.block_size < args.context:
+        p.error(f"--num-blocks {args.num_blocks} of --block-size {args.block_size} hold "
+                f"{args.num_blocks * args.block_size} tokens, fewer than one request at --context {args.context}")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be from 0 to 65535, got {args.port}")
     return args
@@ -70,8 +83,13 @@ def main(argv=None) -> int:
         return 2
     port = sock.getsockname()[1]
     # the port first, so a busy one is reported before the model is built
-    engine = FifoEngine(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
-                        max_requests=args.max_requests, seed=args.seed, base=args.base_model)
+    common = dict(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
+                  max_requests=args.max_requests, seed=args.seed, base=args.base_model)
+    if args.engine == "continuous":
+        engine = ContinuousEngine(**common, block_size=args.block_size, num_blocks=args.num_blocks,
+                                  token_budget=args.token_budget, max_running=args.max_running)
+    else:
+        engine = FifoEngine(**common)
     app = create_app(engine)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=2))  # open streams do not hold up a stop
