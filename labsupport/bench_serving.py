@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import math
 import random
@@ -158,6 +159,17 @@ async def _run(base_url: str, model: str, prompts: Sequence[str], output_tokens:
     return results
 
 
+def _run_sync(coro):
+    """``asyncio.run(coro)``, also from inside a running event loop (a Jupyter kernel has one): there
+    it runs in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def run_benchmark(base_url: str, model: str, *, num_prompts: int = 20, request_rate: float = math.inf,
                   burstiness: float = 1.0, input_words: int = 32, output_tokens: int = 32,
                   max_concurrency: int | None = None, ignore_eos: bool = False, seed: int = 0,
@@ -170,8 +182,8 @@ def run_benchmark(base_url: str, model: str, *, num_prompts: int = 20, request_r
         raise ValueError(f"max_concurrency must be at least 1 (or None), got {max_concurrency}")
     times = arrival_times(num_prompts, request_rate, burstiness, seed)
     prompts = random_prompts(num_prompts, input_words, seed)
-    results = asyncio.run(_run(base_url, model, prompts, output_tokens, times, max_concurrency, ignore_eos,
-                               timeout_s, api_key))
+    results = _run_sync(_run(base_url, model, prompts, output_tokens, times, max_concurrency, ignore_eos,
+                             timeout_s, api_key))
     summary = summarize_results(results)
     summary["settings"] = {"base_url": base_url, "model": model, "num_prompts": num_prompts,
                            "request_rate": request_rate, "burstiness": burstiness, "input_words": input_words,

@@ -1,0 +1,250 @@
+# Lab 12 source of truth. Edit this file, then run `python -m labsupport release 12_engines` to
+# regenerate labs/12_engines.ipynb (learners) and solutions/12_engines.ipynb (instructors).
+
+# %% [markdown]
+# # Lab 12: engines
+#
+# The engines people deploy (vLLM, SGLang, TensorRT-LLM, llama.cpp, TGI) share one interface,
+# OpenAI's HTTP API, and one loop: chapter 13's. In this lab you will
+#
+# 1. put chapter 13's **engine behind chapter 03's server** (`--engine continuous`), send it
+#    concurrent requests, and see them share forward passes;
+# 2. run a **benchmark client** in the style of vLLM's serving benchmark against it (open-loop
+#    arrivals at a rate, streamed answers, TTFT/TPOT/ITL percentiles, throughput), and compare
+#    the continuous engine with chapter 03's one-at-a-time server on the same load. The same client
+#    runs unchanged against vLLM or SGLang on a GPU;
+# 3. **predict an engine's KV capacity** (blocks, tokens, requests) from its settings and the
+#    model's shape, as an engine's startup log reports it (checked);
+# 4. **measure launch overhead**: how much of a batch-1 decode step is Python and dispatch rather
+#    than arithmetic, the cost CUDA graphs and `torch.compile` remove.
+#
+# The course model has random weights: its text is meaningless. The servers and models run on the
+# CPU, also on a machine with a GPU, and every timing here is a CPU timing, labelled so.
+#
+# **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
+# cell raises, and nothing below it runs. Scroll back up to the first red error.
+
+# %% [setup]
+import labsupport
+
+settings = labsupport.setup()
+
+# %%
+import os
+import platform
+import threading
+
+import openai
+import torch
+
+from labsupport.bench_serving import format_summary, run_benchmark
+from labsupport.checks import check_kv_capacity
+from labsupport.costs import kv_bytes_per_token, param_count
+from labsupport.launch_overhead import profile_decode_step
+from labsupport.models import get_model
+from labsupport.scheduler import blocks_for
+from labsupport.serve import ServerProcess
+from labsupport.transformer import Transformer
+
+torch.set_num_threads(1)
+WHERE = f"CPU ({platform.machine()}, {os.cpu_count()} cores), one thread"
+print(f"timings below are taken on: {WHERE}")
+
+# %% [markdown]
+# ## 1. The server runs the engine
+#
+# `python -m labsupport.serve --engine continuous` serves the course model with chapter 13's
+# engine: one worker task owns it, adds new requests and aborts dropped ones between steps, runs
+# each step in a thread, and streams every token to its request's response. `--engine fifo` (the
+# default) is chapter 03's server, one request at a time. We start one of each.
+#
+# Four clients then stream a completion each, at the same moment. The timeline endpoint
+# (`/v1/requests/{id}/timeline`, a course extension) lists, for every request, the engine steps it
+# took part in.
+
+# %%
+SERVER_OPTIONS = ["--context", "256", "--max-tokens-limit", "64", "--block-size", "16"]
+continuous = ServerProcess(["--engine", "continuous", "--num-blocks", "128", *SERVER_OPTIONS], threads=1).start()
+fifo = ServerProcess(["--engine", "fifo", *SERVER_OPTIONS], threads=1).start()
+print(continuous.health())
+
+
+# %%
+def stream_one(base_url, prompt, max_tokens, results, i):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    stream = client.completions.create(model="course-tiny", prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, stream=True)
+    for chunk in stream:
+        results[i] = chunk.id  # every chunk carries the request's id
+
+
+prompts = ["The cache", "Blocks of keys and values", "A scheduler picks", "Every step"]
+ids = [None] * len(prompts)
+threads = [threading.Thread(target=stream_one, args=(continuous.base_url, p, 24, ids, i))
+           for i, p in enumerate(prompts)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+
+steps = {rid: [e["token"] for e in continuous.timeline(rid)["events"] if e["stage"] == "engine_step"] for rid in ids}
+shared = set.intersection(*(set(s) for s in steps.values()))
+for rid, s in steps.items():
+    print(f"{rid}: {len(s)} steps, {s[0]} to {s[-1]}")
+print(f"steps all four requests shared: {len(shared)}")
+assert shared, "the four requests never shared a step"
+
+# %% [markdown]
+# The four requests ran in the same forward passes: one pass reads the weights once and makes a
+# token for each of them. The FIFO server would have run them one after another.
+#
+# ## 2. A benchmark client
+#
+# `labsupport.bench_serving` works like vLLM's `benchmark_serving.py` (now `vllm bench serve`):
+# arrival times are drawn before the run (open loop: a slow server does not slow the arrivals),
+# requests go out at those times, every answer is streamed, and each chunk is timestamped as it
+# arrives. The summary gives nearest-rank percentiles of TTFT, TPOT, ITL and E2E, and the request
+# and output-token throughput over the run.
+#
+# Same load, both servers: 24 requests at 40 requests per second (Poisson arrivals), 16 output
+# tokens each.
+
+# %%
+LOAD = dict(num_prompts=24, request_rate=40.0, burstiness=1.0, input_words=16, output_tokens=16, seed=0)
+results = {name: run_benchmark(server.base_url, "course-tiny", **LOAD)
+           for name, server in (("fifo", fifo), ("continuous", continuous))}
+for name, summary in results.items():
+    print(f"--- {name} engine (CPU timings, {WHERE}) ---")
+    print(format_summary(summary))
+
+# %%
+fifo_s, cont_s = results["fifo"], results["continuous"]
+print(f"output-token throughput: continuous / fifo = {cont_s['output_throughput'] / fifo_s['output_throughput']:.2f}x")
+print(f"median TTFT: fifo {fifo_s['ttft_s']['p50'] * 1e3:.0f} ms, continuous {cont_s['ttft_s']['p50'] * 1e3:.0f} ms")
+
+# %% [markdown]
+# With one request at a time, a request waits for every request ahead of it: TTFT grows with the
+# queue. With continuous batching a request joins the running batch at the next step. Its TPOT
+# can be a little longer (each step now carries several requests), which is the trade every
+# engine makes.
+#
+# **On a GPU.** The same client runs unchanged against any OpenAI-compatible server. For vLLM:
+#
+# ```bash
+# vllm serve Qwen/Qwen3-0.6B --port 8000 &
+# python -m labsupport.bench_serving --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-0.6B \
+#     --num-prompts 200 --request-rate 10 --output-tokens 128 --ignore-eos --save vllm.json
+# ```
+#
+# and for SGLang, `python -m sglang.launch_server --model-path Qwen/Qwen3-0.6B --port 30000`, then
+# the same command with `--base-url http://127.0.0.1:30000/v1`. `--ignore-eos` makes every request
+# generate all its tokens, so two servers do the same work.
+
+# %%
+continuous.stop()
+fifo.stop()
+
+# %% [markdown]
+# ## 3. Exercise: predict the KV capacity
+#
+# An engine's startup log says how much cache it has: vLLM prints `GPU KV cache size: N tokens`
+# and `Maximum concurrency for L tokens per request: X.XXx`. You can predict it. The convention
+# (the one the check uses; chapter 12 says how vLLM measures the reserve instead):
+#
+# * the engine may use `gpu_memory_utilization` of the GPU's **total** memory, given in GiB
+#   ($2^{30}$ bytes);
+# * the weights (`param_count(cfg) * weight_dtype_bytes`) and a reserve for activations and
+#   workspaces (`reserve_gib`) come out of that; the KV cache gets the rest;
+# * the cache is allocated in whole blocks of `block_size` tokens; one token of cache holds a key
+#   and a value for every KV head of every layer: `2 * n_layers * n_kv_heads * head_dim *
+#   kv_dtype_bytes`;
+# * `num_blocks` is the whole number of blocks that fit (0 if none), `tokens = num_blocks *
+#   block_size`, and a request of `max_model_len` tokens holds `ceil(max_model_len / block_size)`
+#   blocks, so `max_requests = num_blocks // ceil(max_model_len / block_size)`.
+#
+# Return `{"num_blocks": ..., "tokens": ..., "max_requests": ...}` as integers. You may use
+# `param_count(cfg)` and `blocks_for(n, block_size)` (the ceiling), imported above.
+
+
+# %%
+def kv_capacity(cfg, gpu_memory_gib, max_model_len, gpu_memory_utilization=0.9, block_size=16,
+                kv_dtype_bytes=2, weight_dtype_bytes=2, reserve_gib=0.0):
+    # BEGIN SOLUTION: budget on the total (GiB) minus weights and reserve, whole blocks, whole requests
+    budget = gpu_memory_utilization * gpu_memory_gib * 2**30
+    kv_bytes = budget - param_count(cfg) * weight_dtype_bytes - reserve_gib * 2**30
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_dtype_bytes
+    num_blocks = max(0, int(kv_bytes // (block_size * per_token)))
+    return {"num_blocks": num_blocks, "tokens": num_blocks * block_size,
+            "max_requests": num_blocks // blocks_for(max_model_len, block_size)}
+    # END SOLUTION
+
+
+# %%
+check_kv_capacity(kv_capacity)
+
+# %% [markdown]
+# What the settings buy: Llama 3.1 8B (bf16 weights) on an 80 GiB GPU, 8192-token requests, a
+# 2 GiB reserve. A cache in fp8 (one byte) holds twice the tokens; raising the utilisation from 0.9
+# to 0.95 gives the cache all of the extra 4 GiB, because the weights do not grow.
+
+# %% tags=["nbval-check-output"]
+m8 = get_model("llama-3.1-8b")
+print(f"weights {param_count(m8) * 2 / 2**30:.2f} GiB; KV cache per token {kv_bytes_per_token(m8) / 2**10:.0f} KiB (bf16)")
+print("utilisation  kv dtype  blocks   tokens     requests of 8192")
+for util in (0.9, 0.95):
+    for kvb, name in ((2, "bf16"), (1, "fp8")):
+        cap = kv_capacity(m8, 80, 8192, gpu_memory_utilization=util, kv_dtype_bytes=kvb, reserve_gib=2.0)
+        print(f"{util:<12} {name:<9} {cap['num_blocks']:<8} {cap['tokens']:<10,} {cap['max_requests']}")
+
+# %% [markdown]
+# ## 4. Launch overhead
+#
+# At batch 1 a decode step does little arithmetic, and much of its time goes to issuing it: Python
+# runs every module's `forward`, PyTorch's dispatcher finds a kernel for every operator, and on a
+# GPU every kernel is launched on its own. `profile_decode_step` profiles decode steps with
+# `torch.profiler` and sums the time spent inside the top-level operators; the rest of the step
+# is the time between them (Python, and getting to the operator): a lower bound on the overhead.
+#
+# On a GPU the same question is answered by capturing the step (CUDA graphs, or `torch.compile`
+# with `mode="reduce-overhead"`) and timing eager against replayed steps; here we measure the CPU.
+
+# %%
+for name in ("tiny-2m", "tiny-20m"):
+    model = Transformer(get_model(name), seed=0)
+    prof = profile_decode_step(model, context=64, steps=10)
+    print(f"{name:>9} on {prof['device']} ({WHERE}): step {prof['step_s'] * 1e3:.2f} ms, "
+          f"{prof['ops_per_step']} top-level operators per step, Python and dispatch share "
+          f"{prof['python_share']:.0%}")
+
+# %% [markdown]
+# The tiny model spends a large share of each step between operators: that share is what an
+# engine saves by replaying a captured step. The larger model does more arithmetic per operator
+# for the same number of operators, so the share shrinks: launch overhead matters most for small
+# models and small batches, exactly where decode is fastest per step.
+#
+# ## What you built and measured
+#
+# * The course server with a continuous-batching engine: concurrent requests share forward passes.
+# * A benchmark client that measures any OpenAI-compatible server, and the difference batching
+#   makes to throughput and TTFT under the same load.
+# * A prediction of an engine's KV capacity from its settings, the numbers its startup log prints.
+# * The share of a small decode step that is overhead rather than arithmetic.
+#
+# ### Questions
+#
+# 1. Why does the benchmark draw its arrival times before it starts, instead of sending the next
+#    request when an answer comes back?
+# 2. vLLM logs `Maximum concurrency for 8,192 tokens per request: 3.5x`. Can it serve 20 requests
+#    at once?
+# 3. Why does a CUDA graph help a batch-1 decode step much more than a long prefill?
+#
+# <!-- BEGIN SOLUTION -->
+# 1. A closed loop slows its arrivals down when the server slows down, so it never sees a queue
+#    build: it measures the server at whatever load it can take, not at the load asked for.
+# 2. Yes, if they are shorter: the figure counts requests that each fill 8,192 tokens. Requests
+#    hold blocks only for the tokens they have, so many short ones fit; if they grow, the engine
+#    preempts some.
+# 3. A decode step at batch 1 launches hundreds of small kernels that each finish in microseconds,
+#    so launching them is a large share of the step; a long prefill runs the same kernels on
+#    thousands of tokens, and the launch cost is negligible beside the arithmetic.
+# <!-- END SOLUTION -->
