@@ -85,6 +85,7 @@ class ContinuousEngine:
         self._worker: asyncio.Task | None = None
         self.served = 0
         self.cancelled = 0
+        self.steps_run = 0  # the engine's own step records are trimmed: a server runs for days
 
     # -- the interface the HTTP layer uses --
 
@@ -114,7 +115,7 @@ class ContinuousEngine:
             "served": self.served,
             "cancelled": self.cancelled,
             "engine": "continuous",
-            "steps": len(eng.steps),
+            "steps": self.steps_run,
             "kv_blocks_total": eng.num_blocks,
             "kv_blocks_free": eng.allocator.num_free_blocks,
             "block_size": eng.block_size,
@@ -185,7 +186,7 @@ class ContinuousEngine:
                     await self._wake.wait()
                 continue
             before = {rid: eng.requests[rid].steps_run for rid in self._handles if rid in eng.requests}
-            step_index = len(eng.steps)
+            step_index = self.steps_run
             try:
                 events = await asyncio.to_thread(eng.step)
             except Exception as exc:  # a bug must not stop the server: fail the requests in flight
@@ -195,6 +196,9 @@ class ContinuousEngine:
                     handle.outputs.put_nowait(exc)
                     self._finish(handle, f"error: {type(exc).__name__}: {exc}")
                 continue
+            self.steps_run += 1
+            if len(eng.steps) > 1024:
+                del eng.steps[:-256]
             for rid, steps in before.items():
                 if eng.requests[rid].steps_run > steps:
                     self._handles[rid].request.timeline.mark("engine_step", step_index)
