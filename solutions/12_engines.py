@@ -126,7 +126,9 @@ print(f"median TTFT: fifo {fifo_s['ttft_s']['p50'] * 1e3:.0f} ms, continuous {co
 # With one request at a time, a request waits for every request ahead of it: TTFT grows with the
 # queue. With continuous batching a request joins the running batch at the next step. Its TPOT
 # can be a little longer (each step now carries several requests), which is the trade every
-# engine makes.
+# engine makes. An ITL near 0 ms means two chunks reached the client in one read of the socket (the
+# server's event loop sent them back to back): ITL is what a client sees, and TPOT, averaged over
+# the whole answer, is the steadier figure.
 #
 # **On a GPU.** The same client runs unchanged against any OpenAI-compatible server. For vLLM:
 #
