@@ -453,7 +453,8 @@ def test_dropped_streams_free_their_slots_under_asgi_2_4():
     from labsupport.serve.app import create_app
     from labsupport.serve.engine import FifoEngine
 
-    app = create_app(FifoEngine(max_requests=2, max_tokens_limit=400))
+    # answers long enough that the running one cannot finish before it is dropped, on a loaded machine too
+    app = create_app(FifoEngine(context_tokens=4096, max_requests=2, max_tokens_limit=4000))
 
     async def asgi_2_4(scope, receive, send):
         if scope["type"] == "http":
@@ -474,7 +475,7 @@ def test_dropped_streams_free_their_slots_under_asgi_2_4():
         def health():
             return httpx.get(url + "/health").json()
 
-        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 400, "stream": True}
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4000, "stream": True}
         opened = []
         for _ in range(2):
             c = httpx.Client(base_url=url, timeout=30)
@@ -485,7 +486,7 @@ def test_dropped_streams_free_their_slots_under_asgi_2_4():
         for c, r in reversed(opened):  # the queued one goes first, then the running one
             r.close()
             c.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while health()["slots_used"] and time.monotonic() < deadline:
             time.sleep(0.05)
         final = health()
