@@ -1,0 +1,391 @@
+"""Run a function on several processes under ``torch.distributed`` and collect what each returns.
+
+Chapter 11 runs its ring all-reduce, its tensor-parallel model and its measurements on several
+processes: gloo on CPU processes, NCCL on GPUs, with the same code. :func:`launch` starts
+``world_size`` processes, joins them into one process group, calls ``fn(*args)`` on each (the
+function reads its rank with ``dist.get_rank()``), and returns the list of results, rank by rank::
+
+    from labsupport.distributed import launch
+
+    def hello():
+        import torch.distributed as dist
+        return dist.get_rank() * 10
+
+    launch(hello, world_size=3)          # [0, 10, 20]
+
+When a rank raises, :func:`launch` raises :class:`RankFailed` naming the rank and showing its
+traceback; when a rank is still running after ``timeout`` seconds (a deadlock: everyone waiting
+on a receive, or everyone sending first with blocking sends), it raises :class:`RankHung` naming
+the ranks that had not finished. Either way every process it started is killed and reaped before
+it raises: nothing is left running.
+
+Functions defined in a notebook
+-------------------------------
+Each rank is a fresh Python interpreter (``python -c`` through :mod:`subprocess`, as torchrun
+starts its workers), never a fork: a fork after CUDA is initialised is an error, and a fork of a
+multi-threaded Jupyter kernel can deadlock. Unlike multiprocessing's ``spawn`` it does not re-run
+the parent's main script in the child, so a script without ``if __name__ == "__main__":`` works
+too. The function reaches the child pickled, and pickle sends a function by name: the child
+imports its module and looks it up. A function defined in a notebook lives in ``__main__``, which the child does not
+have. So :func:`launch` pickles such functions *by source*: their text (from
+``inspect.getsource``, which works in Jupyter and IPython), plus the globals they name: modules
+by name, other notebook functions the same way, anything else by value. The child runs the text
+in a fresh namespace. What this cannot carry is said clearly: a lambda or a function nested in
+another (use a ``def`` at the top of a cell), or a global that cannot be pickled. Functions in
+importable modules (the course's own, or a ``.py`` file of yours) travel by name, as usual.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import datetime
+import importlib
+import inspect
+import io
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable, Sequence
+
+from . import _answers
+from ._validate import positive_int
+
+DEFAULT_TIMEOUT = 60.0  # seconds a launch may take in all, start-up included
+GRACE = 2.0  # seconds the other ranks get to report after one rank fails
+POLL = 0.02  # seconds between looks at the children
+BACKENDS = ("gloo", "nccl")
+# what a rank reports when another rank died under it (not the cause)
+SECONDARY_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+class LaunchError(RuntimeError):
+    """A multi-process run did not finish: a rank failed or hung. Every process was ended."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised an exception; ``rank`` and ``remote_traceback`` say which and where."""
+
+    def __init__(self, message: str, rank: int, remote_traceback: str):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class RankHung(LaunchError):
+    """Some ranks were still running at the timeout; ``ranks`` lists them."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+# --- pickling notebook functions by source ------------------------------------------------------
+
+
+def _shippable_by_name(fn) -> bool:
+    module = getattr(fn, "__module__", None)
+    if module in (None, "__main__", "__mp_main__") or module.startswith("<"):
+        return False
+    try:
+        obj = importlib.import_module(module)
+        for part in fn.__qualname__.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return False
+    return obj is fn
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _function_source(fn) -> str:
+    """The text of ``fn``'s ``def``, decorators removed, dedented."""
+    name = fn.__name__
+    if name == "<lambda>":
+        raise ValueError(
+            "launch cannot send a lambda to other processes; define the function with `def` at the "
+            "top level of a cell (or in a .py file) and pass that"
+        )
+    if "<locals>" in fn.__qualname__:
+        raise ValueError(
+            f"launch cannot send `{fn.__qualname__}` to other processes: it is defined inside another "
+            f"function. Define it with `def` at the top level of a cell (or in a .py file) and pass that"
+        )
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as exc:
+        raise ValueError(
+            f"launch cannot find the source of `{name}` ({exc}), so it cannot send it to other "
+            f"processes. Define it in a notebook cell or in an importable .py file"
+        ) from exc
+    tree = ast.parse(source)
+    node = tree.body[0]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        node.decorator_list = []
+        source = ast.unparse(node)
+    return source
+
+
+def _rebuild_function(name: str, source: str, namespace: dict, defaults, kwdefaults):
+    """Run in the child: define ``name`` from ``source`` in a namespace holding its globals."""
+    namespace = dict(namespace)
+    namespace.setdefault("__builtins__", builtins)
+    namespace["__name__"] = "__notebook__"
+    exec(compile(source, f"<notebook function {name}>", "exec"), namespace)
+    fn = namespace[name]
+    fn.__defaults__, fn.__kwdefaults__ = defaults, kwdefaults
+    return fn
+
+
+def _raw_answer(qualified: str):
+    """Run in the child: the course answer ``qualified`` under its guard (what ``unguarded`` gives)."""
+    module, _, name = qualified.rpartition(".")
+    return getattr(importlib.import_module(module), name).__wrapped__
+
+
+class _SourcePickler(pickle.Pickler):
+    """A pickler that sends notebook functions as source and modules by name."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.FunctionType) and id(obj) in _answers._RAW:
+            return _raw_answer, (_answers._RAW[id(obj)][1],)  # a course answer under its guard
+        if isinstance(obj, types.ModuleType):
+            return importlib.import_module, (obj.__name__,)
+        if isinstance(obj, types.FunctionType) and not _shippable_by_name(obj):
+            if obj.__closure__:
+                raise ValueError(
+                    f"launch cannot send `{obj.__qualname__}` to other processes: it uses variables of "
+                    f"an enclosing function. Define it at the top level of a cell and pass what it needs "
+                    f"as arguments"
+                )
+            source = _function_source(obj)
+            names = _code_names(obj.__code__) - {obj.__name__}
+            namespace = {}
+            for n in sorted(names):
+                if n in obj.__globals__:
+                    value = obj.__globals__[n]
+                    try:
+                        _dumps(value)
+                    except Exception as exc:
+                        raise ValueError(
+                            f"launch cannot send `{obj.__name__}` to other processes: the global `{n}` it "
+                            f"uses ({type(value).__name__}) cannot be pickled ({exc}). Pass it as an "
+                            f"argument, or build it inside the function"
+                        ) from None
+                    namespace[n] = value
+            return _rebuild_function, (obj.__name__, source, namespace, obj.__defaults__, obj.__kwdefaults__)
+        return NotImplemented
+
+
+def _dumps(obj) -> bytes:
+    buffer = io.BytesIO()
+    _SourcePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+# --- the child -------------------------------------------------------------------------------
+
+
+def _child_main() -> None:
+    """Entry point of each process: ``python -c "...; _child_main()" RANK WORLD PORT BACKEND DIR TIMEOUT``."""
+    rank, world_size, port = (int(a) for a in sys.argv[1:4])
+    backend, outdir, timeout = sys.argv[4], sys.argv[5], float(sys.argv[6])
+    with open(os.path.join(outdir, "payload.pkl"), "rb") as f:
+        payload = f.read()
+    path = os.path.join(outdir, f"rank{rank}")
+    ok = False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # several ranks share the CPU; one thread each keeps them honest
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        fn, args, kwargs, call_timeout = pickle.loads(payload)
+        if call_timeout is not None:
+            _watchdog(call_timeout, path)
+        result = fn(*args, **kwargs)
+        data = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+        ok = True
+    except BaseException as exc:  # noqa: BLE001 (every failure is reported to the parent)
+        data = pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        ok = False
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path + ".pkl")  # the parent sees the file only once it is complete
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if ok and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _watchdog(seconds: float, path: str) -> None:
+    """After ``seconds``, report this rank as hung, with where its main thread is, and exit."""
+    main = threading.main_thread().ident
+
+    def fire():
+        frame = sys._current_frames().get(main)
+        where = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        with open(path + ".tmp", "wb") as f:
+            f.write(pickle.dumps(("hung", f"still running after {seconds:g} s", where)))
+        os.replace(path + ".tmp", path + ".pkl")
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+
+
+# --- the parent --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """``"nccl"`` when torch sees a CUDA GPU, else ``"gloo"``."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _tail(outdir: str, rank: int, chars: int = 3000) -> str:
+    """The end of what a rank wrote to stderr (where a C++ error such as gloo's lands)."""
+    with contextlib.suppress(OSError), open(os.path.join(outdir, f"rank{rank}.stderr"), "rb") as f:
+        text = f.read().decode("utf-8", "replace")
+        return ("what it wrote to stderr:\n" + text[-chars:]) if text.strip() else ""
+    return ""
+
+
+CHILD_COMMAND = "from labsupport.distributed import _child_main; _child_main()"
+
+
+def _end(processes) -> None:
+    """Kill every process still alive (and anything it started, its process group) and reap them."""
+    for p in processes:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+    for p in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+
+
+def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | None = None,
+           backend: str | None = None, timeout: float = DEFAULT_TIMEOUT, call_timeout: float | None = None) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` processes joined into one process group.
+
+    Returns the list of what each rank returned, rank 0 first (results travel by pickle: return
+    tensors, numbers, dicts). ``backend`` is ``"gloo"`` (CPU tensors) or ``"nccl"`` (one GPU per
+    rank); the default is NCCL when torch sees a GPU, else gloo. ``timeout`` bounds the whole run,
+    start-up included; ``call_timeout``, when given, bounds ``fn`` itself on each rank (timed from
+    when the group is joined, so start-up, which takes seconds, does not count): a rank past it
+    reports where it was stuck and exits. Raises :class:`RankFailed` or :class:`RankHung` as the module docstring
+    says, after ending every process. Chapter 11 explains the rest.
+    """
+    world_size = positive_int("world_size", world_size)
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if call_timeout is not None and (isinstance(call_timeout, bool) or not isinstance(call_timeout, (int, float))
+                                     or not call_timeout > 0):
+        raise ValueError(f"call_timeout must be a positive number of seconds or None, got {call_timeout!r}")
+    if not callable(fn):
+        raise ValueError(f"fn must be a function, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise ValueError(f"args must be a tuple of arguments, got {type(args).__name__}")
+    payload = _dumps((fn, tuple(args), dict(kwargs or {}), call_timeout))
+    outdir = tempfile.mkdtemp(prefix="labsupport-launch-")
+    with open(os.path.join(outdir, "payload.pkl"), "wb") as f:
+        f.write(payload)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    processes = []
+    try:
+        for rank in range(world_size):
+            argv = [sys.executable, "-c", CHILD_COMMAND, str(rank), str(world_size), str(port), backend,
+                    outdir, repr(float(timeout))]
+            # its own session: a kill reaches anything the rank started too
+            with open(os.path.join(outdir, f"rank{rank}.stderr"), "wb") as err:  # read back if the rank dies
+                processes.append(subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                                  stderr=err))
+        deadline = time.monotonic() + timeout
+        reports: dict[int, tuple] = {}
+        first_error = None
+        while True:
+            for rank in range(world_size):
+                path = os.path.join(outdir, f"rank{rank}.pkl")
+                if rank not in reports and os.path.exists(path):
+                    with open(path, "rb") as f:
+                        reports[rank] = pickle.load(f)
+                    if reports[rank][0] in ("error", "hung") and first_error is None:
+                        first_error = rank
+                        deadline = min(deadline, time.monotonic() + GRACE)
+            for rank, p in enumerate(processes):
+                if rank not in reports and p.poll() is not None and not os.path.exists(
+                        os.path.join(outdir, f"rank{rank}.pkl")):
+                    reports[rank] = ("error", f"the process exited with code {p.returncode} without reporting "
+                                              f"(a crash in C++, killed, or out of memory)", _tail(outdir, rank))
+                    if first_error is None:
+                        first_error = rank
+                        deadline = min(deadline, time.monotonic() + GRACE)
+            if len(reports) == world_size or time.monotonic() > deadline:
+                break
+            time.sleep(POLL)
+        hung = sorted(r for r, rep in reports.items() if rep[0] == "hung")
+        missing = sorted(set(r for r in range(world_size) if r not in reports) | set(hung))
+        if first_error is not None:
+            # a rank whose peer died reports a broken connection; name the rank that failed first-hand
+            causes = [r for r, rep in sorted(reports.items()) if rep[0] == "error" and not any(
+                m in rep[1] + rep[2] for m in SECONDARY_FAILURES)]
+            first_error = causes[0] if causes else first_error
+        if first_error is not None and reports[first_error][0] == "error":
+            _, summary, remote_tb = reports[first_error]
+            others = sorted(r for r, rep in reports.items() if rep[0] != "ok" and r != first_error)
+            also = f" (ranks {others} failed too, probably because rank {first_error} stopped)" if others else ""
+            raise RankFailed(
+                f"rank {first_error} of {world_size} failed with {summary}{also}. Every process was "
+                f"ended. Its traceback:\n{remote_tb}", first_error, remote_tb)
+        if missing:
+            limit = f"{call_timeout:g} s in your function" if hung else f"{timeout:g} s"
+            stack = f" Where rank {hung[0]} was:\n{reports[hung[0]][2]}" if hung else ""
+            raise RankHung(
+                f"ranks {missing} of {world_size} were still running after {limit}, and were "
+                f"ended. A rank that never finishes is usually waiting for a message nobody sends: "
+                f"a recv without its matching send, or every rank calling a blocking send first. "
+                f"Use isend/irecv (or order the calls by rank) and check that each rank sends "
+                f"exactly what its neighbour receives.{stack}", missing)
+        return [reports[r][1] for r in range(world_size)]
+    finally:
+        _end(processes)
+        shutil.rmtree(outdir, ignore_errors=True)
