@@ -1,0 +1,138 @@
+"""The launcher: results per rank, a raising rank and a hanging rank end with a clear message and
+no process left behind, notebook functions travel by source, a script needs no main guard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from labsupport.collectives import bus_bandwidth, ring_bytes_sent, ring_chunk_bounds, time_all_reduce
+from labsupport.distributed import RankFailed, RankHung, _dumps, launch
+from labsupport.tensor_parallel import TensorParallelModel, time_decode_step
+from labsupport.transformer import Transformer
+
+
+def no_children_left():
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def raises_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits here for rank 1, which never comes
+    return 0
+
+
+def hangs_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    return dist.get_rank()
+
+
+def several_things(model_name):
+    """One launch for the domain functions that need a process group (start-up costs seconds)."""
+    model = Transformer(model_name, seed=2)
+    prompt = model.random_prompt(2, 6)
+    tp = TensorParallelModel(model)
+    diff = float((tp.run(prompt) - model.forward_no_cache(prompt)).abs().max())
+    return dict(rank=dist.get_rank(), diff=diff, timing=time_all_reduce([10, 1000], repeats=2),
+                decode=time_decode_step(model_name, 1, 8, steps=2))
+
+
+def test_results_per_rank_and_domain_functions():
+    results = launch(several_things, 2, args=("tiny-2m",), backend="gloo")
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["diff"] < 1e-5
+    assert [row["elements"] for row in results[0]["timing"]] == [10, 1000]
+    assert all(row["seconds"] > 0 for row in results[0]["timing"])
+    assert results[0]["decode"]["world_size"] == 2 and results[0]["decode"]["max_logit_difference"] < 1e-5
+    assert no_children_left()
+
+
+def test_a_rank_that_raises():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch(raises_on_rank_one, 2, backend="gloo", timeout=120)
+    assert info.value.rank == 1
+    assert "rank 1 of 2 failed with ValueError: rank one is broken" in str(info.value)
+    assert "raises_on_rank_one" in info.value.remote_traceback  # the rank's own traceback
+    assert time.monotonic() - start < 100  # it did not wait for the timeout
+    assert no_children_left()
+
+
+def test_a_rank_that_hangs():
+    with pytest.raises(RankHung) as info:
+        launch(hangs_on_rank_zero, 2, backend="gloo", timeout=120, call_timeout=2)
+    assert info.value.ranks == [0]
+    assert "time.sleep" in str(info.value)  # where it was stuck
+    assert no_children_left()
+
+
+def test_a_whole_launch_past_its_timeout():
+    with pytest.raises(RankHung) as info:
+        launch(hangs_on_rank_zero, 1, backend="gloo", timeout=3)
+    assert info.value.ranks == [0] and "after 3 s" in str(info.value)
+    assert no_children_left()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="backend"):
+        launch(several_things, 2, backend="mpi")
+    with pytest.raises(ValueError, match="world_size"):
+        launch(several_things, 0)
+    with pytest.raises(ValueError, match="lambda"):
+        launch(lambda: 1, 2)
+
+    def nested():
+        return 1
+
+    with pytest.raises(ValueError, match="inside another function"):
+        _dumps(nested)
+
+
+def test_a_notebook_style_script_without_main_guard(tmp_path):
+    """A function defined in __main__ (as in a notebook) is sent by source, with the globals it uses."""
+    script = tmp_path / "learner.py"
+    script.write_text(textwrap.dedent("""
+        import math
+        import torch.distributed as dist
+        from labsupport.distributed import launch
+
+        SCALE = 10
+
+        def helper(r):
+            return math.floor(r * SCALE)
+
+        def work(offset):
+            return helper(dist.get_rank()) + offset
+
+        print("RESULT", launch(work, 2, args=(1,), backend="gloo"))
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert "RESULT [1, 11]" in done.stdout, done.stdout + done.stderr
+
+
+def test_ring_arithmetic():
+    assert ring_chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert ring_chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert ring_bytes_sent(1000, 4) == 1500  # 2 (n-1)/n
+    assert ring_bytes_sent(1000, 1) == 0
+    assert bus_bandwidth(1e9, 1.0, 8) == pytest.approx(1.75e9)
+    with pytest.raises(ValueError):
+        bus_bandwidth(1e9, 0.0, 8)
