@@ -203,13 +203,18 @@ class TensorParallelModel:
 
 
 def time_decode_step(model_name: str, batch: int, context: int, steps: int = 5, seed: int = 0,
-                     tensor_parallel: bool = True) -> dict:
+                     tensor_parallel: bool = True, device=None, dtype: torch.dtype = torch.float32) -> dict:
     """Run on every rank (under :func:`labsupport.distributed.launch`): median seconds of one decode
     step of ``model_name`` at ``batch`` sequences after a ``context``-token prefill, split over the
     group (``tensor_parallel=True``) or on this one process. Also returns the logits' largest
-    difference from the single-process model's (the split must not change the answer)."""
+    difference from the single-process model's (the split must not change the answer). ``device``:
+    the CPU by default; on a GPU rank, that rank's GPU (``"cuda"`` picks the current one)."""
     cfg = as_model(model_name)
-    model = Transformer(cfg, seed=seed)
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    model = Transformer(cfg, device=device, dtype=dtype, seed=seed)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prompt = model.random_prompt(batch, context, seed=seed)
     if tensor_parallel:
         tp = TensorParallelModel(model)
@@ -227,8 +232,10 @@ def time_decode_step(model_name: str, batch: int, context: int, steps: int = 5, 
         token = logits.argmax(-1, keepdim=True)  # (B, 1)
         if tensor_parallel:
             dist.barrier()
+        sync()
         t0 = time.perf_counter()
         logits = step(token)
+        sync()
         times.append(time.perf_counter() - t0)
     times.sort()
     return dict(model=cfg.name, batch=batch, context=context, world_size=dist.get_world_size() if tensor_parallel
