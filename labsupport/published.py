@@ -183,3 +183,13 @@ KWON_THROUGHPUT_GAIN = (
     Figure(2, "x", "throughput gain over FasterTransformer and Orca, same latency, low end", _KWON + ", abstract"),
     Figure(4, "x", "throughput gain over FasterTransformer and Orca, same latency, high end", _KWON + ", abstract"),
 )
+
+#: H100 SXM's links: NVLink 4 between GPUs, PCIe Gen5 x16 to the host (both counted in both directions).
+H100_NVLINK_BYTES_PER_S = Figure(
+    900e9, "bytes/s, both directions together", "NVLink 4 on one H100 SXM",
+    "NVIDIA H100 Tensor Core GPU datasheet",
+)
+PCIE_GEN5_X16_BYTES_PER_S = Figure(
+    128e9, "bytes/s, both directions together", "PCIe Gen5 x16 on one H100",
+    "NVIDIA H100 Tensor Core GPU datasheet",
+)
