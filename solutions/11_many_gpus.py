@@ -16,7 +16,8 @@
 # 3. write the **tensor-parallel layer's forward pass**, checked against the single-process model
 #    and for exactly two all-reduces per layer;
 # 4. **measure** all-reduce time against message size and number of processes, and a
-#    tensor-parallel decode step against one process.
+#    tensor-parallel decode step against one process (section 0: these need none of your code,
+#    so they come first).
 #
 # Every process here is a CPU process talking through gloo, even on a machine with GPUs: the same
 # code runs on GPUs with NCCL (`backend="nccl"`, one GPU per rank), which the course's bench
@@ -59,6 +60,66 @@ from labsupport.transformer import Transformer, apply_rope
 
 WHERE = f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo over local TCP, one thread per process"
 print(f"timings below are taken on: {WHERE}")
+
+# %% [markdown]
+# ## 0. Measurements first
+#
+# These use only the course's code, so they run even before you write anything (Run All stops
+# at your first unfinished exercise, further down).
+#
+# ### All-reduce time against message size and number of processes
+#
+# `time_all_reduce(sizes)` runs on every rank: the median time of `dist.all_reduce` on fp32
+# tensors of each size, and the bus bandwidth as nccl-tests defines it, bytes / time $\times
+# 2(n-1)/n$ (the ring's traffic per rank, so the number is comparable across $n$). Small messages
+# cost a fixed latency whatever their size; large ones approach a bandwidth.
+
+# %%
+SIZES = [2**k for k in range(4, settings.pick(small=21, full=25), 2)]  # elements (fp32)
+rows = []
+for n in (2, 4):
+    rows += launch(time_all_reduce, n, args=(SIZES,), backend="gloo")[0]
+print(f"all-reduce, gloo, {WHERE}")
+print(" n   bytes        time (us)   bus bandwidth (GB/s)")
+for row in rows:
+    print(f"{row['world_size']:2d} {row['bytes']:10,d} {row['seconds'] * 1e6:12.1f} {row['bus_bandwidth'] / 1e9:14.3f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(5, 3.4))
+for n in (2, 4):
+    mine = [r for r in rows if r["world_size"] == n]
+    ax.loglog([r["bytes"] for r in mine], [r["seconds"] * 1e6 for r in mine], "o-", label=f"{n} processes")
+ax.set(xlabel="message (bytes)", ylabel="all-reduce time (us)", title="gloo on a CPU (not a GPU figure)")
+ax.legend(fontsize=8)
+fig.tight_layout()
+
+# %% [markdown]
+# ### A tensor-parallel decode step against one process
+#
+# `time_decode_step` builds the same model on every rank, splits it with the course's
+# `TensorParallelModel` (the layers as you will write them in exercises 2 and 3, a
+# vocabulary-parallel output head joined
+# by an all-gather, a KV cache of $H_{kv}/n$ heads per rank) and times one decode step; it also
+# reports the largest difference of its logits from the single-process model's.
+
+# %%
+MODEL, BATCH, CONTEXT = "tiny-20m", 1, 64
+split = launch(time_decode_step, 2, args=(MODEL, BATCH, CONTEXT), backend="gloo")[0]
+torch.set_num_threads(1)  # the single process gets one thread, like each rank
+alone = time_decode_step(MODEL, BATCH, CONTEXT, tensor_parallel=False)
+print(f"{MODEL} ({get_model(MODEL).n_layers} layers), batch {BATCH}, context {CONTEXT}, on {WHERE}")
+print(f"one process:         {alone['seconds'] * 1e3:7.2f} ms per decode step")
+print(f"two processes (TP):  {split['seconds'] * 1e3:7.2f} ms per decode step, "
+      f"logits within {split['max_logit_difference']:.1e} of one process")
+
+# %% [markdown]
+# Compare the two lines with the all-reduce table above. The split halves each process's
+# arithmetic but adds two all-reduces per layer and an all-gather for the logits, each paying at
+# least the fixed cost of the smallest message in that table; on a CPU with gloo those costs are
+# large next to a step of this small model, so the split rarely pays here. On GPUs joined by
+# NVLink the fixed cost is far smaller and a decode step of a big model is limited by reading its
+# weights, which the split divides: that is where tensor parallelism pays. The chapter works
+# through when.
 
 # %% [markdown]
 # ## 1. The ring all-reduce
@@ -242,60 +303,6 @@ def tp_layer_forward(shards, x, cos, sin, cfg):
 check_tp_layer_forward(tp_layer_forward)
 
 # %% [markdown]
-# ## 4. Measurements
-#
-# ### All-reduce time against message size and number of processes
-#
-# `time_all_reduce(sizes)` runs on every rank: the median time of `dist.all_reduce` on fp32
-# tensors of each size, and the bus bandwidth as nccl-tests defines it, bytes / time $\times
-# 2(n-1)/n$ (the ring's traffic per rank, so the number is comparable across $n$). Small messages
-# cost a fixed latency whatever their size; large ones approach a bandwidth.
-
-# %%
-SIZES = [2**k for k in range(4, settings.pick(small=21, full=25), 2)]  # elements (fp32)
-rows = []
-for n in (2, 4):
-    rows += launch(time_all_reduce, n, args=(SIZES,), backend="gloo")[0]
-print(f"all-reduce, gloo, {WHERE}")
-print(" n   bytes        time (us)   bus bandwidth (GB/s)")
-for row in rows:
-    print(f"{row['world_size']:2d} {row['bytes']:10,d} {row['seconds'] * 1e6:12.1f} {row['bus_bandwidth'] / 1e9:14.3f}")
-
-# %%
-fig, ax = plt.subplots(figsize=(5, 3.4))
-for n in (2, 4):
-    mine = [r for r in rows if r["world_size"] == n]
-    ax.loglog([r["bytes"] for r in mine], [r["seconds"] * 1e6 for r in mine], "o-", label=f"{n} processes")
-ax.set(xlabel="message (bytes)", ylabel="all-reduce time (us)", title="gloo on a CPU (not a GPU figure)")
-ax.legend(fontsize=8)
-fig.tight_layout()
-
-# %% [markdown]
-# ### A tensor-parallel decode step against one process
-#
-# `time_decode_step` builds the same model on every rank, splits it with the course's
-# `TensorParallelModel` (the layers as in your exercise, a vocabulary-parallel output head joined
-# by an all-gather, a KV cache of $H_{kv}/n$ heads per rank) and times one decode step; it also
-# reports the largest difference of its logits from the single-process model's.
-
-# %%
-MODEL, BATCH, CONTEXT = "tiny-20m", 1, 64
-split = launch(time_decode_step, 2, args=(MODEL, BATCH, CONTEXT), backend="gloo")[0]
-torch.set_num_threads(1)  # the single process gets one thread, like each rank
-alone = time_decode_step(MODEL, BATCH, CONTEXT, tensor_parallel=False)
-print(f"{MODEL}, batch {BATCH}, context {CONTEXT}, on {WHERE}")
-print(f"one process:         {alone['seconds'] * 1e3:7.2f} ms per decode step")
-print(f"two processes (TP):  {split['seconds'] * 1e3:7.2f} ms per decode step, "
-      f"logits within {split['max_logit_difference']:.1e} of one process")
-
-# %% [markdown]
-# On a CPU the split rarely pays at this size: each step does half the arithmetic per process but
-# adds $2L$ all-reduces (here $L = 4$ layers) and an all-gather, each costing tens of
-# microseconds of gloo latency, against a step of a few milliseconds. On GPUs joined by NVLink an
-# all-reduce of a decode step's activations takes microseconds, and the split pays when one GPU's
-# memory bandwidth (reading all the weights every step) is the limit. Over PCIe, or at large
-# batch where the messages grow with the batch, it pays less. The chapter works through when.
-#
 # ## What you built and measured
 #
 # * A ring all-reduce from point-to-point messages, equal to `dist.all_reduce` at 2, 3 and 4
