@@ -17,7 +17,8 @@ When a rank raises, :func:`launch` raises :class:`RankFailed` naming the rank an
 traceback; when a rank is still running after ``timeout`` seconds (a deadlock: everyone waiting
 on a receive, or everyone sending first with blocking sends), it raises :class:`RankHung` naming
 the ranks that had not finished. Either way every process it started is killed and reaped before
-it raises: nothing is left running.
+it raises: nothing is left running. What the ranks print is printed afterwards by the caller,
+each line prefixed with ``[rank r]``.
 
 Functions defined in a notebook
 -------------------------------
@@ -26,8 +27,8 @@ starts its workers), never a fork: a fork after CUDA is initialised is an error,
 multi-threaded Jupyter kernel can deadlock. Unlike multiprocessing's ``spawn`` it does not re-run
 the parent's main script in the child, so a script without ``if __name__ == "__main__":`` works
 too. The function reaches the child pickled, and pickle sends a function by name: the child
-imports its module and looks it up. A function defined in a notebook lives in ``__main__``, which the child does not
-have. So :func:`launch` pickles such functions *by source*: their text (from
+imports its module and looks it up. A function defined in a notebook lives in ``__main__``,
+which the child does not have. So :func:`launch` pickles such functions *by source*: their text (from
 ``inspect.getsource``, which works in Jupyter and IPython), plus the globals they name: modules
 by name, other notebook functions the same way, anything else by value. The child runs the text
 in a fresh namespace. What this cannot carry is said clearly: a lambda or a function nested in
@@ -283,6 +284,14 @@ def _tail(outdir: str, rank: int, chars: int = 3000) -> str:
     return ""
 
 
+def _show_output(outdir: str, ranks: int) -> None:
+    """Print what each rank printed, every line prefixed with its rank."""
+    for rank in range(ranks):
+        with contextlib.suppress(OSError), open(os.path.join(outdir, f"rank{rank}.stdout"), "rb") as f:
+            for line in f.read().decode("utf-8", "replace").splitlines():
+                print(f"[rank {rank}] {line}")
+
+
 CHILD_COMMAND = "from labsupport.distributed import _child_main; _child_main()"
 
 
@@ -336,9 +345,12 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | No
             argv = [sys.executable, "-c", CHILD_COMMAND, str(rank), str(world_size), str(port), backend,
                     outdir, repr(float(timeout))]
             # its own session: a kill reaches anything the rank started too
-            with open(os.path.join(outdir, f"rank{rank}.stderr"), "wb") as err:  # read back if the rank dies
+            # what the rank prints is shown here afterwards (in a notebook a child's own output would
+            # go to the kernel's terminal, not the cell); stderr is also read back if the rank dies
+            with open(os.path.join(outdir, f"rank{rank}.stdout"), "wb") as out, \
+                    open(os.path.join(outdir, f"rank{rank}.stderr"), "wb") as err:
                 processes.append(subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                                  stderr=err))
+                                                  stdout=out, stderr=err))
         deadline = time.monotonic() + timeout
         reports: dict[int, tuple] = {}
         first_error = None
@@ -388,4 +400,5 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | No
         return [reports[r][1] for r in range(world_size)]
     finally:
         _end(processes)
+        _show_output(outdir, len(processes))
         shutil.rmtree(outdir, ignore_errors=True)

@@ -46,6 +46,7 @@ def hangs_on_rank_zero():
 
 def several_things(model_name):
     """One launch for the domain functions that need a process group (start-up costs seconds)."""
+    print(f"hello from rank {dist.get_rank()}")
     model = Transformer(model_name, seed=2)
     prompt = model.random_prompt(2, 6)
     tp = TensorParallelModel(model)
@@ -54,8 +55,10 @@ def several_things(model_name):
                 decode=time_decode_step(model_name, 1, 8, steps=2))
 
 
-def test_results_per_rank_and_domain_functions():
+def test_results_per_rank_and_domain_functions(capsys):
     results = launch(several_things, 2, args=("tiny-2m",), backend="gloo")
+    printed = capsys.readouterr().out
+    assert "[rank 0] hello from rank 0" in printed and "[rank 1] hello from rank 1" in printed
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["diff"] < 1e-5
     assert [row["elements"] for row in results[0]["timing"]] == [10, 1000]
