@@ -22,3 +22,7 @@ for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
         if _name.startswith("check_") and callable(getattr(_mod, _name)):
             globals()[_name] = getattr(_mod, _name)
             __all__.append(_name)
+
+from .framework import remember as _remember  # noqa: E402
+
+_remember()  # what the checks rely on, as imported (see framework.replaced)

@@ -74,6 +74,92 @@ RESULTS: list[CheckResult] = []
 REGISTRY: dict[str, Callable] = {}
 
 
+# -- what a check relies on, as it was when the checks were imported ------------------------------
+# Learner code runs in the same process as the checks, so it could make a comparison lie by
+# replacing what the checks compare and report with (``math.isclose``, ``torch.Tensor.__eq__``, a
+# method of Checker, a lab's reference answer, ``sys.modules["torch"]``, IPython's ``display``). The
+# checks are imported before any learner code runs (the grader imports them in the notebook's first
+# cell), so what they rely on is remembered then, and a check that finds any of it replaced while it
+# runs fails (reason "tampered") instead of passing. Code in the same process can still replace the
+# memory itself; this makes the cheat deliberate and visible, not impossible (see the README).
+_TENSOR_METHODS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__sub__", "__add__", "__mul__",
+                   "__truediv__", "__or__", "__and__", "__invert__", "__bool__", "__float__", "__int__",
+                   "__index__", "__getitem__", "abs", "any", "all", "sum", "to", "detach", "item", "nonzero",
+                   "masked_fill", "numel", "untyped_storage", "data_ptr", "is_floating_point", "float", "double",
+                   "shape", "dtype", "device", "__class__", "__torch_function__")
+_TORCH_FUNCTIONS = ("allclose", "isclose", "isfinite", "isnan", "where", "argmax", "unravel_index", "zeros_like",
+                    "tensor", "equal", "as_tensor")
+_BUILTINS = ("isinstance", "issubclass", "type", "len", "abs", "bool", "float", "int", "tuple", "list", "dict",
+             "getattr", "hasattr", "setattr", "callable", "any", "all", "max", "min", "sum", "print", "str",
+             "repr", "id", "iter", "next", "zip", "range", "round", "__import__")
+
+
+def _watched() -> dict[str, object]:
+    """Every object a check's verdict depends on, by a name that says where it lives."""
+    import builtins
+    import sys
+
+    out: dict[str, object] = {}
+    for name in _BUILTINS:
+        out[f"builtins.{name}"] = getattr(builtins, name, None)
+    out["math"] = sys.modules.get("math")
+    for name in ("isclose", "isfinite", "isnan", "isinf", "fabs"):
+        out[f"math.{name}"] = getattr(math, name, None)
+    for key, module in list(sys.modules.items()):
+        if key == "labsupport.checks" or key.startswith("labsupport.checks.") or key in ("torch", "json",
+                                                                                          "IPython.display"):
+            out[f"sys.modules[{key!r}]"] = module
+            if key.startswith("labsupport.checks"):  # every global of the checks: functions, references
+                for name, value in list(vars(module).items()):
+                    if not name.startswith("__"):
+                        out[f"{key}.{name}"] = value
+    for cls in (Checker, CheckResult, Case, CheckFailed, torch_calls, _forbid, triton_launches):
+        for name, value in list(vars(cls).items()):
+            if not name.startswith("__") or name in ("__init__", "__enter__", "__exit__", "__call__", "__str__"):
+                out[f"{cls.__qualname__}.{name}"] = value
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        for name in _TORCH_FUNCTIONS:
+            out[f"torch.{name}"] = getattr(torch, name, None)
+        for name in _TENSOR_METHODS:  # as stored on the class (getattr would make a new bound method)
+            out[f"torch.Tensor.{name}"] = next((vars(c)[name] for c in torch.Tensor.__mro__ if name in vars(c)), None)
+        out["torch.Tensor"] = getattr(torch, "Tensor", None)
+        overrides = sys.modules.get("torch.overrides")
+        if overrides is not None:
+            out["torch.overrides.TorchFunctionMode"] = getattr(overrides, "TorchFunctionMode", None)
+    display_mod = sys.modules.get("IPython.display")
+    if display_mod is not None:
+        out["IPython.display.display"] = getattr(display_mod, "display", None)
+    return out
+
+
+_REMEMBERED: dict[str, object] = {}
+
+
+def remember() -> None:
+    """Remember what the checks rely on (``labsupport.checks`` calls this once it imported every check)."""
+    _REMEMBERED.clear()
+    _REMEMBERED.update(_watched())
+
+
+def replaced() -> list[str]:
+    """What the checks rely on that is no longer what it was when they were imported."""
+    if not _REMEMBERED:
+        return []
+    now = _watched()
+    return [name for name, value in _REMEMBERED.items() if now.get(name, _REMEMBERED) is not value]
+
+
+def _intact(check_name: str) -> None:
+    changed = replaced()
+    if changed:
+        shown = ", ".join(f"`{n}`" for n in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise CheckFailed(
+            f"{check_name}: while it ran, {shown} had been replaced since the checks were imported. A check "
+            f"only passes with the course's own comparisons; put them back (restart the kernel) and run "
+            f"the exercise and this check again.", reason="tampered")
+
+
 def _record(result: CheckResult) -> None:
     RESULTS.append(result)
     path = os.environ.get(RESULTS_ENV)
@@ -177,6 +263,7 @@ class Checker:
                 "\nHint: run your function on that case yourself to see the full traceback."
             )
             raise CheckFailed(message) from exc
+        _intact(self.name)
         _refuse_tensor_subclass(self.name, result, case)
         return result
 
@@ -188,6 +275,7 @@ class Checker:
         and no torch function that computes the answer (``calls``) was called."""
         import torch
 
+        _intact(self.name)
         unwritten = [name for name, t in returned.items() if isinstance(t, torch.Tensor) and not launches.wrote(t)]
         if unwritten:
             self.fail(case, f"your function returned a tensor that no Triton kernel you launched wrote to: "
@@ -223,6 +311,7 @@ class Checker:
         """
         import torch
 
+        _intact(self.name)
         if not isinstance(actual, torch.Tensor):
             self.fail(
                 case,
@@ -304,6 +393,7 @@ class Checker:
     def expect_number(self, actual, expected: float, *, case: Case, rel: float = 1e-6, what: str = "result",
                       hint: str = "", mistakes: dict[str, float] | None = None) -> None:
         """Fail unless ``actual`` is a real number within ``rel`` (relative) of ``expected``."""
+        _intact(self.name)
         if hasattr(actual, "item") and getattr(actual, "numel", lambda: 1)() == 1:
             actual = actual.item()
         if isinstance(actual, bool) or not isinstance(actual, (int, float)):
@@ -524,6 +614,11 @@ def graded(points: float, name: str | None = None, bans: Sequence[str] = ()):
             except Exception as exc:
                 message = f"{check_name} itself failed with {type(exc).__name__}: {exc}"
                 _record(CheckResult(check_name, False, 0, points, checker.cases, message, "error"))
+                raise
+            try:
+                _intact(check_name)
+            except CheckFailed as exc:
+                _record(CheckResult(check_name, False, 0, points, checker.cases, str(exc), exc.reason))
                 raise
             _record(CheckResult(check_name, True, points, points, checker.cases))
             print(f"PASSED {check_name}: {checker.cases} cases, {points:g}/{points:g} points")

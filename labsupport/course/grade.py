@@ -279,6 +279,11 @@ def grade_notebook(
 
     nonce = None
     if spliced is not None:  # the grader's own cells: checks imported afresh, and the probe last
+        # the checks are imported before any learner code runs, so what they rely on is remembered
+        # untouched (labsupport.checks.framework.replaced)
+        if spliced.roles.get(0) == "course":
+            run_nb.cells[0].source = run_nb.cells[0].source.rstrip("\n") + \
+            "\nimport labsupport.checks  # added by the grader: the checks, before any learner code\n"
         for i, cell in enumerate(run_nb.cells):
             if spliced.roles.get(i) == "course" and check_calls(cell.source):
                 cell.source = reimport(cell.source)
@@ -393,6 +398,8 @@ def collect_results(run, spliced) -> tuple[dict[str, dict], list[str]]:
                              f"stopped; counted as failed")
                 worst = {**worst, "passed": False, "reason": "failed",
                          "message": f"{check} reported a pass, but its cell then failed or stopped"}
+            if worst.get("reason") == "tampered":  # the check found what it relies on replaced
+                flags.append(f"tampered during {check}: {str(worst.get('message', ''))[:300]}")
             recorded[check] = worst  # the last cell calling a check counts
     return recorded, flags
 

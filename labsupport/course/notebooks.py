@@ -55,6 +55,9 @@ kernelapp.launch_new_instance()
 """
 
 
+MAX_OUTPUT_BYTES = 64 * 2**20  # outputs kept of one notebook's run; past this they are dropped, with a note
+
+
 class KernelStartError(RuntimeError):
     """No kernel could be started (or it died before running a cell): nothing can be executed."""
 
@@ -152,8 +155,35 @@ def execute(
     timed_out_cells: list[int] = []
 
     skip_tests: list[Callable[[str], str]] = []
+    replied_error: dict[int, tuple[str, str]] = {}  # cell index -> (ename, evalue) the kernel's reply gave
+    budget = {"left": MAX_OUTPUT_BYTES, "results": 5000}
 
     class Client(NotebookClient):
+        async def _check_raise_for_error(self, cell, cell_index, exec_reply):
+            # a cell failed when the kernel's reply says so, whatever its outputs show: a learner can
+            # hide the error output (IPython's set_custom_exc, clear_output) but not the reply's status
+            content = (exec_reply or {}).get("content", {})
+            if content.get("status") == "error":
+                replied_error[cell_index] = (str(content.get("ename", "")), str(content.get("evalue", "")))
+            return await super()._check_raise_for_error(cell, cell_index, exec_reply)
+
+        def output(self, outs, msg, display_id, cell_index):
+            # the outputs kept are bounded, so a notebook printing gigabytes cannot exhaust the grader's memory
+            size = len(json.dumps(msg.get("content", {}), ensure_ascii=False, default=str))
+            data = msg.get("content", {}).get("data") or {}
+            if size < 2**16 and any("vnd.labsupport" in key for key in data) and budget["results"] > 0:
+                budget["results"] -= 1  # a check's result is kept past the budget (a few thousand at most)
+                return super().output(outs, msg, display_id, cell_index)
+            if budget["left"] < 0:
+                return None
+            budget["left"] -= size
+            if budget["left"] < 0:
+                note = nbformat.v4.new_output("stream", name="stderr", text=(
+                    f"[labsupport: outputs past {MAX_OUTPUT_BYTES // 2**20} MiB were dropped]\n"))
+                outs.append(note)
+                return None
+            return super().output(outs, msg, display_id, cell_index)
+
         async def _async_handle_timeout(self, timeout, cell=None):
             if cell is not None and state["cell"] not in timed_out_cells:
                 timed_out_cells.append(state["cell"])
@@ -238,10 +268,15 @@ def execute(
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                result.errors.append(CellError(index, output.get("ename", ""), output.get("evalue", ""),
-                                               cell.source))
+        shown = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        for output in shown:
+            result.errors.append(CellError(index, output.get("ename", ""), output.get("evalue", ""),
+                                           cell.source))
+        if index in replied_error and not shown:  # failed, but its error output was hidden or cleared
+            ename, evalue = replied_error[index]
+            result.errors.append(CellError(index, ename or "Error", evalue or "the cell failed (its kernel "
+                                           "replied with an error, but no error output was shown)", cell.source))
+    result.errors.sort(key=lambda e: e.index)
     return result
 
 

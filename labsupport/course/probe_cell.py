@@ -59,6 +59,31 @@ def _labsupport_probe(nonce, mime):
                 problems.append(f"labsupport.checks.{name} is not the registered check")
         if sys.gettrace() is not None or sys.getprofile() is not None:
             problems.append("a trace or profile hook is set")
+        paths = sysconfig.get_paths()
+        libraries = (root, stdlib, paths["purelib"] + os.sep, paths["platlib"] + os.sep)
+        def foreign(hook):  # written in the notebook (a cell), not by a library
+            for fn in (hook, getattr(hook, "__func__", None), getattr(type(hook), "__call__", None),
+                       getattr(type(hook), "visit", None)):
+                code = getattr(fn, "__code__", None)
+                if code is not None:
+                    return not os.path.abspath(code.co_filename).startswith(libraries)
+            return False
+        from IPython import get_ipython
+        shell = get_ipython()
+        hooks = []  # IPython's hooks that run code of the notebook's around or instead of a cell
+        if shell is not None:
+            hooks += [f"an IPython {event!r} event callback" for event, fns in shell.events.callbacks.items()
+                      for fn in fns if foreign(fn)]
+            manager = shell.input_transformer_manager
+            hooks += ["an input transformer" for fn in [*shell.input_transformers_post, *manager.cleanup_transforms,
+                                                        *manager.line_transforms] if foreign(fn)]
+            hooks += ["an AST transformer" for fn in shell.ast_transformers if foreign(fn)]
+            wrapped = getattr(getattr(shell, "CustomTB", None), "__func__", None)  # IPython wraps the handler
+            handlers = [c.cell_contents for c in getattr(wrapped, "__closure__", None) or ()
+                        if inspect.isfunction(c.cell_contents)]
+            if shell.custom_exceptions and (not handlers or any(foreign(h) for h in handlers)):
+                hooks.append("a custom exception handler (set_custom_exc)")
+        problems += [f"{hook} was installed by the notebook" for hook in dict.fromkeys(hooks)]
     except Exception as exc:
         problems.append(f"the probe failed: {type(exc).__name__}: {exc}")
     display({mime: {"nonce": nonce, "problems": problems}}, raw=True)

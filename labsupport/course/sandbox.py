@@ -28,6 +28,9 @@ from pathlib import Path
 import labsupport
 
 MEMORY_LIMIT = 8 * 2**30  # bytes of address space a sandboxed kernel may map, by default (torch maps ~2 GiB)
+TMP_LIMIT = 2 * 2**30  # bytes the sandbox's private /tmp (memory) may hold
+FILE_LIMIT = 2 * 2**30  # bytes of the largest file a sandboxed kernel may write (RLIMIT_FSIZE)
+PROCESS_LIMIT = 1024  # processes and threads (RLIMIT_NPROC; not enforced when the grader runs as root)
 
 
 @dataclass
@@ -45,7 +48,8 @@ class Sandbox:
     def wrap(self, argv: list[str], writable: list[str], cwd: str) -> list[str]:
         """``argv`` (the kernel's command) run inside the sandbox, ``writable`` folders bound read-write."""
         if self.kind == "bwrap":
-            outer = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            sized = ["--size", str(TMP_LIMIT)] if bwrap_sizes_tmpfs() else []  # bubblewrap 0.5 and later
+            outer = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *sized, "--tmpfs", "/tmp",
                      "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                      "--unsetenv", "JPY_PARENT_PID"]  # ipykernel would watch a pid it cannot see
             for folder in _under_private_tmp():
@@ -53,7 +57,8 @@ class Sandbox:
             for folder in writable:
                 outer += ["--bind", folder, folder]
             outer += ["--chdir", cwd, "--"]
-            return outer + ["prlimit", f"--as={self.memory}", "--"] + argv
+            limits = [f"--as={self.memory}", f"--fsize={FILE_LIMIT}", f"--nproc={PROCESS_LIMIT}"]
+            return outer + ["prlimit", *limits, "--"] + argv
         outer = [self.engine, "run", "--rm", "-i", "--network", "none", f"--memory={self.memory}",
                  "--pids-limit", "512", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
                  "--read-only", "--tmpfs", "/tmp", "-e", "IPYTHONDIR", "-e", "LABSUPPORT_GRADING",
@@ -74,6 +79,16 @@ def _under_private_tmp() -> list[str]:
     inside = sorted(p for p in {str(Path(n).resolve()) for n in needed} if Path(p).is_relative_to(tmp))
     # an outer folder covers the ones inside it
     return [p for p in inside if not any(p != q and Path(p).is_relative_to(q) for q in inside)]
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_sizes_tmpfs() -> bool:
+    """Whether this bwrap can bound the size of a tmpfs (``--size``)."""
+    try:
+        done = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--size" in done.stdout + done.stderr
 
 
 @functools.lru_cache(maxsize=1)

@@ -130,6 +130,23 @@ SUSPECT_NAMES = {
     "CheckResult": "CheckResult (check results)",
 }
 FRAMEWORK = "labsupport.checks.framework (the check machinery)"
+# Names an exercise never needs, by which code reaches into the interpreter or the kernel to change
+# what other code does (the imported modules, import hooks, IPython's hooks and displays, builtins,
+# another function's code or globals, the calling frames, the environment). Found as names, so
+# ``getattr(sys, "mod" + "ules")`` still shows ``getattr`` on ``sys``: see INTERPRETER_OBJECTS.
+INTERPRETER_NAMES = {
+    "meta_path", "path_hooks", "path_importer_cache", "settrace", "setprofile", "_getframe",
+    "f_globals", "f_locals", "f_back", "set_custom_exc", "input_transformers_post", "input_transformers_cleanup",
+    "input_transformer_manager", "ast_transformers", "display_pub", "displayhook", "excepthook",
+    "builtins", "__builtins__", "ctypes", "get_referrers", "get_referents", "get_objects", "cell_contents",
+    "__code__", "__closure__", "__globals__", "__defaults__", "__kwdefaults__", "setrecursionlimit",
+    "__import__", "import_module", "get_ipython", "ipykernel", "IPython", "clear_output", "update_display",
+    "publish_display_data",
+}
+# ... and attributes that are only suspect on a module (``model.modules()`` and ``allocator.fork`` are fine)
+INTERPRETER_ATTRIBUTES = {"sys": {"modules"}, "os": {"environ", "fork", "forkpty", "kill", "killpg"},
+                          "importlib": {"reload"}}
+INTERPRETER_OBJECTS = {"sys", "builtins", "math", "torch", "gc", "importlib", "os", "inspect", "types"}
 # The course's answers by name. Not the names of the labs' own exercises (kv_bytes_per_token,
 def _root_name(node: ast.AST) -> str | None:
     while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
@@ -189,6 +206,9 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
                 add(text)
         if re.search(r"\bchecks \. framework\b|\bchecks import\b[^\n]*?\bframework\b", code):
             add(FRAMEWORK)
+        reached = _reaches_into_interpreter(src, tree)
+        if reached:
+            add(f"reaches into the interpreter or the kernel ({', '.join(reached)}): read it")
         if tree is None and "labsupport" in code:
             add("a cell that does not parse mentions labsupport (read it)")
 
@@ -249,3 +269,23 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
     return flags
 
 
+
+
+def _reaches_into_interpreter(src: str, tree: ast.AST | None) -> list[str]:
+    """What in a cell's code reaches into the interpreter or the kernel (see INTERPRETER_NAMES): the
+    names it spells, and ``setattr``/``getattr``/``vars`` on a module like ``sys`` or ``math``."""
+    found = [t.string for t in _tokens(python_source(src)) if t.type == tokenize.NAME and t.string in INTERPRETER_NAMES]
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call) and _func_name(node) in ("setattr", "getattr", "delattr", "vars") and node.args:
+            root = _root_name(node.args[0])
+            if root in INTERPRETER_OBJECTS:
+                found.append(f"{_func_name(node)} on {root}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.attr in INTERPRETER_ATTRIBUTES.get(node.value.id, ()):
+            found.append(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and _root_name(target) in INTERPRETER_OBJECTS:
+                    found.append(f"assigns {ast.unparse(target)}")
+    return list(dict.fromkeys(found))
