@@ -151,7 +151,11 @@ def replaced() -> list[str]:
 
 
 def _intact(check_name: str) -> None:
+    import sys
+
     changed = replaced()
+    if os.environ.get(GRADING_ENV) and (sys.gettrace() is not None or sys.getprofile() is not None):
+        changed.append("sys.settrace or sys.setprofile (a hook that can rewrite a check's variables)")
     if changed:
         shown = ", ".join(f"`{n}`" for n in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         raise CheckFailed(

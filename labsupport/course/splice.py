@@ -76,7 +76,9 @@ def splice(learner_nb: nbformat.NotebookNode, course: list[dict]) -> Splice:
     defined = {id(cell): set(top_level_names(cell.source)) for cell in code}
     used: set[int] = set()
     out = Splice(nbformat.v4.new_notebook())
-    out.notebook.metadata = dict(learner_nb.get("metadata", {}))
+    # of the learner's metadata only what says which kernel it is (not megabytes of anything else)
+    out.notebook.metadata = {k: v for k, v in learner_nb.get("metadata", {}).items()
+                             if k in ("kernelspec", "language_info") and isinstance(v, dict)}
     theirs: dict[str, object] = {}  # exercise cell id -> the learner's cell (found first, all of them)
     for entry in course:
         if not entry.get("exercise"):
