@@ -115,12 +115,12 @@ def splice(learner_nb: nbformat.NotebookNode, course: list[dict]) -> Splice:
                     out.edited.append(_label(same_id))
         new["id"] = cid
         out.notebook.cells.append(new)
-    course_ids = {e["id"] for e in course}
+    course_source = {e["id"]: e["source"] for e in course if not e.get("exercise")}
     for cell in code:
         if id(cell) in used or not cell.source.strip():
             continue
-        if cell.get("id") in course_ids and not any(e["id"] == cell.get("id") and e.get("exercise") for e in course):
-            continue  # a second copy of a course cell's id: counted once above
+        if cell.get("id") in course_source and _same(cell.source, course_source[cell["id"]]):
+            continue  # a second, unchanged copy of a course cell (a cell added under a course cell's id is listed)
         out.extra.append(_label(cell))
     return out
 

@@ -234,3 +234,18 @@ def test_outputs_past_the_limit_are_dropped_but_check_results_kept(monkeypatch):
     kept = sum(len(o.get("text", "")) for o in nb.cells[0].outputs)
     assert kept < 2 * 2**20 and "outputs past 1 MiB were dropped" in nb.cells[0].outputs[-1]["text"]
     assert any("check-result" in key for o in nb.cells[1].outputs for key in o.get("data", {})), run.errors
+
+
+def test_a_cell_added_under_a_course_cells_id_is_still_listed_as_not_run():
+    from labsupport.course.manifest import load_course_cells
+    from labsupport.course.splice import splice
+
+    nb = nbformat.read(str(ROOT / "labs" / "04_roofline.ipynb"), as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if c.get("id") == EXERCISE)
+    added = nbformat.v4.new_code_cell(RIGHT)
+    added["id"] = "04-roofline-018"  # the check cell's id, on a cell the learner added at the end
+    nb.cells.append(added)
+    nb.cells[at].source = WRONG
+    spliced = splice(nb, load_course_cells("04_roofline"))
+    assert spliced.learner == [EXERCISE] and any(e.startswith("04-roofline-018") for e in spliced.extra)
+    assert "1 added cell(s) not run" in spliced.ignored()
