@@ -111,7 +111,7 @@ def _watched() -> dict[str, object]:
             out[f"sys.modules[{key!r}]"] = module
             if key.startswith("labsupport.checks"):  # every global of the checks: functions, references
                 for name, value in list(vars(module).items()):
-                    if not name.startswith("__"):
+                    if not name.startswith("__") and name not in ("_GUARDING", "_REMEMBERED"):
                         out[f"{key}.{name}"] = value
     for cls in (Checker, CheckResult, Case, CheckFailed, torch_calls, _forbid, triton_launches):
         for name, value in list(vars(cls).items()):
@@ -134,10 +134,17 @@ def _watched() -> dict[str, object]:
 
 
 _REMEMBERED: dict[str, object] = {}
+_GUARDING = False  # whether the checks were imported to be graded (LABSUPPORT_GRADING set then)
 
 
 def remember() -> None:
-    """Remember what the checks rely on (``labsupport.checks`` calls this once it imported every check)."""
+    """Remember what the checks rely on (``labsupport.checks`` calls this once it imported every check).
+
+    The guard (:func:`_intact`) works only in a graded run, as it was when the checks were imported
+    (so unsetting the variable later does not turn it off); outside grading, a learner's debugger
+    or the course's tests may change what they like."""
+    global _GUARDING
+    _GUARDING = bool(os.environ.get(GRADING_ENV))
     _REMEMBERED.clear()
     _REMEMBERED.update(_watched())
 
@@ -153,8 +160,10 @@ def replaced() -> list[str]:
 def _intact(check_name: str) -> None:
     import sys
 
+    if not _GUARDING:
+        return
     changed = replaced()
-    if os.environ.get(GRADING_ENV) and (sys.gettrace() is not None or sys.getprofile() is not None):
+    if sys.gettrace() is not None or sys.getprofile() is not None:
         changed.append("sys.settrace or sys.setprofile (a hook that can rewrite a check's variables)")
     if changed:
         shown = ", ".join(f"`{n}`" for n in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
@@ -170,7 +179,7 @@ def _record(result: CheckResult) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(result)) + "\n")
-    if os.environ.get(GRADING_ENV):
+    if os.environ.get(GRADING_ENV) or _GUARDING:  # as when the checks were imported, too
         try:
             from IPython.display import display
         except ImportError:

@@ -59,6 +59,9 @@ def _labsupport_probe(nonce, mime):
                 problems.append(f"labsupport.checks.{name} is not the registered check")
         if sys.gettrace() is not None or sys.getprofile() is not None:
             problems.append("a trace or profile hook is set")
+        if os.environ.get("LABSUPPORT_GRADING") and not getattr(fw, "_GUARDING", False):
+            problems.append("the checks' guard is off (labsupport.checks.framework._GUARDING)")
+        problems += [f"{name} was replaced" for name in fw.replaced()[:5]]
         paths = sysconfig.get_paths()
         libraries = (root, stdlib, paths["purelib"] + os.sep, paths["platlib"] + os.sep)
         def foreign(hook):  # written in the notebook (a cell), not by a library

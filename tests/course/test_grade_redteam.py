@@ -165,9 +165,14 @@ def test_a_fake_checks_module_is_flagged_however_it_is_spelled(rows):
 
 def test_a_check_fails_when_what_it_compares_with_was_replaced(monkeypatch):
     import labsupport.checks as checks
+    import labsupport.checks.framework as fw
     from labsupport.checks.framework import CheckFailed, replaced
 
     right = lambda m, k, n, b: 2 * m * k * n / (b * (m * k + k * n + m * n))  # noqa: E731
+    monkeypatch.setattr(math, "isclose", lambda *a, **k: True)
+    checks.check_arithmetic_intensity(lambda *a: 1.0)  # outside grading, no guard (tests patch as they like)
+    monkeypatch.undo()
+    monkeypatch.setattr(fw, "_GUARDING", True)  # as when the checks were imported by the grader
     assert replaced() == []
     checks.check_arithmetic_intensity(right)
     monkeypatch.setattr(math, "isclose", lambda *a, **k: True)
