@@ -65,7 +65,7 @@ def _labsupport_probe(nonce, mime):
         paths = sysconfig.get_paths()
         libraries = (root, stdlib, paths["purelib"] + os.sep, paths["platlib"] + os.sep)
         def foreign(hook):  # written in the notebook (a cell), not by a library
-            for fn in (hook, getattr(hook, "__func__", None), getattr(type(hook), "__call__", None),
+            for fn in (hook, getattr(hook, "__func__", None), vars(type(hook)).get("__call__"),
                        getattr(type(hook), "visit", None)):
                 code = getattr(fn, "__code__", None)
                 if code is not None:
