@@ -5,6 +5,15 @@ import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+# Under `pytest -n N` (make test: 2 workers on 2 cores) each worker, and every notebook kernel or
+# script it starts, gets its share of the cores. torch otherwise starts one thread per core in
+# every process, and on a busy machine those threads spin waiting for each other: two lab 10
+# notebooks run side by side took 60 CPU-s with torch's default threads and 28 CPU-s with one
+# thread each. Tests that need a thread count set it themselves (test_phases sets two).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 import threading  # noqa: E402
@@ -13,6 +22,11 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 import labsupport  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no CUDA device)
+
+if "OMP_NUM_THREADS" in os.environ:  # torch may already be imported (by the nbval plugin): apply it now too
+    import torch  # noqa: E402
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -73,15 +73,20 @@ def test_fit_rejects_bad_input(lengths, seconds, match):
 
 
 def test_cpu_threads_restores_the_setting():
-    before = torch.get_num_threads()
-    with cpu_threads(1):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
-    with cpu_threads(None):
-        assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="threads"):
-        with cpu_threads(0):
-            pass
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)  # not 1: under make test a worker runs one thread, and restoring 1 would prove nothing
+    try:
+        before = torch.get_num_threads()
+        with cpu_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == before == 2
+        with cpu_threads(None):
+            assert torch.get_num_threads() == before
+        with pytest.raises(ValueError, match="threads"):
+            with cpu_threads(0):
+                pass
+    finally:
+        torch.set_num_threads(original)
 
 
 @pytest.fixture(scope="module")
