@@ -638,6 +638,7 @@ def graded(points: float, name: str | None = None, bans: Sequence[str] = ()):
 
         check.points = points
         check.check_name = check_name
+        check.bans = tuple(qualified_name(b) for b in bans)  # read by the grader's flag scan
         REGISTRY[check_name] = check
         return check
 

@@ -13,7 +13,7 @@ import re
 import tokenize
 from collections.abc import Iterable
 
-from .. import checks  # noqa: F401  (imports every check module, and with them every answer they ban)
+from .. import checks  # imports every check module, and with them every answer they ban
 from .._answers import answer_names
 
 # -- reading code -----------------------------------------------------------------------------
@@ -226,12 +226,12 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
                     add(FRAMEWORK if node.module == "labsupport.checks.framework" else f"imports from {node.module}")
                 bound.update(alias.asname or alias.name for alias in node.names)
 
-    exercises: set[str] = set()  # the functions the notebook hands to checks
+    exercises: dict[str, set[str]] = {}  # the functions the notebook hands to checks, and those checks
     for tree in filter(None, trees):
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _func_name(node).startswith("check_") and node.args:
                 if isinstance(node.args[0], ast.Name):
-                    exercises.add(node.args[0].id)
+                    exercises.setdefault(node.args[0].id, set()).add(_func_name(node))
                 for arg in [*node.args, *(k.value for k in node.keywords)]:
                     for name in _referenced(arg, answers):
                         add(f"passes the course's {name} to {_func_name(node)}")
@@ -264,11 +264,26 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
                 if node.name in known_checks:
                     add(f"redefines {node.name}")
                 if node.name in exercises:
+                    banned = _banned_by(exercises[node.name])
                     for name in _referenced(ast.Module(body=node.body, type_ignores=[]), answers):
-                        add(f"{node.name} uses the course's {name}")
+                        if banned is None or name in banned:
+                            add(f"{node.name} uses the course's {name}")
     return flags
 
 
+
+
+def _banned_by(check_names: Iterable[str]) -> set[str] | None:
+    """The plain names of the answers these checks ban, or None when one of them is not a known check
+    (then every answer counts). An exercise may build on another chapter's answer (chapter 11's
+    tensor-parallel layer applies chapter 08's RoPE); only the answers its own checks ban are its own."""
+    banned: set[str] = set()
+    for name in check_names:
+        check = checks.REGISTRY.get(name)
+        if check is None:
+            return None
+        banned.update(q.rpartition(".")[2] for q in getattr(check, "bans", ()))
+    return banned
 
 
 def _reaches_into_interpreter(src: str, tree: ast.AST | None) -> list[str]:
