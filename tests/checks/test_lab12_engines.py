@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from labsupport._answers import unguarded
+from labsupport._answers import course_checks_its_answers, unguarded
 from labsupport.checks import CheckFailed, check_kv_capacity
 from labsupport.costs import kv_bytes_per_token, param_count
 from labsupport.kv_capacity import GIB, kv_capacity
@@ -105,3 +105,39 @@ def test_the_stub():
 
 def test_the_answer_itself_is_refused():
     fails(kv_capacity, "course's own answer")
+
+
+def test_blocks_rounded_to_nearest():
+    """round() instead of floor: a cache cannot hold a block it has no bytes for."""
+    def wrong(cfg, gpu_memory_gib, max_model_len, gpu_memory_utilization=0.9, block_size=16, kv_dtype_bytes=2,
+              weight_dtype_bytes=2, reserve_gib=0.0):
+        kv = gpu_memory_utilization * gpu_memory_gib * GIB - param_count(cfg) * weight_dtype_bytes - reserve_gib * GIB
+        blocks = max(0, round(kv / (block_size * kv_bytes_per_token(cfg, kv_dtype_bytes))))
+        return {"num_blocks": blocks, "tokens": blocks * block_size,
+                "max_requests": blocks // -(-max_model_len // block_size)}
+
+    fails(wrong, "num_blocks")
+
+
+def test_cache_sized_with_the_weights_dtype():
+    """The cache's bytes per value taken from weight_dtype_bytes (an fp8 cache under bf16 weights)."""
+    def wrong(cfg, gpu_memory_gib, max_model_len, *, kv_dtype_bytes=2, weight_dtype_bytes=2, **kw):
+        return capacity_ref(cfg, gpu_memory_gib, max_model_len, kv_dtype_bytes=weight_dtype_bytes,
+                            weight_dtype_bytes=weight_dtype_bytes, **kw)
+
+    fails(wrong, "num_blocks")
+
+
+def test_reserve_ignored():
+    def wrong(cfg, gpu_memory_gib, max_model_len, *, reserve_gib=0.0, **kw):
+        return capacity_ref(cfg, gpu_memory_gib, max_model_len, **kw)
+
+    fails(wrong, "num_blocks")
+
+
+def test_the_unguarded_answer_is_refused_too():
+    def sneaky(cfg, gpu_memory_gib, max_model_len, **kw):
+        return unguarded(kv_capacity)(cfg, gpu_memory_gib, max_model_len, **kw)
+
+    with course_checks_its_answers(False):  # as a learner's notebook runs it
+        fails(sneaky, "course's own answer")
