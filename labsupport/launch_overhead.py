@@ -13,9 +13,13 @@ directly inside it (the top-level ``aten::`` operators: a matrix multiply, an ad
 summed. Convention: ``op_share = (time inside top-level operators) / (step time)``, measured under
 the profiler, and ``python_share = 1 - op_share``: the time between operators, spent in Python and
 in getting to the operators (module calls, argument handling). The dispatcher's own work inside an
-operator is counted as the operator's, so the Python share is a lower bound on the overhead. The
-profiler slows every operator call a little, so the step time under the profiler is reported
-beside the plain one (``step_s``, the median of unprofiled steps).
+operator is counted as the operator's, which makes the Python share smaller than the whole
+overhead; the profiler's own bookkeeping at every operator boundary falls between operators, which
+makes it larger. Read it as an estimate for comparing models under the same profiler, not an exact
+figure; the step time under the profiler is reported beside the plain one (``step_s``, the median
+of unprofiled steps) to show how much the profiler adds. On a GPU the share is CPU time, and it
+costs step time only where the GPU waits for the CPU (small batches); timing eager steps against a
+replayed CUDA graph (:mod:`labsupport.bench_launch_overhead`) measures that directly.
 """
 
 from __future__ import annotations

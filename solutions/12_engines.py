@@ -205,7 +205,8 @@ for util in (0.9, 0.95):
 # runs every module's `forward`, PyTorch's dispatcher finds a kernel for every operator, and on a
 # GPU every kernel is launched on its own. `profile_decode_step` profiles decode steps with
 # `torch.profiler` and sums the time spent inside the top-level operators; the rest of the step
-# is the time between them (Python, and getting to the operator): a lower bound on the overhead.
+# is the time between them (Python, getting to the operator, and the profiler's own bookkeeping):
+# an estimate of the overhead, comparable between models profiled the same way.
 #
 # On a GPU the same question is answered by capturing the step (CUDA graphs, or `torch.compile`
 # with `mode="reduce-overhead"`) and timing eager against replayed steps; here we measure the CPU.
@@ -215,12 +216,13 @@ for name in ("tiny-2m", "tiny-20m"):
     model = Transformer(get_model(name), seed=0)
     prof = profile_decode_step(model, context=64, steps=10)
     print(f"{name:>9} on {prof['device']} ({WHERE}): step {prof['step_s'] * 1e3:.2f} ms, "
-          f"{prof['ops_per_step']} top-level operators per step, Python and dispatch share "
+          f"{prof['ops_per_step']} top-level operators per step, between operators "
           f"{prof['python_share']:.0%}")
 
 # %% [markdown]
-# The tiny model spends a large share of each step between operators: that share is what an
-# engine saves by replaying a captured step. The larger model does more arithmetic per operator
+# The tiny model spends a large share of each step between operators. On a GPU that is the kind
+# of time a captured step (a CUDA graph) no longer spends, when the GPU would otherwise wait for
+# the CPU; on this CPU nothing is captured, so it is only the share. The larger model does more arithmetic per operator
 # for the same number of operators, so the share shrinks: launch overhead matters most for small
 # models and small batches, exactly where decode is fastest per step.
 #
