@@ -394,6 +394,10 @@ def test_a_failure_mid_stream_is_an_error_event_and_the_stream_still_ends():
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     assert json.loads(events[1])["error"]["type"] == "server_error" and "model broke" in events[1]
     assert whole.status_code == 500 and "model broke" in whole.json()["error"]["message"]
+    # /metrics counts the three failed requests as aborted by an error, none as a success
+    metrics = app.state.metrics.render().decode()
+    assert 'course:request_aborted_total{reason="error"} 3.0' in metrics
+    assert "course:request_success_total{" not in metrics
 
 
 # --- installing the server's packages where they are missing (a fresh Colab runtime) ---------------

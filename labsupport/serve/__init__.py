@@ -5,7 +5,9 @@ decoder with **random weights**, so its text is meaningless) and the course toke
 (chapter 01). Modules:
 
 * :mod:`~labsupport.serve.app`: the HTTP layer (FastAPI): ``/v1/completions`` (streamed or not),
-  ``/v1/models``, ``/health``, and the course's ``/v1/requests/{id}/timeline``; OpenAI error bodies.
+  ``/v1/models``, ``/health``, ``/ready``, ``/metrics``, the course's ``/v1/requests/{id}/timeline`` and
+  ``/v1/requests/{id}/cancel``, ``/admin/drain``; OpenAI error bodies, 429 when full, a graceful drain.
+* :mod:`~labsupport.serve.metrics`: the Prometheus metrics, named after vLLM's (chapter 15).
 * :mod:`~labsupport.serve.engine`: the back end behind a small interface (``Backend``): this
   chapter's first-in, first-out scheduler, the model worker, and each request's stage timestamps.
 * :mod:`~labsupport.serve.cli`: the command line (``--port 0`` picks a free port and prints it).

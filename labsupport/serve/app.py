@@ -6,7 +6,13 @@ Endpoints:
   one ``data:`` line per token in OpenAI's chunk format, then ``data: [DONE]``). Usage counts come in
   the response, and in a last chunk when the request asks ``"stream_options": {"include_usage": true}``.
 * ``GET /v1/models``: the one model served, with a note that its weights are random.
-* ``GET /health``: ``{"status": "ok", ...}`` with the scheduler's counts (running, queued, slots).
+* ``GET /health`` (liveness): ``{"status": "ok", ...}`` (``"draining"`` during a drain) with the
+  scheduler's counts (running, queued, slots). ``GET /ready`` (readiness): 200 while the server takes
+  new requests, 503 once it drains, so a load balancer stops sending it work.
+* ``GET /metrics``: Prometheus text format, names after vLLM's (see :mod:`labsupport.serve.metrics`).
+* ``POST /v1/requests/{id}/cancel``: a course extension: abort an admitted request (its stream ends
+  with ``data: [DONE]`` and no finish reason; a whole answer returns what was made so far).
+* ``POST /admin/drain``: begin a graceful drain, as SIGTERM does (see below).
 * ``GET /v1/requests/{id}/timeline``: a course extension, not OpenAI's: the timestamps of every stage
   of a recent request (see :mod:`labsupport.serve.engine`).
 
@@ -22,6 +28,14 @@ model's generation config, else 1); sampling without a ``seed`` uses the server'
 ``max_tokens`` defaults to 16, as in OpenAI's and vLLM's completions; one prompt per request; the parameters in :data:`UNSUPPORTED` are refused, not ignored; and a full
 server answers HTTP 429, which the ``openai`` client retries by default (``max_retries=2``).
 A parameter sent as ``null`` means its default, as in OpenAI's API.
+
+**Back-pressure and drain.** ``--max-requests`` slots bound the requests queued plus running; a
+request beyond them gets HTTP 429 (code ``server_full``) with a ``Retry-After`` header instead of
+waiting in an unbounded queue. On SIGTERM (or ``POST /admin/drain``) the server drains: new
+completions get HTTP 503 (code ``draining``, with ``Retry-After``), ``/ready`` answers 503 and
+``/health`` says ``"draining"``, while every admitted request runs to its end (streams finish with
+``data: [DONE]``); then the process exits with status 0. Requests still running after
+``drain_timeout_s`` are aborted (counted as ``drain_timeout``). A second SIGTERM stops at once.
 """
 
 from __future__ import annotations
@@ -34,10 +48,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Backend, InvalidRequest, Timeline, new_request_id
+from .engine import Backend, InvalidRequest, RequestHandle, Timeline, new_request_id
+from .metrics import CONTENT_TYPE, ServerMetrics
+
+RETRY_AFTER_S = 1  # the Retry-After header of a 429 (server full) or 503 (draining), in seconds
 
 # Parameters of OpenAI's completions API this server does not implement: refused with a clear
 # error rather than silently ignored, so a client never believes it got what it asked for.
@@ -56,7 +73,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     type_ = {404: "not_found_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
     if status >= 500:
         type_ = "server_error"
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _parse(body: dict, backend: Backend) -> dict:
@@ -120,8 +138,46 @@ def _parse(body: dict, backend: Backend) -> dict:
     }
 
 
-def create_app(backend: Backend) -> FastAPI:
-    """The FastAPI application serving ``backend``."""
+class _Account:
+    """One admitted request's bookkeeping: its metrics, and its place among the requests in flight."""
+
+    def __init__(self, app: FastAPI, handle: RequestHandle, arrival: float):
+        self.app, self.handle, self.arrival = app, handle, arrival
+        self.last: float | None = None
+        self.finish: str | None = None
+        self.abort_reason = "client_disconnect"  # unless cancel() or the drain says otherwise
+        app.state.inflight[handle.request.request_id] = self
+        app.state.metrics.prompt_tokens.inc(len(handle.request.prompt_ids))
+
+    def token(self, out) -> None:
+        now, m = time.monotonic(), self.app.state.metrics
+        (m.ttft.observe(now - self.arrival) if self.last is None else m.itl.observe(now - self.last))
+        self.last = now
+        m.generation_tokens.inc()
+        self.finish = out.finish_reason
+
+    def cancel(self, reason: str) -> None:
+        self.abort_reason = reason
+        self.handle.cancel()
+
+    def end(self, failed: bool = False) -> None:
+        if self.app.state.inflight.pop(self.handle.request.request_id, None) is None:
+            return  # already ended
+        m = self.app.state.metrics
+        if failed:
+            m.aborted.labels("error").inc()
+        elif self.finish is not None:
+            m.success.labels(self.finish).inc()
+            m.e2e.observe(time.monotonic() - self.arrival)
+        else:
+            m.aborted.labels(self.abort_reason).inc()
+
+
+def create_app(backend: Backend, *, drain_timeout_s: float = 30.0, on_drained=None) -> FastAPI:
+    """The FastAPI application serving ``backend``.
+
+    ``on_drained`` is called once a drain has ended (the command line stops uvicorn there); requests
+    still in flight ``drain_timeout_s`` after the drain began are aborted first."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -131,9 +187,37 @@ def create_app(backend: Backend) -> FastAPI:
 
     app = FastAPI(title="labsupport course server", lifespan=lifespan)
     app.state.backend = backend
+    app.state.draining = False
+    app.state.inflight = {}  # request id -> _Account, for every admitted request not yet ended
+    app.state.metrics = ServerMetrics(backend, lambda: app.state.draining)
+    app.state.on_drained = on_drained
+
+    async def drain() -> None:
+        deadline = time.monotonic() + drain_timeout_s
+        while app.state.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for account in list(app.state.inflight.values()):  # out of time: abort what is left
+            account.cancel("drain_timeout")
+        deadline = time.monotonic() + 5
+        while app.state.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if app.state.on_drained is not None:
+            app.state.on_drained()
+
+    def begin_drain() -> bool:
+        """Stop admitting; return False if a drain had already begun."""
+        if app.state.draining:
+            return False
+        app.state.draining = True
+        app.state.drain_task = asyncio.get_running_loop().create_task(drain())
+        return True
+
+    app.state.begin_drain = begin_drain
 
     @app.exception_handler(InvalidRequest)
-    async def invalid(_: Request, exc: InvalidRequest):
+    async def invalid(request: Request, exc: InvalidRequest):
+        if request.url.path == "/v1/completions":
+            app.state.metrics.rejected.labels(exc.code if exc.status in (429, 503) else str(exc.status)).inc()
         return error_response(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
@@ -150,7 +234,34 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": backend.model_name, **backend.stats()}
+        status = "draining" if app.state.draining else "ok"
+        return {"status": status, "model": backend.model_name, "in_flight": len(app.state.inflight),
+                **backend.stats()}
+
+    @app.get("/ready")
+    async def ready():
+        if app.state.draining:
+            return error_response(503, "the server is draining: it finishes the requests it has and takes no new "
+                                  "ones", code="draining")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/admin/drain")
+    async def admin_drain():
+        began = begin_drain()
+        return {"status": "draining", "began_now": began, "in_flight": len(app.state.inflight)}
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel(request_id: str):
+        account = app.state.inflight.get(request_id)
+        if account is None:
+            raise InvalidRequest(f"no request in flight has id {request_id!r} (it has finished, or never was)",
+                                 "request_id", "request_not_found", status=404)
+        account.cancel("cancel")
+        return {"id": request_id, "object": "cancellation", "cancelled": True}
 
     @app.get("/v1/models")
     async def models():
@@ -184,10 +295,14 @@ def create_app(backend: Backend) -> FastAPI:
                 f"We could not parse the JSON body of your request ({exc}). Send a JSON object such as "
                 f'{{"model": "{backend.model_name}", "prompt": "Hello", "max_tokens": 16}}.'
             ) from None
+        if app.state.draining:
+            raise InvalidRequest("the server is draining (shutting down): it takes no new requests. Retry on "
+                                 "another replica, or later.", None, "draining", status=503)
         params = _parse(body, backend)
         prepared = backend.prepare(params["prompt"], params["max_tokens"], params["temperature"],
                                    params["seed"], timeline)
         handle = backend.submit(prepared)
+        account = _Account(app, handle, timeline.arrival)
         rid, created, n_prompt = prepared.request_id, int(time.time()), len(prepared.prompt_ids)
 
         def usage(n_completion: int) -> dict:
@@ -208,11 +323,12 @@ def create_app(backend: Backend) -> FastAPI:
 
         if params["stream"]:
             async def events():
-                produced = 0
+                produced, failed = 0, False
                 watcher = asyncio.create_task(watch_disconnect())
                 try:
                     try:
                         async for out in handle:
+                            account.token(out)
                             produced += 1
                             timeline.mark("chunk_sent", out.index)
                             # usage is null on every token chunk (OpenAI's stream format); the counts
@@ -222,6 +338,7 @@ def create_app(backend: Backend) -> FastAPI:
                         if params["include_usage"]:
                             yield chunk([], usage(produced))
                     except Exception as exc:  # the status line has gone: say so in the stream itself
+                        failed = True
                         failure = error_body(f"the server failed on this request: {type(exc).__name__}: {exc}",
                                              "server_error")
                         yield f"data: {json.dumps(failure)}\n\n"
@@ -229,19 +346,23 @@ def create_app(backend: Backend) -> FastAPI:
                 finally:  # also when the client disconnects: the stream is cancelled, the slot freed
                     watcher.cancel()
                     handle.cancel()
+                    account.end(failed)
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
         watcher = asyncio.create_task(watch_disconnect())
-        pieces, finish = [], None
+        pieces, finish, failed = [], None, True
         try:
             async for out in handle:
+                account.token(out)
                 pieces.append(out.text)
                 finish = out.finish_reason
+            failed = False
         finally:
             watcher.cancel()
             handle.cancel()
+            account.end(failed)
         timeline.mark("response_sent")
         return {
             "id": rid, "object": "text_completion", "created": created, "model": backend.model_name,

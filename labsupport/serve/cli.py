@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import sys
 
@@ -41,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continuous engine: KV blocks (default: --max-running requests at the full --context)")
     p.add_argument("--token-budget", type=int, default=256, help="continuous engine: most tokens per step (256)")
     p.add_argument("--max-running", type=int, default=16, help="continuous engine: most requests per step (16)")
+    p.add_argument("--step-delay", type=float, default=0.0,
+                   help="seconds to pause after each forward pass: a slower model, for demos and tests (0)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a graceful drain (SIGTERM) lets admitted requests finish before aborting them (30)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the process that started the server exits (used by ServerProcess)")
     args = p.parse_args(argv)
@@ -58,9 +63,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_blocks is not None and args.num_blocks * args.block_size < args.context:
         p.error(f"--num-blocks {args.num_blocks} of --block-size {args.block_size} hold "
                 f"{args.num_blocks * args.block_size} tokens, fewer than one request at --context {args.context}")
+    if not args.step_delay >= 0:
+        p.error(f"--step-delay must be 0 or more seconds, got {args.step_delay}")
+    if not args.drain_timeout >= 0:
+        p.error(f"--drain-timeout must be 0 or more seconds, got {args.drain_timeout}")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be from 0 to 65535, got {args.port}")
     return args
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM drains (see :mod:`labsupport.serve.app`) and the process then
+    exits 0; a second SIGTERM, or Ctrl-C, stops as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.app = config.app
+        self.app.state.on_drained = self._drained
+
+    def _drained(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self.app.state.draining and not self.should_exit:
+            print("labsupport.serve: SIGTERM: draining (finishing admitted requests, refusing new ones)", flush=True)
+            asyncio.get_event_loop().call_soon_threadsafe(self.app.state.begin_drain)
+            return
+        super().handle_exit(sig, frame)
 
 
 async def _watch_parent(server: uvicorn.Server, parent: int) -> None:
@@ -90,8 +119,9 @@ def main(argv=None) -> int:
                                   token_budget=args.token_budget, max_running=args.max_running)
     else:
         engine = FifoEngine(**common)
-    app = create_app(engine)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+    engine.step_delay_s = args.step_delay
+    app = create_app(engine, drain_timeout_s=args.drain_timeout)
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=2))  # open streams do not hold up a stop
     parent = os.getppid()
 

@@ -85,6 +85,7 @@ class ContinuousEngine:
         self._worker: asyncio.Task | None = None
         self.served = 0
         self.cancelled = 0
+        self.step_delay_s = 0.0  # an added pause per step (--step-delay): a slower model, for demos and tests
         self.steps_run = 0  # the engine's own step records are trimmed: a server runs for days
 
     # -- the interface the HTTP layer uses --
@@ -97,7 +98,7 @@ class ContinuousEngine:
                 f"the server is full: {self.max_requests} requests are already queued or running. Retry later.",
                 None, "server_full", status=429,
             )
-        handle = RequestHandle(request)
+        handle = RequestHandle(request, on_cancel=lambda _: self._wake.set())  # an idle worker wakes to abort it
         self._remember(request.timeline)
         self._handles[request.request_id] = handle
         self._new.append(handle)
@@ -197,6 +198,8 @@ class ContinuousEngine:
                     self._finish(handle, f"error: {type(exc).__name__}: {exc}")
                 continue
             self.steps_run += 1
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
             if len(eng.steps) > 1024:
                 del eng.steps[:-256]
             for rid, steps in before.items():

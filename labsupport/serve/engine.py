@@ -191,6 +191,7 @@ class FifoEngine:
         self._worker: asyncio.Task | None = None
         self.served = 0
         self.cancelled = 0
+        self.step_delay_s = 0.0  # an added pause per forward pass (--step-delay): a slower model, for demos and tests
 
     # -- the interface the HTTP layer uses --
 
@@ -337,6 +338,11 @@ class FifoEngine:
         logits = await asyncio.to_thread(prefill)
         token = -1
         for index in range(request.max_tokens):
+            if handle.cancelled:
+                self._finish(handle, f"cancelled after {index} tokens")
+                return
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
             if handle.cancelled:
                 self._finish(handle, f"cancelled after {index} tokens")
                 return

@@ -12,7 +12,8 @@ that Python is killed outright::
 In a notebook, ``server = ServerProcess().start()`` then ``server.stop()`` in the last cell; if
 Run All stops early, the server still goes when the kernel shuts down or restarts.
 
-:func:`install_missing` pip-installs the server's own packages (fastapi, uvicorn, openai) where they
+:func:`install_missing` pip-installs the server's own packages (fastapi, uvicorn, openai,
+prometheus-client) where they
 are missing, as on a fresh Colab runtime, with the installed torch, triton and numpy pinned so pip
 can never replace them.
 """
@@ -38,7 +39,8 @@ LISTENING = "labsupport.serve: listening on"  # the line the server prints once 
 
 #: What the server and lab 03's client need beyond the course's own dependencies: the ``serve``
 #: extra of pyproject.toml (a test keeps the two the same).
-SERVER_PACKAGES = {"fastapi": "fastapi>=0.110", "uvicorn": "uvicorn>=0.30", "openai": "openai>=1.40"}
+SERVER_PACKAGES = {"fastapi": "fastapi>=0.110", "uvicorn": "uvicorn>=0.30", "openai": "openai>=1.40",
+                   "prometheus_client": "prometheus-client>=0.20"}
 PINNED = ("torch", "triton", "numpy")  # what an install must never replace (Colab's builds)
 
 
@@ -159,7 +161,7 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
     def stop(self) -> None:
-        """Stop the server (politely, then by force after 10 s). Safe to call twice."""
+        """Stop the server (SIGTERM: a graceful drain, then by force after 10 s). Safe to call twice."""
         if self.process is None:
             return
         if self.process.poll() is None:
