@@ -5,11 +5,15 @@ verdict, and their tolerances come from the sample size: each test is set so tha
 implementation fails it with probability at most :data:`FALSE_FAIL` (one in a million) per case,
 whatever the seed.
 
-* Frequencies (:func:`check_sample`): ``N`` draws of a token of probability ``p`` give a count with
-  mean ``N p`` and standard deviation ``sqrt(N p (1 - p))``. Each token's count must lie within
-  ``z`` standard deviations of its mean (plus 1 for the count's granularity), where ``z`` is the
-  normal quantile for ``FALSE_FAIL / (2 V)`` (a Bonferroni split over the ``V`` tokens and both
-  tails). A token of probability 0 must never appear.
+* Frequencies (:func:`check_sample`): ``N`` draws of a token of probability ``p`` give a
+  binomial count ``Binomial(N, p)``. Each token's count must lie in the exact binomial interval
+  that leaves at most ``FALSE_FAIL / (2 V)`` in each tail (:func:`binomial_interval`; a Bonferroni
+  split over the ``V`` tokens and both tails). The normal approximation, ``N p`` plus or minus
+  ``z sqrt(N p (1 - p))``, is not used: for a token with ``N p`` below 1 its upper tail is far
+  heavier than the normal's (a token of probability 3e-5 in 20,000 draws would fail a correct
+  sampler about once in 30,000 runs, not once in a million). A token of probability 0 must never
+  appear, and two calls with equally seeded generators must return the same tokens whatever the
+  global random state (the draws come from ``generator``).
 * Distributions (:func:`check_speculative_accept`): Pearson's chi-squared statistic over the
   tokens of non-zero probability, against the ``1 - FALSE_FAIL`` quantile of the chi-squared
   distribution with ``V' - 1`` degrees of freedom (computed exactly, :func:`chi2_threshold`).
@@ -25,7 +29,7 @@ import torch
 
 from ..sampling import sample, sampling_probs
 from ..scheduler import SimStep, TraceItem, blocks_for, schedule_step, simulate
-from ..speculative import expected_tokens_per_step, speculative_accept
+from ..speculative import speculative_accept
 from .framework import Case, graded
 
 FALSE_FAIL = 1e-6  # the chance a correct implementation fails one statistical case
@@ -48,6 +52,25 @@ ACCEPT_RULE = (
     "max(0, p_i - q_i) renormalised and stop; if all k are accepted, emit a bonus token drawn from "
     "target_probs[k]."
 )
+
+
+def binomial_interval(n: int, p: float, false_fail: float) -> tuple[int, int]:
+    """The smallest ``lo`` and largest ``hi`` with ``P(X < lo) <= false_fail / 2`` and
+    ``P(X > hi) <= false_fail / 2`` for ``X ~ Binomial(n, p)``, from the exact probabilities (in
+    float64, through ``lgamma``)."""
+    if p <= 0:
+        return 0, 0
+    if p >= 1:
+        return n, n
+    k = torch.arange(n + 1, dtype=torch.float64)
+    log_pmf = (math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
+               + k * math.log(p) + (n - k) * math.log1p(-p))
+    pmf = log_pmf.exp()
+    below = torch.cumsum(pmf, 0) - pmf  # P(X < k)
+    above = torch.flip(torch.cumsum(torch.flip(pmf, (0,)), 0), (0,)) - pmf  # P(X > k)
+    lo = int((below <= false_fail / 2).nonzero().max())
+    hi = int((above <= false_fail / 2).nonzero().min())
+    return lo, hi
 
 
 def _z(categories: int) -> float:
@@ -156,13 +179,15 @@ def check_sample(fn, checker):
             problem = (f"token {t} should never be drawn (its probability is 0 after top-k/top-p) but was drawn "
                        f"{int(counts[t])} times in {n} draws.")
         else:
-            slack = _z(V) * torch.sqrt(n * probs * (1 - probs)) + 1
-            bad = (counts - expected).abs() > slack
-            if bool(bad.any()):
-                t = int(((counts - expected).abs() / slack).argmax())
+            bounds = [binomial_interval(n, float(pt), FALSE_FAIL / V) for pt in probs]
+            bad = [t for t, (lo, hi) in enumerate(bounds) if not lo <= int(counts[t]) <= hi]
+            if bad:
+                t = max(bad, key=lambda i: abs(float(counts[i] - expected[i])) / max(1.0, float(
+                    (n * probs[i] * (1 - probs[i])).sqrt())))
+                lo, hi = bounds[t]
                 problem = (f"token {t} was drawn {int(counts[t])} times in {n} draws; its probability "
-                           f"{float(probs[t]):.4f} gives {float(expected[t]):.0f} +- {float(slack[t]):.0f} "
-                           f"(a correct sampler lands outside that range less than once in a million runs).")
+                           f"{float(probs[t]):.4g} gives {float(expected[t]):.0f} on average and between {lo} "
+                           f"and {hi} for a correct sampler in all but one run in a million.")
         if problem:
             freq = counts / n
             for desc, wrong in _sampling_mistakes(logits, **kw).items():
@@ -170,6 +195,22 @@ def check_sample(fn, checker):
                     problem += f"\nYour frequencies match what we get when {desc}."
                     break
             checker.fail(case, problem, SAMPLING_RULE)
+
+    # the draws come from the generator: equal seeds give equal tokens, whatever the global state
+    logits, kw = _sampling_cases()[-1][1:]
+    case = Case(case="two calls with equally seeded generators", vocab=logits.numel(), rows=256, **kw)
+    batch = logits[None].expand(256, logits.numel()).contiguous()
+    runs = []
+    for global_seed in (11, 12):
+        torch.manual_seed(global_seed)
+        got = checker.call(fn, batch.clone(), generator=torch.Generator().manual_seed(5), case=case, **kw)
+        _expect_ids(checker, got, 256, logits.numel(), case)
+        runs.append(got)
+    if not torch.equal(runs[0], runs[1]):
+        checker.fail(case, f"{int((runs[0] != runs[1]).sum())} of 256 tokens differ between two calls whose "
+                           f"generators had the same seed: the draws do not come from `generator` (the global "
+                           f"random state, or a new generator, was used), so a seeded request would not repeat.",
+                     "pass generator=generator to torch.multinomial (or whatever draws).")
 
     # the edges: top-k 1 and temperature 0 are the argmax, row by row
     rows = torch.randn(64, 50, generator=torch.Generator().manual_seed(7)) * 3
@@ -304,25 +345,31 @@ def _accept_cases():
     q1 = _dist([0.1, 0.4, 0.1, 0.3, 0.0, 0.1])  # the draft favours tokens the target does not
     p2 = _dist([0.5, 0.3, 0.15, 0.05])
     q2 = _dist([0.25, 0.25, 0.25, 0.25])
-    return [("k=1, the draft puts mass where the target has none", 1, p1, q1),
-            ("k=3, the same distributions at every position", 3, p2, q2)]
+    # k=2 with a different target and draft at each position: a rule that reads row 0 everywhere, or
+    # draws the bonus from the wrong row, is right for the cases above and wrong here
+    p3 = torch.stack([_dist([0.1, 0.6, 0.2, 0.1]), _dist([0.45, 0.05, 0.1, 0.4]), _dist([0.1, 0.1, 0.2, 0.6])])
+    q3 = torch.stack([_dist([0.4, 0.2, 0.2, 0.2]), _dist([0.1, 0.5, 0.3, 0.1])])
+    return [("k=1, the draft puts mass where the target has none", 1, p1[None].expand(2, -1), q1[None]),
+            ("k=3, the same distributions at every position", 3, p2[None].expand(4, -1), q2[None].expand(3, -1)),
+            ("k=2, a different target and draft at each position", 2, p3, q3)]
 
 
 @graded(points=10, bans=(speculative_accept,))
 def check_speculative_accept(fn, checker):
     """``fn(draft_tokens, draft_probs, target_probs, generator=None)`` must return the tokens one
-    speculative step emits, ``(m,)`` int64 with ``1 <= m <= k + 1``. Checked statistically: the first
-    emitted token follows ``target_probs[0]`` (chi-squared), the second (when there is one) follows
-    ``target_probs[1]``, and the mean number emitted matches ``(1 - a^(k+1)) / (1 - a)``."""
+    speculative step emits, ``(m,)`` int64 with ``1 <= m <= k + 1``. Checked statistically: the
+    ``j``-th emitted token (when there is one) follows ``target_probs[j]`` (chi-squared), including a
+    case whose target and draft differ from one position to the next, and the mean number emitted
+    matches ``1 + a_1 + a_1 a_2 + ...``, which is ``(1 - a^(k+1)) / (1 - a)`` when every position's
+    acceptance ``a_i`` is ``a``."""
     n = 4000
     for label, k, p, q in _accept_cases():
-        V = p.numel()
+        V = p.shape[-1]
         case = Case(case=label, k=k, vocab=V, trials=n)
         gen = torch.Generator().manual_seed(2024)
         draws = torch.Generator().manual_seed(99)  # the check's own draws of the draft's proposals
-        draft_probs = q[None].expand(k, V).contiguous()
-        target_probs = p[None].expand(k + 1, V).contiguous()
-        first, second, lengths = torch.zeros(V), torch.zeros(V), []
+        draft_probs, target_probs = q.contiguous(), p.contiguous()  # (k, V), (k + 1, V)
+        counts, lengths = torch.zeros(k + 1, V), []  # counts[j]: the j-th emitted token, when there is one
         for _ in range(n):
             proposals = torch.multinomial(draft_probs, 1, generator=draws)[:, 0]  # (k,)
             got = checker.call(fn, proposals, draft_probs.clone(), target_probs.clone(), generator=gen, case=case)
@@ -336,35 +383,43 @@ def check_speculative_accept(fn, checker):
             if not torch.equal(got[:accepted], proposals[:accepted]):
                 checker.fail(case, f"the emitted tokens {got.tolist()} do not start with the accepted proposals "
                                    f"{proposals[:accepted].tolist()}.", ACCEPT_RULE)
-            first[got[0]] += 1
-            if got.numel() > 1:
-                second[got[1]] += 1
+            counts[torch.arange(got.numel()), got] += 1
             lengths.append(got.numel())
-        alpha = float(torch.minimum(p, q).sum())
-        for what, counts in (("first emitted token", first), ("second emitted token", second)):
-            if counts.sum() < 20 / float(p[p > 0].min()):
-                continue  # too few to test (the chi-squared approximation needs 20 per category)
-            stat, df = chi2_statistic(counts, p)
+        alphas = [float(torch.minimum(p[i], q[i]).sum()) for i in range(k)]
+        for j in range(k + 1):
+            # the j-th emitted token (reached after j acceptances) follows target_probs[j], whatever came before
+            what = "bonus token" if j == k else f"emitted token at position {j}"
+            pj = p[j]
+            if counts[j].sum() < 20 / float(pj[pj > 0].min()):
+                continue  # too few to test (the chi-squared approximation wants 20 per category)
+            stat, df = chi2_statistic(counts[j], pj)
             limit = chi2_threshold(df)
             if stat > limit:
-                freq = counts / counts.sum()
-                problem = (f"the {what} does not follow the target's distribution: chi-squared {stat:.1f} with "
-                           f"{df} degrees of freedom (a correct rule stays under {limit:.1f} but once in a million "
-                           f"runs). Frequencies {[round(float(f), 3) for f in freq]}, target "
-                           f"{[round(float(x), 3) for x in p]}.")
-                if float((freq - q).abs().max()) < 0.03:
+                freq = counts[j] / counts[j].sum()
+                problem = (f"the {what} does not follow the target's distribution at that position (row {j} of "
+                           f"target_probs): chi-squared {stat:.1f} with {df} degrees of freedom (a correct rule "
+                           f"stays under {limit:.1f} but once in a million runs). Frequencies "
+                           f"{[round(float(f), 3) for f in freq]}, target {[round(float(x), 3) for x in pj]}.")
+                if j < k and float((freq - q[j]).abs().max()) < 0.03:
                     problem += "\nYour frequencies match the draft's: proposals are accepted without the ratio test."
-                elif _is_resample_from_p(freq, p, q):
+                elif j < k and _is_resample_from_p(freq, pj, q[j]):
                     problem += ("\nYour frequencies match what we get when a rejected position samples from the target's "
                                 "distribution instead of the residual max(0, p - q).")
+                elif any(float((freq - p[i]).abs().max()) < 0.03 for i in range(k + 1) if i != j):
+                    problem += ("\nYour frequencies match another row of target_probs: position i must use "
+                                "draft_probs[i] and target_probs[i], and the bonus token target_probs[k].")
                 checker.fail(case, problem, ACCEPT_RULE)
         mean = sum(lengths) / n
-        expected = expected_tokens_per_step(alpha, k)
+        # 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k: (1 - a^(k+1)) / (1 - a) when every a_i is a
+        expected = sum(math.prod(alphas[:i]) for i in range(k + 1))
         var = sum((x - mean) ** 2 for x in lengths) / (n - 1)
         slack = _z(1) * math.sqrt(var / n) + 1e-9
         if abs(mean - expected) > slack:
-            checker.fail(case, f"a step emitted {mean:.3f} tokens on average; with acceptance a = {alpha:.3f} "
-                               f"and k = {k} it should be (1 - a^(k+1)) / (1 - a) = {expected:.3f} (+- {slack:.3f}).",
+            same = len(set(round(a, 12) for a in alphas)) == 1
+            formula = (f"(1 - a^(k+1)) / (1 - a) with a = {alphas[0]:.3f}" if same else
+                       "1 + a_1 + a_1 a_2 + ... with a_i = " + ", ".join(f"{a:.3f}" for a in alphas))
+            checker.fail(case, f"a step emitted {mean:.3f} tokens on average; with k = {k} it should be "
+                               f"{formula} = {expected:.3f} (+- {slack:.3f}).",
                          ACCEPT_RULE + " Remember the bonus token when all k are accepted.")
 
 

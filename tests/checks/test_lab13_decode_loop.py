@@ -10,7 +10,14 @@ import torch
 
 from labsupport._answers import unguarded
 from labsupport.checks import CheckFailed, check_sample, check_schedule_step, check_speculative_accept
-from labsupport.checks.lab13_decode_loop import chi2_sf, chi2_statistic, chi2_threshold
+from labsupport.checks.lab13_decode_loop import (
+    FALSE_FAIL,
+    _sampling_cases,
+    binomial_interval,
+    chi2_sf,
+    chi2_statistic,
+    chi2_threshold,
+)
 from labsupport.phases import cpu_threads
 from labsupport.sampling import sample, sampling_probs
 from labsupport.scheduler import blocks_for, schedule_step
@@ -70,6 +77,48 @@ def test_sample_stub():
         raise NotImplementedError("write sample")
 
     fails(check_sample, stub, "NotImplementedError", reason="not done")
+
+
+def _binomial_tail_outside(n, p, lo, hi):
+    k = torch.arange(n + 1, dtype=torch.float64)
+    pmf = (math.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
+           + k * math.log(p) + (n - k) * math.log1p(-p)).exp()
+    return float(pmf[:lo].sum()), float(pmf[hi + 1:].sum())
+
+
+def test_binomial_interval_is_exact():
+    # each tail at most false_fail / 2, and one step narrower would exceed it
+    for n, p in ((20000, 0.25), (20000, 3e-5), (4000, 0.9), (50, 0.5)):
+        lo, hi = binomial_interval(n, p, 1e-4)
+        below, above = _binomial_tail_outside(n, p, lo, hi)
+        assert below <= 5e-5 and above <= 5e-5
+        assert _binomial_tail_outside(n, p, lo + 1, hi)[0] > 5e-5 or lo == 0
+        assert _binomial_tail_outside(n, p, lo, hi - 1)[1] > 5e-5
+    assert binomial_interval(100, 0.0, 1e-6) == (0, 0)
+    assert binomial_interval(100, 1.0, 1e-6) == (100, 100)
+
+
+def test_sample_false_failure_rate_is_as_stated():
+    # the exact chance that a correct sampler fails a frequency case is at most FALSE_FAIL (the normal
+    # approximation the check used before gave 3e-5 on the temperature-0.5 case, whose rarest token
+    # has probability 3e-5)
+    n = 20000
+    for _, logits, kw in _sampling_cases():
+        probs = sampling_probs(logits[None], **kw)[0].double()
+        total = 0.0
+        for p in probs.tolist():
+            if 0 < p < 1:
+                total += sum(_binomial_tail_outside(n, p, *binomial_interval(n, p, FALSE_FAIL / probs.numel())))
+        assert total <= FALSE_FAIL
+
+
+def test_sample_ignores_the_generator():
+    inner = _sample_with(lambda cum, sp, p: cum - sp < p)
+
+    def fn(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+        return inner(logits, temperature, top_k, top_p, generator=None)  # the global random state
+
+    fails(check_sample, fn, "do not come from `generator`")
 
 
 def _sample_with(keep_rule=None, temperature_after_softmax=False):
@@ -224,10 +273,14 @@ def test_accept_stub():
     fails(check_speculative_accept, stub, "NotImplementedError", reason="not done")
 
 
-def _accept_with(ratio_test=True, residual=True, bonus=True):
+def _accept_with(ratio_test=True, residual=True, bonus=True, row=None, bonus_row=None):
+    """A rule written apart from the course's; ``row`` fixes the row of draft_probs/target_probs every
+    position reads (a rule that is right only when all positions share one distribution), ``bonus_row``
+    the row the bonus token is drawn from."""
     def fn(draft_tokens, draft_probs, target_probs, generator=None):
         out = []
         for i, x in enumerate(draft_tokens.tolist()):
+            i = i if row is None else row
             ratio = float(target_probs[i, x] / draft_probs[i, x]) if ratio_test else 1.0
             if float(torch.rand((), generator=generator)) < min(1.0, ratio):
                 out.append(x)
@@ -236,7 +289,8 @@ def _accept_with(ratio_test=True, residual=True, bonus=True):
             out.append(int(torch.multinomial(dist, 1, generator=generator)))
             return torch.tensor(out)
         if bonus:
-            out.append(int(torch.multinomial(target_probs[len(out)], 1, generator=generator)))
+            out.append(int(torch.multinomial(target_probs[len(out) if bonus_row is None else bonus_row], 1,
+                                             generator=generator)))
         return torch.tensor(out)
 
     return fn
@@ -256,6 +310,14 @@ def test_accept_wrong_residual():
 
 def test_accept_forgets_the_bonus_token():
     fails(check_speculative_accept, _accept_with(bonus=False), "bonus token")
+
+
+def test_accept_reads_the_first_row_at_every_position():
+    fails(check_speculative_accept, _accept_with(row=0), "position 1")
+
+
+def test_accept_draws_the_bonus_from_the_wrong_row():
+    fails(check_speculative_accept, _accept_with(bonus_row=0), "bonus token", "another row of target_probs")
 
 
 def test_residual_distribution():
