@@ -50,11 +50,20 @@ def test_greedy_tokens_equal_generate_alone_under_chunking_and_preemption(model)
     trace = mixed_trace(CFG.vocab_size)
     # a budget of 8 tokens chunks every long prompt; 14 blocks of 4 cannot hold everyone: preemption
     engine = Engine(model, num_blocks=14, block_size=4, token_budget=8, max_running=4, clock="steps")
+    decide, generated_when_preempted = engine.scheduler, []
+
+    def recording(*args):
+        scheduled, preempted = decide(*args)
+        generated_when_preempted.extend(len(engine.requests[rid].output_ids) for rid in preempted)
+        return scheduled, preempted
+
+    engine.scheduler = recording
     requests = run_trace(engine, trace)
     for t, r in zip(trace, requests):
         assert r.finish_reason == "length"
         assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens), r.request_id
     assert sum(r.preemptions for r in requests) > 0  # the cache really ran out
+    assert max(generated_when_preempted) > 0  # a victim had output tokens: the recompute covers them too
     assert any(s.prefill_tokens and s.decode_tokens for s in engine.steps)  # prefill chunks beside decodes
     assert max(s.prefill_tokens + s.decode_tokens for s in engine.steps) == 8  # the budget was used, not exceeded
     assert engine.allocator.num_free_blocks == 14  # every block came back
