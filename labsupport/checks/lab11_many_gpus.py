@@ -90,6 +90,41 @@ def watched_collectives(forbid: bool):
             setattr(module, name, original)
 
 
+P2P_SENDS = ("send", "isend")
+
+
+@contextlib.contextmanager
+def watched_sends():
+    """Record every point-to-point send while active: a list of (destination, elements) pairs.
+    Patches ``torch.distributed`` and ``distributed_c10d`` alike (``P2POp(dist.isend, ...)`` built
+    inside the block goes through the wrapper too)."""
+    sent: list[tuple[int, int]] = []
+    saved = []
+    for name in P2P_SENDS:
+        for module in (dist, distributed_c10d):
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+
+            def wrapper(tensor, dst=None, *args, __original=original, **kwargs):
+                sent.append((-1 if dst is None else int(dst), int(tensor.numel())))
+                return __original(tensor, dst, *args, **kwargs)
+
+            saved.append((module, name, original))
+            setattr(module, name, wrapper)
+    try:
+        yield sent
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
+def ring_send_limit(numel: int, world_size: int) -> int:
+    """The most elements one rank sends in a ring all-reduce: 2(n - 1) chunks of at most
+    ceil(numel / n) elements (chapter 11: 2(n - 1)/n of the tensor)."""
+    return 2 * (world_size - 1) * -(-numel // world_size)
+
+
 def _plain(value):
     """A returned tensor as a plain CPU tensor (a subclass could fake comparisons), else its type."""
     if isinstance(value, torch.Tensor):
@@ -117,9 +152,9 @@ def _ring_worker(fn, sizes, self_check):
             x = torch.randint(-100, 100, (numel,), generator=gen).float()  # integers: sums are exact
             expected = x.clone()
             dist.all_reduce(expected)
-            with watched_collectives(forbid=True):
+            with watched_collectives(forbid=True), watched_sends() as sent:
                 got = fn(x.clone())
-            rows.append(dict(numel=numel, got=_plain(got), expected=expected, mine=x))
+            rows.append(dict(numel=numel, got=_plain(got), expected=expected, mine=x, sent=list(sent)))
     return rows
 
 
@@ -176,6 +211,7 @@ def check_ring_all_reduce(fn, checker):
                                        f"expected {tuple(expected.shape)} and {expected.dtype}.",
                                  "return a tensor shaped like x (reshape the flat result back).")
                 if torch.equal(got, expected):
+                    _check_ring_traffic(checker, case, rank, n, numel, row["sent"])
                     continue
                 bounds = ring_chunk_bounds(numel, n)
                 done = [i for i, (a, b) in enumerate(bounds) if b > a and torch.equal(got[a:b], expected[a:b])]
@@ -192,6 +228,24 @@ def check_ring_all_reduce(fn, checker):
                                 f"a reduce-scatter ends. The all-gather half (n - 1 more steps passing the "
                                 f"finished chunks around the ring) is missing.")
                 checker.fail(case, problem, RING_RULE)
+
+
+def _check_ring_traffic(checker, case, rank, n, numel, sent):
+    """A right answer must also travel like a ring: sends only to the right neighbour, at most
+    2(n - 1) chunks in all. Catches exchanging whole tensors with every rank, then summing (n - 1
+    times the tensor per rank, instead of 2(n - 1)/n). Sends made through a function saved before
+    the check started are not seen; then nothing is checked here."""
+    right = (rank + 1) % n
+    strangers = sorted({dst for dst, _ in sent if dst not in (right, -1)})
+    if strangers:
+        checker.fail(case, f"rank {rank} sent to rank(s) {strangers}; in a ring each rank sends only to its right "
+                           f"neighbour, rank {right}, and receives only from its left one.", RING_RULE)
+    total, limit = sum(k for _, k in sent), ring_send_limit(numel, n)
+    if total > limit:
+        checker.fail(case, f"the sum is right, but rank {rank} sent {total} elements for a tensor of {numel}; a "
+                           f"ring all-reduce sends 2(n - 1) chunks of about 1/n of the tensor, at most {limit} "
+                           f"here. Sending the whole tensor around the ring (or to every rank) and adding costs "
+                           f"n - 1 times the tensor, which is what the ring exists to avoid.", RING_RULE)
 
 
 # --- exercise 2: sharding one layer ------------------------------------------------------------------

@@ -97,6 +97,35 @@ def ring_uses_all_reduce(x):
     return _ring(x, collective=True)
 
 
+def ring_gather_then_sum(x):
+    """Right sums the lazy way: every rank sends its whole tensor to every other rank, then adds."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    requests = [dist.isend(x.contiguous(), other) for other in range(n) if other != rank]
+    total = x.clone()
+    for other in range(n):
+        if other != rank:
+            incoming = torch.empty_like(x)
+            dist.recv(incoming, other)
+            total += incoming
+    for request in requests:
+        request.wait()
+    return total
+
+
+def ring_whole_tensor_around(x):
+    """Right sums along a ring, but each step forwards a whole tensor, not a chunk."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total, passing = x.clone(), x.clone()
+    for _ in range(n - 1):
+        request = dist.isend(passing, (rank + 1) % n)
+        incoming = torch.empty_like(x)
+        dist.recv(incoming, (rank - 1) % n)
+        request.wait()
+        total += incoming
+        passing = incoming
+    return total
+
+
 def ring_calls_the_answer(x):
     return ring_all_reduce(x)
 
@@ -131,6 +160,14 @@ def test_ring_wrong_chunk_bookkeeping():
 
 def test_ring_collective_forbidden():
     fails(check_ring_all_reduce, ring_uses_all_reduce, "dist.all_reduce", "point-to-point")
+
+
+def test_ring_gather_then_sum_is_not_a_ring():
+    fails(check_ring_all_reduce, ring_gather_then_sum, "world_size=3", "only to its right neighbour")
+
+
+def test_ring_whole_tensor_around_sends_too_much():
+    fails(check_ring_all_reduce, ring_whole_tensor_around, "world_size=3", "the sum is right", "2(n - 1) chunks")
 
 
 def test_ring_answer_banned_inside_the_learners_function():
