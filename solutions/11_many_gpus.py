@@ -153,7 +153,9 @@ for n in (2, 4, 8):
 # `dist.get_world_size()`, and point-to-point messages only: `dist.isend(tensor, dst)` (returns a
 # request; call `.wait()` on it) and `dist.recv(tensor, src)` (blocking). Collectives
 # (`dist.all_reduce`, `dist.reduce_scatter`, `dist.all_gather`, ...) are refused while the check
-# runs your function.
+# runs your function. The check also counts what each rank sends: only to its right neighbour,
+# and no more than $2(n-1)$ chunks in all (a rank that sends its whole tensor to every other rank
+# and adds gets the right sum, but moves $n-1$ times the tensor: that is not a ring).
 #
 # A trap: `dist.send` is blocking, it returns only once the receiver has received. If every rank
 # calls `send` before `recv`, every rank waits for a receiver that never comes: a deadlock. The
