@@ -334,10 +334,26 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | No
     if not isinstance(args, (tuple, list)):
         raise ValueError(f"args must be a tuple of arguments, got {type(args).__name__}")
     payload = _dumps((fn, tuple(args), dict(kwargs or {}), call_timeout))
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _launch_once(payload, world_size, backend, timeout, call_timeout, free_port())
+        except RankFailed as exc:
+            # the port was free when chosen, but another program took it before rank 0 listened
+            if attempt + 1 == PORT_ATTEMPTS or not any(m in str(exc) for m in PORT_TAKEN):
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+
+
+def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, call_timeout: float | None,
+                 port: int) -> list:
+    """One try of :func:`launch` on ``port``: start, wait, collect, and always end every process."""
     outdir = tempfile.mkdtemp(prefix="labsupport-launch-")
     with open(os.path.join(outdir, "payload.pkl"), "wb") as f:
         f.write(payload)
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     processes = []
     try:

@@ -93,6 +93,24 @@ def test_a_whole_launch_past_its_timeout():
     assert no_children_left()
 
 
+def test_a_port_taken_after_it_was_chosen_is_retried(monkeypatch):
+    import socket
+
+    import labsupport.distributed as launcher
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    ports = iter([busy.getsockname()[1]])
+    real_free_port = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or real_free_port())
+    try:
+        assert launch(dist.get_rank, 2, backend="gloo", timeout=60) == [0, 1]
+    finally:
+        busy.close()
+    assert no_children_left()
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="backend"):
         launch(several_things, 2, backend="mpi")
