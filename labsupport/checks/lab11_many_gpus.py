@@ -3,8 +3,10 @@
 The ring all-reduce and the tensor-parallel forward run on several processes (gloo on the CPU,
 started by :func:`labsupport.distributed.launch`); what each rank computed comes back to the
 notebook, where it is compared. Every collective is watched while the learner's function runs:
-the ring must be built from point-to-point ``send``/``recv`` (``isend``/``irecv``), and the
-tensor-parallel layer must call ``dist.all_reduce`` exactly twice.
+the ring must be built from point-to-point ``send``/``recv`` (``isend``/``irecv``), sending only
+to the right neighbour and at most 2(n - 1) chunks (so exchanging whole tensors and adding fails);
+the tensor-parallel layer must call ``dist.all_reduce`` exactly twice, each time on the layer's
+activation (so rebuilding whole weights with an all-reduce of zero-padded shards fails).
 
 Tolerances: the ring sums integer-valued fp32 tensors, so every correct order of additions gives
 the same bits, and results must be exactly equal to ``dist.all_reduce``'s. The tensor-parallel
@@ -62,9 +64,10 @@ FORWARD_RULE = (
 
 
 @contextlib.contextmanager
-def watched_collectives(forbid: bool):
+def watched_collectives(forbid: bool, numels: list | None = None):
     """Count (or, with ``forbid``, refuse) calls to torch.distributed's collectives while active.
-    Yields a dict name -> calls. Patches ``torch.distributed`` and ``distributed_c10d`` alike."""
+    Yields a dict name -> calls. Patches ``torch.distributed`` and ``distributed_c10d`` alike.
+    With ``numels``, appends the element count of each ``all_reduce``'s tensor to it."""
     counts: dict[str, int] = {}
     saved = []
     for name in COLLECTIVES:
@@ -75,6 +78,8 @@ def watched_collectives(forbid: bool):
 
             def wrapper(*args, __name=name, __original=original, **kwargs):
                 counts[__name] = counts.get(__name, 0) + 1
+                if numels is not None and __name == "all_reduce" and args and isinstance(args[0], torch.Tensor):
+                    numels.append(int(args[0].numel()))
                 if forbid:
                     raise ForbiddenCall(
                         f"your function called `dist.{__name}`, a collective this exercise asks you to build "
@@ -365,10 +370,11 @@ def _tp_worker(fn, self_check):
                 for i, layer in enumerate(model.layers):
                     expected = layer(x, cos, sin, model._attn_fn, False, None, i, 0)
                     shards = unguarded_shard(layer, rank, n)
-                    with watched_collectives(forbid=False) as counts:
+                    numels: list[int] = []
+                    with watched_collectives(forbid=False, numels=numels) as counts:
                         got = fn(shards, x.clone(), cos, sin, cfg)
                     results.append(dict(model=cfg.name, layer=i, got=_plain(got), expected=expected,
-                                        counts=dict(counts)))
+                                        counts=dict(counts), numels=numels, activation=x.numel()))
                     x = expected
                 with watched_collectives(forbid=False) as counts:
                     logits = TensorParallelModel(model, layer_fn=fn).run(tokens)
@@ -408,6 +414,13 @@ def check_tp_layer_forward(fn, checker):
                                 "adds together outputs that belong to different heads or features; they are "
                                 "already complete on their rank and need no communication.")
                 checker.fail(case, problem + ".", FORWARD_RULE)
+            odd = [k for k in row.get("numels", ()) if k != row["activation"]]
+            if odd:
+                checker.fail(case, f"your layer all-reduced tensors of {row['numels']} elements; in Megatron's split "
+                                   f"each all-reduce carries the layer's activation, batch x tokens x d = "
+                                   f"{row['activation']} numbers. Summing anything else (weights padded with "
+                                   f"zeros, to rebuild them whole on every rank) is not tensor parallelism.",
+                             FORWARD_RULE)
             others = {k: v for k, v in row["counts"].items() if k != "all_reduce"}
             if others and "layers" not in row:
                 checker.fail(case, f"your layer called {', '.join(f'dist.{k}' for k in others)}; the split needs "

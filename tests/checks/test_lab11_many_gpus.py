@@ -287,6 +287,46 @@ def layer_all_reduce_after_column_parallel(shards, x, cos, sin, cfg):
     return _layer(shards, x, cos, sin, cfg, reduce_up=True)
 
 
+def layer_rebuilds_the_weights(shards, x, cos, sin, cfg):
+    """Two all-reduces, right outputs, no tensor parallelism: the first all-reduce sums zero-padded
+    shards into whole weights on every rank, the second a dummy; then the layer runs unsplit."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    column, row = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
+    full = {}
+    for key in column + row:
+        w = shards[key]
+        dim = 0 if key in column else 1
+        shape = list(w.shape)
+        shape[dim] *= n
+        whole = torch.zeros(shape)
+        whole.narrow(dim, rank * w.shape[dim], w.shape[dim]).copy_(w)
+        full[key] = whole
+    for key in ("bq", "bk", "bv"):
+        if key in shards:
+            whole = torch.zeros(shards[key].numel() * n)
+            whole[rank * shards[key].numel():(rank + 1) * shards[key].numel()] = shards[key]
+            full[key] = whole
+    flat = torch.cat([t.reshape(-1) for t in full.values()])
+    dist.all_reduce(flat)
+    dist.all_reduce(torch.zeros(1))
+    offset = 0
+    for key, t in full.items():
+        full[key] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    B, S, _ = x.shape
+    D, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    h = rms_norm(x, shards["attention_norm"])
+    q = F.linear(h, full["wq"], full.get("bq")).view(B, S, hq, D).transpose(1, 2)
+    k = F.linear(h, full["wk"], full.get("bk")).view(B, S, hkv, D).transpose(1, 2)
+    v = F.linear(h, full["wv"], full.get("bv")).view(B, S, hkv, D).transpose(1, 2)
+    if "q_norm" in shards:
+        q, k = rms_norm(q, shards["q_norm"]), rms_norm(k, shards["k_norm"])
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    x = x + F.linear(causal_attention(q, k, v).transpose(1, 2).reshape(B, S, hq * D), full["wo"]) + shards.get("bo", 0)
+    h = rms_norm(x, shards["ffn_norm"])
+    return x + F.linear(F.silu(F.linear(h, full["w1"])) * F.linear(h, full["w3"]), full["w2"])
+
+
 def test_layer_reference_passes(capsys):
     check_tp_layer_forward(layer_reference)
     assert "PASSED check_tp_layer_forward" in capsys.readouterr().out
@@ -303,6 +343,10 @@ def test_layer_stub():
 
 def test_layer_missing_all_reduce():
     fails(check_tp_layer_forward, layer_missing_all_reduce, "1 times per layer", "all-reduce is missing")
+
+
+def test_layer_rebuilding_whole_weights_by_all_reduce():
+    fails(check_tp_layer_forward, layer_rebuilds_the_weights, "all-reduced tensors of", "not tensor parallelism")
 
 
 def test_layer_all_reduce_after_column_parallel():
