@@ -45,8 +45,8 @@ REPLICATED = ("attention_norm", "ffn_norm", "q_norm", "k_norm", "bo")
 
 def check_divisible(cfg: ModelConfig, world_size: int) -> None:
     """Raise ValueError unless ``world_size`` divides the query heads, the KV heads, ``d_ff`` and the
-    vocabulary (the output head is split by rows; engines pad the vocabulary instead (vLLM to a
-    multiple of 64))."""
+    vocabulary, whose output head is split by rows. Engines pad the vocabulary instead (vLLM to a
+    multiple of 64)."""
     cfg, n = as_model(cfg), positive_int("world_size", world_size)
     for field in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         if getattr(cfg, field) % n:
