@@ -3,7 +3,6 @@ the course server with the continuous engine."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import statistics
 
@@ -13,6 +12,7 @@ import pytest
 from labsupport.bench_serving import (
     RequestResult,
     _one,
+    _run_sync,
     arrival_times,
     format_summary,
     main,
@@ -91,4 +91,4 @@ def s_err(server) -> str:
             await _one(client, server.base_url + "/completions", body, result)
         return result.error
 
-    return asyncio.run(go())
+    return _run_sync(go())  # a fresh thread where this worker's thread has an event loop marked running

@@ -20,11 +20,32 @@ from labsupport.tensor_parallel import TensorParallelModel, time_decode_step
 from labsupport.transformer import Transformer
 
 
+def _children() -> set[int]:
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before():
+    """The processes this test worker already had (a pytest-xdist worker may hold notebook kernels or
+    servers of other test modules): only the ones a launch adds must be gone afterwards."""
+    _BEFORE.clear()
+    _BEFORE.update(_children())
+
+
 def no_children_left():
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-        if not alive:
+        if not _children() - _BEFORE:
             return True
         time.sleep(0.1)
     return False
