@@ -26,6 +26,8 @@ from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+from .sandbox import environment_for_kernel
+
 KERNEL_NAME = "labsupport-python"  # the private kernelspec's name (never "python3")
 KERNEL_PYTHON = sys.executable  # the interpreter every kernel runs
 # What the kernel runs: ipykernel, with a message packer that cannot fail on text. jupyter_client's
@@ -207,8 +209,6 @@ def execute(
             tempfile.TemporaryDirectory(prefix="labsupport-kernel-") as private:
         base = os.environ
         if sandbox is not None:
-            from .sandbox import environment_for_kernel
-
             base = environment_for_kernel()
         launch = {"env": {**base, "IPYTHONDIR": str(Path(private) / "ipython"), **(env or {})},
                   "cleanup_kc": True}
