@@ -396,7 +396,10 @@ def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, 
             # a rank whose peer died reports a broken connection; name the rank that failed first-hand
             causes = [r for r, rep in sorted(reports.items()) if rep[0] == "error" and not any(
                 m in rep[1] + rep[2] for m in SECONDARY_FAILURES)]
-            first_error = causes[0] if causes else first_error
+            if causes:
+                first_error = causes[0]
+            elif hung:
+                first_error = None  # the others only lost their connection to a rank that hung: report the hang
         if first_error is not None and reports[first_error][0] == "error":
             _, summary, remote_tb = reports[first_error]
             others = sorted(r for r, rep in reports.items() if rep[0] != "ok" and r != first_error)
