@@ -6,6 +6,8 @@ Run on a machine with an NVIDIA GPU, from the repository root::
     python -m labsupport.bench_precision --dry-run --out /tmp/precision.json   # on a CPU, tiny shapes
                                                                               # through the interpreter:
                                                                               # checks the code, measures nothing
+    python -m labsupport.bench_precision --configs --out /tmp/configs.md       # the kernel under other
+                                                                              # launch configurations
 
 For two projection shapes of Llama 3.1 8B (the feed-forward's up projection, N = 14,336 by
 K = 4,096, and its down projection, 4,096 by 14,336), at batch 1 to 64, per channel and with
@@ -42,9 +44,12 @@ from . import checks
 from ._answers import course_checks_its_answers, unguarded
 from .device import configure_triton, interpreter_mode
 from .int8_matmul import (
+    MatmulConfig,
     bytes_ratio,
     dense_matmul_bytes,
     int8_matmul_bytes,
+    int8_matmul_config,
+    int8_matmul_kernel,
     int8_matmul_reference,
     int8_matmul_spec,
 )
@@ -140,6 +145,68 @@ def run(out_path: str, *, dry_run: bool) -> dict:
     return data
 
 
+# --- other launch configurations ----------------------------------------------------------------
+
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_BLOCK_K = (64, 128)
+SWEEP_WARPS_STAGES = ((4, 4), (8, 4), (4, 6))
+
+
+def sweep_configs(out_path: str, *, dry_run: bool) -> list[dict]:
+    """Time the kernel under other tiles, warps and stages (groups of 128, batches 1, 16 and 64).
+
+    The course's choice (:func:`~labsupport.int8_matmul.int8_matmul_config`) was made without a
+    measurement; this table shows what others give on the device. A markdown table goes to
+    ``out_path``, rewritten after every shape."""
+    import triton
+
+    device, dtype = ("cpu", torch.float16) if dry_run else ("cuda", torch.bfloat16)
+    quick = {"repeats": 1} if dry_run else {"max_time_s": 0.3}
+    shapes = SHAPES[1] if dry_run else SHAPES[0]
+    batches = (1,) if dry_run else (1, 16, 64)
+    lines = ["| shape | batch | BLOCK_N | BLOCK_K | warps | stages | time | TB/s | vs course |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = []
+    for name, n, k in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        w_q, scales = quantize_groupwise(torch.randn(n, k, device=device, generator=gen), 8, 128)
+        scales = scales.float().contiguous()
+        for batch in batches:
+            x = torch.randn(batch, k, device=device, generator=gen).to(dtype)
+            out = torch.empty((batch, n), dtype=dtype, device=device)
+            course = int8_matmul_config(batch, n, k, 128, interpreter=dry_run)
+            configs = [course] + [MatmulConfig(course.block_m, bn, bk, w, st) for bn in SWEEP_BLOCK_N
+                                  for bk in SWEEP_BLOCK_K for w, st in SWEEP_WARPS_STAGES]
+            base = None
+            for cfg in (configs[:2] if dry_run else configs):
+                grid = (triton.cdiv(batch, cfg.block_m), triton.cdiv(n, cfg.block_n))
+
+                def launch(cfg=cfg, grid=grid, args=(x, w_q, scales, out, batch, n, k, scales.shape[1], 128)):
+                    int8_matmul_kernel[grid](*args,
+                                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                             IEEE=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                try:
+                    t = benchmark(launch, uses_triton=True, **quick).median_s
+                except Exception as exc:  # a configuration the device cannot run (shared memory): say so
+                    lines.append(f"| {name} | {batch} | {cfg.block_n} | {cfg.block_k} | {cfg.num_warps} | "
+                                 f"{cfg.num_stages} | failed: {type(exc).__name__} | | |")
+                    continue
+                base = base or t
+                tbps = int8_matmul_bytes(batch, n, k, k // 128, dtype.itemsize, 4) / t / 1e12
+                rows.append(dict(shape=name, batch=batch, block_n=cfg.block_n, block_k=cfg.block_k,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, seconds=t, TBps=tbps))
+                label = " (course)" if cfg is course else ""
+                lines.append(f"| {name} | {batch} | {cfg.block_n}{label} | {cfg.block_k} | {cfg.num_warps} | "
+                             f"{cfg.num_stages} | {t * 1e6:.1f} us | {tbps:.2f} | {base / t:.2f}x |")
+            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(out_path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+            best = min((r for r in rows if r["shape"] == name and r["batch"] == batch), key=lambda r: r["seconds"])
+            print(f"{name} batch {batch}: course {base * 1e6:.1f} us, best {best['seconds'] * 1e6:.1f} us "
+                  f"(BLOCK_N {best['block_n']}, BLOCK_K {best['block_k']}, {best['num_warps']} warps, "
+                  f"{best['num_stages']} stages, {best['TBps']:.2f} TB/s)", flush=True)
+    return rows
+
+
 # --- results on disk, and in the book ------------------------------------------------------------
 
 
@@ -197,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"results file (default {GPU_RESULTS}, which chapter 09 reads)")
     parser.add_argument("--dry-run", action="store_true",
                         help="run the same code on the CPU at tiny shapes through the interpreter: measures nothing")
+    parser.add_argument("--configs", action="store_true",
+                        help="time the kernel under other launch configurations instead; --out gets a markdown table")
     args = parser.parse_args(argv)
     configure_triton()
     if not args.dry_run and (not torch.cuda.is_available() or interpreter_mode()):
@@ -205,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
+    if args.configs:
+        sweep_configs(args.out, dry_run=args.dry_run)
+        return 0
     run(args.out, dry_run=args.dry_run)
     return 0
 

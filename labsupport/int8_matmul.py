@@ -77,19 +77,26 @@ def int8_matmul_config(m: int, n: int, k: int, group_size: int, *, interpreter: 
     layer, fewer programs than the GPU has multiprocessors leave bandwidth unused.
     """
     block_m = min(64, max(16, triton.next_power_of_2(m)))
+    small = not interpreter and m <= 16  # a decode batch of up to 16 rows on a GPU
     block_k = 1
-    limit = 128 if interpreter else 64
+    limit = 128 if interpreter or small else 64
     while block_k * 2 <= limit and group_size % (block_k * 2) == 0:
         block_k *= 2
     if block_k < 16:
         raise ValueError(f"group size {group_size} must be a multiple of 16 for this kernel")
-    # On a GPU at small batches, narrow column blocks give more programs to stream the weights:
-    # Llama 3.1 8B's down projection (N = 4,096) is 128 programs at 32 columns, 32 at 128. Above 16
-    # rows, 64 columns keep a stage of tiles (x 64 x 64 and W 64 x 64 in 16 bits, 8 + 4 KiB) small
-    # enough that four stages fit the 64 KiB of shared memory of a T4 (compute capability 7.5).
-    # Choices made without a measurement; python -m labsupport.bench_precision measures what they give.
-    block_n = 32 if not interpreter and m <= 16 else 64
-    return MatmulConfig(block_m, block_n, block_k, num_warps=4, num_stages=1 if interpreter else 4)
+    # Measured on an NVIDIA H200 (python -m labsupport.bench_precision --configs, 2026-11-30, groups of
+    # 128): up to 16 rows, 32 columns, K tiles of 128 and 6 stages ran Llama 3.1 8B's up projection in
+    # 33 us instead of 42 us (4 stages, K tiles of 64) and its down projection in 41 us instead of 80 us:
+    # narrow column blocks give more programs to stream the weights (the down projection, N = 4,096,
+    # is 128 programs at 32 columns), longer K tiles fewer loop steps. A stage is then x 16 x 128 in 16
+    # bits plus W 128 x 32 in int8 (4 + 4 KiB): six fit the 64 KiB of shared memory of a T4 (compute
+    # capability 7.5). Above 16 rows, 64 x 64 tiles and 4 stages (x 8 KiB + W 4 KiB a stage) stay as
+    # they were, because they fit a T4: at batch 64 the H200 ran longer K tiles faster (the down
+    # projection in 78 us instead of 149 us at 32 x 128 with 6 stages), but such stages (x 16 KiB
+    # each) need more shared memory than a T4 has.
+    if small:
+        return MatmulConfig(block_m, 32, block_k, num_warps=4, num_stages=6)
+    return MatmulConfig(block_m, 64, block_k, num_warps=4, num_stages=1 if interpreter else 4)
 
 
 @triton.jit

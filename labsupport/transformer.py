@@ -166,14 +166,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = ROPE_THETA,
-                 scaling: Mapping | None = None):
+                 scaling: Mapping | None = None, inv_freq: torch.Tensor | None = None):
     """cos and sin of the rotary angles for ``positions`` (S,): each (S, D), in ``dtype``.
 
     The frequencies are :func:`labsupport.position.rope_inv_freq` of the base ``theta`` and the
     Hugging Face ``rope_scaling`` dict ``scaling`` (None: plain RoPE); angles in float32, as
-    transformers computes them.
+    transformers computes them. ``inv_freq``, if given, is those frequencies already on
+    ``positions``' device (the model keeps them there: a copy from the CPU inside a CUDA graph
+    capture would fail).
     """
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)  # (D/2,) float32
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)  # (D/2,) float32
     angles = positions.float()[:, None] * inv_freq[None, :]  # (S, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (S, D)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -314,6 +317,8 @@ class Transformer(nn.Module):
             None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **factory)
         )
         self.to_empty(device=device)  # allocate on the target device; values filled next
+        # RoPE's frequencies in float32 on the model's device (a plain attribute: model.to(dtype) leaves it)
+        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)  # (D/2,)
         if device.type != "meta":  # on "meta" only the shapes exist (counting an 8B's weights needs no memory)
             self._init_weights(seed)
         self.eval()
@@ -395,8 +400,10 @@ class Transformer(nn.Module):
         """Run positions ``start .. start+S-1``; return the last position's logits (B, V) in fp32."""
         B, S = tokens.shape
         positions = torch.arange(start, start + S, device=self.device)  # (S,)
+        if self._inv_freq.device != self.device:  # the model was moved; the next call (or capture) needs no copy
+            self._inv_freq = self._inv_freq.to(self.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta,
-                                self.cfg.rope_scaling)  # (S, D) each
+                                self.cfg.rope_scaling, inv_freq=self._inv_freq)  # (S, D) each
         fold_gqa = self._attention_name == "sdpa"
         x = self.tok_embeddings(tokens)  # (B, S, d)
         for i, layer in enumerate(self.layers):

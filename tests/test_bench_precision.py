@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from labsupport import bench_precision as B
+from labsupport.int8_matmul import int8_matmul_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -33,6 +34,26 @@ def test_dry_run_writes_marked_results(tmp_path):
         assert r["max_error"] < 0.1  # the kernel agrees with the dequantised reference (fp16)
         assert r["int8_seconds"] > 0 and r["dense_seconds"] > 0
     assert B.load_results(out) is None  # a dry run never reaches the book
+
+
+def test_configs_dry_run_writes_a_table_with_the_course_row_first(tmp_path):
+    out = tmp_path / "configs.md"
+    assert B.main(["--configs", "--dry-run", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("| shape | batch | BLOCK_N")
+    rows = lines[2:]
+    assert len(rows) == 2 and "(course)" in rows[0] and "(course)" not in rows[1]
+    assert rows[0].rstrip().endswith("| 1.00x |")  # the course's own row is the baseline
+
+
+def test_small_gpu_batches_get_the_measured_tiles_and_fit_a_t4():
+    for m, group in [(1, 128), (16, 128), (1, 4096), (64, 128)]:
+        cfg = int8_matmul_config(m, 14336, 4096, group, interpreter=False)
+        assert group % cfg.block_k == 0
+        stage = cfg.block_m * cfg.block_k * 2 + cfg.block_k * cfg.block_n  # x in 16 bits, W in int8
+        assert stage * cfg.num_stages <= 64 * 1024, (m, group, cfg)  # a T4's shared memory
+    cfg = int8_matmul_config(1, 14336, 4096, 128, interpreter=False)
+    assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (32, 128, 4, 6)  # measured best
 
 
 def test_without_a_gpu_it_refuses(capsys):
