@@ -1,4 +1,5 @@
-"""Course commands: ``python -m labsupport release`` and ``python -m labsupport grade``."""
+"""Course commands: ``python -m labsupport release``, ``python -m labsupport grade`` and
+``python -m labsupport grade-merge``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import argparse
 import importlib.util
 import sys
 from pathlib import Path
+
+from .report import GradesFile, escape_surrogates, format_table, summary_line
+from .shard import ShardError, ShardFile, deal, merge, parse_shard, shard_header
 
 
 def _root() -> Path:
@@ -36,9 +40,18 @@ def main(argv: list[str] | None = None) -> int:
 
     gr = sub.add_parser("grade", help="run notebooks headlessly and score their checks")
     gr.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
-    gr.add_argument("--csv", default="grades.csv", help="where to write the scores (default: grades.csv)")
+    gr.add_argument("--csv", default=None, help="where to write the scores (default: grades.csv)")
     gr.add_argument("--overwrite", action="store_true",
-                    help="replace an existing --csv file (the old one is kept as FILE.bak)")
+                    help="replace an existing --csv file or shard file (the old one is kept as FILE.bak)")
+    gr.add_argument("--shard", metavar="K/N",
+                    help="grade only shard K of N (counted from 0) of the submissions, for a class graded on "
+                         "several machines, and write a shard file into --shard-dir instead of the CSV; "
+                         "`auto` reads K and N of a Slurm job array (SLURM_ARRAY_TASK_ID, "
+                         "SLURM_ARRAY_TASK_COUNT), `auto/N` K of a Kubernetes indexed Job (JOB_COMPLETION_INDEX). "
+                         "Then `python -m labsupport grade-merge` writes the CSV")
+    gr.add_argument("--shard-dir", default="grade-shards",
+                    help="with --shard: the folder the shard file (shard-K-of-N.json) goes to, created if "
+                         "missing (default: grade-shards)")
     gr.add_argument("--lab", help="grade every notebook as this lab (such as 07_attention), whatever its "
                                   "file name and metadata say")
     gr.add_argument("--timeout", type=int, default=600,
@@ -64,7 +77,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every cell of the course's notebook, measurements and plots included (by default "
                          "only the cells the checks need run, which is much faster)")
 
+    mg = sub.add_parser("grade-merge", help="merge the shard files of `grade --shard K/N` into the table and CSV "
+                                            "one machine grading everything writes")
+    mg.add_argument("shards", nargs="+", help="the shard files, or the --shard-dir folders holding them")
+    mg.add_argument("--csv", default="grades.csv", help="where to write the scores (default: grades.csv)")
+    mg.add_argument("--overwrite", action="store_true",
+                    help="replace an existing --csv file (the old one is kept as FILE.bak)")
+
     args = parser.parse_args(argv)
+    if args.command == "grade-merge":  # no notebook runner needed: runs without the grade extra
+        return _merge(args)
     missing = _missing_tools()
     if missing:
         print(f"{args.command}: needs {', '.join(missing)}, which are not installed. Install them with "
@@ -109,14 +131,44 @@ def main(argv: list[str] | None = None) -> int:
     return _grade(args)
 
 
+def _merge(args) -> int:
+    """``grade-merge``: the shards' rows, checked to be one whole run, as ``grade`` writes them."""
+    grades = GradesFile(Path(args.csv), overwrite=args.overwrite)
+    try:
+        grades.check()
+        rows, shards = merge(args.shards)
+        grades.start()
+    except (ShardError, OSError) as exc:
+        print(f"grade-merge: {exc}", file=sys.stderr)
+        return 2
+    print(f"merging {len(shards)} shard(s) of {sum(len(s['entries']) for s in shards)} notebook(s)", file=sys.stderr)
+    print(format_table(rows))
+    where = grades.finish(rows)
+    if grades.fallback is not None:
+        print(f"grade-merge: could not write {args.csv} ({grades.error}); the scores are in {where}", file=sys.stderr)
+        return 1
+    print(f"\nscores written to {args.csv} (one row per notebook and check, with the full details)")
+    return 0
+
+
 def _grade(args) -> int:
     # the grader needs nbformat and nbclient: imported only once main() has found them installed
     from .grade import NOTEBOOK_TIMEOUT, bad_paths, expand, grade_all
     from .manifest import ManifestError, load_manifest, manifest_drift
     from .notebooks import KernelStartError
-    from .report import GradesFile, escape_surrogates, format_table, summary_line
 
-    csv_path = Path(args.csv)
+    shard = None
+    if args.shard is not None:
+        try:
+            shard = parse_shard(args.shard)
+        except ShardError as exc:
+            print(f"grade: {exc}", file=sys.stderr)
+            return 2
+        if args.csv is not None:
+            print("grade: --shard writes a shard file into --shard-dir, not a CSV; drop --csv here and give it to "
+                  "`python -m labsupport grade-merge`, which writes the CSV of all the shards", file=sys.stderr)
+            return 2
+    csv_path = Path(args.csv or "grades.csv")
     if args.notebook_timeout is None:
         args.notebook_timeout = NOTEBOOK_TIMEOUT
     if args.timeout < 1 or args.jobs < 1 or args.notebook_timeout < 1:
@@ -135,16 +187,27 @@ def _grade(args) -> int:
         print(f"grade: {', '.join(typos)}: no such file or folder. Give notebooks (.ipynb) or folders of "
               f"them; nothing was graded and {csv_path} was not written.", file=sys.stderr)
         return 2
-    grades = GradesFile(csv_path, overwrite=args.overwrite)
+    if shard is not None:
+        grades = ShardFile(Path(args.shard_dir), shard, overwrite=args.overwrite)
+        output = grades.path
+    else:
+        grades = GradesFile(csv_path, overwrite=args.overwrite)
+        output = csv_path
     try:
         grades.check()  # before grading, not after an hour of it
     except OSError as exc:
         print(f"grade: {exc}", file=sys.stderr)
         return 2
-    notebooks = expand(args.paths)
-    if not notebooks:
+    everyone = expand(args.paths)
+    if not everyone:
         print("grade: no notebooks found in " + ", ".join(args.paths), file=sys.stderr)
         return 2
+    positions = {}
+    notebooks = everyone
+    if shard is not None:  # this machine's share, each with its place in the single-machine order
+        mine = deal(everyone, shard)
+        positions = {path: i for i, path in mine}
+        notebooks = [path for _, path in mine]
     from .sandbox import choose
 
     try:
@@ -159,35 +222,53 @@ def _grade(args) -> int:
     if drift:
         print(f"grade: warning: {drift}", file=sys.stderr)
     where = sandbox.label if sandbox is not None else "UNSANDBOXED"
-    print(f"grading {len(notebooks)} notebook(s), {args.jobs} at a time ({where}); each cell may run "
+    share = f" (shard {shard}: {len(notebooks)} of {len(everyone)})" if shard is not None else ""
+    print(f"grading {len(notebooks)} notebook(s){share}, {args.jobs} at a time ({where}); each cell may run "
           f"{args.timeout} s, each notebook {args.notebook_timeout} s", file=sys.stderr, flush=True)
 
     def progress(path, rows, seconds):
-        grades.add(rows)  # the CSV is rewritten after each notebook: a crash keeps what was graded
+        # the CSV (or shard file) is rewritten after each notebook: a crash keeps what was graded
+        if shard is not None:
+            grades.add(positions[path], path, rows)
+        else:
+            grades.add(rows)
         print(escape_surrogates(f"  {path}: {summary_line(rows)} [{seconds:.0f} s]"), file=sys.stderr, flush=True)
 
     try:
-        grades.start()
+        if shard is not None:
+            options = {"lab": args.lab, "timeout": args.timeout, "notebook_timeout": args.notebook_timeout,
+                       "memory": args.memory, "as_is": args.as_is, "all_cells": args.all_cells,
+                       "sandbox": where}
+            grades.start(shard_header(shard, everyone, args.paths, options, args.jobs))
+        else:
+            grades.start()
     except OSError as exc:
         print(f"grade: {exc}", file=sys.stderr)
         return 2
     try:
         rows = grade_all(notebooks, timeout=args.timeout, jobs=args.jobs, progress=progress, lab=args.lab,
                          manifest=manifest, notebook_timeout=args.notebook_timeout, sandbox=sandbox,
-                         unsandboxed=unsandboxed, as_is=args.as_is, all_cells=args.all_cells)
+                         unsandboxed=unsandboxed, as_is=args.as_is, all_cells=args.all_cells,
+                         names_among=everyone)
     except KernelStartError as exc:
-        kept = (f"the {len(grades.rows)} row(s) graded before are in {grades.fallback or csv_path}" if grades.rows
-                else f"{csv_path} was not written")
+        done = len(grades.graded) if shard is not None else len(grades.rows)
+        kept = (f"what was graded before ({done}) is in {grades.fallback or output}" if done
+                else f"{output} holds no scores")
+        if shard is not None:
+            kept += f"; it is marked unfinished, so grade-merge refuses it until shard {shard} is graded again"
         print(f"grade: {exc}\nGrading stopped (every notebook needs a kernel); {kept}.", file=sys.stderr)
         return 2
-    print(format_table(rows))
-    where = grades.finish(rows)
+    print(format_table(rows) if rows or shard is None else f"shard {shard}: no notebooks in this shard")
+    where = grades.finish() if shard is not None else grades.finish(rows)
     if grades.fallback is not None:  # the folder went away or filled up while grading: scores kept anyway
-        print(f"grade: could not write {csv_path} ({grades.error}); the scores are in {where}", file=sys.stderr)
+        print(f"grade: could not write {output} ({grades.error}); the scores are in {where}", file=sys.stderr)
         return 1
+    if shard is not None:
+        print(f"\nshard {shard} ({len(notebooks)} notebook(s)) written to {output}; when every shard is done, "
+              f"`python -m labsupport grade-merge {output.parent}` writes the table and the CSV of all of them")
+        return 0
     print(f"\nscores written to {csv_path} (one row per notebook and check, with the full details)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

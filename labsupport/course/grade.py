@@ -434,13 +434,17 @@ def grade_all(
     unsandboxed: str = "no sandbox was asked for",
     as_is: bool = False,
     all_cells: bool = False,
+    names_among: list[Path] | None = None,
 ) -> list[Row]:
     """Grade every notebook (``jobs`` at a time); rows come back in the order of ``notebooks``.
 
+    Two files of one name are told apart by their folder in the ``student`` column; ``names_among``
+    is the whole class when ``notebooks`` is one machine's share of it (``grade --shard``), so a
+    shard names its students as a single-machine run does.
     Raises KernelStartError (and grades nothing more) when a kernel cannot start.
     """
     manifest = manifest if manifest is not None else load_manifest()
-    folders = _folders_for_shared_names(notebooks)
+    folders = _folders_for_shared_names(names_among if names_among is not None else notebooks)
 
     def one(path: Path) -> list[Row]:
         start = time.perf_counter()
