@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     gr.add_argument("--container", metavar="IMAGE",
                     help="run each kernel in this container image (docker or podman; the image needs python "
                          "with ipykernel and the course package)")
+    gr.add_argument("--require-sandbox", action="store_true",
+                    help="stop (exit 2) when bubblewrap cannot work here, instead of grading UNSANDBOXED with a "
+                         "warning nobody reads (for batch jobs; an explicit --no-sandbox still grades unsandboxed)")
     gr.add_argument("--memory", type=float, default=8,
                     help="GiB of address space a sandboxed kernel may map (default: 8)")
     gr.add_argument("--as-is", action="store_true",
@@ -214,6 +217,10 @@ def _grade(args) -> int:
         sandbox, unsandboxed = choose(args.no_sandbox, args.container, int(args.memory * 2**30))
     except RuntimeError as exc:
         print(f"grade: {exc}", file=sys.stderr)
+        return 2
+    if sandbox is None and args.require_sandbox and not args.no_sandbox:
+        print(f"grade: --require-sandbox: no sandbox here ({unsandboxed}); nothing was graded. Grade where "
+              f"bubblewrap works, or use --container IMAGE", file=sys.stderr)
         return 2
     if sandbox is None:
         print(f"grade: WARNING: grading UNSANDBOXED ({unsandboxed}): the submitted code runs with your "

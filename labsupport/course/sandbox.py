@@ -10,9 +10,13 @@ root) and an address-space limit (``prlimit --as``; a kernel past it gets Memory
 machine's swap). The kernel talks to the grader over ZeroMQ's ``ipc`` transport (Unix sockets in a
 folder bound into the sandbox), since it has no TCP to localhost.
 
-A container runs the kernel with ``docker run`` or ``podman run`` (whichever is installed): no
-network, the same memory limit, the scratch and socket folders mounted at the same paths, and
-``python`` of the image as the kernel (the image must have ipykernel and the course package).
+A container runs the kernel with ``docker run`` or ``podman run`` (whichever is installed; podman
+first): no network, no capabilities, a read-only root and a private ``/tmp``, the same memory limit
+(a cgroup limit: past it the kernel is killed, not given MemoryError), the scratch and socket
+folders mounted at the same paths and nothing else of the host's, and ``python`` of the image as the
+kernel (the image must have ipykernel and the course package, at the commit the grader runs). The
+kernel runs as the grader's own uid under a rootful Docker (the scratch folders are private to it);
+under podman or a rootless Docker the container's root is the grader's user already.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Sandbox:
     image: str = ""
     engine: str = ""  # docker or podman (container only)
     read_only: list[str] = field(default_factory=list)  # not used by bwrap (all of / is read-only)
+    user: str = ""  # container only: "uid:gid" the kernel runs as (rootful docker; see choose)
 
     @property
     def label(self) -> str:
@@ -63,6 +68,8 @@ class Sandbox:
                  "--pids-limit", "512", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
                  "--read-only", "--tmpfs", "/tmp", "-e", "IPYTHONDIR", "-e", "LABSUPPORT_GRADING",
                  "-e", "TRITON_INTERPRET", "-e", "CUDA_VISIBLE_DEVICES", "-e", "MPLBACKEND"]
+        if self.user:  # the grader's own uid: its private folders are 0700, and root without capabilities
+            outer += ["--user", self.user, "-e", "HOME=/tmp"]  # cannot enter them
         for folder in writable:
             outer += ["-v", f"{folder}:{folder}"]
         outer += ["-w", cwd, self.image]
@@ -115,13 +122,31 @@ def container_engine() -> str:
     return next((name for name in ("podman", "docker") if shutil.which(name)), "")
 
 
+def _docker_rootless() -> bool:
+    """Whether the Docker daemon runs rootless (its root is the grader's user, as with rootless podman);
+    RuntimeError when it does not answer."""
+    try:
+        done = subprocess.run(["docker", "info", "--format", "{{json .SecurityOptions}}"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"--container: `docker info` did not run ({exc})") from None
+    if done.returncode:
+        why = (done.stderr.strip() or done.stdout.strip()).splitlines()
+        raise RuntimeError(f"--container: docker does not answer ({why[-1][:200] if why else done.returncode}); "
+                           f"is the Docker daemon running, and may you use it?")
+    return "rootless" in done.stdout
+
+
 def choose(no_sandbox: bool = False, container: str | None = None, memory: int = MEMORY_LIMIT) -> tuple[Sandbox | None, str]:
     """The sandbox to grade in, and why there is none (``""`` when there is one)."""
     if container:
         engine = container_engine()
         if not engine:
             raise RuntimeError("--container needs docker or podman, and neither is installed")
-        return Sandbox("container", memory=memory, image=container, engine=engine), ""
+        user = ""
+        if engine == "docker" and not _docker_rootless() and os.getuid() != 0:  # asks the daemon first
+            user = f"{os.getuid()}:{os.getgid()}"
+        return Sandbox("container", memory=memory, image=container, engine=engine, user=user), ""
     if no_sandbox:
         return None, "--no-sandbox was given"
     problem = bwrap_problem()

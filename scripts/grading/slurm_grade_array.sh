@@ -26,7 +26,8 @@ python=${PYTHON:-python}
 shard=auto${SHARDS:+/$SHARDS}  # auto/N: the task id is the shard, so --array=K reruns shard K
 
 # --overwrite: a task Slurm requeues (or one run again) replaces its shard file (the old one is kept as .bak);
-# --jobs: one kernel per CPU Slurm gave this task
+# --jobs: one kernel per CPU Slurm gave this task; --require-sandbox: a node where bubblewrap cannot work
+# fails its task instead of running learners' code with your account's permissions
 # shellcheck disable=SC2086  # GRADE_ARGS is a list of options
 exec "$python" -m labsupport grade "$submissions" --shard "$shard" --shard-dir "$out/shards" \
-    --jobs "${SLURM_CPUS_PER_TASK:-1}" --overwrite ${GRADE_ARGS:-}
+    --jobs "${SLURM_CPUS_PER_TASK:-1}" --overwrite --require-sandbox ${GRADE_ARGS:-}

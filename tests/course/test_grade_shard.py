@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from labsupport.course.cli import main
+from labsupport.course.sandbox import Sandbox, bwrap_problem, container_engine
 from labsupport.course.shard import Shard, ShardError, deal, parse_shard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,3 +342,55 @@ def test_the_kubernetes_manifests_are_an_indexed_job_and_its_merge():
     merge = next(d for d in yaml.safe_load_all((SCRIPTS / "k8s_merge_job.yaml").read_text()) if d)
     merge_command = " ".join(merge["spec"]["template"]["spec"]["containers"][0]["command"])
     assert "-m labsupport grade-merge" in merge_command
+
+
+# -- containers ----------------------------------------------------------------------------------
+
+def test_a_rootful_docker_runs_the_kernel_as_the_graders_user():
+    argv = ["/venv/bin/python", "-c", "main", "-f", "/k/connection.json"]
+    boxed = Sandbox("container", image="course:abc", engine="docker", user="1000:1000").wrap(argv, ["/k"], "/k")
+    assert boxed[boxed.index("--user") + 1] == "1000:1000" and "HOME=/tmp" in boxed
+    assert boxed.index("--user") < boxed.index("course:abc")
+    plain = Sandbox("container", image="course:abc", engine="podman").wrap(argv, ["/k"], "/k")
+    assert "--user" not in plain  # podman's (and a rootless Docker's) root is the grader's user
+
+
+def test_a_container_engine_that_cannot_run_stops_grading_before_it_starts(tmp_path, capsys):
+    engine = container_engine()
+    if engine == "podman" or (engine == "docker" and subprocess.run(["docker", "info"], capture_output=True,
+                                                                    timeout=60).returncode == 0):
+        pytest.skip(f"{engine} works here")
+    (tmp_path / "ann_04_roofline.ipynb").write_text("not json")
+    assert main(["grade", str(tmp_path), "--container", "course:abc", "--csv", str(tmp_path / "g.csv")]) == 2
+    err = capsys.readouterr().err
+    assert ("docker does not answer" in err and "Docker daemon" in err) if engine else "docker or podman" in err
+    assert not (tmp_path / "g.csv").exists()
+
+
+def test_require_sandbox_stops_where_bubblewrap_cannot_work(tmp_path, monkeypatch, capsys):
+    (tmp_path / "ann_04_roofline.ipynb").write_text("not json")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bwrap-here"))  # no bwrap on the PATH
+    bwrap_problem.cache_clear()
+    try:
+        assert main(["grade", str(tmp_path), "--require-sandbox", "--csv", str(tmp_path / "g.csv")]) == 2
+        assert "--require-sandbox: no sandbox here (bwrap is not installed" in capsys.readouterr().err
+        assert not (tmp_path / "g.csv").exists()
+        # an explicit --no-sandbox is no fallback: it grades, every row saying UNSANDBOXED
+        assert main(["grade", str(tmp_path), "--require-sandbox", "--no-sandbox", "--csv",
+                     str(tmp_path / "g.csv")]) == 0
+        assert _rows(tmp_path / "g.csv")[0]["sandbox"].startswith("UNSANDBOXED")
+    finally:
+        bwrap_problem.cache_clear()
+
+
+def test_the_dockerfile_installs_the_course_for_kernels_and_graders():
+    text = (SCRIPTS / "Dockerfile").read_text()
+    logical = re.sub(r"\\\n", " ", text)  # continuation lines joined
+    instructions = [line.split()[0] for line in logical.splitlines() if line.strip() and not line.startswith("#")]
+    known = {"FROM", "RUN", "COPY", "WORKDIR", "USER", "ENV", "ARG", "LABEL"}
+    assert instructions[0] == "FROM" and set(instructions) <= known, instructions
+    for needed in ("bubblewrap", "util-linux", "-r requirements-cpu.txt", "-r requirements.txt",
+                   "import labsupport.checks, ipykernel"):
+        assert needed in logical
+    for name in ("requirements-cpu.txt", "requirements.txt"):
+        assert (ROOT / name).exists()
