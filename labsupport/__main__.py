@@ -1,4 +1,4 @@
-"""``python -m labsupport release`` and ``python -m labsupport grade``: the instructor commands, which
+"""``python -m labsupport release``, ``grade`` and ``grade-merge``: the instructor commands, which
 live in :mod:`labsupport.course.cli`."""
 
 import sys
