@@ -13,7 +13,7 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 CELL_TIMEOUT ?= 120
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --ignore-glob='*/tests/*.ipynb'
 
-.PHONY: setup setup-latest book serve test test-fast test-matrix test-latest lab release release-check record-outputs grade lint format clean
+.PHONY: setup setup-latest book serve test test-fast test-matrix test-latest lab release release-check record-outputs grade slides lint format clean
 
 $(STAMP): requirements.txt requirements-cpu.txt pyproject.toml scripts/install.py
 	$(PYTHON) scripts/install.py --venv $(VENV)
@@ -82,6 +82,12 @@ record-outputs: $(STAMP)  ## run the solution notebooks and store the outputs nb
 grade: $(STAMP)  ## make grade SUBMISSIONS=folder/ [GRADE_ARGS="--jobs 4 --csv out.csv --lab 07_attention"]
 	@if [ -z "$(SUBMISSIONS)" ]; then echo "usage: make grade SUBMISSIONS=folder/ (one notebook or folder; for several, python -m labsupport grade A B ...)"; exit 2; fi
 	$(PY) -m labsupport grade "$(SUBMISSIONS)" $(GRADE_ARGS)
+
+# One reveal.js deck per lab, from the learner notebooks (labsupport/course/slides.py). reveal.js comes
+# from a CDN unless REVEAL=path/to/reveal.js (a reveal.js 4 distribution, `npm pack reveal.js@4`,
+# unpacked) is given; SLIDES_ARGS=--inline then makes each deck one self-contained file.
+slides: $(STAMP)  ## reveal.js slides for every lab into _build/slides [REVEAL=dir SLIDES_ARGS=--inline]
+	$(PY) -m labsupport.course.slides --out _build/slides $(if $(REVEAL),--reveal "$(REVEAL)") $(SLIDES_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
