@@ -10,4 +10,6 @@ stand on their own, and this package builds on them.
 * :mod:`.scan` (which checks a notebook calls, and the grader's flags);
 * :mod:`.grade` (running and scoring submissions), :mod:`.report` (the table and the CSV);
 * :mod:`.notebooks` (the headless notebook runner); :mod:`.book` (glue and number formats for pages).
+* :mod:`.diagnoses` (each check's mistakes and hints, read from its source) and :mod:`.sessions` (outlines),
+  for the instructors' session plans; :mod:`.slides` (``make slides``: reveal.js decks from the learner notebooks).
 """
