@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -176,6 +177,87 @@ def results_markdown(results: dict | None) -> str:
         lines.append(f"| {r['name']} | {r['tokens']:,} | " + " | ".join(cells)
                      + f" | {r['paged_over_in_order']:.2f} | {r['paged_over_sdpa']:.2f} |")
     return "\n".join(lines)
+
+
+NOT_MEASURED = "not yet measured"
+LAB_LOG = "results/gpu_logs/lab10.txt"  # lab 10's solution run as a script on the GPU
+_PREFIX = (re.compile(r"^(?P<model>\S+), (?P<n>\d+) requests of (?P<shared>\d+) shared \+ (?P<own>\d+) own tokens, "
+                      r"(?P<block>\d+)-token blocks"),
+           re.compile(r"^prefix-cache hit rate: (?P<hit_rate>[\d.]+)% of prompt tokens"),
+           re.compile(r"^prefill of one (?P<tokens>\d+)-token request on the (?P<where>\w+)"),
+           re.compile(r"^miss \(no prefix caching\):\s+(?P<miss_ms>[\d.]+) ms"),
+           re.compile(r"^hit\s+\(prefix cached\):\s+(?P<hit_ms>[\d.]+) ms"))
+
+
+def _span(values: list[float], fmt: str, unit: str = "") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return f"{lo}{unit}" if lo == hi else f"{lo}{unit} to {hi}{unit}"
+
+
+def gpu_figures(results: dict | None) -> dict:
+    """The figures chapter 10 quotes from a run, as text (each "not yet measured" without one):
+    paged (shuffled tables) over SDPA and over in-order tables, as time ratios, and the bytes per
+    second of the formula over the median time, across the run's shapes."""
+    keys = ("status", "when", "paged_over_sdpa", "paged_over_in_order", "paged_gbps", "sdpa_tbps", "programs",
+            "worst_name", "worst_ratio", "worst_programs", "worst_blocks", "pad_name", "pad_ratio", "pad_speed")
+    out = dict.fromkeys(keys, NOT_MEASURED)
+    out["status"] = ("No GPU has run it for this build of the book, so every "
+                     "GPU figure below reads \"not yet measured\"")
+    if not results:
+        return out
+    rows = results["rows"]
+    out["status"] = (f"It ran on an {results['device']} on {results['date']} "
+                     f"(torch {results['torch']}, triton {results['triton']})")
+    out["when"] = f"{results['device']}, {results['date']} (torch {results['torch']}, triton {results['triton']})"
+    out["paged_over_sdpa"] = _span([r["paged_over_sdpa"] for r in rows], "{:.1f}", "x")
+    out["paged_over_in_order"] = _span([r["paged_over_in_order"] for r in rows], "{:.2f}")
+    out["paged_gbps"] = _span([r["paged"]["achieved_Bps"] / 1e9 for r in rows], "{:,.0f}", " GB/s")
+    out["sdpa_tbps"] = _span([r["sdpa"]["achieved_Bps"] / 1e12 for r in rows], "{:.2f}", " TB/s")
+    # the course's kernel runs one program per (sequence, KV head)
+    out["programs"] = _span([r["batch"] * r["kv_heads"] for r in rows], "{:,}")
+    worst = max(rows, key=lambda r: r["paged_over_sdpa"])
+    out["worst_name"], out["worst_ratio"] = worst["name"], f"{worst['paged_over_sdpa']:.1f}x"
+    out["worst_programs"] = f"{worst['batch'] * worst['kv_heads']:,}"
+    out["worst_blocks"] = f"{-(-worst['max_len'] // worst['block_size']):,}"  # the longest walk, one program
+    # SDPA reads a padded cache: where the padding is largest, how many more bytes it moved
+    pad = max(rows, key=lambda r: r["sdpa"]["bytes_formula"] / r["paged"]["bytes_formula"])
+    out["pad_name"] = pad["name"]
+    out["pad_ratio"] = f"{pad['sdpa']['bytes_formula'] / pad['paged']['bytes_formula']:.1f}x"
+    out["pad_speed"] = f"{pad['paged_over_sdpa']:.1f}x"
+    return out
+
+
+def load_prefix_cache_log(path=None) -> dict | None:
+    """Lab 10's prefix-cache figures from its run on a GPU (``LAB_LOG``: the solution run as a
+    script), or None when the log is not there or holds no such run."""
+    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / LAB_LOG
+    if not path.is_file():
+        return None
+    found = {}
+    text = path.read_text(encoding="utf-8")
+    device = re.search(r"^device\s*:\s*cuda - (?P<device>[^(\n]+?)\s*(\(|$)", text, re.M)
+    for line in path.read_text(encoding="utf-8").splitlines():
+        for pattern in _PREFIX:
+            if m := pattern.match(line.strip()):
+                found.update(m.groupdict())
+    if not {"miss_ms", "hit_ms", "hit_rate", "model"} <= found.keys() or found.get("where") != "GPU":
+        return None
+    return dict(device=device["device"] if device else "a GPU", model=found["model"], requests=int(found["n"]), shared=int(found["shared"]), own=int(found["own"]),
+                block=int(found["block"]), hit_rate=float(found["hit_rate"]) / 100, tokens=int(found["tokens"]),
+                miss_s=float(found["miss_ms"]) * 1e-3, hit_s=float(found["hit_ms"]) * 1e-3)
+
+
+def prefix_cache_figures(log: dict | None, results: dict | None = None) -> dict:
+    """Lab 10's prefix-cache run on a GPU as text for the chapter, each "not yet measured" without
+    one; ``results`` (:func:`load_results`, the same session's benchmark) gives the date."""
+    keys = ("when", "model", "requests", "shared", "own", "hit_rate", "miss", "hit", "hit_share", "skipped")
+    if log is None:
+        return dict.fromkeys(keys, NOT_MEASURED)
+    when = log["device"] + (f", {results['date']}" if results else "")
+    return dict(when=when, model=log["model"], requests=f"{log['requests']:,}", shared=f"{log['shared']:,}", own=f"{log['own']:,}",
+                hit_rate=f"{log['hit_rate']:.1%}", miss=f"{log['miss_s'] * 1e3:.2f} ms",
+                hit=f"{log['hit_s'] * 1e3:.2f} ms", hit_share=f"{log['hit_s'] / log['miss_s']:.0%}",
+                skipped=f"{(log['shared'] // log['block'] * log['block']) / (log['shared'] + log['own']):.0%}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,41 @@ def results_markdown(path=None) -> str:
     return "\n".join(lines)
 
 
+NOT_MEASURED = "not yet measured"
+
+
+def gpu_figures(path=None) -> dict:
+    """The figures chapter 12 quotes from a run, as text (each "not yet measured" without one):
+    eager and replayed step times, the share of the eager step a CUDA graph saved, and the CPU
+    profiler's between-operator share of the same step, across the run's model shapes."""
+    keys = ("status", "when", "models", "eager_ms", "replay_ms", "saving", "speedup", "python_share", "ops", "context")
+    out = dict.fromkeys(keys, NOT_MEASURED)
+    out["status"] = ("No GPU has run it for this build of the book, so "
+                     "every GPU figure below reads \"not yet measured\"")
+    results = load_results(path)
+    if results is None:
+        return out
+    out["status"] = (f"It ran on an {results['device']} on "
+                     f"{results['date']} (torch {results['torch']}, {results['dtype']})")
+    rows = results["rows"]
+
+    def span(values, fmt):
+        lo, hi = fmt.format(min(values)), fmt.format(max(values))
+        return lo if lo == hi else f"{lo} to {hi}"
+
+    out["when"] = f"{results['device']}, {results['date']} (torch {results['torch']}, {results['dtype']})"
+    out["models"] = ", ".join(r["model"] for r in rows)
+    out["eager_ms"] = span([r["eager_s"] * 1e3 for r in rows], "{:.2f}") + " ms"
+    out["replay_ms"] = span([r["captured_s"] * 1e3 for r in rows], "{:.2f}") + " ms"
+    out["saving"] = span([100 * r["saving_s"] / r["eager_s"] for r in rows], "{:.0f}") + "%"
+    out["speedup"] = span([r["eager_s"] / r["captured_s"] for r in rows], "{:.0f}") + "x"
+    if all(r.get("python_share_cpu_profile") is not None for r in rows):
+        out["python_share"] = span([100 * r["python_share_cpu_profile"] for r in rows], "{:.0f}") + "%"
+    out["ops"] = span([r["ops_per_step"] for r in rows], "{:,}")
+    out["context"] = f"{rows[0]['context']:,}"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labsupport.bench_launch_overhead",
                                      description=__doc__.split("\n\n")[0])

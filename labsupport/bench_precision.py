@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -256,6 +257,158 @@ def batch1_speedup(results: dict | None, group_size: int | None = BOOK_GROUP) ->
     r = rows[0]
     return (f"{r['speedup']:.2f}x of the {r['bytes_ratio']:.2f}x the bytes allow, {r['shape']}, on {results['device']} "
             f"({results['date']})")
+
+
+# --- what the chapter says about a run (every figure read from the files, or "not yet measured") ---
+
+CONFIG_SWEEP = "results/gpu_logs/precision_configs.md"  # bench_precision --configs on the GPU
+BEFORE_TUNING = "results/gpu_logs/precision_bench_before_tuning.log"  # the first run, earlier tiles
+_LOG_LINE = re.compile(r"^(?P<shape>.+?) N=(?P<N>\d+) K=(?P<K>\d+) group=(?P<group>\w+) batch (?P<batch>\d+): "
+                       r"int8 (?P<int8_us>[\d.]+) us \((?P<int8_TBps>[\d.]+) TB/s\), dense (?P<dense_us>[\d.]+) us "
+                       r"\((?P<dense_TBps>[\d.]+) TB/s\), speedup (?P<speedup>[\d.]+)x of (?P<bytes_ratio>[\d.]+)x")
+
+
+def _repo_path(path, default: str) -> Path:
+    return Path(path) if path is not None else Path(__file__).resolve().parent.parent / default
+
+
+def load_bench_log(path=None) -> list[dict] | None:
+    """The rows a run printed (``BEFORE_TUNING`` by default: the run with the tiles chosen before
+    the sweep), or None when the log is not there. Times in seconds, bandwidths in TB/s."""
+    path = _repo_path(path, BEFORE_TUNING)
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _LOG_LINE.match(line.strip())
+        if m:
+            g = m.groupdict()
+            rows.append(dict(shape=g["shape"], N=int(g["N"]), K=int(g["K"]),
+                             group_size=None if g["group"] == "channel" else int(g["group"]), batch=int(g["batch"]),
+                             int8_seconds=float(g["int8_us"]) * 1e-6, dense_seconds=float(g["dense_us"]) * 1e-6,
+                             int8_TBps=float(g["int8_TBps"]), dense_TBps=float(g["dense_TBps"]),
+                             speedup=float(g["speedup"]), bytes_ratio=float(g["bytes_ratio"])))
+    return rows or None
+
+
+def load_config_sweep(path=None) -> list[dict] | None:
+    """The rows of the table :func:`sweep_configs` wrote (``CONFIG_SWEEP`` by default), or None when
+    it is not there. ``course`` marks the configuration the course used when the sweep ran; rows
+    of configurations that failed to run are left out."""
+    path = _repo_path(path, CONFIG_SWEEP)
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 9 or not cells[6].endswith(" us"):
+            continue
+        shape, batch, block_n, block_k, warps, stages, t, tbps, vs = cells
+        rows.append(dict(shape=shape, batch=int(batch), block_n=int(block_n.split()[0]), course="(course)" in block_n,
+                         block_k=int(block_k), num_warps=int(warps), num_stages=int(stages),
+                         seconds=float(t.split()[0]) * 1e-6, TBps=float(tbps), vs_course=float(vs.rstrip("x"))))
+    return rows or None
+
+
+def find_row(rows: list[dict] | None, shape: str, batch: int, group_size: int | None = BOOK_GROUP) -> dict | None:
+    """The row of ``rows`` (a results file's or a log's) for the shape whose name starts with
+    ``shape`` ("8B up", "8B down"), ``batch`` and ``group_size``, or None."""
+    for r in rows or ():
+        if r["shape"].startswith(shape) and r["batch"] == batch and r["group_size"] == group_size:
+            return r
+    return None
+
+
+def _tbps(r: dict, key: str) -> float:
+    """TB/s of a results row (bytes per second) or a log row (already TB/s)."""
+    return r[f"{key}_Bps"] / 1e12 if f"{key}_Bps" in r else r[f"{key}_TBps"]
+
+
+def gpu_figures(results: dict | None, before: list[dict] | None = None, sweep: list[dict] | None = None) -> dict:
+    """The figures chapter 09 quotes from a run, as text: each "not yet measured" without one.
+
+    ``results``: :func:`load_results`; ``before``: :func:`load_bench_log` (the first run, tiles
+    chosen before the sweep); ``sweep``: :func:`load_config_sweep`. Groups of 128 throughout;
+    "up" is Llama 3.1 8B's up projection (N = 14,336, K = 4,096), "down" its down projection."""
+    keys = ("status", "when", "device", "date", "copy_tbps", "up_b1", "up_b1_ratio", "up_b1_int8_tbps", "up_b1_dense_tbps",
+            "up_small", "up_b32", "up_b64", "down_b1", "down_small", "down_b1_int8_tbps", "down_b32", "down_b64",
+            "dense_tbps_range", "before_up_b1", "before_down_b1", "sweep_up_old", "sweep_up_best", "sweep_up_best_cfg",
+            "sweep_down_old", "sweep_down_best", "sweep_down_gain", "sweep_down_best_cfg", "sweep_up_gain",
+            "sweep_down64_old", "sweep_down64_best", "sweep_down64_gain", "sweep_down64_best_cfg",
+            "sweep_up_old_cfg", "sweep_down_old_cfg", "sweep_down64_old_cfg", "sweep_batches",
+            "sweep_up_spread", "sweep_down_spread", "sweep_down64_spread")
+    out = dict.fromkeys(keys, NOT_MEASURED)
+    out["status"] = ("No GPU has run it for this build of the book, so every "
+                     "GPU figure below reads \"not yet measured\"")
+    if results is not None:
+        rows = results["rows"]
+        out["status"] = (f"It ran on an {results['device']} on "
+                         f"{results['date'][:10]} (torch {results['torch']}, triton {results['triton']})")
+        out["when"] = (f"{results['device']}, {results['date'][:10]} (torch {results['torch']}, "
+                       f"triton {results['triton']})")
+        out["device"], out["date"] = results["device"], results["date"][:10]
+        if results.get("copy_bandwidth_Bps"):
+            out["copy_tbps"] = f"{results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s"
+
+        def speedups(shape, batches):
+            found = [r["speedup"] for b in batches if (r := find_row(rows, shape, b))]
+            if not found:
+                return NOT_MEASURED
+            lo, hi = min(found), max(found)
+            return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}x to {hi:.2f}x"
+
+        small = [b for b in BATCHES[0] if b <= 16]
+        out["up_small"], out["down_small"] = speedups("8B up", small), speedups("8B down", small)
+        for shape, key in (("8B up", "up"), ("8B down", "down")):
+            for b in (1, 32, 64):
+                out[f"{key}_b{b}"] = speedups(shape, [b])
+        if up1 := find_row(rows, "8B up", 1):
+            out["up_b1_ratio"] = f"{up1['bytes_ratio']:.2f}x"
+            out["up_b1_int8_tbps"] = f"{_tbps(up1, 'int8'):.2f} TB/s"
+            out["up_b1_dense_tbps"] = f"{_tbps(up1, 'dense'):.2f} TB/s"
+        if down1 := find_row(rows, "8B down", 1):
+            out["down_b1_int8_tbps"] = f"{_tbps(down1, 'int8'):.2f} TB/s"
+        dense = [_tbps(r, "dense") for r in rows]
+        if dense:
+            out["dense_tbps_range"] = f"{min(dense):.2f} to {max(dense):.2f} TB/s"
+    for shape, key in (("8B up", "up"), ("8B down", "down")):
+        if r := find_row(before, shape, 1):
+            out[f"before_{key}_b1"] = f"{r['speedup']:.2f}x"
+    for shape, key, batch in (("8B up", "up", 1), ("8B down", "down", 1), ("8B down", "down64", 64)):
+        picked = [r for r in sweep or () if r["shape"].startswith(shape) and r["batch"] == batch]
+        if picked:
+            old = next((r for r in picked if r["course"]), picked[0])
+            best = min(picked, key=lambda r: r["seconds"])
+            out[f"sweep_{key}_old"] = f"{old['seconds'] * 1e6:.1f} us"
+            out[f"sweep_{key}_best"] = f"{best['seconds'] * 1e6:.1f} us"
+            out[f"sweep_{key}_gain"] = f"{old['seconds'] / best['seconds']:.2f}x"
+            out[f"sweep_{key}_spread"] = f"{max(r['seconds'] for r in picked) / best['seconds']:.1f}x"
+            for name, r in (("best", best), ("old", old)):
+                out[f"sweep_{key}_{name}_cfg"] = (f"{r['block_n']} columns, K tiles of {r['block_k']}, "
+                                                  f"{r['num_warps']} warps, {r['num_stages']} stages")
+    if sweep:
+        out["sweep_batches"] = ", ".join(str(b) for b in sorted({r["batch"] for r in sweep}))
+    return out
+
+
+def sweep_markdown(sweep: list[dict] | None, shape: str = "8B up", batch: int = 1, best: int = 4) -> str:
+    """A few rows of the launch-configuration sweep for one shape and batch: the configuration
+    used before the sweep, the ``best`` fastest and the slowest, or "not yet measured"."""
+    picked = [r for r in sweep or () if r["shape"].startswith(shape) and r["batch"] == batch]
+    if not picked:
+        return f"**Not yet measured.** No launch-configuration sweep (`{CONFIG_SWEEP}`) is in this build."
+    by_time = sorted(picked, key=lambda r: r["seconds"])
+    old = next((r for r in picked if r["course"]), None)
+    chosen = ([old] if old else []) + [r for r in by_time[:best] if r is not old]
+    chosen += [r for r in by_time[-1:] if r not in chosen]
+    lines = ["| | BLOCK_N | BLOCK_K | warps | stages | time | TB/s | against the tiles before |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in chosen:
+        label = ("before the sweep" if r is old else "fastest" if r is by_time[0]
+                 else "slowest" if r is by_time[-1] else "")
+        lines.append(f"| {label} | {r['block_n']} | {r['block_k']} | {r['num_warps']} | {r['num_stages']} "
+                     f"| {r['seconds'] * 1e6:.1f} us | {r['TBps']:.2f} | {r['vs_course']:.2f}x |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

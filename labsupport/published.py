@@ -193,3 +193,20 @@ PCIE_GEN5_X16_BYTES_PER_S = Figure(
     128e9, "bytes/s, both directions together", "PCIe Gen5 x16 on one H100",
     "NVIDIA H100 Tensor Core GPU datasheet",
 )
+
+#: Streaming multiprocessors of an H100 SXM5; the H200 SXM is the same GH100 GPU with more memory.
+HOPPER_SXM_SMS = Figure(
+    132,
+    "streaming multiprocessors",
+    "H100 SXM5 (GH100); the H200 SXM uses the same GPU",
+    "NVIDIA H100 Tensor Core GPU Architecture whitepaper (H100 SXM5: 132 SMs)",
+)
+
+_MARLIN = ("Frantar, Castro, Chen, Hoefler and Alistarh, 'MARLIN: Mixed-Precision Auto-Regressive Parallel "
+           "Inference on Large Language Models', PPoPP 2025, arXiv:2408.11743")
+
+#: Batches up to which Marlin's fp16 x int4 kernel stays close to its ideal 4x speedup over fp16 (abstract).
+MARLIN_NEAR_IDEAL_BATCH = (
+    Figure(16, "tokens per batch", "Marlin close to the ideal speedup, low end", _MARLIN + ", abstract"),
+    Figure(32, "tokens per batch", "Marlin close to the ideal speedup, high end", _MARLIN + ", abstract"),
+)

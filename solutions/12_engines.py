@@ -210,6 +210,10 @@ for util in (0.9, 0.95):
 #
 # On a GPU the same question is answered by capturing the step (CUDA graphs, or `torch.compile`
 # with `mode="reduce-overhead"`) and timing eager against replayed steps; here we measure the CPU.
+# Chapter 12 shows that measurement on an H200 (`python -m labsupport.bench_launch_overhead`): for
+# the course's small models a replayed step took a small fraction of the eager one, more than the
+# profiler's between-operator share suggests, because launches and dispatch inside the operators
+# go too.
 
 # %%
 for name in ("tiny-2m", "tiny-20m"):

@@ -70,3 +70,50 @@ def test_results_markdown_says_not_yet_measured_without_a_run():
     text = bench_cache_ops.results_markdown({"device": "H200", "date": "2026-11-30", "torch": "2", "triton": "3",
                                              "rows": [row]})
     assert "H200, 2026-11-30" in text and "| 2 x 33 | 66 | 20 us, 500 GB/s" in text
+
+
+def _cache_row(name, batch, max_len, paged_s, in_order_s, sdpa_s, paged_bytes, sdpa_bytes):
+    row = {"name": name, "batch": batch, "tokens": batch * max_len, "max_len": max_len, "kv_heads": 8,
+           "block_size": 16, "paged_over_in_order": paged_s / in_order_s, "paged_over_sdpa": paged_s / sdpa_s}
+    for key, t, nbytes in (("paged", paged_s, paged_bytes), ("paged_in_order", in_order_s, paged_bytes),
+                           ("sdpa", sdpa_s, sdpa_bytes)):
+        row[key] = {"median_s": t, "bytes_formula": nbytes, "achieved_Bps": nbytes / t}
+    return row
+
+
+def test_gpu_figures_of_a_run_and_without_one():
+    f = bench_cache_ops.gpu_figures(None)
+    assert "No GPU has run it" in f["status"] and f["paged_over_sdpa"] == bench_cache_ops.NOT_MEASURED
+    rows = [_cache_row("32 x 1,024", 32, 1024, 4.7e-4, 4.6e-4, 5.5e-5, 1.35e8, 1.35e8),
+            _cache_row("16 x 4,096", 16, 4096, 1.2e-3, 1.4e-3, 8.5e-5, 2.7e8, 2.7e8),
+            _cache_row("mixed", 64, 8092, 3.3e-3, 3.3e-3, 4.9e-4, 4.5e8, 2.1e9)]
+    f = bench_cache_ops.gpu_figures({"device": "NVIDIA H200", "date": "2026-11-30", "torch": "2", "triton": "3",
+                                     "rows": rows})
+    assert "NVIDIA H200 on 2026-11-30" in f["status"]
+    assert f["paged_over_sdpa"] == "6.7x to 14.1x" and f["paged_over_in_order"] == "0.86 to 1.02"
+    assert (f["worst_name"], f["worst_programs"], f["worst_blocks"]) == ("16 x 4,096", "128", "256")
+    assert (f["pad_name"], f["pad_ratio"], f["pad_speed"]) == ("mixed", "4.7x", "6.7x")
+    assert f["programs"] == "128 to 512"
+
+
+LAB10_LOG = """device : cuda - NVIDIA H200 (139.8 GiB)
+small-63m, 32 requests of 2040 shared + 128 own tokens, 16-token blocks
+prefix-cache hit rate: 90.8% of prompt tokens (62,992 of 69,376)
+prefill of one 2168-token request on the GPU:
+  miss (no prefix caching):    10.94 ms
+  hit  (prefix cached):         8.24 ms
+"""
+
+
+def test_prefix_cache_figures_from_the_lab_log(tmp_path):
+    path = tmp_path / "lab10.txt"
+    path.write_text(LAB10_LOG)
+    log = bench_cache_ops.load_prefix_cache_log(path)
+    assert log["device"] == "NVIDIA H200" and log["shared"] == 2040 and log["block"] == 16
+    f = bench_cache_ops.prefix_cache_figures(log, {"date": "2026-11-30"})
+    assert f["when"] == "NVIDIA H200, 2026-11-30" and f["hit_rate"] == "90.8%"
+    assert (f["miss"], f["hit"], f["hit_share"], f["skipped"]) == ("10.94 ms", "8.24 ms", "75%", "94%")
+    path.write_text(LAB10_LOG.replace("on the GPU", "on the CPU (plain torch)"))  # a CPU run is no GPU figure
+    assert bench_cache_ops.load_prefix_cache_log(path) is None
+    assert bench_cache_ops.load_prefix_cache_log(tmp_path / "missing.txt") is None
+    assert set(bench_cache_ops.prefix_cache_figures(None).values()) == {bench_cache_ops.NOT_MEASURED}
