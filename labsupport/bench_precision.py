@@ -245,20 +245,6 @@ def results_markdown(results: dict | None) -> str:
     return "\n".join(lines)
 
 
-def batch1_speedup(results: dict | None, group_size: int | None = BOOK_GROUP) -> str:
-    """The measured speedup at batch 1 on the first shape (the up projection) with ``group_size``
-    (the chapter's groups of 128; None for per channel), beside the bytes ratio of that row, or
-    "not yet measured"."""
-    if results is None:
-        return NOT_MEASURED
-    rows = [r for r in results["rows"] if r["batch"] == BOOK_BATCH and r["group_size"] == group_size]
-    if not rows:
-        return NOT_MEASURED
-    r = rows[0]
-    return (f"{r['speedup']:.2f}x of the {r['bytes_ratio']:.2f}x the bytes allow, {r['shape']}, on {results['device']} "
-            f"({results['date']})")
-
-
 # --- what the chapter says about a run (every figure read from the files, or "not yet measured") ---
 
 CONFIG_SWEEP = "results/gpu_logs/precision_configs.md"  # bench_precision --configs on the GPU
