@@ -65,7 +65,6 @@ SHAPES = ([("8B up projection", 14336, 4096), ("8B down projection", 4096, 14336
           [("tiny", 256, 512)])
 BATCHES = ([1, 2, 4, 8, 16, 32, 64], [1, 4])
 GROUPS = ([None, 128], [None, 128])  # None: per channel
-BOOK_BATCH = 1  # the chapter quotes batch 1, where the bytes promise nearly 2x
 BOOK_GROUP = 128  # ... with groups of 128, the scales its bytes ratio counts
 
 
