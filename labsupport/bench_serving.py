@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from ._answers import answer
 from .latency import percentile
 
 __all__ = ["RequestResult", "arrival_times", "random_prompts", "run_benchmark", "summarize_results", "main"]
@@ -75,6 +76,7 @@ class RequestResult:
         return self.error is None and bool(self.chunk_times_s)
 
 
+@answer
 def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Send times of ``n`` requests, from 0: gamma gaps of mean ``1/request_rate`` and shape
     ``burstiness`` (1 is Poisson); all zero when ``request_rate`` is infinite."""

@@ -1,0 +1,262 @@
+"""Checks for the production lab: an open-loop Poisson schedule, a sender that keeps to it against a
+slow real service, and the goodput and percentiles of a run against an SLO."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+from ..bench_serving import arrival_times
+from ..latency import percentile
+from ..load_testing import SlowService, open_loop, poisson_arrivals, slo_report
+from .framework import Case, graded
+
+POISSON_RULE = (
+    "return n send times: the first at 0, then each previous time plus a gap drawn from rng with "
+    "rng.expovariate(rate) (Python's expovariate takes the rate, lambda; the mean gap is 1 / rate)."
+)
+OPEN_LOOP_RULE = (
+    "start every call at its scheduled time, each in its own thread (threading.Thread), sleeping until "
+    "start + times_s[i]; never wait for an earlier call to return before starting the next; join all "
+    "threads, then return the results indexed by i."
+)
+SLO_RULE = (
+    "a request meets the SLO when it completed (not None), ttft <= ttft_s and (tpot is None or tpot <= "
+    "tpot_s). goodput = met / duration_s; attainment = met / len(requests) (every request sent); ttft_p "
+    "and tpot_p are nearest-rank percentiles over the completed requests: sort, take the "
+    "ceil(p * n / 100)-th smallest (1-based)."
+)
+
+
+def _ks_exponential(gaps_times_rate: list[float]) -> float:
+    """Kolmogorov-Smirnov distance between the sample and the exponential distribution of mean 1."""
+    data, n = sorted(gaps_times_rate), len(gaps_times_rate)
+    worst = 0.0
+    for i, x in enumerate(data):
+        cdf = 1 - math.exp(-x) if x > 0 else 0.0
+        worst = max(worst, abs(cdf - i / n), abs(cdf - (i + 1) / n))
+    return worst
+
+
+def _as_float_list(checker, case, got, n, what="times") -> list[float]:
+    if isinstance(got, (str, bytes)) or not hasattr(got, "__len__"):
+        checker.fail(case, f"the function returned a {type(got).__name__}; return a list of {n} {what}.",
+                     POISSON_RULE)
+    values = []
+    for x in list(got):
+        x = x.item() if hasattr(x, "item") else x
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            checker.fail(case, f"the {what} must be finite numbers; one is {x!r}.", POISSON_RULE)
+        values.append(float(x))
+    if len(values) != n:
+        checker.fail(case, f"{len(values)} {what} returned, expected {n}.", POISSON_RULE)
+    return values
+
+
+@graded(points=3, bans=(poisson_arrivals, arrival_times))
+def check_poisson_arrivals(fn, checker):
+    """``fn(n, rate, rng)`` must return ``n`` Poisson send times from 0, drawn from ``rng``."""
+    for n, rate, seed in ((1, 3.0, 0), (2, 3.0, 1)):
+        case = Case(n=n, rate=rate, rng=f"random.Random({seed})")
+        got = _as_float_list(checker, case, checker.call(fn, n, rate, random.Random(seed), case=case), n)
+        if got[0] != 0:
+            checker.fail(case, f"the first send time is {got[0]:.4g}; the schedule starts at 0.", POISSON_RULE)
+    for rate, seed in ((4.0, 11), (0.5, 12), (25.0, 13)):
+        n = 3000
+        case = Case(n=n, rate=rate, rng=f"random.Random({seed})")
+        times = _as_float_list(checker, case, checker.call(fn, n, rate, random.Random(seed), case=case), n)
+        if times[0] != 0:
+            checker.fail(case, f"the first send time is {times[0]:.4g}; the schedule starts at 0.", POISSON_RULE)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if any(g < 0 for g in gaps):
+            checker.fail(case, "the times go backwards: return the running sum of the gaps (the send times), "
+                               "not the gaps themselves.", POISSON_RULE)
+        mean = sum(gaps) / len(gaps)
+        # the mean of n - 1 exponential gaps has relative standard deviation 1 / sqrt(n - 1): 6 of them
+        if abs(mean * rate - 1) > 6 / math.sqrt(len(gaps)):
+            problem = f"the mean gap is {mean:.4g} s; at {rate:g} requests per second it should be {1 / rate:.4g} s."
+            if abs(mean / rate - 1) < 0.2:
+                problem += " Your gaps have mean `rate`: rng.expovariate takes the rate, not the mean gap."
+            checker.fail(case, problem, POISSON_RULE)
+        # a false rejection of a right answer: below 2 exp(-2 n D^2), about 1e-9 at this threshold
+        threshold = math.sqrt(math.log(2 / 1e-9) / (2 * len(gaps)))
+        distance = _ks_exponential([g * rate for g in gaps])
+        if distance > threshold:
+            spread = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+            checker.fail(case, f"the gaps are not exponential (Kolmogorov-Smirnov distance {distance:.3f}, more "
+                               f"than {threshold:.3f}; their standard deviation is {spread:.2f} of their mean, "
+                               f"where exponential gaps have 1.00). Evenly spaced or uniform gaps are not a "
+                               f"Poisson process.", POISSON_RULE)
+    case = Case(n=50, rate=2.0, rng="random.Random(5), twice, then random.Random(6)")
+    first = _as_float_list(checker, case, checker.call(fn, 50, 2.0, random.Random(5), case=case), 50)
+    again = _as_float_list(checker, case, checker.call(fn, 50, 2.0, random.Random(5), case=case), 50)
+    other = _as_float_list(checker, case, checker.call(fn, 50, 2.0, random.Random(6), case=case), 50)
+    if first != again or first == other:
+        checker.fail(case, "the same generator seed must give the same schedule, and another seed another "
+                           "one: draw every gap from the rng you are given (not the random module, nor numpy's "
+                           "global generator).", POISSON_RULE)
+
+
+# The schedule the open-loop check sends: requests closer together than the service time, a late
+# straggler, and service times that differ so that answers come back out of order.
+OPEN_SCHEDULE = [0.0, 0.05, 0.10, 0.15, 0.20, 0.25, 0.30, 0.60]
+LATE_S = 0.2  # how late (seconds) a send may reach the service; a closed loop is 0.5 s late or more
+
+
+def _service_time(i: int) -> float:
+    return 0.8 if i % 2 == 0 else 0.5
+
+
+@graded(points=3, bans=(open_loop,))
+def check_open_loop(fn, checker):
+    """``fn(times_s, send)`` must call ``send(i)`` at each scheduled time against a slow real service,
+    without waiting for earlier calls, and return the results in order."""
+    case = Case(times_s=OPEN_SCHEDULE, send="a GET to a real HTTP service that answers in 0.5 or 0.8 s")
+    with SlowService(_service_time) as service:
+        start = time.perf_counter()
+        got = checker.call(fn, list(OPEN_SCHEDULE), service.send, case=case)
+        returned = time.perf_counter()
+        finished_then = dict(service.finished)
+        deadline = returned + 3.0  # let stray calls end before the service closes
+        while len(service.finished) < len(OPEN_SCHEDULE) and time.perf_counter() < deadline:
+            time.sleep(0.02)
+        arrived, finished = dict(service.arrived), dict(service.finished)
+    n = len(OPEN_SCHEDULE)
+    if len(finished_then) < n:
+        checker.fail(case, f"your function returned when {len(finished_then)} of the {n} calls to send had "
+                           f"returned: join the threads before returning the results.", OPEN_LOOP_RULE)
+    missing = [i for i in range(n) if i not in arrived]
+    if missing:
+        checker.fail(case, f"send was never called for i = {missing}.", OPEN_LOOP_RULE)
+    for i, at in enumerate(OPEN_SCHEDULE):
+        offset = arrived[i] - start
+        if offset < at - 1e-3:
+            checker.fail(case, f"request {i} reached the service {offset:.3f} s after the start, before its "
+                               f"scheduled time {at:.2f} s: sleep until start + times_s[i] before sending.",
+                         OPEN_LOOP_RULE)
+    for i, at in enumerate(OPEN_SCHEDULE):
+        offset = arrived[i] - start
+        if offset > at + LATE_S:
+            waited = [j for j in range(i) if finished.get(j, math.inf) <= arrived[i]]
+            problem = (f"request {i}, scheduled at {at:.2f} s, reached the service at {offset:.3f} s: "
+                       f"{offset - at:.3f} s late.")
+            if waited:
+                problem += (f" It was sent only after the answers to requests {waited} had come back: a closed "
+                            f"loop (or a pool of too few threads) waits for completions, so a slow server slows "
+                            f"the arrivals down and its queue never shows (coordinated omission).")
+            checker.fail(case, problem, OPEN_LOOP_RULE)
+    if isinstance(got, (str, bytes)) or not hasattr(got, "__len__") or len(got) != n:
+        checker.fail(case, f"return a list of the {n} results of send, got {got!r:.200}.", OPEN_LOOP_RULE)
+    want = [{"i": i} for i in range(n)]
+    if list(got) != want:
+        problem = f"the results are {list(got)!r:.300}; expected send(i)'s result at position i, {want!r:.120}..."
+        if sorted(map(repr, got)) == sorted(map(repr, want)):
+            problem += " They are in the order the answers came back, not the order of i."
+        checker.fail(case, problem, OPEN_LOOP_RULE)
+
+
+def _slo_cases():
+    rng = random.Random(15)
+    run = []
+    for _ in range(57):
+        if rng.random() < 0.08:
+            run.append(None)  # refused with a 429, or failed
+        elif rng.random() < 0.05:
+            run.append({"ttft": round(rng.lognormvariate(-1.2, 0.7), 4), "tpot": None})
+        else:
+            run.append({"ttft": round(rng.lognormvariate(-1.2, 0.7), 4), "tpot": round(rng.lognormvariate(-3.4, 0.4), 4)})
+    small = [
+        {"ttft": 0.5, "tpot": 0.05},     # exactly on both targets: meets them
+        {"ttft": 0.5, "tpot": 0.01},     # exactly on the TTFT target
+        {"ttft": 0.2, "tpot": 0.08},     # TPOT misses
+        {"ttft": 0.9, "tpot": 0.01},     # TTFT misses
+        {"ttft": 0.9, "tpot": 0.09},     # both miss
+        {"ttft": 0.3, "tpot": None},     # a one-token answer: no TPOT to miss
+        None,                            # refused
+        {"ttft": 0.1, "tpot": 0.02},
+        {"ttft": 0.25, "tpot": 0.04},
+    ]
+    return [
+        ("nine requests, two on a target, one refused", small, {"ttft_s": 0.5, "tpot_s": 0.05, "p": 90}, 2.0),
+        ("same, median", small, {"ttft_s": 0.5, "tpot_s": 0.05, "p": 50}, 4.0),
+        ("57 requests of a run, some refused", run, {"ttft_s": 0.5, "tpot_s": 0.04, "p": 99}, 9.5),
+        ("57 requests, p90", run, {"ttft_s": 0.25, "tpot_s": 0.03, "p": 90}, 9.5),
+        ("four requests, p75 lands on a whole rank", [{"ttft": t, "tpot": 0.01} for t in (0.4, 0.1, 0.3, 0.2)],
+         {"ttft_s": 0.35, "tpot_s": 0.05, "p": 75}, 1.0),
+    ]
+
+
+def _percentile_mistakes(values: list[float], p: float) -> dict[str, float]:
+    data, n = sorted(values), len(values)
+    rank = max(1, math.ceil(p * n / 100))
+    pos = p / 100 * (n - 1)
+    lo = math.floor(pos)
+    return {
+        "it is interpolated between two ranks (numpy's default, np.percentile), not the nearest rank":
+            data[lo] + (data[min(lo + 1, n - 1)] - data[lo]) * (pos - lo),
+        "the rank ceil(p * n / 100) is used as a 0-based index (one rank too high)": data[min(n - 1, rank)],
+        "the rank is rounded down (floor(p * n / 100)) instead of up": data[max(0, math.floor(p * n / 100) - 1)],
+        "the values are not sorted first": values[rank - 1],
+    }
+
+
+def _met(r, slo, strict=False, any_target=False, none_fails=False):
+    if r is None:
+        return False
+    ttft_ok = r["ttft"] < slo["ttft_s"] if strict else r["ttft"] <= slo["ttft_s"]
+    if r["tpot"] is None:
+        tpot_ok = not none_fails
+    else:
+        tpot_ok = r["tpot"] < slo["tpot_s"] if strict else r["tpot"] <= slo["tpot_s"]
+    return (ttft_ok or tpot_ok) if any_target else (ttft_ok and tpot_ok)
+
+
+def _goodput_mistakes(requests, slo, duration_s) -> dict[str, float]:
+    done = [r for r in requests if r is not None]
+    met = sum(_met(r, slo) for r in requests)
+    return {
+        "a request counts when it meets any one target; goodput counts requests that meet every target":
+            sum(_met(r, slo, any_target=True) for r in requests) / duration_s,
+        "a latency equal to its target is counted as a miss (use <=: a target is met when not exceeded)":
+            sum(_met(r, slo, strict=True) for r in requests) / duration_s,
+        "a one-token answer (TPOT None) is counted as missing its TPOT target; it has none to miss":
+            sum(_met(r, slo, none_fails=True) for r in requests) / duration_s,
+        "it is divided by the number of requests (that is the attainment), not by the duration":
+            met / len(requests),
+        "completed requests are counted whatever their latency (that is throughput, not goodput)":
+            len(done) / duration_s,
+    }
+
+
+def _attainment_mistakes(requests, slo) -> dict[str, float]:
+    done = [r for r in requests if r is not None]
+    met = sum(_met(r, slo) for r in requests)
+    return {
+        "it is over the completed requests only; refused and failed requests were sent too, and missed":
+            met / len(done),
+        "a request counts when it meets any one target; attainment counts requests that meet every target":
+            sum(_met(r, slo, any_target=True) for r in requests) / len(requests),
+    }
+
+
+@graded(points=4, bans=(slo_report, percentile))
+def check_slo_report(fn, checker):
+    """``fn(requests, slo, duration_s)`` must return goodput, attainment and nearest-rank percentiles."""
+    for name, requests, slo, duration in _slo_cases():
+        case = Case(case=name, slo=slo, duration_s=duration)
+        got = checker.call(fn, [dict(r) if r else None for r in requests], dict(slo), duration, case=case)
+        want = slo_report(requests, slo, duration)
+        if not isinstance(got, dict) or set(want) - set(got):
+            checker.fail(case, f"return a dict with keys {sorted(want)}, got {got!r:.200}.", SLO_RULE)
+        checker.expect_number(got["goodput"], want["goodput"], case=case, rel=1e-9, what="goodput (requests/s)",
+                              hint=SLO_RULE, mistakes=_goodput_mistakes(requests, slo, duration))
+        checker.expect_number(got["attainment"], want["attainment"], case=case, rel=1e-9, what="attainment",
+                              hint=SLO_RULE, mistakes=_attainment_mistakes(requests, slo))
+        done = [r for r in requests if r is not None]
+        for key, values in (("ttft_p", [r["ttft"] for r in done]),
+                            ("tpot_p", [r["tpot"] for r in done if r["tpot"] is not None])):
+            mistakes = {f"the percentile {d}": v for d, v in _percentile_mistakes(values, slo["p"]).items()
+                        if not math.isclose(v, want[key])}
+            checker.expect_number(got[key], want[key], case=case, rel=1e-12, what=f"{key} (p{slo['p']})",
+                                  hint=SLO_RULE, mistakes=mistakes)
