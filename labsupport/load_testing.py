@@ -378,14 +378,13 @@ def load_sweep(server, rates: Sequence[float], *, num_prompts: int = 16, input_w
     return rows
 
 
-def knee_rate(rates: Sequence[float], latencies: Sequence[float], factor: float = 2.0) -> float | None:
-    """The knee of a latency-against-load curve, by this convention: the lowest rate whose latency
-    is more than ``factor`` times the latency at the lowest rate. None if the curve never gets there."""
+def knee_rate(rates: Sequence[float], latencies: Sequence[float], limit: float) -> float | None:
+    """The knee of a latency-against-load curve, by this convention: the lowest rate whose latency is
+    above ``limit`` (chapter 15's lab takes the unloaded TTFT plus one whole service time: the
+    request at that percentile waited behind at least one other). None if no rate gets there."""
     if len(rates) != len(latencies) or not rates:
         raise ValueError("rates and latencies must be non-empty lists of the same length")
-    pairs = sorted(zip(rates, latencies))
-    base = pairs[0][1]
-    return next((r for r, lat in pairs if lat > factor * base), None)
+    return next((r for r, lat in sorted(zip(rates, latencies)) if lat > limit), None)
 
 
 async def _burst(base_url: str, n: int, max_tokens: int, timeout_s: float) -> list[dict]:

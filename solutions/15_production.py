@@ -1,0 +1,438 @@
+# Lab 15 source of truth. Edit this file, then run `python -m labsupport release 15_production` to
+# regenerate labs/15_production.ipynb (learners) and solutions/15_production.ipynb (instructors).
+
+# %% [markdown]
+# # Lab 15: production
+#
+# A server that answers one request well can still fail its users under load. In this lab you
+# load-test a real server the way an operator does, and overload it on purpose. You will
+#
+# 1. write an **open-loop Poisson schedule** of send times (checked);
+# 2. write a **sender that keeps to a schedule** whatever the server does (checked against a slow
+#    real service), and see what a closed loop hides when the server stalls: *coordinated omission*;
+# 3. compute the **goodput** of a run against a service-level objective (SLO), with nearest-rank
+#    percentiles (checked);
+# 4. **load-test the course server** at rising rates while scraping its Prometheus `/metrics`,
+#    plot latency percentiles against load, find the knee, and measure the goodput at a planned
+#    rate;
+# 5. **overload it on purpose** with a small queue bound and see what HTTP 429, the queue and a
+#    graceful drain do for the requests that were admitted.
+#
+# The server is chapter 03's `python -m labsupport.serve` (random weights: its text is meaningless),
+# on the CPU, with `--step-delay` adding a fixed pause to every forward pass so that its speed
+# depends less on how busy this machine is. Every timing here is a CPU timing on this machine, not a
+# GPU server's.
+#
+# **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
+# cell raises, and nothing below it runs. Scroll back up to the first red error.
+
+# %% [setup]
+import labsupport
+
+settings = labsupport.setup()
+
+# %%
+from labsupport.serve import install_missing
+
+install_missing()  # fastapi, uvicorn, openai and prometheus-client, only where missing (a fresh Colab)
+
+# %%
+import math
+import os
+import platform
+import random
+import threading
+import time
+
+import httpx
+import matplotlib.pyplot as plt
+
+from labsupport.bench_serving import arrival_times, run_benchmark
+from labsupport.checks import check_open_loop, check_poisson_arrivals, check_slo_report
+from labsupport.load_testing import (
+    SlowService,
+    burst,
+    histogram_quantile,
+    knee_rate,
+    load_sweep,
+    metric,
+    request_latencies,
+    scrape_metrics,
+)
+from labsupport.serve import ServerProcess
+
+WHERE = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+print(f"timings below are taken on: {WHERE}")
+
+# %% [markdown]
+# ## 1. Exercise: an open-loop Poisson schedule
+#
+# Users do not wait for each other: each sends when they want to. Many independent users together
+# make a **Poisson process**: the gaps between arrivals are independent and exponential, with mean
+# $1/\lambda$ at a rate of $\lambda$ requests per second. A load generator draws the send times
+# **before** the run (an *open loop*), so that how fast the server answers cannot change when
+# requests arrive.
+#
+# Complete `poisson_arrivals(n, rate, rng)`: return `n` send times in seconds, the first at `0.0`,
+# each next one the previous plus an exponential gap of mean `1 / rate` drawn from `rng` (a
+# `random.Random`; `rng.expovariate(lambd)` takes the **rate** $\lambda$, not the mean). Draw every
+# gap from `rng`, so that the same seed gives the same schedule.
+
+# %%
+def poisson_arrivals(n, rate, rng):
+    # BEGIN SOLUTION: t = 0; n times: append t, then t += rng.expovariate(rate)
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+    # END SOLUTION
+
+
+# %%
+check_poisson_arrivals(poisson_arrivals)
+
+# %% [markdown]
+# Poisson arrivals are already bursty: in one-second windows at 10 requests per second, some
+# windows get far more than 10. `labsupport.bench_serving.arrival_times` (chapter 12's benchmark)
+# draws gamma gaps of the same mean; its `burstiness` below 1 makes the bursts worse, as real
+# traffic often is. The count per window has a standard deviation of $\sqrt{10} \approx 3.2$ for
+# Poisson.
+
+# %%
+def per_second(times):
+    counts = [0] * (int(times[-1]) + 1)
+    for t in times:
+        counts[int(t)] += 1
+    return counts[:-1]  # the last window is cut short
+
+
+for label, times in (("Poisson (yours)", poisson_arrivals(600, 10.0, random.Random(0))),
+                     ("gamma, burstiness 0.25", arrival_times(600, 10.0, burstiness=0.25, seed=0))):
+    c = per_second(times)
+    mean = sum(c) / len(c)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in c) / len(c))
+    print(f"{label:<24} per-second counts: mean {mean:5.1f}, standard deviation {sd:4.1f}, busiest {max(c)}")
+
+# %% [markdown]
+# ## 2. Exercise: keep to the schedule
+#
+# A schedule helps only if the sender keeps to it. Complete `open_loop(times_s, send)`: call
+# `send(i)` at `times_s[i]` seconds after your function starts, for every `i`, **without waiting
+# for earlier calls to return** (each call in its own thread, `threading.Thread`, which sleeps until
+# its time and then calls `send(i)`), and return the list of the results, `results[i] = send(i)`,
+# once every call has returned.
+#
+# The check sends to a real HTTP service that takes 0.5 or 0.8 s to answer, and looks at when
+# each request reached it. A loop that waits for each answer before the next send (a *closed loop*)
+# arrives late.
+
+# %%
+def open_loop(times_s, send):
+    # BEGIN SOLUTION: one thread per send; each sleeps until start + times_s[i], then stores send(i); join all
+    start = time.perf_counter()
+    results = [None] * len(times_s)
+
+    def worker(i):
+        time.sleep(max(0.0, start + times_s[i] - time.perf_counter()))
+        results[i] = send(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(times_s))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+    # END SOLUTION
+
+
+# %%
+check_open_loop(open_loop)
+
+# %% [markdown]
+# ### What a closed loop hides
+#
+# A service that normally answers in 50 ms stops for one second (a garbage collection, a stuck
+# rank, a deploy). We measure it twice for 3 seconds: with your open loop at 20 requests per
+# second, and with one closed-loop client that sends again as soon as it has an answer. Each
+# latency is taken by the client, from just before the call to just after it.
+
+# %%
+BASE_S, STALL = 0.05, (1.0, 1.0)  # normal service time; the stall: from 1 s after the start, for 1 s
+
+
+def stalling(start):
+    def delay(i):
+        now = time.perf_counter() - start
+        if STALL[0] <= now < STALL[0] + STALL[1]:
+            return STALL[0] + STALL[1] - now + BASE_S  # wait out the stall, then serve
+        return BASE_S
+    return delay
+
+
+def timed(service, latencies):
+    def send(i):
+        t = time.perf_counter()
+        service.send(i)
+        latencies.append(time.perf_counter() - t)
+    return send
+
+
+def p(values, q):  # nearest rank, for printing (your percentile is in exercise 3)
+    data = sorted(values)
+    return data[max(1, math.ceil(q * len(data) / 100)) - 1]
+
+
+measured = {}
+schedule = [i / 20 for i in range(60)]  # 20 per second for 3 s
+with SlowService(stalling(time.perf_counter())) as service:
+    measured["open loop, 20/s"] = []
+    open_loop(schedule, timed(service, measured["open loop, 20/s"]))
+measured["closed loop, 1 client"] = []
+with SlowService(stalling(time.perf_counter())) as service:
+    send, i, deadline = timed(service, measured["closed loop, 1 client"]), 0, time.perf_counter() + 3.0
+    while time.perf_counter() < deadline:  # the next request only once the answer is back
+        send(i)
+        i += 1
+for name, lat in measured.items():
+    print(f"{name:<22} {len(lat):4d} requests: p50 {p(lat, 50) * 1e3:6.0f} ms, p90 {p(lat, 90) * 1e3:6.0f} ms, "
+          f"p99 {p(lat, 99) * 1e3:6.0f} ms")
+
+# %% [markdown]
+# Both runs met the same one-second stall. The open loop kept sending, so every request that
+# arrived during the stall waited for its end: a third of its requests were slow, and its p90
+# shows it. The closed-loop client was stuck inside one call for the whole second and sent
+# nothing else, so it recorded **one** slow request among a few dozen fast ones: its p50 and p90
+# look healthy, and with so few requests its p99 is its maximum, that one request. That is coordinated omission: the load generator coordinated with the server and
+# omitted exactly the measurements that mattered.
+#
+# ## 3. Exercise: goodput against an SLO
+#
+# An SLO names targets and a percentile: here "TTFT at most `ttft_s` and TPOT at most `tpot_s`,
+# judged at the `p`-th percentile". **Goodput** is the number of requests per second that met
+# *every* target; throughput counts requests whatever their latency.
+#
+# Complete `slo_report(requests, slo, duration_s)`. `requests` has one item per request sent:
+# `None` if it failed or was refused (HTTP 429), else `{"ttft": s, "tpot": s}`, with `tpot` None for
+# a one-token answer. `slo` is `{"ttft_s": ..., "tpot_s": ..., "p": ...}`. A request **meets** the
+# SLO when it completed, `ttft <= ttft_s`, and `tpot` is None or `tpot <= tpot_s` (a target is met
+# when it is not exceeded). Return a dict:
+#
+# * `"goodput"`: requests that met the SLO per second, over `duration_s`;
+# * `"attainment"`: the fraction of **all** requests sent that met it (refused ones count as missed);
+# * `"ttft_p"`, `"tpot_p"`: the `p`-th percentiles of the completed requests' TTFTs and of their
+#   TPOTs (skip the None ones), by **nearest rank**: sort the $n$ values and take the
+#   $\lceil p n / 100\rceil$-th smallest, counting from 1 (compute `p * n / 100` in that order:
+#   `7 / 100 * 100` is `7.000000000000001` in floating point). Not numpy's default, which
+#   interpolates.
+
+# %%
+def slo_report(requests, slo, duration_s):
+    # BEGIN SOLUTION: count completed requests meeting both targets (<=, None TPOT meets); nearest-rank percentiles
+    def nearest_rank(values, p):
+        data = sorted(values)
+        return data[max(1, math.ceil(p * len(data) / 100)) - 1]
+
+    done = [r for r in requests if r is not None]
+    met = [r for r in done if r["ttft"] <= slo["ttft_s"] and (r["tpot"] is None or r["tpot"] <= slo["tpot_s"])]
+    tpots = [r["tpot"] for r in done if r["tpot"] is not None]
+    return {
+        "goodput": len(met) / duration_s,
+        "attainment": len(met) / len(requests),
+        "ttft_p": nearest_rank([r["ttft"] for r in done], slo["p"]),
+        "tpot_p": nearest_rank(tpots, slo["p"]) if tpots else None,
+    }
+    # END SOLUTION
+
+
+# %%
+check_slo_report(slo_report)
+
+# %% [markdown]
+# ## 4. Load-test the course server
+#
+# We start the course server with chapter 03's FIFO engine (one request at a time), every answer
+# 8 tokens, and a 10 ms pause per forward pass. First its unloaded speed: four requests one after
+# another.
+
+# %%
+OPTIONS = ["--context", "128", "--max-tokens-limit", "32", "--step-delay", "0.01", "--max-requests", "64"]
+server = ServerProcess(OPTIONS, threads=1).start()
+LOAD = dict(input_words=8, output_tokens=8)
+alone = run_benchmark(server.base_url, "course-tiny", num_prompts=4, max_concurrency=1, **LOAD)
+service_s = alone["e2e_s"]["mean"]  # one request alone: its whole time in the server
+capacity = 1 / service_s  # one at a time: at most this many requests per second
+print(f"unloaded ({WHERE}): TTFT p50 {alone['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 "
+      f"{alone['tpot_s']['p50'] * 1e3:.1f} ms, E2E mean {service_s * 1e3:.0f} ms: capacity about "
+      f"{capacity:.1f} requests/s")
+
+# %% [markdown]
+# Now Poisson arrivals at rates from half that capacity to beyond it, 20 requests each,
+# while a background thread scrapes `/metrics` every 100 ms and parses it with
+# `prometheus_client`'s own parser (`scrape_metrics`). `load_sweep` keeps, for each rate, the
+# benchmark's summary, the peak `course:num_requests_waiting` the scrapes saw, and the server's own
+# TTFT p90 estimated from its histogram as Prometheus's `histogram_quantile` does (interpolated
+# within a bucket, so it is coarser than the client's nearest rank).
+
+# %%
+RATES = [round(capacity * f, 1) for f in (0.5, 0.7, 0.85, 1.0, 1.2)]
+rows = load_sweep(server, RATES, num_prompts=20, **LOAD)
+print(f"{'rate/s':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'E2E p90':>8} {'peak waiting':>13} {'server TTFT p90':>16}")
+for r in rows:
+    s = r["summary"]
+    server_p90 = r["server_ttft_p90"]
+    print(f"{r['rate']:7.1f} {s['ttft_s']['p50'] * 1e3:7.0f}ms {s['ttft_s']['p90'] * 1e3:5.0f}ms "
+          f"{s['ttft_s']['p99'] * 1e3:5.0f}ms {s['e2e_s']['p90'] * 1e3:6.0f}ms {r['peak_waiting']:13.0f} "
+          f"{(server_p90 or 0) * 1e3:14.0f}ms")
+
+# %%
+KNEE_LIMIT = alone["ttft_s"]["p50"] + service_s  # the p90 request waited behind at least one other
+knee = knee_rate([r["rate"] for r in rows], [r["summary"]["ttft_s"]["p90"] for r in rows], KNEE_LIMIT)
+fig, ax = plt.subplots(figsize=(6.5, 3.8))
+for q, style in (("p50", "o-"), ("p90", "s-"), ("p99", "^-")):
+    ax.plot([r["rate"] for r in rows], [r["summary"]["ttft_s"][q] * 1e3 for r in rows], style, label=f"TTFT {q}")
+ax.axvline(capacity, color="grey", ls=":", label="1 / unloaded service time")
+if knee is not None:
+    ax.axvline(knee, color="red", ls="--", label=f"knee: {knee} /s")
+ax.axhline(KNEE_LIMIT * 1e3, color="red", ls=":", lw=0.8, label="unloaded TTFT + one service time")
+ax.set(xlabel="offered load (requests/s, Poisson)", ylabel="TTFT (ms, nearest rank)",
+       title=f"Latency against load, FIFO course server ({WHERE})")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Below the knee, TTFT is the prefill plus a short wait; past it, requests queue behind each other
+# and the percentiles climb steeply, the p99 first. The knee sits below the capacity: at a
+# utilisation $\rho$ a queue's wait grows like $\rho / (1 - \rho)$, so it is already several
+# service times at 80 %. (The convention for the knee here: the lowest rate whose TTFT p90 is above
+# the unloaded TTFT plus one whole service time, so that the p90 request waited behind at least
+# one other. With 20 requests per rate the p90 is the 18th of 20: expect it to wobble between runs.)
+#
+# **The goodput at a planned rate.** A planner (chapter 14) sizes a deployment so that each replica
+# runs below its knee. Chapter 14's planner is not used here: we plan for 60 % of the measured
+# capacity, and set the SLO from this machine's unloaded speed so that it means the same on a fast
+# and a slow CPU: TTFT at most two unloaded service times (a request may wait behind about one
+# other), TPOT at most 1.5 times the unloaded p50, judged at p90. Then 32 requests at the planned
+# rate, and the same at 1.3 times capacity.
+
+# %%
+SLO = {"ttft_s": 2 * service_s, "tpot_s": 1.5 * alone["tpot_s"]["p50"], "p": 90}
+planned = round(0.6 * capacity, 1)
+for label, rate in (("planned, 0.6 x capacity", planned), ("overloaded, 1.3 x capacity", round(1.3 * capacity, 1))):
+    run = run_benchmark(server.base_url, "course-tiny", num_prompts=32, request_rate=rate, seed=3, **LOAD)
+    report = slo_report(request_latencies(run), SLO, run["duration_s"])
+    print(f"{label:<27} {rate:5.1f}/s: throughput {run['request_throughput']:5.2f}/s, goodput "
+          f"{report['goodput']:5.2f}/s, attainment {report['attainment']:.0%}, TTFT p90 "
+          f"{report['ttft_p'] * 1e3:.0f} ms (target {SLO['ttft_s'] * 1e3:.0f})")
+
+# %% [markdown]
+# Past capacity the server still completes requests, so throughput holds up, but they come late:
+# goodput falls, which is why an SLO is stated as goodput and not as throughput.
+
+# %%
+server.stop()
+
+# %% [markdown]
+# ## 5. Overload on purpose: 429, the queue, and a drain
+#
+# An unbounded queue turns overload into latency for everybody. The course server bounds it:
+# `--max-requests 4` slots (queued plus running); a request beyond them is answered at once with
+# HTTP 429 and a `Retry-After` header, so the client can back off or go to another replica.
+# We send 24 streamed requests at once, with no retries, while scraping the queue.
+
+# %%
+small = ServerProcess(["--context", "128", "--max-tokens-limit", "32", "--step-delay", "0.02",
+                       "--max-requests", "4"], threads=1).start()
+before = scrape_metrics(small.url)
+peaks = {"running": 0.0, "waiting": 0.0}
+stop = threading.Event()
+
+
+def watch():
+    while not stop.is_set():
+        s = scrape_metrics(small.url)
+        peaks["running"] = max(peaks["running"], metric(s, "course:num_requests_running"))
+        peaks["waiting"] = max(peaks["waiting"], metric(s, "course:num_requests_waiting"))
+        time.sleep(0.05)
+
+
+watcher = threading.Thread(target=watch)
+watcher.start()
+answers = burst(small.base_url, 24, max_tokens=16)
+stop.set()
+watcher.join()
+after = scrape_metrics(small.url)
+admitted = [a for a in answers if a["status"] == 200]
+refused = [a for a in answers if a["status"] == 429]
+print(f"admitted {len(admitted)}, refused with 429: {len(refused)} (Retry-After: "
+      f"{sorted({a['retry_after'] for a in refused})} s)")
+print(f"admitted requests that ran to their end: {sum(a['done'] and a['finish_reason'] is not None for a in admitted)}"
+      f" of {len(admitted)}, the last after {max(a['finished_s'] for a in admitted):.2f} s")
+print(f"the slowest 429 came back after {max(a['answered_s'] for a in refused) * 1e3:.0f} ms")
+print(f"queue seen by the scrapes: peak running {peaks['running']:.0f}, peak waiting {peaks['waiting']:.0f}")
+print("server counters over the burst: rejected (server_full)",
+      metric(after, "course:request_rejected_total", reason="server_full")
+      - metric(before, "course:request_rejected_total", reason="server_full"),
+      "| TTFT p90 from its histogram",
+      f"{histogram_quantile(after, 'course:time_to_first_token_seconds', 0.9, before) * 1e3:.0f} ms")
+
+# %% [markdown]
+# The four admitted requests all finished, at the latency of a four-deep queue; the twenty others
+# learned within milliseconds that the server was full, instead of waiting seconds to time out.
+# That fast "no" is backpressure: it pushes the overload back to where it can be handled (a retry
+# later, another replica, a smaller request).
+#
+# **A graceful drain.** To restart a replica (a rollout, a node going away) without failing the
+# requests it holds, it stops taking new ones and lets the admitted ones finish: `SIGTERM`, or
+# `POST /admin/drain`. While it drains, `/ready` answers 503 (a load balancer stops sending work),
+# new completions get 503 with `Retry-After`, and the admitted streams run to their end; then the
+# process exits with status 0.
+
+# %%
+during = {}
+drained = threading.Thread(target=lambda: during.update(answers=burst(small.base_url, 4, max_tokens=24)))
+drained.start()
+while small.health()["slots_used"] < 4:  # the four are admitted
+    time.sleep(0.01)
+print("drain:", httpx.post(small.url + "/admin/drain", timeout=10).json())
+print("/ready while draining: HTTP", httpx.get(small.url + "/ready", timeout=10).status_code)
+late = httpx.post(small.base_url + "/completions", json={"model": "course-tiny", "prompt": "too late", "max_tokens": 2},
+                  timeout=10)
+print(f"a new request: HTTP {late.status_code}, code {late.json()['error']['code']!r}, "
+      f"Retry-After {late.headers['retry-after']} s")
+drained.join()
+finished = [a["finish_reason"] for a in during["answers"]]
+print(f"the admitted streams: {len(finished)} finished with {finished}")
+print(f"the server exited with status {small.process.wait(30)}")
+
+# %% [markdown]
+# ## What you built and measured
+#
+# * An open-loop Poisson schedule, and a sender that keeps to it whatever the server does; a
+#   closed loop measured the same stall as one slow request (coordinated omission).
+# * Goodput and attainment against an SLO, with nearest-rank percentiles.
+# * A load test of a real server, with its own metrics scraped during the run: latency against
+#   load, the knee, and the goodput at a planned rate and past capacity.
+# * Admission control: a bounded queue answers 429 at once, the admitted requests all finish, and
+#   a drain lets them finish while the replica goes away.
+#
+# ### Questions
+#
+# 1. A benchmark with 64 closed-loop clients reports p99 TTFT of 2 s at 30 requests per second.
+#    What can you say about the p99 your users would see at 30 requests per second?
+# 2. Why does the knee come before the capacity, and why does the p99 leave first?
+# 3. With a queue bound of 4, what happens to a client that retries a 429 at once, in a loop, and
+#    what does `Retry-After` ask of it?
+#
+# <!-- BEGIN SOLUTION -->
+# 1. Little: a closed loop sends only when an answer comes back, so the rate it reports is what
+#    the server let it send, and its latencies miss the queue open arrivals would build during
+#    every slow spell. Users at an open 30 requests per second would see that queue, and a p99 at
+#    least as high, possibly much higher; measure with an open loop at that rate.
+# 2. Arrivals are random: even below capacity, bursts come faster than the server serves, and the
+#    queue they leave takes time to drain; the mean wait grows like rho / (1 - rho). The tail is
+#    made of the requests that arrive behind the largest bursts, so it grows first and fastest.
+# 3. It is refused again and again while the slots stay full, adding load (each refusal still costs
+#    a connection and a parse) without getting served sooner; `Retry-After` asks it to wait that many
+#    seconds (better, with jitter and exponential backoff), or to try another replica.
+# <!-- END SOLUTION -->
