@@ -7,16 +7,15 @@
 # A server that answers one request well can still fail its users under load. In this lab you
 # load-test a real server the way an operator does, and overload it on purpose. You will
 #
-# 1. write an **open-loop Poisson schedule** of send times (checked);
-# 2. write a **sender that keeps to a schedule** whatever the server does (checked against a slow
+# 1. **load-test the course server** at rising rates while scraping its Prometheus `/metrics`,
+#    plot latency percentiles against load and find the knee;
+# 2. **overload it on purpose** with a small queue bound and see what HTTP 429, the queue and a
+#    graceful drain do for the requests that were admitted;
+# 3. write an **open-loop Poisson schedule** of send times (checked);
+# 4. write a **sender that keeps to a schedule** whatever the server does (checked against a slow
 #    real service), and see what a closed loop hides when the server stalls: *coordinated omission*;
-# 3. compute the **goodput** of a run against a service-level objective (SLO), with nearest-rank
-#    percentiles (checked);
-# 4. **load-test the course server** at rising rates while scraping its Prometheus `/metrics`,
-#    plot latency percentiles against load, find the knee, and measure the goodput at a planned
-#    rate;
-# 5. **overload it on purpose** with a small queue bound and see what HTTP 429, the queue and a
-#    graceful drain do for the requests that were admitted.
+# 5. compute the **goodput** of a run against a service-level objective (SLO), with nearest-rank
+#    percentiles (checked), and measure it on the server at a planned rate and past capacity.
 #
 # The server is chapter 03's `python -m labsupport.serve` (random weights: its text is meaningless),
 # on the CPU, with `--step-delay` adding a fixed pause to every forward pass so that its speed
@@ -24,7 +23,8 @@
 # GPU server's.
 #
 # **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
-# cell raises, and nothing below it runs. Scroll back up to the first red error.
+# cell raises, and nothing below it runs. Scroll back up to the first red error. Sections 1 and 2
+# need none of your code, so a first Run All already load-tests the server.
 
 # %% [setup]
 import labsupport
@@ -65,7 +65,143 @@ WHERE = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 print(f"timings below are taken on: {WHERE}")
 
 # %% [markdown]
-# ## 1. Exercise: an open-loop Poisson schedule
+# ## 1. Load-test the course server
+#
+# We start the course server with chapter 03's FIFO engine (one request at a time), every answer
+# 8 tokens, and a 10 ms pause per forward pass. First its unloaded speed: four requests one after
+# another.
+
+# %%
+OPTIONS = ["--context", "128", "--max-tokens-limit", "32", "--step-delay", "0.01", "--max-requests", "64"]
+server = ServerProcess(OPTIONS, threads=1).start()
+LOAD = dict(input_words=8, output_tokens=8)
+alone = run_benchmark(server.base_url, "course-tiny", num_prompts=4, max_concurrency=1, **LOAD)
+service_s = alone["e2e_s"]["mean"]  # one request alone: its whole time in the server
+capacity = 1 / service_s  # one at a time: at most this many requests per second
+print(f"unloaded ({WHERE}): TTFT p50 {alone['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 "
+      f"{alone['tpot_s']['p50'] * 1e3:.1f} ms, E2E mean {service_s * 1e3:.0f} ms: capacity about "
+      f"{capacity:.1f} requests/s")
+
+# %% [markdown]
+# Now Poisson arrivals at rates from half that capacity to beyond it, 20 requests each,
+# while a background thread scrapes `/metrics` every 100 ms and parses it with
+# `prometheus_client`'s own parser (`scrape_metrics`). `load_sweep` keeps, for each rate, the
+# benchmark's summary, the peak `course:num_requests_waiting` the scrapes saw, and the server's own
+# TTFT p90 estimated from its histogram as Prometheus's `histogram_quantile` does (interpolated
+# within a bucket, so it is coarser than the client's nearest rank).
+
+# %%
+RATES = [round(capacity * f, 1) for f in (0.5, 0.7, 0.85, 1.0, 1.2)]
+rows = load_sweep(server, RATES, num_prompts=20, **LOAD)
+print(f"{'rate/s':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'E2E p90':>8} {'peak waiting':>13} {'server TTFT p90':>16}")
+for r in rows:
+    s = r["summary"]
+    server_p90 = r["server_ttft_p90"]
+    print(f"{r['rate']:7.1f} {s['ttft_s']['p50'] * 1e3:7.0f}ms {s['ttft_s']['p90'] * 1e3:5.0f}ms "
+          f"{s['ttft_s']['p99'] * 1e3:5.0f}ms {s['e2e_s']['p90'] * 1e3:6.0f}ms {r['peak_waiting']:13.0f} "
+          f"{(server_p90 or 0) * 1e3:14.0f}ms")
+
+# %%
+KNEE_LIMIT = alone["ttft_s"]["p50"] + service_s  # the p90 request waited behind at least one other
+knee = knee_rate([r["rate"] for r in rows], [r["summary"]["ttft_s"]["p90"] for r in rows], KNEE_LIMIT)
+fig, ax = plt.subplots(figsize=(6.5, 3.8))
+for q, style in (("p50", "o-"), ("p90", "s-"), ("p99", "^-")):
+    ax.plot([r["rate"] for r in rows], [r["summary"]["ttft_s"][q] * 1e3 for r in rows], style, label=f"TTFT {q}")
+ax.axvline(capacity, color="grey", ls=":", label="1 / unloaded service time")
+if knee is not None:
+    ax.axvline(knee, color="red", ls="--", label=f"knee: {knee} /s")
+ax.axhline(KNEE_LIMIT * 1e3, color="red", ls=":", lw=0.8, label="unloaded TTFT + one service time")
+ax.set(xlabel="offered load (requests/s, Poisson)", ylabel="TTFT (ms, nearest rank)",
+       title=f"Latency against load, FIFO course server ({WHERE})")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Below the knee, TTFT is the prefill plus a short wait; past it, requests queue behind each other
+# and the percentiles climb steeply, the p99 first. The knee sits below the capacity: at a
+# utilisation $\rho$ a queue's wait grows like $\rho / (1 - \rho)$, so it is already several
+# service times at 80 %. (The convention for the knee here: the lowest rate whose TTFT p90 is above
+# the unloaded TTFT plus one whole service time, so that the p90 request waited behind at least
+# one other. With 20 requests per rate the p90 is the 18th of 20: expect it to wobble between runs.)
+#
+# The server keeps running: section 5 measures its goodput at a planned rate with your own
+# `slo_report`.
+
+# %% [markdown]
+# ## 2. Overload on purpose: 429, the queue, and a drain
+#
+# An unbounded queue turns overload into latency for everybody. The course server bounds it:
+# `--max-requests 4` slots (queued plus running); a request beyond them is answered at once with
+# HTTP 429 and a `Retry-After` header, so the client can back off or go to another replica.
+# We send 24 streamed requests at once, with no retries, while scraping the queue.
+
+# %%
+small = ServerProcess(["--context", "128", "--max-tokens-limit", "32", "--step-delay", "0.02",
+                       "--max-requests", "4"], threads=1).start()
+before = scrape_metrics(small.url)
+peaks = {"running": 0.0, "waiting": 0.0}
+stop = threading.Event()
+
+
+def watch():
+    while not stop.is_set():
+        s = scrape_metrics(small.url)
+        peaks["running"] = max(peaks["running"], metric(s, "course:num_requests_running"))
+        peaks["waiting"] = max(peaks["waiting"], metric(s, "course:num_requests_waiting"))
+        time.sleep(0.05)
+
+
+watcher = threading.Thread(target=watch)
+watcher.start()
+answers = burst(small.base_url, 24, max_tokens=16)
+stop.set()
+watcher.join()
+after = scrape_metrics(small.url)
+admitted = [a for a in answers if a["status"] == 200]
+refused = [a for a in answers if a["status"] == 429]
+print(f"admitted {len(admitted)}, refused with 429: {len(refused)} (Retry-After: "
+      f"{sorted({a['retry_after'] for a in refused})} s)")
+print(f"admitted requests that ran to their end: {sum(a['done'] and a['finish_reason'] is not None for a in admitted)}"
+      f" of {len(admitted)}, the last after {max(a['finished_s'] for a in admitted):.2f} s")
+print(f"the slowest 429 came back after {max(a['answered_s'] for a in refused) * 1e3:.0f} ms")
+print(f"queue seen by the scrapes: peak running {peaks['running']:.0f}, peak waiting {peaks['waiting']:.0f}")
+print("server counters over the burst: rejected (server_full)",
+      metric(after, "course:request_rejected_total", reason="server_full")
+      - metric(before, "course:request_rejected_total", reason="server_full"),
+      "| TTFT p90 from its histogram",
+      f"{histogram_quantile(after, 'course:time_to_first_token_seconds', 0.9, before) * 1e3:.0f} ms")
+
+# %% [markdown]
+# The four admitted requests all finished, at the latency of a four-deep queue; the twenty others
+# learned within milliseconds that the server was full, instead of waiting seconds to time out.
+# That fast "no" is backpressure: it pushes the overload back to where it can be handled (a retry
+# later, another replica, a smaller request).
+#
+# **A graceful drain.** To restart a replica (a rollout, a node going away) without failing the
+# requests it holds, it stops taking new ones and lets the admitted ones finish: `SIGTERM`, or
+# `POST /admin/drain`. While it drains, `/ready` answers 503 (a load balancer stops sending work),
+# new completions get 503 with `Retry-After`, and the admitted streams run to their end; then the
+# process exits with status 0.
+
+# %%
+during = {}
+drained = threading.Thread(target=lambda: during.update(answers=burst(small.base_url, 4, max_tokens=24)))
+drained.start()
+while small.health()["slots_used"] < 4:  # the four are admitted
+    time.sleep(0.01)
+print("drain:", httpx.post(small.url + "/admin/drain", timeout=10).json())
+print("/ready while draining: HTTP", httpx.get(small.url + "/ready", timeout=10).status_code)
+late = httpx.post(small.base_url + "/completions", json={"model": "course-tiny", "prompt": "too late", "max_tokens": 2},
+                  timeout=10)
+print(f"a new request: HTTP {late.status_code}, code {late.json()['error']['code']!r}, "
+      f"Retry-After {late.headers['retry-after']} s")
+drained.join()
+finished = [a["finish_reason"] for a in during["answers"]]
+print(f"the admitted streams: {len(finished)} finished with {finished}")
+print(f"the server exited with status {small.process.wait(30)}")
+
+# %% [markdown]
+# ## 3. Exercise: an open-loop Poisson schedule
 #
 # Users do not wait for each other: each sends when they want to. Many independent users together
 # make a **Poisson process**: the gaps between arrivals are independent and exponential, with mean
@@ -115,7 +251,7 @@ for label, times in (("Poisson (yours)", poisson_arrivals(600, 10.0, random.Rand
     print(f"{label:<24} per-second counts: mean {mean:5.1f}, standard deviation {sd:4.1f}, busiest {max(c)}")
 
 # %% [markdown]
-# ## 2. Exercise: keep to the schedule
+# ## 4. Exercise: keep to the schedule
 #
 # A schedule helps only if the sender keeps to it. Complete `open_loop(times_s, send)`: call
 # `send(i)` at `times_s[i]` seconds after your function starts, for every `i`, **without waiting
@@ -203,10 +339,12 @@ for name, lat in measured.items():
 # arrived during the stall waited for its end: a third of its requests were slow, and its p90
 # shows it. The closed-loop client was stuck inside one call for the whole second and sent
 # nothing else, so it recorded **one** slow request among a few dozen fast ones: its p50 and p90
-# look healthy, and with so few requests its p99 is its maximum, that one request. That is coordinated omission: the load generator coordinated with the server and
-# omitted exactly the measurements that mattered.
-#
-# ## 3. Exercise: goodput against an SLO
+# look healthy, and with so few requests its p99 is its maximum, that one request. That is
+# coordinated omission: the load generator coordinated with the server and omitted exactly the
+# measurements that mattered.
+
+# %% [markdown]
+# ## 5. Exercise: goodput against an SLO
 #
 # An SLO names targets and a percentile: here "TTFT at most `ttft_s` and TPOT at most `tpot_s`,
 # judged at the `p`-th percentile". **Goodput** is the number of requests per second that met
@@ -249,65 +387,6 @@ def slo_report(requests, slo, duration_s):
 check_slo_report(slo_report)
 
 # %% [markdown]
-# ## 4. Load-test the course server
-#
-# We start the course server with chapter 03's FIFO engine (one request at a time), every answer
-# 8 tokens, and a 10 ms pause per forward pass. First its unloaded speed: four requests one after
-# another.
-
-# %%
-OPTIONS = ["--context", "128", "--max-tokens-limit", "32", "--step-delay", "0.01", "--max-requests", "64"]
-server = ServerProcess(OPTIONS, threads=1).start()
-LOAD = dict(input_words=8, output_tokens=8)
-alone = run_benchmark(server.base_url, "course-tiny", num_prompts=4, max_concurrency=1, **LOAD)
-service_s = alone["e2e_s"]["mean"]  # one request alone: its whole time in the server
-capacity = 1 / service_s  # one at a time: at most this many requests per second
-print(f"unloaded ({WHERE}): TTFT p50 {alone['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 "
-      f"{alone['tpot_s']['p50'] * 1e3:.1f} ms, E2E mean {service_s * 1e3:.0f} ms: capacity about "
-      f"{capacity:.1f} requests/s")
-
-# %% [markdown]
-# Now Poisson arrivals at rates from half that capacity to beyond it, 20 requests each,
-# while a background thread scrapes `/metrics` every 100 ms and parses it with
-# `prometheus_client`'s own parser (`scrape_metrics`). `load_sweep` keeps, for each rate, the
-# benchmark's summary, the peak `course:num_requests_waiting` the scrapes saw, and the server's own
-# TTFT p90 estimated from its histogram as Prometheus's `histogram_quantile` does (interpolated
-# within a bucket, so it is coarser than the client's nearest rank).
-
-# %%
-RATES = [round(capacity * f, 1) for f in (0.5, 0.7, 0.85, 1.0, 1.2)]
-rows = load_sweep(server, RATES, num_prompts=20, **LOAD)
-print(f"{'rate/s':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'E2E p90':>8} {'peak waiting':>13} {'server TTFT p90':>16}")
-for r in rows:
-    s = r["summary"]
-    server_p90 = r["server_ttft_p90"]
-    print(f"{r['rate']:7.1f} {s['ttft_s']['p50'] * 1e3:7.0f}ms {s['ttft_s']['p90'] * 1e3:5.0f}ms "
-          f"{s['ttft_s']['p99'] * 1e3:5.0f}ms {s['e2e_s']['p90'] * 1e3:6.0f}ms {r['peak_waiting']:13.0f} "
-          f"{(server_p90 or 0) * 1e3:14.0f}ms")
-
-# %%
-KNEE_LIMIT = alone["ttft_s"]["p50"] + service_s  # the p90 request waited behind at least one other
-knee = knee_rate([r["rate"] for r in rows], [r["summary"]["ttft_s"]["p90"] for r in rows], KNEE_LIMIT)
-fig, ax = plt.subplots(figsize=(6.5, 3.8))
-for q, style in (("p50", "o-"), ("p90", "s-"), ("p99", "^-")):
-    ax.plot([r["rate"] for r in rows], [r["summary"]["ttft_s"][q] * 1e3 for r in rows], style, label=f"TTFT {q}")
-ax.axvline(capacity, color="grey", ls=":", label="1 / unloaded service time")
-if knee is not None:
-    ax.axvline(knee, color="red", ls="--", label=f"knee: {knee} /s")
-ax.axhline(KNEE_LIMIT * 1e3, color="red", ls=":", lw=0.8, label="unloaded TTFT + one service time")
-ax.set(xlabel="offered load (requests/s, Poisson)", ylabel="TTFT (ms, nearest rank)",
-       title=f"Latency against load, FIFO course server ({WHERE})")
-ax.legend(fontsize=8)
-plt.show()
-
-# %% [markdown]
-# Below the knee, TTFT is the prefill plus a short wait; past it, requests queue behind each other
-# and the percentiles climb steeply, the p99 first. The knee sits below the capacity: at a
-# utilisation $\rho$ a queue's wait grows like $\rho / (1 - \rho)$, so it is already several
-# service times at 80 %. (The convention for the knee here: the lowest rate whose TTFT p90 is above
-# the unloaded TTFT plus one whole service time, so that the p90 request waited behind at least
-# one other. With 20 requests per rate the p90 is the 18th of 20: expect it to wobble between runs.)
-#
 # **The goodput at a planned rate.** A planner (chapter 14) sizes a deployment so that each replica
 # runs below its knee. Chapter 14's planner is not used here: we plan for 60 % of the measured
 # capacity, and set the SLO from this machine's unloaded speed so that it means the same on a fast
@@ -331,79 +410,6 @@ for label, rate in (("planned, 0.6 x capacity", planned), ("overloaded, 1.3 x ca
 
 # %%
 server.stop()
-
-# %% [markdown]
-# ## 5. Overload on purpose: 429, the queue, and a drain
-#
-# An unbounded queue turns overload into latency for everybody. The course server bounds it:
-# `--max-requests 4` slots (queued plus running); a request beyond them is answered at once with
-# HTTP 429 and a `Retry-After` header, so the client can back off or go to another replica.
-# We send 24 streamed requests at once, with no retries, while scraping the queue.
-
-# %%
-small = ServerProcess(["--context", "128", "--max-tokens-limit", "32", "--step-delay", "0.02",
-                       "--max-requests", "4"], threads=1).start()
-before = scrape_metrics(small.url)
-peaks = {"running": 0.0, "waiting": 0.0}
-stop = threading.Event()
-
-
-def watch():
-    while not stop.is_set():
-        s = scrape_metrics(small.url)
-        peaks["running"] = max(peaks["running"], metric(s, "course:num_requests_running"))
-        peaks["waiting"] = max(peaks["waiting"], metric(s, "course:num_requests_waiting"))
-        time.sleep(0.05)
-
-
-watcher = threading.Thread(target=watch)
-watcher.start()
-answers = burst(small.base_url, 24, max_tokens=16)
-stop.set()
-watcher.join()
-after = scrape_metrics(small.url)
-admitted = [a for a in answers if a["status"] == 200]
-refused = [a for a in answers if a["status"] == 429]
-print(f"admitted {len(admitted)}, refused with 429: {len(refused)} (Retry-After: "
-      f"{sorted({a['retry_after'] for a in refused})} s)")
-print(f"admitted requests that ran to their end: {sum(a['done'] and a['finish_reason'] is not None for a in admitted)}"
-      f" of {len(admitted)}, the last after {max(a['finished_s'] for a in admitted):.2f} s")
-print(f"the slowest 429 came back after {max(a['answered_s'] for a in refused) * 1e3:.0f} ms")
-print(f"queue seen by the scrapes: peak running {peaks['running']:.0f}, peak waiting {peaks['waiting']:.0f}")
-print("server counters over the burst: rejected (server_full)",
-      metric(after, "course:request_rejected_total", reason="server_full")
-      - metric(before, "course:request_rejected_total", reason="server_full"),
-      "| TTFT p90 from its histogram",
-      f"{histogram_quantile(after, 'course:time_to_first_token_seconds', 0.9, before) * 1e3:.0f} ms")
-
-# %% [markdown]
-# The four admitted requests all finished, at the latency of a four-deep queue; the twenty others
-# learned within milliseconds that the server was full, instead of waiting seconds to time out.
-# That fast "no" is backpressure: it pushes the overload back to where it can be handled (a retry
-# later, another replica, a smaller request).
-#
-# **A graceful drain.** To restart a replica (a rollout, a node going away) without failing the
-# requests it holds, it stops taking new ones and lets the admitted ones finish: `SIGTERM`, or
-# `POST /admin/drain`. While it drains, `/ready` answers 503 (a load balancer stops sending work),
-# new completions get 503 with `Retry-After`, and the admitted streams run to their end; then the
-# process exits with status 0.
-
-# %%
-during = {}
-drained = threading.Thread(target=lambda: during.update(answers=burst(small.base_url, 4, max_tokens=24)))
-drained.start()
-while small.health()["slots_used"] < 4:  # the four are admitted
-    time.sleep(0.01)
-print("drain:", httpx.post(small.url + "/admin/drain", timeout=10).json())
-print("/ready while draining: HTTP", httpx.get(small.url + "/ready", timeout=10).status_code)
-late = httpx.post(small.base_url + "/completions", json={"model": "course-tiny", "prompt": "too late", "max_tokens": 2},
-                  timeout=10)
-print(f"a new request: HTTP {late.status_code}, code {late.json()['error']['code']!r}, "
-      f"Retry-After {late.headers['retry-after']} s")
-drained.join()
-finished = [a["finish_reason"] for a in during["answers"]]
-print(f"the admitted streams: {len(finished)} finished with {finished}")
-print(f"the server exited with status {small.process.wait(30)}")
 
 # %% [markdown]
 # ## What you built and measured
