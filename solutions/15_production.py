@@ -83,7 +83,7 @@ print(f"unloaded ({WHERE}): TTFT p50 {alone['ttft_s']['p50'] * 1e3:.0f} ms, TPOT
       f"{capacity:.1f} requests/s")
 
 # %% [markdown]
-# Now Poisson arrivals at rates from half that capacity to beyond it, 20 requests each,
+# Now Poisson arrivals at rates from half that capacity to beyond it, 16 requests each,
 # while a background thread scrapes `/metrics` every 100 ms and parses it with
 # `prometheus_client`'s own parser (`scrape_metrics`). `load_sweep` keeps, for each rate, the
 # benchmark's summary, the peak `course:num_requests_waiting` the scrapes saw, and the server's own
@@ -92,7 +92,7 @@ print(f"unloaded ({WHERE}): TTFT p50 {alone['ttft_s']['p50'] * 1e3:.0f} ms, TPOT
 
 # %%
 RATES = [round(capacity * f, 1) for f in (0.5, 0.7, 0.85, 1.0, 1.2)]
-rows = load_sweep(server, RATES, num_prompts=20, **LOAD)
+rows = load_sweep(server, RATES, num_prompts=16, **LOAD)
 print(f"{'rate/s':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'E2E p90':>8} {'peak waiting':>13} {'server TTFT p90':>16}")
 for r in rows:
     s = r["summary"]
@@ -122,7 +122,7 @@ plt.show()
 # utilisation $\rho$ a queue's wait grows like $\rho / (1 - \rho)$, so it is already several
 # service times at 80 %. (The convention for the knee here: the lowest rate whose TTFT p90 is above
 # the unloaded TTFT plus one whole service time, so that the p90 request waited behind at least
-# one other. With 20 requests per rate the p90 is the 18th of 20: expect it to wobble between runs.)
+# one other. With 16 requests per rate the p90 is the 15th of 16: expect it to wobble between runs.)
 #
 # The server keeps running: section 5 measures its goodput at a planned rate with your own
 # `slo_report`.
@@ -391,14 +391,14 @@ check_slo_report(slo_report)
 # runs below its knee. Chapter 14's planner is not used here: we plan for 60 % of the measured
 # capacity, and set the SLO from this machine's unloaded speed so that it means the same on a fast
 # and a slow CPU: TTFT at most two unloaded service times (a request may wait behind about one
-# other), TPOT at most 1.5 times the unloaded p50, judged at p90. Then 32 requests at the planned
+# other), TPOT at most 1.5 times the unloaded p50, judged at p90. Then 24 requests at the planned
 # rate, and the same at 1.3 times capacity.
 
 # %%
 SLO = {"ttft_s": 2 * service_s, "tpot_s": 1.5 * alone["tpot_s"]["p50"], "p": 90}
 planned = round(0.6 * capacity, 1)
 for label, rate in (("planned, 0.6 x capacity", planned), ("overloaded, 1.3 x capacity", round(1.3 * capacity, 1))):
-    run = run_benchmark(server.base_url, "course-tiny", num_prompts=32, request_rate=rate, seed=3, **LOAD)
+    run = run_benchmark(server.base_url, "course-tiny", num_prompts=24, request_rate=rate, seed=3, **LOAD)
     report = slo_report(request_latencies(run), SLO, run["duration_s"])
     print(f"{label:<27} {rate:5.1f}/s: throughput {run['request_throughput']:5.2f}/s, goodput "
           f"{report['goodput']:5.2f}/s, attainment {report['attainment']:.0%}, TTFT p90 "
