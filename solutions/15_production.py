@@ -437,7 +437,8 @@ server.stop()
 #    least as high, possibly much higher; measure with an open loop at that rate.
 # 2. Arrivals are random: even below capacity, bursts come faster than the server serves, and the
 #    queue they leave takes time to drain; the mean wait grows like rho / (1 - rho). The tail is
-#    made of the requests that arrive behind the largest bursts, so it grows first and fastest.
+#    made of the requests that arrive behind the largest bursts: it sits far above the mean, so it
+#    crosses any fixed target first.
 # 3. It is refused again and again while the slots stay full, adding load (each refusal still costs
 #    a connection and a parse) without getting served sooner; `Retry-After` asks it to wait that many
 #    seconds (better, with jitter and exponential backoff), or to try another replica.
