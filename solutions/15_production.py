@@ -172,8 +172,9 @@ print("server counters over the burst: rejected (server_full)",
       f"{histogram_quantile(after, 'course:time_to_first_token_seconds', 0.9, before) * 1e3:.0f} ms")
 
 # %% [markdown]
-# The four admitted requests all finished, at the latency of a four-deep queue; the twenty others
-# learned within milliseconds that the server was full, instead of waiting seconds to time out.
+# The admitted requests (one per slot) all finished, at the latency of a four-deep queue; the others
+# learned at once (one HTTP round trip, slower only when this machine is busy) that the server was
+# full, long before the admitted ones finished, instead of waiting seconds to time out.
 # That fast "no" is backpressure: it pushes the overload back to where it can be handled (a retry
 # later, another replica, a smaller request).
 #

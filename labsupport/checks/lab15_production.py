@@ -101,7 +101,7 @@ def check_poisson_arrivals(fn, checker):
 # The schedule the open-loop check sends: requests closer together than the service time, a late
 # straggler, and service times that differ so that answers come back out of order.
 OPEN_SCHEDULE = [0.0, 0.05, 0.10, 0.15, 0.20, 0.25, 0.30, 0.60]
-LATE_S = 0.2  # how late (seconds) a send may reach the service; a closed loop is 0.5 s late or more
+LATE_S = 0.35  # how late (seconds) a send may reach the service (a loaded machine); a closed loop is 0.45 s or more
 
 
 def _service_time(i: int) -> float:
