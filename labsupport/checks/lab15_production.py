@@ -193,11 +193,11 @@ def _percentile_mistakes(values: list[float], p: float) -> dict[str, float]:
     pos = p / 100 * (n - 1)
     lo = math.floor(pos)
     return {
-        "it is interpolated between two ranks (numpy's default, np.percentile), not the nearest rank":
+        "the percentile is interpolated between two ranks (numpy's default, np.percentile), not taken at the nearest rank":
             data[lo] + (data[min(lo + 1, n - 1)] - data[lo]) * (pos - lo),
         "the rank ceil(p * n / 100) is used as a 0-based index (one rank too high)": data[min(n - 1, rank)],
         "the rank is rounded down (floor(p * n / 100)) instead of up": data[max(0, math.floor(p * n / 100) - 1)],
-        "the values are not sorted first": values[rank - 1],
+        "the values are not sorted before the rank is taken": values[rank - 1],
     }
 
 
@@ -256,7 +256,7 @@ def check_slo_report(fn, checker):
         done = [r for r in requests if r is not None]
         for key, values in (("ttft_p", [r["ttft"] for r in done]),
                             ("tpot_p", [r["tpot"] for r in done if r["tpot"] is not None])):
-            mistakes = {f"the percentile {d}": v for d, v in _percentile_mistakes(values, slo["p"]).items()
+            mistakes = {d: v for d, v in _percentile_mistakes(values, slo["p"]).items()
                         if not math.isclose(v, want[key])}
             checker.expect_number(got[key], want[key], case=case, rel=1e-12, what=f"{key} (p{slo['p']})",
                                   hint=SLO_RULE, mistakes=mistakes)
