@@ -1,0 +1,592 @@
+"""Capacity planning (chapter 14): from a workload and a deployment to replicas, utilisation and cost.
+
+The public API. Every function takes plain numbers, a model (a name or
+:class:`~labsupport.models.ModelConfig`, through :func:`labsupport.models.as_model`) or a GPU (a name
+or :class:`~labsupport.hardware.GPU`, through :func:`labsupport.hardware.as_gpu`), validates its
+arguments with :mod:`labsupport._validate`, and returns a number or a frozen dataclass.
+
+* :func:`plan` (the whole planner) -> :class:`Plan`.
+* The four exercises of lab 14 (course answers, ``@answer``): :func:`concurrency` (Little's law),
+  :func:`max_batch` (the largest batch meeting the TPOT target that fits in memory),
+  :func:`replicas_for_rate` and :func:`cost_per_million_tokens`.
+* The pieces they are made of: :func:`time_in_system`, :func:`decode_step_time`,
+  :func:`max_batch_for_tpot`, :func:`max_batch_in_memory`, :func:`prefill_time`,
+  :func:`prefill_compute_time`,
+  :func:`poisson_quantile`, :func:`burst_headroom`.
+* Calibration (where the efficiency comes from): :func:`fit_decode_steps` fits measured decode
+  steps; :func:`measured_h200_calibration` reads chapter 05's H200 run (``results/gpu_phases.json``)
+  and returns a :class:`Calibration`, or None when that file holds no real run.
+
+Units and conventions (each in the parameter's name where it can be):
+
+* Times are in **seconds** (``_s``), rates in **requests per second** (``arrival_rate``), token
+  throughputs in tokens per second. A price is **per GPU-hour** (``gpu_hour_price``), in whatever
+  currency the caller uses; the course never states a market price as a fact.
+* Memory capacity is in **GiB** (``memory_gib``, ``2**30`` bytes, as nvidia-smi, ``torch.cuda`` and
+  vLLM count it; :attr:`GPU.usable_bytes` / 2**30 for a table GPU). Bandwidth is in **GB/s**
+  (``bandwidth_gb_s``, ``1e9`` bytes per second, as datasheets give it) and compute in **TFLOP/s**
+  (``peak_tflops``, ``1e12``). Bytes per element are ``*_dtype_bytes`` (2 for bf16, 1 for fp8).
+* **Time in system** of a request is ``TTFT + (output_tokens - 1) * TPOT``: prefill yields the first
+  token, and each of the ``output_tokens - 1`` others takes one decode step (TPOT as vLLM's benchmark
+  defines it, ``(latency - TTFT) / (output_tokens - 1)``).
+* **Little's law**: requests in the system on average = arrival rate x mean time in system
+  (:func:`concurrency`). It holds for any arrival pattern and any scheduler, in the long run.
+* **A decode step** (chapter 05): it reads every weight once and every running sequence's KV cache
+  (:func:`labsupport.costs.decode_step_bytes`), and performs
+  :func:`labsupport.costs.decode_step_flops`. Its time is the larger of bytes over the *achieved*
+  bandwidth and FLOPs over the *achieved* compute rate, plus a fixed per-step overhead::
+
+      step = max(bytes / (tp * bandwidth_gb_s * 1e9 * bandwidth_efficiency),
+                 flops / (tp * peak_tflops * 1e12 * compute_efficiency)) + step_overhead_s
+
+  ``bandwidth_efficiency`` and ``compute_efficiency`` are fractions of the datasheet figures that
+  were **measured** (:func:`fit_decode_steps`, :func:`measured_h200_calibration`), never assumed.
+  With tensor parallelism (``tensor_parallel``, ``tp``) the bytes and FLOPs are split evenly over
+  ``tp`` GPUs; the all-reduces between them are not counted (they go into the overhead).
+* **KV cache** (chapter 06): ``2 * n_layers * n_kv_heads * head_dim * kv_dtype_bytes`` bytes per
+  token, **KV heads, not query heads** (:func:`labsupport.costs.kv_bytes_per_token`). A replica has
+  ``memory_utilization * tp * memory_gib * 2**30`` bytes (vLLM's ``gpu_memory_utilization``, 0.9 by
+  default), of which the weights take ``param_count * weight_dtype_bytes`` and the cache gets the
+  rest; :func:`max_batch_in_memory` fits ``batch`` sequences of ``context_tokens`` each in it.
+* **The plan** (:func:`plan`) prices the decode step at the mean context of a running sequence,
+  ``mean prompt + mean output / 2`` (with continuous batching the batch holds sequences at every
+  stage), sizes memory for sequences at full length at the ``percentile``-th percentile of
+  ``prompt + output``, and inflates the decode step by the share of GPU time spent prefilling
+  (``step / (1 - prefill_share)``: prefill and decode take turns on the same GPU). The share is the
+  arrival rate per replica times a prompt's prefill FLOPs over the achieved compute rate
+  (:func:`prefill_compute_time`: batched with decode steps, a prefill adds its arithmetic, not
+  another read of the weights). TTFT is predicted as a prompt's prefill on its own
+  (:func:`prefill_time`) plus one decode step; queueing is not modelled. Replicas are
+  sized for the ``burst_percentile``-th percentile of concurrency under Poisson arrivals (the number
+  of requests in an M/G/infinity system is Poisson with mean ``arrival_rate * time_in_system``)
+  unless a ``headroom`` fraction is given.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import costs
+from ._answers import answer
+from ._validate import non_negative_number, positive_int, positive_number
+from .hardware import as_gpu, match_device_name
+from .latency import percentile as nearest_rank
+from .models import as_model
+from .phases import GPU_RESULTS, load_gpu_results
+
+__all__ = [
+    "GB",
+    "GIB",
+    "SECONDS_PER_HOUR",
+    "Calibration",
+    "Plan",
+    "burst_headroom",
+    "concurrency",
+    "cost_per_million_tokens",
+    "decode_step_time",
+    "fit_decode_steps",
+    "max_batch",
+    "max_batch_for_tpot",
+    "max_batch_in_memory",
+    "measured_h200_calibration",
+    "plan",
+    "poisson_quantile",
+    "prefill_compute_time",
+    "prefill_time",
+    "replicas_for_rate",
+    "time_in_system",
+]
+
+GB = 1e9  # decimal gigabyte: bandwidths (GB/s) and datasheet prose
+GIB = 2**30  # binary gibibyte: memory capacities
+SECONDS_PER_HOUR = 3600
+DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
+MAX_BATCH_SEARCH = 1 << 20  # the largest batch the planner considers
+
+
+def _fraction(name: str, value, *, allow_one: bool = True) -> float:
+    value = positive_number(name, value)
+    if value > 1 or (value == 1 and not allow_one):
+        raise ValueError(f"{name} is a fraction, greater than 0 and at most 1; got {value}")
+    return value
+
+
+def _percent(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 100:
+        raise ValueError(f"{name} is a percentile, greater than 0 and less than 100 (for example 99); got {value!r}")
+    return float(value)
+
+
+# --- Little's law -------------------------------------------------------------------------------
+
+
+@answer
+def time_in_system(ttft_s: float, tpot_s: float, output_tokens: float) -> float:
+    """Seconds a request spends in the system: ``ttft_s + (output_tokens - 1) * tpot_s``."""
+    ttft_s = positive_number("ttft_s", ttft_s)
+    tpot_s = positive_number("tpot_s", tpot_s)
+    output_tokens = positive_number("output_tokens", output_tokens)
+    if output_tokens < 1:
+        raise ValueError(f"output_tokens must be at least 1 (the first token), got {output_tokens}")
+    return ttft_s + (output_tokens - 1) * tpot_s
+
+
+@answer
+def concurrency(arrival_rate: float, ttft_s: float, tpot_s: float, output_tokens: float) -> float:
+    """Requests in the system on average (Little's law): ``arrival_rate * time_in_system``.
+
+    ``arrival_rate`` in requests per second; ``ttft_s`` and ``tpot_s`` in seconds; ``output_tokens``
+    the mean output length. Lab 14, exercise 1.
+    """
+    arrival_rate = positive_number("arrival_rate", arrival_rate)
+    return arrival_rate * time_in_system(ttft_s, tpot_s, output_tokens)
+
+
+# --- the decode step and the batch a TPOT target allows -----------------------------------------
+
+
+def _hardware(bandwidth_gb_s, peak_tflops, bandwidth_efficiency, compute_efficiency, step_overhead_s,
+              tensor_parallel):
+    return (
+        positive_number("bandwidth_gb_s", bandwidth_gb_s) * GB,
+        positive_number("peak_tflops", peak_tflops) * 1e12,
+        _fraction("bandwidth_efficiency", bandwidth_efficiency),
+        _fraction("compute_efficiency", compute_efficiency),
+        non_negative_number("step_overhead_s", step_overhead_s),
+        positive_int("tensor_parallel", tensor_parallel),
+    )
+
+
+@answer
+def decode_step_time(model, batch: int, context_tokens: int, *, bandwidth_gb_s: float, peak_tflops: float,
+                     bandwidth_efficiency: float, compute_efficiency: float, step_overhead_s: float = 0.0,
+                     weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, tensor_parallel: int = 1) -> float:
+    """Seconds of one decode step of ``batch`` sequences with ``context_tokens`` each (module docstring)."""
+    cfg = as_model(model)
+    bw, peak, b_eff, c_eff, overhead, tp = _hardware(bandwidth_gb_s, peak_tflops, bandwidth_efficiency,
+                                                     compute_efficiency, step_overhead_s, tensor_parallel)
+    read = costs.decode_step_bytes(cfg, batch, context_tokens, weight_dtype_bytes, kv_dtype_bytes).total
+    flops = costs.decode_step_flops(cfg, batch, context_tokens)
+    return max(read / (tp * bw * b_eff), flops / (tp * peak * c_eff)) + overhead
+
+
+@answer
+def max_batch_for_tpot(model, context_tokens: int, tpot_s: float, *, bandwidth_gb_s: float, peak_tflops: float,
+                       bandwidth_efficiency: float, compute_efficiency: float, step_overhead_s: float = 0.0,
+                       weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, tensor_parallel: int = 1) -> int:
+    """The largest batch whose :func:`decode_step_time` at ``context_tokens`` is at most ``tpot_s``.
+
+    0 when even one sequence misses the target. The step time grows with the batch, so the
+    answer is found by bisection (capped at :data:`MAX_BATCH_SEARCH`).
+    """
+    tpot_s = positive_number("tpot_s", tpot_s)
+    positive_int("context_tokens", context_tokens, allow_zero=True)
+
+    def step(b):
+        return decode_step_time(model, b, context_tokens, bandwidth_gb_s=bandwidth_gb_s, peak_tflops=peak_tflops,
+                                bandwidth_efficiency=bandwidth_efficiency, compute_efficiency=compute_efficiency,
+                                step_overhead_s=step_overhead_s, weight_dtype_bytes=weight_dtype_bytes,
+                                kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel)
+
+    if step(1) > tpot_s:
+        return 0
+    low, high = 1, MAX_BATCH_SEARCH  # step(low) meets the target
+    if step(high) <= tpot_s:
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if step(mid) <= tpot_s else (low, mid)
+    return low
+
+
+@answer
+def max_batch_in_memory(model, context_tokens: int, *, memory_gib: float, weight_dtype_bytes: float = 2,
+                        kv_dtype_bytes: float = 2, memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+                        tensor_parallel: int = 1) -> int:
+    """How many sequences of ``context_tokens`` fit in a replica's cache (0 if none)::
+
+        budget = memory_utilization * tensor_parallel * memory_gib * 2**30
+        floor((budget - param_count * weight_dtype_bytes) / (context_tokens * kv_bytes_per_token))
+    """
+    cfg = as_model(model)
+    context_tokens = positive_int("context_tokens", context_tokens)
+    budget = (_fraction("memory_utilization", memory_utilization) * positive_int("tensor_parallel", tensor_parallel)
+              * positive_number("memory_gib", memory_gib) * GIB)
+    free = budget - costs.param_count(cfg) * positive_number("weight_dtype_bytes", weight_dtype_bytes)
+    per_sequence = context_tokens * costs.kv_bytes_per_token(cfg, kv_dtype_bytes)
+    return max(0, math.floor(free / per_sequence))
+
+
+@answer
+def max_batch(model, context_tokens: int, tpot_s: float, *, memory_gib: float, bandwidth_gb_s: float,
+              peak_tflops: float, bandwidth_efficiency: float, compute_efficiency: float,
+              step_overhead_s: float = 0.0, weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2,
+              memory_utilization: float = DEFAULT_MEMORY_UTILIZATION, tensor_parallel: int = 1) -> int:
+    """The largest batch of sequences of ``context_tokens`` that meets ``tpot_s`` AND fits in memory:
+    the smaller of :func:`max_batch_for_tpot` and :func:`max_batch_in_memory`. Lab 14, exercise 1."""
+    by_time = max_batch_for_tpot(model, context_tokens, tpot_s, bandwidth_gb_s=bandwidth_gb_s,
+                                 peak_tflops=peak_tflops, bandwidth_efficiency=bandwidth_efficiency,
+                                 compute_efficiency=compute_efficiency, step_overhead_s=step_overhead_s,
+                                 weight_dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes,
+                                 tensor_parallel=tensor_parallel)
+    by_memory = max_batch_in_memory(model, context_tokens, memory_gib=memory_gib,
+                                    weight_dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes,
+                                    memory_utilization=memory_utilization, tensor_parallel=tensor_parallel)
+    return min(by_time, by_memory)
+
+
+def prefill_time(model, prompt_tokens: int, *, bandwidth_gb_s: float, peak_tflops: float,
+                 bandwidth_efficiency: float, compute_efficiency: float, step_overhead_s: float = 0.0,
+                 weight_dtype_bytes: float = 2, tensor_parallel: int = 1) -> float:
+    """Seconds to prefill one prompt: the larger of its FLOPs (:func:`labsupport.costs.prefill_flops`,
+    causal) over the achieved compute rate and its weight reads over the achieved bandwidth, plus
+    the per-step overhead."""
+    cfg = as_model(model)
+    bw, peak, b_eff, c_eff, overhead, tp = _hardware(bandwidth_gb_s, peak_tflops, bandwidth_efficiency,
+                                                     compute_efficiency, step_overhead_s, tensor_parallel)
+    flops = costs.prefill_flops(cfg, prompt_tokens, causal=True)
+    weights = costs.param_count(cfg) * positive_number("weight_dtype_bytes", weight_dtype_bytes)
+    return max(flops / (tp * peak * c_eff), weights / (tp * bw * b_eff)) + overhead
+
+
+def prefill_compute_time(model, prompt_tokens: int, *, peak_tflops: float, compute_efficiency: float,
+                         tensor_parallel: int = 1) -> float:
+    """Seconds of GPU time one prompt's prefill adds when it is batched with decode steps (chunked
+    prefill, as vLLM and SGLang schedule it): its causal FLOPs over the achieved compute rate. The
+    weights are read by the decode step anyway, so only the arithmetic is extra."""
+    cfg = as_model(model)
+    peak = positive_number("peak_tflops", peak_tflops) * 1e12
+    c_eff = _fraction("compute_efficiency", compute_efficiency)
+    tp = positive_int("tensor_parallel", tensor_parallel)
+    return costs.prefill_flops(cfg, prompt_tokens, causal=True) / (tp * peak * c_eff)
+
+
+# --- replicas, bursts, cost ---------------------------------------------------------------------
+
+
+@answer
+def replicas_for_rate(arrival_rate: float, time_in_system_s: float, batch_per_replica: int,
+                      headroom: float = 0.0) -> int:
+    """Replicas needed so that ``arrival_rate * time_in_system_s * (1 + headroom)`` requests fit in
+    batches of ``batch_per_replica``: the ceiling of their ratio. Lab 14, exercise 1."""
+    arrival_rate = positive_number("arrival_rate", arrival_rate)
+    time_in_system_s = positive_number("time_in_system_s", time_in_system_s)
+    batch_per_replica = positive_int("batch_per_replica", batch_per_replica)
+    headroom = non_negative_number("headroom", headroom)
+    needed = arrival_rate * time_in_system_s * (1 + headroom) / batch_per_replica
+    return max(1, math.ceil(needed - 1e-9))  # 1e-9: 3.0000000000000004 is 3 replicas
+
+
+@answer
+def cost_per_million_tokens(gpu_hour_price: float, gpu_count: int, tokens_per_second: float) -> float:
+    """What a million tokens cost: ``gpu_hour_price * gpu_count / 3600 / tokens_per_second * 1e6``.
+
+    ``gpu_hour_price`` per GPU per hour (the caller's figure), ``gpu_count`` every GPU paid for
+    (replicas x tensor-parallel degree), ``tokens_per_second`` the tokens served by all of them.
+    Lab 14, exercise 1.
+    """
+    price = positive_number("gpu_hour_price", gpu_hour_price)
+    gpu_count = positive_int("gpu_count", gpu_count)
+    tokens_per_second = positive_number("tokens_per_second", tokens_per_second)
+    return price * gpu_count / SECONDS_PER_HOUR / tokens_per_second * 1e6
+
+
+def poisson_quantile(mean: float, percent: float) -> int:
+    """The smallest ``k`` with P(N <= k) >= ``percent``/100 for N Poisson with ``mean``."""
+    mean = positive_number("mean", mean)
+    p = _percent("percent", percent) / 100
+    if mean > 1e5:  # normal approximation (continuity-corrected), exact enough for planning there
+        z = math.sqrt(2) * _erfinv(2 * p - 1)
+        return max(0, math.ceil(mean + z * math.sqrt(mean) - 0.5))
+    k, log_pmf = 0, -mean
+    total = math.exp(log_pmf)
+    while total < p:
+        k += 1
+        log_pmf += math.log(mean / k)
+        total += math.exp(log_pmf)
+    return k
+
+
+def _erfinv(y: float) -> float:
+    # bisection on math.erf: no scipy needed
+    low, high = -6.0, 6.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if math.erf(mid) < y else (low, mid)
+    return (low + high) / 2
+
+
+def burst_headroom(mean_concurrency: float, percent: float = 99.0) -> float:
+    """Extra capacity, as a fraction of the mean, that covers the ``percent``-th percentile of
+    concurrency under Poisson arrivals: ``poisson_quantile(mean, percent) / mean - 1`` (at least 0)."""
+    mean_concurrency = positive_number("mean_concurrency", mean_concurrency)
+    return max(0.0, poisson_quantile(mean_concurrency, percent) / mean_concurrency - 1)
+
+
+# --- calibration --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiencies and overhead measured on one device, with where they came from."""
+
+    bandwidth_efficiency: float  # achieved bandwidth over the reference bandwidth
+    step_overhead_s: float  # fixed seconds per decode step
+    reference_bandwidth_gb_s: float  # what the efficiency is a fraction of (a datasheet, or a copy measured)
+    device: str
+    date: str
+    source: str  # how it was measured
+
+    def __str__(self) -> str:
+        return (f"{self.bandwidth_efficiency:.0%} of {self.reference_bandwidth_gb_s:,.0f} GB/s, "
+                f"{self.step_overhead_s * 1e3:.2f} ms per step ({self.device}, {self.date}; {self.source})")
+
+
+def fit_decode_steps(bytes_read: Sequence[float], seconds: Sequence[float], reference_bandwidth_gb_s: float,
+                     *, device: str = "this machine", date: str = "", source: str = "fitted decode steps"
+                     ) -> Calibration:
+    """Fit ``seconds = bytes_read / achieved_bandwidth + overhead`` to measured decode steps.
+
+    Least squares on the points; the overhead is kept at 0 or more and the achieved bandwidth
+    positive. ``bandwidth_efficiency`` is the achieved bandwidth over ``reference_bandwidth_gb_s``
+    (a datasheet's figure, or a copy bandwidth measured on the same machine); it may exceed 1 when
+    the reference is too low (caches), which the result reports as it is.
+    """
+    x = np.asarray([positive_number("each bytes_read", b) for b in bytes_read], dtype=float)
+    y = np.asarray([positive_number("each of seconds", s) for s in seconds], dtype=float)
+    if len(x) != len(y) or len(x) < 2 or len(set(x.tolist())) < 2:
+        raise ValueError("fit_decode_steps needs as many times as byte counts, at least two different byte counts; "
+                         f"got {len(x)} byte counts and {len(y)} times")
+    reference = positive_number("reference_bandwidth_gb_s", reference_bandwidth_gb_s) * GB
+    slope, intercept = np.polyfit(x, y, 1)
+    if intercept < 0 or slope <= 0:  # refit through the origin: overhead 0
+        slope, intercept = float(np.dot(x, y) / np.dot(x, x)), 0.0
+    return Calibration(bandwidth_efficiency=float(1 / slope / reference), step_overhead_s=float(intercept),
+                       reference_bandwidth_gb_s=reference / GB, device=device, date=date, source=source)
+
+
+def measured_h200_calibration(results: dict | None = None) -> Calibration | None:
+    """The book's worked example of efficiency from measurement: chapter 05's decode sweep.
+
+    Reads ``results/gpu_phases.json`` (:data:`labsupport.phases.GPU_RESULTS`; pass ``results`` to
+    use another run of :mod:`labsupport.bench_phases`). The **efficiency** is the achieved
+    bandwidth of the largest decode batch measured, over the datasheet bandwidth of the GPU it ran
+    on (:func:`labsupport.hardware.match_device_name`); the **overhead** is what the batch-1 step
+    replayed from a CUDA graph took beyond streaming its bytes at that bandwidth. Eager steps are
+    launch-bound (chapter 05) and are not used. None when there is no real run, or when the device
+    has no datasheet row.
+    """
+    results = load_gpu_results() if results is None else results
+    if not results:
+        return None
+    gpu = match_device_name(results.get("device", ""))
+    steps = [r for r in results.get("decode_by_batch", []) if r.get("seconds")]
+    graph = results.get("decode_batch1_short_cuda_graph") or {}
+    b1 = next((r for r in results.get("decode_by_context", []) if r.get("seconds") and r.get("batch") == 1), None)
+    if gpu is None or not steps:
+        return None
+    largest = max(steps, key=lambda r: r["batch"])
+    achieved = largest["bytes_read"] / largest["seconds"]
+    overhead = 0.0
+    if graph.get("seconds") and b1:
+        overhead = max(0.0, graph["seconds"] - b1["bytes_read"] / achieved)
+    return Calibration(
+        bandwidth_efficiency=achieved / gpu.hbm_bandwidth, step_overhead_s=overhead,
+        reference_bandwidth_gb_s=gpu.hbm_bandwidth / GB, device=results["device"],
+        date=results.get("date", "undated"),
+        source=(f"{GPU_RESULTS}: decode batch {largest['batch']} at {largest['context']:,} tokens over the "
+                f"{gpu.name} datasheet bandwidth; overhead from the batch-1 CUDA-graph step"))
+
+
+# --- the planner --------------------------------------------------------------------------------
+
+
+def _lengths(name: str, value) -> tuple[float, float]:
+    """(mean, samples-or-None) of a length given as a number or a list of samples."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return positive_number(name, value), None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise ValueError(f"{name} must be a mean length in tokens (a number) or a non-empty list of lengths, "
+                         f"got {value!r}")
+    samples = [positive_int(f"each of {name}", v) for v in value]
+    return sum(samples) / len(samples), samples
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` returns. Times in seconds, memory in bytes, rates per second."""
+
+    # the workload as planned
+    arrival_rate: float  # requests per second
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    step_context_tokens: int  # context the decode step is priced at (mean prompt + mean output / 2)
+    memory_context_tokens: int  # context memory is sized for (percentile of prompt + output)
+    # one replica
+    gpus_per_replica: int  # the tensor-parallel degree
+    weight_bytes: float  # per replica, all its GPUs together
+    kv_bytes_per_token: float
+    prefill_s: float  # prefill of the mean prompt on its own (weights read, FLOPs done, overhead)
+    prefill_compute_s: float  # GPU time it adds batched with decode steps (its FLOPs only)
+    ttft_s: float  # predicted TTFT at the percentile: its prompt's prefill plus one decode step
+    prefill_share: float  # fraction of a replica's time spent prefilling: rate per replica x prefill_compute_s
+    batch_for_tpot: int  # largest batch meeting the TPOT target (prefill interference included)
+    batch_in_memory: int  # largest batch whose cache fits
+    batch: int  # the smaller: what one replica runs at most
+    step_s: float  # decode step at that batch (before interference)
+    tpot_s: float  # predicted TPOT at that batch, prefill interference included
+    kv_cache_bytes: float  # cache of `batch` sequences at memory_context_tokens
+    memory_budget_bytes: float  # memory_utilization x the replica's memory
+    # the fleet
+    time_in_system_s: float  # prefill of the mean prompt + (mean output - 1) x TPOT target
+    concurrency: float  # Little's law: mean requests in the system
+    headroom: float  # extra capacity as a fraction of the mean concurrency
+    replicas: int
+    gpus: int  # replicas x gpus_per_replica
+    utilisation: float  # mean concurrency / (replicas x batch): share of batch slots in use on average
+    output_tokens_per_s: float
+    total_tokens_per_s: float  # prompt and output tokens
+    cost_per_million_output_tokens: float | None  # None without a gpu_hour_price
+    cost_per_million_tokens: float | None  # prompt and output tokens together
+    # targets and whether they are met
+    ttft_target_s: float
+    tpot_target_s: float
+    percentile: float
+    meets_ttft: bool
+    feasible: bool  # a replica can run at least one sequence within the TPOT target and its memory
+    notes: tuple[str, ...] = ()  # why something is infeasible, and the assumptions taken
+
+
+def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_target_s: float,
+         tpot_target_s: float, bandwidth_efficiency: float, compute_efficiency: float,
+         step_overhead_s: float = 0.0, percentile: float = 99.0, weight_dtype_bytes: float = 2,
+         kv_dtype_bytes: float = 2, tensor_parallel: int = 1,
+         memory_utilization: float = DEFAULT_MEMORY_UTILIZATION, headroom: float | None = None,
+         burst_percentile: float = 99.0, gpu_hour_price: float | None = None) -> Plan:
+    """Plan a deployment of ``model`` on ``gpu`` for a workload (module docstring: conventions).
+
+    ``prompt_tokens`` and ``output_tokens`` are mean lengths, or lists of sampled lengths (then the
+    mean drives Little's law and the decode step, the ``percentile``-th percentile drives memory
+    and TTFT). ``bandwidth_efficiency`` and ``compute_efficiency`` are measured fractions of the
+    GPU's datasheet bandwidth and compute (:func:`measured_h200_calibration`, :func:`fit_decode_steps`).
+    ``headroom`` None sizes for the ``burst_percentile``-th percentile of Poisson concurrency
+    (:func:`burst_headroom`). ``gpu_hour_price`` is the caller's price of one GPU for one hour.
+    """
+    cfg = as_model(model)
+    card = as_gpu(gpu)
+    arrival_rate = positive_number("arrival_rate", arrival_rate)
+    mean_prompt, prompt_samples = _lengths("prompt_tokens", prompt_tokens)
+    mean_output, output_samples = _lengths("output_tokens", output_tokens)
+    if mean_output < 1:
+        raise ValueError(f"output_tokens must be at least 1 on average, got {mean_output}")
+    ttft_target_s = positive_number("ttft_target_s", ttft_target_s)
+    tpot_target_s = positive_number("tpot_target_s", tpot_target_s)
+    percentile = _percent("percentile", percentile)
+    burst_percentile = _percent("burst_percentile", burst_percentile)
+    tp = positive_int("tensor_parallel", tensor_parallel)
+    if gpu_hour_price is not None:
+        gpu_hour_price = positive_number("gpu_hour_price", gpu_hour_price)
+    if headroom is not None:
+        headroom = non_negative_number("headroom", headroom)
+    hardware = dict(bandwidth_gb_s=card.hbm_bandwidth / GB, peak_tflops=card.peak_flops / 1e12,
+                    bandwidth_efficiency=bandwidth_efficiency, compute_efficiency=compute_efficiency,
+                    step_overhead_s=step_overhead_s, tensor_parallel=tp)
+    memory_gib = card.usable_bytes / GIB
+    notes = []
+
+    prompt_p = nearest_rank(prompt_samples, percentile) if prompt_samples else mean_prompt
+    if prompt_samples and output_samples and len(prompt_samples) == len(output_samples):
+        full = [p + o for p, o in zip(prompt_samples, output_samples)]
+        memory_context = math.ceil(nearest_rank(full, percentile))
+    else:
+        memory_context = math.ceil(prompt_p + (nearest_rank(output_samples, percentile)
+                                               if output_samples else mean_output))
+    step_context = math.ceil(mean_prompt + mean_output / 2)
+
+    prefill_mean = prefill_time(cfg, math.ceil(mean_prompt), weight_dtype_bytes=weight_dtype_bytes, **hardware)
+    prefill_p = prefill_time(cfg, math.ceil(prompt_p), weight_dtype_bytes=weight_dtype_bytes, **hardware)
+    prefill_work = prefill_compute_time(cfg, math.ceil(mean_prompt), peak_tflops=hardware["peak_tflops"],
+                                        compute_efficiency=compute_efficiency, tensor_parallel=tp)
+    in_memory = max_batch_in_memory(cfg, memory_context, memory_gib=memory_gib, weight_dtype_bytes=weight_dtype_bytes,
+                                    kv_dtype_bytes=kv_dtype_bytes, memory_utilization=memory_utilization,
+                                    tensor_parallel=tp)
+    step_kw = dict(weight_dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, **hardware)
+
+    # Prefill share and batch depend on each other through the replica count: more replicas, less
+    # prefill each, a longer decode budget, a larger batch. Find the fewest replicas r that carry the
+    # load with their own batch (the condition only gets easier as r grows: search by doubling,
+    # then bisection).
+    time_in_sys = prefill_mean + (mean_output - 1) * tpot_target_s
+    mean_concurrency = arrival_rate * time_in_sys
+    room = headroom if headroom is not None else burst_headroom(mean_concurrency, burst_percentile)
+
+    def batch_with(r: int) -> tuple[float, int]:
+        share = arrival_rate / r * prefill_work
+        if share >= 1:
+            return share, 0
+        return share, min(max_batch_for_tpot(cfg, step_context, tpot_target_s * (1 - share), **step_kw), in_memory)
+
+    def enough(r: int) -> bool:
+        _, b = batch_with(r)
+        return b >= 1 and replicas_for_rate(arrival_rate, time_in_sys, b, room) <= r
+
+    ceiling_batch = min(max_batch_for_tpot(cfg, step_context, tpot_target_s, **step_kw), in_memory)
+    replicas = 0
+    if ceiling_batch >= 1:
+        low, high = 0, 1  # enough(high) is unknown until checked; enough(low) is False
+        while not enough(high):
+            low, high = high, high * 2
+            if high > 1 << 40:
+                raise ValueError("the planner found no replica count that carries this load; check the inputs")
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if enough(mid) else (mid, high)
+        replicas = high
+    share, batch = batch_with(replicas) if replicas else (0.0, 0)
+    by_time = max_batch_for_tpot(cfg, step_context, tpot_target_s * (1 - share), **step_kw)
+    batch = min(by_time, in_memory)
+    feasible = batch >= 1
+    if not feasible:
+        replicas = 0
+        if in_memory == 0:
+            notes.append(f"the weights and one sequence of {memory_context:,} tokens do not fit in "
+                         f"{memory_utilization:.0%} of {tp} x {memory_gib:.1f} GiB: use more GPUs per replica "
+                         f"(tensor_parallel) or fewer bytes per element")
+        if by_time == 0:
+            notes.append("even one sequence misses the TPOT target: a decode step reads every weight, so use more "
+                         "GPUs per replica (tensor_parallel), fewer bytes per weight, or a looser target")
+    step = (decode_step_time(cfg, batch, step_context, **step_kw) if feasible else math.inf)
+    tpot = step / (1 - share) if feasible else math.inf
+    ttft = prefill_p + (step if feasible else 0.0)
+    if ttft > ttft_target_s:
+        notes.append(f"the predicted TTFT at the {percentile:g}th percentile prompt ({ttft:.3f} s) misses the "
+                     f"{ttft_target_s:.3f} s target: prefill needs more compute per replica (tensor_parallel)")
+    if headroom is None:
+        notes.append(f"headroom {room:.0%} covers the {burst_percentile:g}th percentile of Poisson concurrency; "
+                     f"bursts beyond Poisson need more")
+    gpus = replicas * tp
+    out_rate = arrival_rate * mean_output
+    all_rate = arrival_rate * (mean_output + mean_prompt)
+    price = (lambda tokens: cost_per_million_tokens(gpu_hour_price, gpus, tokens)
+             if gpu_hour_price is not None and feasible else None)
+    return Plan(
+        arrival_rate=arrival_rate, mean_prompt_tokens=mean_prompt, mean_output_tokens=mean_output,
+        step_context_tokens=step_context, memory_context_tokens=memory_context, gpus_per_replica=tp,
+        weight_bytes=float(costs.param_count(cfg) * weight_dtype_bytes),
+        kv_bytes_per_token=float(costs.kv_bytes_per_token(cfg, kv_dtype_bytes)),
+        prefill_s=prefill_mean, prefill_compute_s=prefill_work, ttft_s=ttft, prefill_share=share if feasible else 0.0,
+        batch_for_tpot=by_time, batch_in_memory=in_memory, batch=batch, step_s=step, tpot_s=tpot,
+        kv_cache_bytes=float(batch * memory_context * costs.kv_bytes_per_token(cfg, kv_dtype_bytes)),
+        memory_budget_bytes=memory_utilization * tp * memory_gib * GIB,
+        time_in_system_s=time_in_sys, concurrency=mean_concurrency, headroom=room, replicas=replicas, gpus=gpus,
+        utilisation=mean_concurrency / (replicas * batch) if feasible else 0.0,
+        output_tokens_per_s=out_rate, total_tokens_per_s=all_rate,
+        cost_per_million_output_tokens=price(out_rate), cost_per_million_tokens=price(all_rate),
+        ttft_target_s=ttft_target_s, tpot_target_s=tpot_target_s, percentile=percentile,
+        meets_ttft=ttft <= ttft_target_s, feasible=feasible, notes=tuple(notes),
+    )
