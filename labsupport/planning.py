@@ -341,9 +341,13 @@ class Calibration:
     device: str
     date: str
     source: str  # how it was measured
+    compute_efficiency: float | None = None  # achieved FLOP/s over the reference peak, when measured
+    reference_peak_tflops: float | None = None  # what compute_efficiency is a fraction of
 
     def __str__(self) -> str:
-        return (f"{self.bandwidth_efficiency:.0%} of {self.reference_bandwidth_gb_s:,.0f} GB/s, "
+        compute = (f", {self.compute_efficiency:.0%} of {self.reference_peak_tflops:,.1f} TFLOP/s"
+                   if self.compute_efficiency is not None else "")
+        return (f"{self.bandwidth_efficiency:.0%} of {self.reference_bandwidth_gb_s:,.0f} GB/s{compute}, "
                 f"{self.step_overhead_s * 1e3:.2f} ms per step ({self.device}, {self.date}; {self.source})")
 
 
@@ -378,8 +382,11 @@ def measured_h200_calibration(results: dict | None = None) -> Calibration | None
     bandwidth of the largest decode batch measured, over the datasheet bandwidth of the GPU it ran
     on (:func:`labsupport.hardware.match_device_name`); the **overhead** is what the batch-1 step
     replayed from a CUDA graph took beyond streaming its bytes at that bandwidth. Eager steps are
-    launch-bound (chapter 05) and are not used. None when there is no real run, or when the device
-    has no datasheet row.
+    launch-bound (chapter 05) and are not used. The **compute efficiency** is the median prefill
+    rate of the sweep, under the runbook's FLOP count with the causal halving (what
+    :func:`labsupport.costs.prefill_flops` counts, so the planner's prefill times use the same
+    count), over the datasheet's dense bf16 peak. None when there is no real run, or when the
+    device has no datasheet row.
     """
     results = load_gpu_results() if results is None else results
     if not results:
@@ -395,12 +402,16 @@ def measured_h200_calibration(results: dict | None = None) -> Calibration | None
     overhead = 0.0
     if graph.get("seconds") and b1:
         overhead = max(0.0, graph["seconds"] - b1["bytes_read"] / achieved)
+    rates = sorted(r["tflops_runbook_causal"] for r in results.get("prefill", []) if r.get("tflops_runbook_causal"))
+    compute = float(np.median(rates)) * 1e12 / gpu.peak_flops if rates else None
     return Calibration(
+        compute_efficiency=compute, reference_peak_tflops=gpu.peak_flops / 1e12 if rates else None,
         bandwidth_efficiency=achieved / gpu.hbm_bandwidth, step_overhead_s=overhead,
         reference_bandwidth_gb_s=gpu.hbm_bandwidth / GB, device=results["device"],
         date=results.get("date", "undated"),
         source=(f"{GPU_RESULTS}: decode batch {largest['batch']} at {largest['context']:,} tokens over the "
-                f"{gpu.name} datasheet bandwidth; overhead from the batch-1 CUDA-graph step"))
+                f"{gpu.name} datasheet bandwidth; overhead from the batch-1 CUDA-graph step"
+                + ("; compute from the median prefill rate of the sweep" if rates else "")))
 
 
 # --- the planner --------------------------------------------------------------------------------

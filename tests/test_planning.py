@@ -223,15 +223,20 @@ def test_h200_calibration_reads_chapter_05():
         "decode_by_batch": [{"batch": 64, "context": 8192, "bytes_read": 80e9, "seconds": 0.025}],
         "decode_by_context": [{"batch": 1, "context": 512, "bytes_read": 16e9, "seconds": 0.02}],
         "decode_batch1_short_cuda_graph": {"seconds": 0.007},
+        "prefill": [{"prompt_tokens": p, "tflops_runbook_causal": t} for p, t in ((512, 300.0), (1024, 500.0),
+                                                                                   (2048, 550.0))],
     }
     cal = planning.measured_h200_calibration(results)
     assert cal.bandwidth_efficiency == pytest.approx(80e9 / 0.025 / 4.8e12)
     assert cal.step_overhead_s == pytest.approx(0.007 - 16e9 / (80e9 / 0.025))
+    assert cal.compute_efficiency == pytest.approx(500 / 989.4)  # the median prefill rate over the peak
     assert cal.device == "NVIDIA H200" and cal.date == "2026-11-30"
+    assert "500.0" not in str(cal) and "51% of 989.4 TFLOP/s" in str(cal)
     assert planning.measured_h200_calibration({}) is None
     real = planning.measured_h200_calibration()  # the committed run, when there is one
     if real is not None:
         assert 0 < real.bandwidth_efficiency < 1 and real.step_overhead_s >= 0
+        assert 0 < real.compute_efficiency < 1
 
 
 @pytest.mark.parametrize("call, match", [
