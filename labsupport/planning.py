@@ -13,6 +13,15 @@ arguments with :mod:`labsupport._validate`, and returns a number or a frozen dat
   :func:`max_batch_for_tpot`, :func:`max_batch_in_memory`, :func:`prefill_time`,
   :func:`prefill_compute_time`,
   :func:`poisson_quantile`, :func:`burst_headroom`.
+* Example::
+
+      cal = measured_h200_calibration()  # chapter 05's H200 run (None without one)
+      p = plan("llama-3.1-8b", "H200", arrival_rate=20, prompt_tokens=1000, output_tokens=250,
+               ttft_target_s=1.0, tpot_target_s=0.03, bandwidth_efficiency=cal.bandwidth_efficiency,
+               compute_efficiency=cal.compute_efficiency, step_overhead_s=cal.step_overhead_s,
+               gpu_hour_price=3.0)  # the caller's price; 3.0 is an example, not a quote
+      p.replicas, p.batch, p.utilisation, p.cost_per_million_output_tokens
+
 * Calibration (where the efficiency comes from): :func:`fit_decode_steps` fits measured decode
   steps; :func:`measured_h200_calibration` reads chapter 05's H200 run (``results/gpu_phases.json``)
   and returns a :class:`Calibration`, or None when that file holds no real run.

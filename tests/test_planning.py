@@ -197,6 +197,20 @@ def test_plan_with_length_samples_uses_the_percentile_for_memory():
     assert p.step_context_tokens == math.ceil(890 + 100)
 
 
+def test_plan_with_an_explicit_headroom_and_tensor_parallelism():
+    p = _plan(arrival_rate=50, headroom=0.5)
+    assert p.headroom == 0.5 and not any("Poisson" in n for n in p.notes)
+    assert p.replicas >= replicas_for_rate(50, p.time_in_system_s, p.batch, 0.5)
+    tp2 = _plan(arrival_rate=50, headroom=0.5, tensor_parallel=2)
+    assert tp2.gpus == 2 * tp2.replicas and tp2.memory_budget_bytes == pytest.approx(2 * p.memory_budget_bytes)
+    assert tp2.batch_for_tpot > p.batch_for_tpot or tp2.batch_in_memory > p.batch_in_memory
+
+
+def test_plan_ttft_miss_is_noted():
+    p = _plan(prompt_tokens=100_000, output_tokens=10, ttft_target_s=0.05, tpot_target_s=0.5)
+    assert not p.meets_ttft and any("TTFT" in n for n in p.notes)
+
+
 def test_plan_infeasible_says_why():
     p = planning.plan(M70, "H100 SXM", arrival_rate=1, prompt_tokens=1000, output_tokens=100, ttft_target_s=1,
                       tpot_target_s=0.05, bandwidth_efficiency=0.7, compute_efficiency=0.5)
@@ -253,6 +267,11 @@ def test_h200_calibration_reads_chapter_05():
     (lambda: cost_per_million_tokens(2, 1.5, 100), "gpu_count must be an integer"),
     (lambda: _plan(prompt_tokens="long"), "prompt_tokens must be a mean length"),
     (lambda: _plan(percentile=100), "percentile"),
+    (lambda: _plan(headroom=-1), "headroom"),
+    (lambda: _plan(gpu_hour_price=0), "gpu_hour_price"),
+    (lambda: _plan(output_tokens=[]), "output_tokens must be a mean length"),
+    (lambda: planning.poisson_quantile(0, 50), "mean"),
+    (lambda: planning.fit_decode_steps([1e9, 2e9], [0.1], 1000), "as many times"),
     (lambda: planning.plan(M8, "H900", arrival_rate=1, prompt_tokens=1, output_tokens=1, ttft_target_s=1,
                            tpot_target_s=1, bandwidth_efficiency=0.5, compute_efficiency=0.5), "unknown GPU"),
 ])
