@@ -203,7 +203,7 @@ def check_max_batch(fn, checker):
     (:func:`labsupport.planning.max_batch`)."""
     for label, cfg, context, tpot, kw in batch_cases():
         case = Case(configuration=label, model=cfg.name, context_tokens=context, tpot_s=tpot,
-                    **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in kw.items()})
+                    **{k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in kw.items()})
         got = checker.call(fn, cfg, context, tpot, case=case, **kw)
         expected = max_batch(cfg, context, tpot, **kw)
         if batch_variant(cfg, context, tpot, **kw) != expected:  # the check's own arithmetic must agree
