@@ -89,6 +89,7 @@ from .models import as_model
 from .phases import GPU_RESULTS, load_gpu_results
 
 __all__ = [
+    "DEFAULT_MEMORY_UTILIZATION",
     "GB",
     "GIB",
     "SECONDS_PER_HOUR",
