@@ -49,10 +49,12 @@ from labsupport.bench_serving import run_benchmark
 from labsupport.checks import check_concurrency, check_cost, check_max_batch, check_replicas
 from labsupport.hardware import get_gpu
 from labsupport.models import get_model
+from labsupport.phases import measure_decode
 from labsupport.roofline import measure_copy, measure_matmul
 from labsupport.serve import ServerProcess
 from labsupport.serve.engine import BASE_PRESET, MODEL_NAME, course_model_config
 from labsupport.tokenizer import course_tokenizer
+from labsupport.transformer import Transformer
 
 torch.set_num_threads(1)
 WHERE = f"CPU ({platform.machine()}, {os.cpu_count()} cores), one thread"
@@ -68,8 +70,8 @@ GiB, GB = 2**30, 1e9  # memory capacities are binary (GiB), bandwidths decimal (
 #
 # The server's model is the course's tiny shape in fp32 (4 bytes per element) on the CPU. At this
 # size the bytes are not what limits a step: Python, the scheduler and the HTTP streaming are. The
-# planner's formula still applies, with an efficiency that measures all of that together: it is
-# an *effective* bandwidth, fitted to the server's own steps, which is what a calibration is.
+# planner's formula still applies, with efficiencies that measure all of that together, fitted to
+# the server's own steps: that is what a calibration is.
 
 # %%
 server = ServerProcess(["--engine", "continuous", "--context", "256", "--max-tokens-limit", "64",
@@ -99,7 +101,7 @@ copy_bw = max(measure_copy([64 * 2**20], progress=False))  # bytes/s: this machi
 matmul_rate = max(measure_matmul([512], progress=False))  # FLOP/s, fp32: its "datasheet" compute
 batches, step_s = (1, 2, 4, 8), []
 for B in batches:
-    s = run_benchmark(server.base_url, MODEL_NAME, num_prompts=4 * B, max_concurrency=B, input_words=WORDS,
+    s = run_benchmark(server.base_url, MODEL_NAME, num_prompts=max(8, 4 * B), max_concurrency=B, input_words=WORDS,
                       output_tokens=OUT, ignore_eos=True, seed=B)
     step_s.append(s["tpot_s"]["p50"])
     if B == 1:  # time per request outside decode steps, with one request at a time
@@ -107,14 +109,35 @@ for B in batches:
         admission_s = max(admission_s, 1e-4)  # a noisy run cannot make it negative
 prompt_tokens = s["requests"][0]["prompt_tokens"] or WORDS
 ctx = prompt_tokens + OUT // 2  # a running sequence's mean context
-per_sequence, overhead = np.polyfit(batches, step_s, 1)
-per_sequence, overhead = max(per_sequence, 1e-6), max(overhead, 0.0)
-compute_eff = min(1.0, costs.decode_step_flops(cfg, 1, ctx) / (matmul_rate * per_sequence))
+
+
+def fit_steps(seconds):
+    """(overhead, per_sequence, compute_efficiency) of step = overhead + B * per_sequence."""
+    per_seq, fixed = np.polyfit(batches, seconds, 1)
+    per_seq, fixed = max(per_seq, 1e-6), max(fixed, 0.0)  # noise cannot make either negative
+    return fixed, per_seq, min(1.0, costs.decode_step_flops(cfg, 1, ctx) / (matmul_rate * per_seq))
+
+
+overhead, per_sequence, compute_eff = fit_steps(step_s)
 print(f"this machine: copy {copy_bw / GB:.1f} GB/s, matmul {matmul_rate / 1e9:.1f} GFLOP/s ({WHERE})")
 for B, t in zip(batches, step_s):
     print(f"batch {B}: step {t * 1e3:.2f} ms (fit {(overhead + B * per_sequence) * 1e3:.2f})")
 print(f"overhead {overhead * 1e3:.2f} ms, {per_sequence * 1e3:.3f} ms per sequence (compute efficiency "
       f"{compute_eff:.1%}); {admission_s * 1e3:.1f} ms per request outside decode steps")
+
+# %% [markdown]
+# **Chapter 05's way, for comparison.** Chapter 05 timed the model's own decode step, with no
+# server around it. The same model and batches here: how much of the server's step is the model?
+
+# %%
+bare = Transformer(cfg, seed=0)  # the server's model, fp32 on the CPU
+bare_s = [p.seconds for p in measure_decode(bare, list(batches), [ctx], threads=1, progress=False, repeats=5)]
+for B, t_bare, t_server in zip(batches, bare_s, step_s):
+    read = costs.decode_step_bytes(cfg, B, ctx, 4, 4).total
+    print(f"batch {B}: the model alone {t_bare * 1e3:.2f} ms ({read / t_bare / copy_bw:.0%} of the copy rate); "
+          f"in the server {t_server * 1e3:.2f} ms ({t_server / t_bare:.1f}x)")
+bare_overhead, bare_per_sequence, bare_compute_eff = fit_steps(bare_s)
+print(f"({WHERE})")
 
 # %% [markdown]
 # ## 1. The planner's core
@@ -310,23 +333,29 @@ if measured:
 # the rest.
 
 # %%
-target = 3 * step_s[0]
+target = 3 * (overhead + per_sequence)  # three batch-1 steps (from the fit: steadier than one point)
 memory_gib = (costs.param_count(cfg) * 4 + 1100 * 16 * costs.kv_bytes_per_token(cfg, 4)) / GiB  # weights + the server's cache
-machine = dict(memory_gib=memory_gib, bandwidth_gb_s=copy_bw / GB, peak_tflops=matmul_rate / 1e12,
-               bandwidth_efficiency=1.0, compute_efficiency=compute_eff, step_overhead_s=overhead,
-               weight_dtype_bytes=4, kv_dtype_bytes=4, memory_utilization=1.0)
 rates = [r / 2 for r in range(1, 801)]  # 0.5 to 400 requests per second
 
 
-def predicted_batch(rate):
-    share = rate * admission_s
-    return max_batch(cfg, ctx, target * (1 - share), **machine) if share < 1 else 0
+def predicted_rate_from(fixed, compute_efficiency):
+    """The highest rate whose requests in flight fit the batch the TPOT target allows."""
+    machine = dict(memory_gib=memory_gib, bandwidth_gb_s=copy_bw / GB, peak_tflops=matmul_rate / 1e12,
+                   bandwidth_efficiency=1.0, compute_efficiency=compute_efficiency, step_overhead_s=fixed,
+                   weight_dtype_bytes=4, kv_dtype_bytes=4, memory_utilization=1.0)
+
+    def batch(rate):
+        share = rate * admission_s  # the share of the server's time spent admitting requests
+        return max_batch(cfg, ctx, target * (1 - share), **machine) if share < 1 else 0
+
+    ok = [r for r in rates if concurrency(r, admission_s, target, OUT) <= batch(r)]
+    return max(ok) if ok else 0.0
 
 
-sustainable = [r for r in rates if concurrency(r, admission_s, target, OUT) <= predicted_batch(r)]
-predicted_rate = max(sustainable) if sustainable else 0.0
-print(f"TPOT target {target * 1e3:.2f} ms (median); predicted sustainable rate {predicted_rate:.1f} requests/s "
-      f"({WHERE})")
+predicted_rate = predicted_rate_from(overhead, compute_eff)
+bare_rate = predicted_rate_from(bare_overhead, bare_compute_eff)
+print(f"TPOT target {target * 1e3:.2f} ms (median). Predicted sustainable rate: {predicted_rate:.1f} requests/s "
+      f"calibrated on the server, {bare_rate:.1f} calibrated on the model alone ({WHERE})")
 
 # %% [markdown]
 # **Measurement.** An open-loop load (Poisson arrivals at a fixed rate, as chapter 12's client
@@ -350,18 +379,19 @@ print(f"highest rate measured to meet the target: {measured_rate:.1f}/s; predict
 
 # %% [markdown]
 # **Predicted against measured.** The predicted TPOT at each rate solves Little's law and the step
-# time together: $n = \lambda\,(\mathrm{TTFT} + (\text{output}-1)\,\mathrm{TPOT})$ requests in flight,
-# $\mathrm{TPOT} = t_\text{step}(n) / (1 - \lambda\,\mathrm{TTFT}_\text{idle})$.
+# time together: $n = \lambda\,(t_\text{admission} + (\text{output}-1)\,\mathrm{TPOT})$ requests in
+# flight, $\mathrm{TPOT} = t_\text{step}(n) / (1 - \lambda\,t_\text{admission})$, once with the step
+# times measured through the server and once with chapter 05's, of the model alone.
 
 # %%
-def predicted_tpot(rate):
+def predicted_tpot(rate, fixed, per_seq):
     share = rate * admission_s
     if share >= 1:
         return math.inf
     tpot = target
     for _ in range(100):  # fixed point: n = rate * time in system, TPOT = step(n) / (1 - share)
         n = concurrency(rate, admission_s, tpot, OUT)
-        tpot = (overhead + max(n, 1) * per_sequence) / (1 - share)
+        tpot = (fixed + max(n, 1) * per_seq) / (1 - share)
         if tpot > 100 * target:
             return math.inf
     return tpot
@@ -369,14 +399,16 @@ def predicted_tpot(rate):
 
 curve = [r for r in rates if r <= 2 * max(p[0] for p in measured_points)]
 fig, ax = plt.subplots(figsize=(7, 4))
-ax.plot(curve, [predicted_tpot(r) * 1e3 for r in curve], label="planner's prediction")
+ax.plot(curve, [predicted_tpot(r, overhead, per_sequence) * 1e3 for r in curve],
+        label="predicted, calibrated on the server")
+ax.plot(curve, [predicted_tpot(r, bare_overhead, bare_per_sequence) * 1e3 for r in curve], "--",
+        label="predicted, calibrated on the model alone")
 ax.plot([p[0] for p in measured_points], [p[1] * 1e3 for p in measured_points], "o", label="measured, median")
 ax.plot([p[0] for p in measured_points], [p[2] * 1e3 for p in measured_points], "x", label="measured, p90")
-ax.axhline(target * 1e3, color="grey", linestyle="--", label="TPOT target")
-ax.axvline(predicted_rate, color="C0", linestyle=":", label="predicted sustainable rate")
+ax.axhline(target * 1e3, color="grey", linestyle=":", label="TPOT target")
 ax.set(xlabel="arrival rate (requests/s)", ylabel="TPOT (ms)", ylim=(0, 6 * target * 1e3),
        title=f"course server, continuous engine ({WHERE})")
-ax.legend()
+ax.legend(fontsize="small")
 plt.show()
 
 # %%
@@ -385,7 +417,10 @@ server.stop()
 # %% [markdown]
 # Read the plot before the numbers. At low rates the measured TPOT stays near the batch-1 step and
 # the prediction should too; past a knee the queue builds within seconds and the TPOT leaves the
-# target. The distance between the predicted and the measured knee is how wrong this calibration
+# target. The prediction calibrated on the model alone (chapter 05's method) is the optimistic
+# one: the server's step is several times the model's, because scheduling, sampling and streaming
+# every token to its client cost time the model's step does not include. Calibrate on the stack you
+# will serve with, not on its kernels. The distance between the predicted and the measured knee is how wrong this calibration
 # is, and it is rarely small on a CPU that other programs share: the calibration and the load test
 # ran a few seconds each, and a busy moment in either moves the result. What the model leaves out
 # shows up there too: admitting a request is a cost per request that the single-client measurement
