@@ -1,0 +1,99 @@
+"""The capacity planner's static page: its JavaScript agrees with labsupport.planning, on the built
+book page and over a sweep of settings (edge cases included: a TPOT target no batch meets, a KV
+cache that does not fit, tensor parallelism, fp8 and int4 weights, no price).
+
+The browser tests (marked ``book``) drive the system Chromium through the fixtures in conftest.py.
+Screenshots go to _build/screenshots/ for a person to look at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from labsupport import planner_widget as pw
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = "book/14_planner"
+WIDGET = "#c14p-planner"
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+
+READ = (
+    "root => root.querySelector('.pl-results').hidden ? null : Object.fromEntries("
+    "Array.from(root.querySelectorAll('[data-out]')).map(e => [e.dataset.out, e.textContent]))"
+)
+# Set every control as a reader would (a select's change, a number field's input), then read back.
+SET = """(root, settings) => {
+  for (const [key, value] of Object.entries(settings)) {
+    const el = root.querySelector('[data-control="' + key + '"]');
+    el.value = String(value);
+    el.dispatchEvent(new Event(el.tagName === 'SELECT' ? 'change' : 'input', {bubbles: true}));
+  }
+}"""
+
+
+def shown(page):
+    """Every ``data-out`` text the planner displays, by key (None while it shows an input error)."""
+    return page.locator(WIDGET).evaluate(READ)
+
+
+def expected(**settings) -> dict[str, str]:
+    return pw.compute(**settings)[1]
+
+
+def in_toc(source: str) -> bool:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    return f"file: {source}" in yaml.safe_dump(toc)
+
+
+# Each row a setting of the controls (the rest at pw.DEFAULTS) and what makes it worth testing.
+SWEEP = [
+    ({}, "the starting point"),
+    ({"tp": 1}, "70B bf16 weights do not fit one H200: no plan"),
+    ({"tpot_ms": 5}, "a TPOT target no batch meets"),
+    ({"tp": 8, "rate": 50}, "tensor parallel 8"),
+    ({"tp": 4, "gpu": "A100 80GB", "ttft_ms": 100}, "TTFT target missed"),
+    ({"model": "llama-3.1-8b", "tp": 1, "rate": 100}, "8B on one GPU, prefill share large"),
+    (
+        {"model": "llama-3.1-8b", "tp": 1, "rate": 0.2, "output": 1},
+        "one output token, below one request in flight",
+    ),
+    (
+        {"model": "llama-3.1-405b", "gpu": "H100 SXM", "tp": 8, "precision": "fp8 weights and cache"},
+        "405B in fp8",
+    ),
+    ({"model": "llama-3.1-405b", "gpu": "H100 SXM", "tp": 8}, "405B bf16 does not fit 8 H100s"),
+    ({"precision": "int4 weights (group 128), bf16 cache", "tp": 1}, "int4 weights with scales"),
+    ({"precision": "fp8 weights, bf16 cache", "tp": 1, "prompt": 32000, "output": 2000}, "long prompts"),
+    ({"model": "qwen3-0.6b", "gpu": "T4", "tp": 1, "rate": 40}, "a small model on a T4"),
+    ({"model": "mistral-7b-v0.1", "gpu": "L4", "tp": 2, "price": 0}, "no price"),
+    ({"model": "qwen3-0.6b", "tp": 1, "rate": 3000, "output": 5000, "tpot_ms": 200}, "concurrency above 1e5"),
+    ({"bandwidth_pct": 35.5, "compute_pct": 100, "overhead_ms": 0, "price": 2.35}, "other efficiencies"),
+    (
+        {
+            "model": "qwen2-7b",
+            "gpu": "A100 40GB",
+            "tp": 1,
+            "prompt": 3000,
+            "output": 1000,
+            "tpot_ms": 30,
+            "rate": 4.5,
+        },
+        "memory binds before TPOT",
+    ),
+]
+
+
+@pytest.mark.book
+def test_javascript_agrees_with_python_over_a_sweep(page):
+    """The snippet on a blank page (no book needed): every setting in SWEEP shows Python's strings."""
+    page.set_content(f"<html><body>{pw.static_html(element_id='c14p-planner')}</body></html>")
+    page.wait_for_selector(f"{WIDGET}[data-ready='1']")
+    root = page.locator(WIDGET)
+    assert shown(page) == expected()
+    for settings, why in SWEEP:
+        full = {**pw.DEFAULTS, **settings}
+        root.evaluate(SET, full)
+        assert shown(page) == expected(**full), f"JavaScript and Python disagree at {settings} ({why})"
+    assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
