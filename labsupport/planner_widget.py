@@ -154,7 +154,10 @@ def display_values(p: planning.Plan, settings: dict) -> dict[str, str]:
     out = {
         "concurrency": _group(_fixed(p.concurrency, 1)) + " requests",
         "concurrency-note": f"{rate} requests/s x {format_seconds(p.time_in_system_s)} in the system",
-        "headroom": f"+{format_percent(p.headroom)} for bursts",
+        "headroom": (
+            f"Headroom for bursts: +{format_percent(p.headroom)}, for the {BURST_PERCENTILE:g}th percentile of "
+            "requests in the system under Poisson arrivals."
+        ),
         "throughput": format_tokens_per_s(p.output_tokens_per_s) + " out",
         "throughput-note": format_tokens_per_s(p.total_tokens_per_s) + " prompt and output",
         "batch-tpot": (

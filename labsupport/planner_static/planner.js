@@ -177,7 +177,8 @@ function labsupportPlanner(root) {
     const out = {
       "concurrency": group(fixed(p.concurrency, 1)) + " requests",
       "concurrency-note": rate + " requests/s x " + seconds(p.timeInSystem) + " in the system",
-      "headroom": "+" + percent(p.headroom) + " for bursts",
+      "headroom": "Headroom for bursts: +" + percent(p.headroom) + ", for the " + DATA.burst_percentile +
+      "th percentile of requests in the system under Poisson arrivals.",
       "throughput": tokRate(p.outRate) + " out",
       "throughput-note": tokRate(p.allRate) + " prompt and output",
       "batch-tpot": p.batchForTpot

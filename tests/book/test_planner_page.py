@@ -97,3 +97,56 @@ def test_javascript_agrees_with_python_over_a_sweep(page):
         root.evaluate(SET, full)
         assert shown(page) == expected(**full), f"JavaScript and Python disagree at {settings} ({why})"
     assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
+
+
+@pytest.mark.book
+def test_built_page_matches_python_and_follows_the_inputs(page, book_url):
+    if not in_toc(PAGE):
+        pytest.skip(f"{PAGE} is not listed in _toc.yml yet, so the book does not build it")
+    built = ROOT / "_build" / "html" / f"{PAGE}.html"
+    assert built.exists(), f"{PAGE} is in the table of contents but not built: run `make book`"
+    page.route("**/favicon.ico", lambda route: route.fulfill(status=204, body=""))  # as the explainer's test
+    page.set_viewport_size({"width": 1280, "height": 1500})
+    response = page.goto(f"{book_url}/{PAGE}.html", wait_until="load")
+    assert response is not None and response.ok
+    page.wait_for_selector(f"{WIDGET}[data-ready='1']", timeout=10_000)
+
+    default = shown(page)
+    assert default == expected(), "the page's numbers differ from labsupport.planning's"
+    p, _ = pw.compute()
+    assert default["replicas"] == str(p.replicas) and default["batch"] == str(p.batch)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator(WIDGET).screenshot(path=str(SCREENSHOTS / "14_planner_widget.png"))
+
+    # A reader picks tensor parallel 8 from the select, then types a new arrival rate.
+    page.locator(f"{WIDGET} [data-control='tp']").select_option("8")
+    assert shown(page) == expected(tp=8)
+    rate = page.locator(f"{WIDGET} [data-control='rate']")
+    rate.fill("35")
+    assert shown(page) == expected(tp=8, rate=35)
+
+    # Weights that do not fit one GPU: no plan, and the page says why.
+    page.locator(f"{WIDGET} [data-control='tp']").select_option("1")
+    none = shown(page)
+    assert none == expected(tp=1, rate=35)
+    assert none["replicas"] == "none" and "do not fit" in none["memory"]
+    assert "pl-bad" in page.locator(f"{WIDGET} [data-out='verdict']").get_attribute("class")
+
+    # A TPOT target no batch meets, typed by hand.
+    page.locator(f"{WIDGET} [data-control='tp']").select_option("2")
+    page.locator(f"{WIDGET} [data-control='tpot_ms']").fill("5")
+    assert shown(page) == expected(tp=2, rate=35, tpot_ms=5)
+
+    # Bad input: an empty field shows a message instead of numbers, and fixing it brings them back.
+    page.locator(f"{WIDGET} [data-control='tpot_ms']").fill("")
+    assert shown(page) is None
+    assert (
+        page.locator(f"{WIDGET} [data-error]").inner_text()
+        == "The TPOT target must be a number greater than 0."
+    )
+    page.locator(f"{WIDGET} [data-control='tpot_ms']").fill("60")
+    assert shown(page) == expected(tp=2, rate=35, tpot_ms=60)
+
+    page.locator(WIDGET).screenshot(path=str(SCREENSHOTS / "14_planner_widget_moved.png"))
+    page.screenshot(path=str(SCREENSHOTS / "14_planner.png"), full_page=True)
+    assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
