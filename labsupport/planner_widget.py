@@ -64,12 +64,12 @@ PRECISIONS: dict[str, tuple[float, float]] = {
 }
 TENSOR_PARALLEL = [1, 2, 4, 8]
 
-#: Efficiencies measured in chapter 05's H200 run (results/gpu_phases.json, 2026-11-30), rounded:
-#: decode bandwidth over the datasheet's (planning.measured_h200_calibration), a bf16 matmul's
-#: FLOP/s over the dense peak, and the fixed cost of a decode step replayed from a CUDA graph.
-#: tests/test_planner_widget.py checks them against the file.
+#: Efficiencies measured in chapter 05's H200 run (results/gpu_phases.json, 2026-11-30), as
+#: planning.measured_h200_calibration reads them, rounded: decode bandwidth over the datasheet's,
+#: the median prefill rate over the dense bf16 peak, and the fixed cost of a decode step replayed
+#: from a CUDA graph. tests/test_planner_widget.py checks them against the file.
 MEASURED_BANDWIDTH_PCT = 72
-MEASURED_COMPUTE_PCT = 75
+MEASURED_COMPUTE_PCT = 58
 MEASURED_OVERHEAD_MS = 2.74
 
 #: The starting setting (keys as the page's ``data-control``). The price is an example figure,
