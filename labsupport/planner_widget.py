@@ -502,6 +502,7 @@ def static_html(element_id: str | None = None, **settings) -> str:
 def plan_figure(p: planning.Plan, settings: dict, values: dict[str, str] | None = None):
     """A matplotlib Figure: the decode step against the batch, the TPOT target and the memory limit."""
     from matplotlib.figure import Figure  # matplotlib only when plotting
+    from matplotlib.ticker import FuncFormatter
 
     values = values or display_values(p, {**DEFAULTS, **settings})
     curve = step_curve(p, settings)
@@ -526,12 +527,13 @@ def plan_figure(p: planning.Plan, settings: dict, values: dict[str, str] | None 
         ax.axvline(p.batch_in_memory, color=MEMORY_COLOUR, ls=":", lw=1.5)
         ax.text(
             p.batch_in_memory,
-            ax.get_ylim()[0],
-            " " + values["plot-memory"],
+            ax.get_ylim()[1],
+            values["plot-memory"] + " ",
             color=MEMORY_COLOUR,
             fontsize=9,
             rotation=90,
-            va="bottom",
+            va="top",
+            ha="right",
         )
     if p.feasible:
         ax.plot([p.batch], [p.tpot_s * 1e3], "o", color=STEP_COLOUR, ms=9)
@@ -543,6 +545,13 @@ def plan_figure(p: planning.Plan, settings: dict, values: dict[str, str] | None 
             color=STEP_COLOUR,
             fontsize=9,
         )
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    # label the 2s and 5s between the powers of ten too, so the TPOT target can be read off
+    ax.yaxis.set_minor_formatter(
+        FuncFormatter(lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else "")
+    )
     ax.set_xlabel("sequences in the batch (one replica)")
     ax.set_ylabel("milliseconds per decode step")
     ax.set_title("The batch a TPOT target allows", fontsize=11)
