@@ -1,18 +1,21 @@
 """The capacity planner's static page: its JavaScript agrees with labsupport.planning, on the built
 book page and over a sweep of settings (edge cases included: a TPOT target no batch meets, a KV
-cache that does not fit, tensor parallelism, fp8 and int4 weights, no price).
+cache that does not fit, tensor parallelism, fp8 and int4 weights, no price) and over sixty
+settings drawn at random with a fixed seed.
 
 The browser tests (marked ``book``) drive the system Chromium through the fixtures in conftest.py.
 Screenshots go to _build/screenshots/ for a person to look at."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 import yaml
 
 from labsupport import planner_widget as pw
+from labsupport.hardware import GPUS
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = "book/14_planner"
@@ -149,4 +152,41 @@ def test_built_page_matches_python_and_follows_the_inputs(page, book_url):
 
     page.locator(WIDGET).screenshot(path=str(SCREENSHOTS / "14_planner_widget_moved.png"))
     page.screenshot(path=str(SCREENSHOTS / "14_planner.png"), full_page=True)
+    assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
+
+
+def random_settings(rng) -> dict:
+    """A valid setting drawn at random: every select, and numbers across the ranges a reader types."""
+    return {
+        "model": rng.choice(pw.MODELS),
+        "gpu": rng.choice(sorted(GPUS)),
+        "precision": rng.choice(list(pw.PRECISIONS)),
+        "tp": rng.choice(pw.TENSOR_PARALLEL),
+        "rate": round(10 ** rng.uniform(-1.5, 3), rng.choice([0, 1, 2])) or 0.5,
+        "prompt": rng.choice([1, 17, 128, 500, 1000, 2048, 4000, 16384, 100_000]),
+        "output": rng.choice([1, 2, 64, 250, 1000, 8192]),
+        "ttft_ms": rng.choice([50, 200, 500, 1000, 2500, 10_000]),
+        "tpot_ms": rng.choice([5, 10, 20, 33.3, 50, 100, 250]),
+        "bandwidth_pct": rng.choice([20, 50, 60.5, 72, 90, 100]),
+        "compute_pct": rng.choice([10, 35, 58, 80, 100]),
+        "overhead_ms": rng.choice([0, 0.5, 2.74, 10]),
+        "price": rng.choice([0, 0.99, 2, 4, 12.5]),
+    }
+
+
+@pytest.mark.book
+def test_javascript_agrees_with_python_on_random_settings(page):
+    """Sixty settings drawn with a fixed seed, beyond the hand-picked sweep."""
+    rng = random.Random(14)
+    page.set_content(f"<html><body>{pw.static_html(element_id='c14p-planner')}</body></html>")
+    page.wait_for_selector(f"{WIDGET}[data-ready='1']")
+    root = page.locator(WIDGET)
+    kinds = set()
+    for _ in range(60):
+        settings = random_settings(rng)
+        root.evaluate(SET, settings)
+        want = expected(**settings)
+        assert shown(page) == want, f"JavaScript and Python disagree at {settings}"
+        kinds.add(want["verdict"] if want["replicas"] == "none" else "feasible")
+    assert len(kinds) == 3, f"the draw should reach a plan and both kinds of no plan, reached {kinds}"
     assert not page.js_errors, f"JavaScript errors: {page.js_errors}"
