@@ -71,6 +71,8 @@ TENSOR_PARALLEL = [1, 2, 4, 8]
 MEASURED_BANDWIDTH_PCT = 72
 MEASURED_COMPUTE_PCT = 58
 MEASURED_OVERHEAD_MS = 2.74
+MEASURED_DEVICE = "NVIDIA H200"  # the run they come from, as its results file names it
+MEASURED_DATE = "2026-11-30"
 
 #: The starting setting (keys as the page's ``data-control``). The price is an example figure,
 #: not a quote: enter your own.

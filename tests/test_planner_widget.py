@@ -178,6 +178,7 @@ def test_the_default_efficiencies_are_chapter_05s_measurements():
     calibration = planning.measured_h200_calibration(results)
     if calibration is None:
         pytest.skip("no measured run in results/gpu_phases.json")
+    assert calibration.device == pw.MEASURED_DEVICE and calibration.date.startswith(pw.MEASURED_DATE)
     assert round(calibration.bandwidth_efficiency * 100) == pw.MEASURED_BANDWIDTH_PCT
     assert round(calibration.step_overhead_s * 1e3, 2) == pw.MEASURED_OVERHEAD_MS
     assert round(calibration.compute_efficiency * 100) == pw.MEASURED_COMPUTE_PCT
