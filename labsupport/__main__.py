@@ -1,5 +1,5 @@
-"""``python -m labsupport release``, ``grade`` and ``grade-merge``: the instructor commands, which
-live in :mod:`labsupport.course.cli`."""
+"""``python -m labsupport release``, ``grade``, ``grade-merge`` and ``ledger``: the instructor commands,
+which live in :mod:`labsupport.course.cli`."""
 
 import sys
 

@@ -1,5 +1,4 @@
-"""Course commands: ``python -m labsupport release``, ``python -m labsupport grade`` and
-``python -m labsupport grade-merge``."""
+"""Course commands: ``python -m labsupport release``, ``grade``, ``grade-merge`` and ``ledger``."""
 
 from __future__ import annotations
 
@@ -87,9 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     mg.add_argument("--overwrite", action="store_true",
                     help="replace an existing --csv file (the old one is kept as FILE.bak)")
 
+    led = sub.add_parser("ledger", help="tabulate and plot a folder of lab results files, one column per GPU")
+    led.add_argument("folder", help="a folder of results files (searched recursively), or one file; labs save "
+                                    "them to ~/.labsupport/results (or $LABSUPPORT_RESULTS)")
+    led.add_argument("--out", metavar="DIR", help="also write ledger.csv, ledger.md and one plot per lab "
+                                                  "(ledger_<lab>.png) into DIR; files of those names are replaced")
+    led.add_argument("--no-plots", action="store_true", help="with --out, write the CSV and markdown only")
+
     args = parser.parse_args(argv)
     if args.command == "grade-merge":  # no notebook runner needed: runs without the grade extra
         return _merge(args)
+    if args.command == "ledger":  # needs none of the notebook packages
+        from .. import ledger
+
+        return ledger.main(args.folder, args.out, plots=not args.no_plots)
     missing = _missing_tools()
     if missing:
         print(f"{args.command}: needs {', '.join(missing)}, which are not installed. Install them with "
