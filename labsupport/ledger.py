@@ -19,7 +19,7 @@ Each figure has a stable ``name`` (the same in every run of that lab, so runs li
 timing (an acceptance rate, a hit rate) says ``"timing": false``: it stays meaningful when the
 run's timings are not.
 
-:func:`record` writes a file into :func:`results_folder` (``$LABSUPPORT_RESULTS`` if set, else
+:func:`record` writes a file into :func:`results_folder` (``$LABSUPPORT_LEDGER`` if set, else
 ``~/.labsupport/results``) under a name no earlier file has (lab, device, UTC time and a random
 suffix, created exclusively): a run never overwrites another. :func:`collect` reads a folder
 recursively; the book's own GPU results (``results/gpu_<topic>.json``, written by
@@ -49,7 +49,7 @@ from .device import LabSettings
 from .device import settings as current_settings
 
 SCHEMA = "labsupport-ledger/1"
-FOLDER_VAR = "LABSUPPORT_RESULTS"
+FOLDER_VAR = "LABSUPPORT_LEDGER"
 KINDS = {"cuda-gpu": "CUDA GPU", "cpu-interpreter": "CPU interpreter", "cpu": "CPU"}
 NOT_REAL = "timings not real"
 _LAB_KEY = re.compile(r"^\d\d_[a-z0-9_]+$")
@@ -102,7 +102,7 @@ class Run:
 
 
 def results_folder(folder: str | os.PathLike | None = None) -> Path:
-    """Where :func:`record` writes: ``folder`` if given, else ``$LABSUPPORT_RESULTS``, else
+    """Where :func:`record` writes: ``folder`` if given, else ``$LABSUPPORT_LEDGER``, else
     ``~/.labsupport/results``."""
     if folder is not None:
         return Path(folder).expanduser()

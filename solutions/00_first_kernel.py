@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from tqdm.auto import tqdm
 
+from labsupport import ledger
 from labsupport.checks import check_vector_add
 from labsupport.costs import matmul_flops
 from labsupport.device import device
@@ -139,6 +140,22 @@ if unstable:
 if published:
     print(f"datasheet ({published.name}): {published.peak_flops / 1e12:.0f} TFLOP/s, "
           f"{published.hbm_bandwidth / 1e9:.0f} GB/s, ridge {published.ridge_point:.0f} FLOP/byte")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+ledger.record("00_first_kernel", [
+    ledger.Figure("matmul_peak", best_tflops, "TFLOP/s",
+                  f"best {str(matmul_dtype)[6:]} square matmul, n up to {matmul_sizes[-1]}; 2n^3 FLOPs over median time"),
+    ledger.Figure("copy_bandwidth", best_gbps, "GB/s",
+                  f"copy of a {copy_mib[-1]} MiB buffer; bytes read + written over median time"),
+], timings_real=True)  # torch's own matmul and copy: real timings on a CPU too
 
 # %% [markdown]
 # ## What you measured

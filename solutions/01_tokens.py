@@ -35,6 +35,7 @@ import time
 
 import matplotlib.pyplot as plt
 
+from labsupport import ledger
 from labsupport.checks import (
     check_bpe_decode,
     check_bpe_encode,
@@ -90,6 +91,22 @@ timing = benchmark(lambda: BPETokenizer(MERGES).encode(CORPUS), repeats=3)
 n_tokens = len(tok.encode(CORPUS))
 print(f"encoded {len(CORPUS):,} characters into {n_tokens:,} tokens in {timing.median_s * 1e3:.0f} ms: "
       f"{n_tokens / timing.median_s:,.0f} tokens/s, {len(CORPUS) / n_tokens:.2f} characters per token")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# Tokenizers run on the CPU, so the file names the CPU.
+
+# %%
+ledger.record("01_tokens", [
+    ledger.Figure("course_encode_tokens_per_s", n_tokens / timing.median_s, "tokens/s",
+                  f"course BPE tokenizer (Python), the {len(CORPUS):,}-character corpus in one call, fresh cache; median time"),
+], on_cpu=True)
 
 # %% [markdown]
 # ## 2. Byte-level BPE, written by you

@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt
 import torch
 import transformers
 
+from labsupport import ledger
 from labsupport.anatomy import (
     COMPONENTS,
     STEP_PARTS,
@@ -183,6 +184,21 @@ for phase in ("prefill", "decode"):
         p = predicted[phase].get(part, {"flops": 0.0, "bytes": 0.0})
         print(f"   {part:34s} {100 * seconds[part] / step:6.1f}% {100 * p['flops'] / flops:6.1f}% "
               f"{100 * p['bytes'] / read:6.1f}%")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+ledger.record("02_anatomy", [
+    ledger.Figure(f"{phase}_step_ms", unprofiled[phase] * 1e3, "ms",
+                  f"{CFG.name}, {str(DTYPE)[6:]}, prompt {PROMPT}: one {phase} step without the profiler")
+    for phase in ("prefill", "decode")
+], timings_real=True)  # plain torch: real timings on a CPU too
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)

@@ -31,6 +31,7 @@ settings = labsupport.setup()
 import matplotlib.pyplot as plt
 import torch
 
+from labsupport import ledger
 from labsupport.checks import check_arithmetic_intensity
 from labsupport.device import device, lab_dtype
 from labsupport.hardware import match_device_name
@@ -156,6 +157,24 @@ with cpu_threads(THREADS):
     achieved = measure_matmul(shapes, dtype=DTYPE, device=DEVICE)  # FLOP/s
 for shape, rate in zip(shapes, achieved):
     print(f"{str(shape):>20}: {rate / 1e12:8.3f} TFLOP/s")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+dtype_name = str(DTYPE)[6:]
+ledger.record("04_roofline", [
+    ledger.Figure("matmul_peak", peak / 1e12, "TFLOP/s", f"best {dtype_name} square matmul of the sweep; 2n^3 FLOPs over median time"),
+    ledger.Figure("copy_bandwidth", bandwidth / 1e9, "GB/s", "copy of the largest buffer; bytes read + written over median time"),
+    ledger.Figure("ridge_point", ridge, "FLOP/byte", "measured peak over measured copy bandwidth"),
+    *(ledger.Figure(f"matmul_m{m}_d{d}", rate / 1e12, "TFLOP/s", f"{dtype_name} (m, d) x (d, d) matmul; 2m*d^2 FLOPs over median time")
+      for (m, _, _), rate in zip(shapes, achieved)),
+], timings_real=True)  # torch's own matmul and copy: real timings on a CPU too
 
 # %% [markdown]
 # ## 6. Exercise: the arithmetic intensity of a matmul

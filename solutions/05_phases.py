@@ -45,6 +45,7 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
+from labsupport import ledger
 from labsupport.checks import check_decode_bytes, check_prefill_flops
 from labsupport.costs import decode_step_flops, param_count
 from labsupport.device import device, lab_dtype
@@ -173,6 +174,26 @@ by_context = measure_decode(decode_model, [1], contexts, threads=THREADS, repeat
 for point in by_batch + by_context:
     where = f"batch {point.batch:>3} x context {point.context:>7,}"
     print(f"{where}: " + ("out of memory" if point.oom else f"{point.seconds * 1e3:8.2f} ms/step"))
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+dtype_name = str(DTYPE)[6:]
+ledger.record("05_phases", [
+    ledger.Figure("matmul_peak", peak / 1e12, "TFLOP/s", f"best {dtype_name} square matmul, n up to {matmul_sizes[-1]}; 2n^3 FLOPs over median time"),
+    ledger.Figure("copy_bandwidth", copy_bandwidth / 1e9, "GB/s", f"best copy, buffers up to {copy_mib[-1]} MiB; bytes read + written over median time"),
+    *(ledger.Figure(f"prefill_ms_len{pt.prompt_tokens}", pt.seconds * 1e3, "ms", f"{prefill_cfg.name} prefill, batch 1, {dtype_name}; median time")
+      for pt in measured),
+    ledger.Figure("prefill_crossover", fit.crossover, "tokens", f"a/b of the fit a*P + b*P^2 + c to the {prefill_cfg.name} prefill times"),
+    *(ledger.Figure(f"decode_step_b{pt.batch}_ctx{pt.context}", pt.seconds * 1e3, "ms", f"{decode_cfg.name} decode step, {dtype_name}; median time, eager")
+      for pt in by_batch + by_context if not pt.oom),
+], timings_real=True)  # torch code only: real timings on a CPU too
 
 # %% [markdown]
 # ## 4. The FLOPs of a prefill

@@ -33,6 +33,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
+from labsupport import ledger
 from labsupport.checks import check_kv_bytes_per_token, check_max_concurrency
 from labsupport.costs import decode_step_bytes, param_count
 from labsupport.device import device, lab_dtype
@@ -159,6 +160,23 @@ for context, ms in step_ms.items():
 for context in out_of_memory:
     need = decode_step_bytes(CFG, step_batch, context + 1, DTYPE_BYTES, DTYPE_BYTES).cache
     print(f"context {context:6,}: out of memory (the cache alone needs {need / 2**30:.1f} GiB)")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+ledger.record("06_kv_cache", [
+    *(ledger.Figure(f"cache_speedup_new{n}", without / with_cache, "x",
+                    f"{CFG.name}, prompt {prompt_len}: generate time without the cache over with it; medians")
+      for n, with_cache, without in zip(new_tokens, times[True], times[False])),
+    *(ledger.Figure(f"decode_step_b{step_batch}_ctx{context}", ms, "ms", f"{CFG.name} decode step; median time")
+      for context, ms in step_ms.items()),
+], timings_real=True)  # torch code only: real timings on a CPU too
 
 # %%
 measured = list(step_ms)

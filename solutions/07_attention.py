@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from tqdm.auto import tqdm
 
+from labsupport import ledger
 from labsupport.attention import (
     attention_spec,
     flash_attention_hbm_bytes,
@@ -578,6 +579,29 @@ else:
     for r in results:
         print(f"S={r['S']:4d} causal={str(r['causal']):5}  naive {r['naive_time'].median_ms:8.2f} ms   "
               f"yours {r['yours_time'].median_ms:8.2f} ms{r['yours_time'].label()}   SDPA {r['sdpa_time'].median_ms:6.2f} ms")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# In the interpreter the file says its timings are not real: your kernel's time there is Python's.
+
+# %%
+convention = f"{str(bench_dtype)[6:]}, D={bench_dim}, {bench_heads} heads; 4*S^2*D FLOPs per head (halved if causal) over median time"
+ledger.record("07_attention", [
+    *(ledger.Figure(f"{name}_tflops_len{r['S']}_{'causal' if r['causal'] else 'full'}",
+                    r["flops"] / r[f"{key}_time"].median_s / 1e12, "TFLOP/s", f"{label}; {convention}")
+      for r in results for name, key, label in (("flash", "yours", "your kernel"), ("sdpa", "sdpa", "torch SDPA"),
+                                                ("naive", "naive", "naive attention"))
+      if r[f"{key}_time"]),
+    *(ledger.Figure(f"flash_max_error_len{r['S']}_{'causal' if r['causal'] else 'full'}", r["yours_err"], "abs",
+                    "largest |difference| of your kernel from the float32 reference", timing=False)
+      for r in results if r["yours_err"] is not None),
+])
 
 # %% [markdown]
 # ## What you built

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labsupport import ledger
 from labsupport.attention import naive_attention_reference
 from labsupport.checks import check_apply_rope, check_fused_rope, check_llama3_inv_freq
 from labsupport.device import device, gpu_has_bf16
@@ -99,6 +100,21 @@ needed_bytes = 2 * (mq.numel() + mk.numel()) * mq.element_size()  # read once, w
 print(f"{m_tokens} tokens, {str(m_dtype)[6:]}, on {settings.device_name}: {timing.median_ms:.3f} ms{timing.label()}")
 print(f"a fused kernel must move {needed_bytes / 1e6:.1f} MB: the unfused torch version runs at "
       f"{needed_bytes / timing.median_s / 1e9:.2f} GB/s of useful traffic")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+ledger.record("08_position", [
+    ledger.Figure("rope_unfused_bandwidth", needed_bytes / timing.median_s / 1e9, "GB/s",
+                  f"unfused torch RoPE of q ({m_heads} heads) and k ({m_kv_heads} heads), {m_tokens} tokens, "
+                  f"D={m_dim}, {str(m_dtype)[6:]}; bytes read once and written once over median time"),
+], timings_real=True)  # plain torch: a real timing on a CPU too
 
 # %% [markdown]
 # ## 3. Rotary embeddings: rotate every pair by its position

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labsupport import ledger
 from labsupport.bench_precision import gpu_figures, load_bench_log, load_config_sweep, load_results
 from labsupport.checks import check_dequantize_groupwise, check_int8_matmul, check_quantize_groupwise
 from labsupport.device import device, gpu_has_bf16, lab_dtype
@@ -383,6 +384,27 @@ else:
         print(f"{r['M']:4d} {c.total if c else 0:9,} {by.get('w_ptr', 0):9,} {by.get('x_ptr', 0):8,} "
               f"{r['int8_bytes']:9,} {r['dense_bytes']:14,} {r['dense_bytes'] / r['int8_bytes']:5.2f}x {r['err']:12.2e}")
     print("(counted and 'of it' columns are by kernel argument: w_ptr and x_ptr as your kernel names them)")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# The copy and the dense matmul are torch's own, so their times are real on a CPU too; your int8
+# kernel's speedups are recorded only where it was timed, compiled for a GPU.
+
+# %%
+dense_convention = f"(1, {K_DEC}) x ({K_DEC}, {N_DEC}) {str(DTYPE)[6:]} matmul; bytes it must move over median time"
+ledger.record("09_precision", [
+    ledger.Figure("copy_bandwidth", copy_bw / 1e9, "GB/s", "copy of one buffer; bytes read + written over median time"),
+    ledger.Figure("decode_matmul_bandwidth", moved / t_dense / 1e9, "GB/s", dense_convention),
+    *(ledger.Figure(f"int8_speedup_m{r['M']}", r["dense_s"] / r["int8_s"], "x",
+                    f"(M, {K_SW}) x ({K_SW}, {N_SW}), groups of {GROUP_SW}: dense {str(act_dtype)[6:]} median time "
+                    f"over your int8 kernel's") for r in rows if "int8_s" in r),
+], timings_real=True)
 
 # %% [markdown]
 # In the interpreter's count, `W` is read exactly once, and `x` once per column block of programs

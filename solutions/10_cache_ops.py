@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labsupport import ledger
 from labsupport.cache_waste import REQUEST_MIX, concurrent_usage, day_of_requests, waste_over_life
 from labsupport.checks import check_block_allocator, check_paged_attention
 from labsupport.device import device
@@ -195,6 +196,22 @@ print(f"prefill of one {system_len + question_len}-token request on the {where}:
 print(f"  miss (no prefix caching): {t_miss.median_ms:8.2f} ms{t_miss.label()}")
 print(f"  hit  (prefix cached):     {t_hit.median_ms:8.2f} ms{t_hit.label()}")
 print(f"  the hit takes {t_hit.median_s / t_miss.median_s:.0%} of the miss's time")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+request = f"prefill of one {system_len + question_len}-token request ({system_len} shared) on the course model"
+ledger.record("10_cache_ops", [
+    ledger.Figure("prefill_miss_ms", t_miss.median_ms, "ms", f"{request}, no prefix caching; median time"),
+    ledger.Figure("prefill_hit_ms", t_hit.median_ms, "ms", f"{request}, prefix cached; median time"),
+    ledger.Figure("hit_over_miss", t_hit.median_s / t_miss.median_s, "ratio", f"{request}: hit time over miss time"),
+], timings_real=True)  # plain torch: real timings on a CPU too
 
 # %% [markdown]
 # The hit rate falls short of the shared share of each prompt for two reasons: the first request

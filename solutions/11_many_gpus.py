@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labsupport import ledger
 from labsupport.checks import check_ring_all_reduce, check_shard_layer, check_tp_layer_forward
 from labsupport.collectives import ring_bytes_sent, ring_chunk_bounds, time_all_reduce
 from labsupport.distributed import launch
@@ -111,6 +112,26 @@ print(f"{MODEL} ({get_model(MODEL).n_layers} layers), batch {BATCH}, context {CO
 print(f"one process:         {alone['seconds'] * 1e3:7.2f} ms per decode step")
 print(f"two processes (TP):  {split['seconds'] * 1e3:7.2f} ms per decode step, "
       f"logits within {split['max_logit_difference']:.1e} of one process")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# Everything here ran on the CPU (gloo over local TCP), so the file names the CPU.
+
+# %%
+ledger.record("11_many_gpus", [
+    *(ledger.Figure(f"all_reduce_n{r['world_size']}_{r['bytes']}B", r["seconds"] * 1e6, "us",
+                    f"gloo all-reduce of fp32, {r['world_size']} local processes, one thread each; median time")
+      for r in rows),
+    ledger.Figure("decode_step_1_process", alone["seconds"] * 1e3, "ms", f"{MODEL}, batch {BATCH}, context {CONTEXT}; median time"),
+    ledger.Figure("decode_step_2_processes_tp", split["seconds"] * 1e3, "ms",
+                  f"{MODEL}, batch {BATCH}, context {CONTEXT}, tensor parallel over 2 gloo processes; median time"),
+], on_cpu=True)
 
 # %% [markdown]
 # Compare the two lines with the all-reduce table above. The split halves each process's

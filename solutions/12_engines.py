@@ -37,6 +37,7 @@ import threading
 import openai
 import torch
 
+from labsupport import ledger
 from labsupport.bench_serving import format_summary, run_benchmark
 from labsupport.checks import check_kv_capacity
 from labsupport.costs import kv_bytes_per_token, param_count
@@ -216,9 +217,10 @@ for util in (0.9, 0.95):
 # go too.
 
 # %%
+profiles = {}
 for name in ("tiny-2m", "tiny-20m"):
     model = Transformer(get_model(name), seed=0)
-    prof = profile_decode_step(model, context=64, steps=10)
+    prof = profiles[name] = profile_decode_step(model, context=64, steps=10)
     print(f"{name:>9} on {prof['device']} ({WHERE}): step {prof['step_s'] * 1e3:.2f} ms, "
           f"{prof['ops_per_step']} top-level operators per step, between operators "
           f"{prof['python_share']:.0%}")
@@ -229,6 +231,29 @@ for name in ("tiny-2m", "tiny-20m"):
 # the CPU; on this CPU nothing is captured, so it is only the share. The larger model does more arithmetic per operator
 # for the same number of operators, so the share shrinks: launch overhead matters most for small
 # models and small batches, exactly where decode is fastest per step.
+#
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# %%
+load = f"{LOAD['num_prompts']} requests at {LOAD['request_rate']:g}/s (Poisson), {LOAD['output_tokens']} output tokens each"
+ledger.record("12_engines", [
+    *(figure for engine, summary in results.items() for figure in (
+        ledger.Figure(f"{engine}_output_throughput", summary["output_throughput"], "tokens/s",
+                      f"course server, {engine} engine, course-tiny; {load}; output tokens over the run's time"),
+        ledger.Figure(f"{engine}_ttft_p50", summary["ttft_s"]["p50"] * 1e3, "ms",
+                      f"course server, {engine} engine; {load}; nearest-rank median TTFT"))),
+    *(ledger.Figure(f"decode_step_{name.replace('-', '_')}", prof["step_s"] * 1e3, "ms",
+                    "batch-1 decode step, context 64, eager, under torch.profiler") for name, prof in profiles.items()),
+    *(ledger.Figure(f"between_operators_{name.replace('-', '_')}", prof["python_share"], "share",
+                    "share of a profiled decode step spent outside top-level operators") for name, prof in profiles.items()),
+], on_cpu=True)  # the course server runs its model on the CPU: the file names the CPU, real timings
+
+# %% [markdown]
 #
 # ## What you built and measured
 #

@@ -38,6 +38,7 @@ import platform
 import matplotlib.pyplot as plt
 import torch
 
+from labsupport import ledger
 from labsupport.checks import check_sample, check_schedule_step, check_speculative_accept
 from labsupport.engine import Engine, poisson_trace, run_trace, trace_summary
 from labsupport.models import get_model
@@ -330,6 +331,28 @@ print(f"{'':11s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s
 for name, s in summaries.items():
     print(f"{name:11s} {s['throughput']:7.0f} {s['ttft'].p50 * 1e3:9.1f} {s['ttft'].p99 * 1e3:9.1f} "
           f"{s['tpot'].p50 * 1e3:9.2f} {s['tpot'].p99 * 1e3:9.2f}")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_LEDGER` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# This lab runs its model on the CPU even beside a GPU, so the file names the CPU.
+
+# %%
+trace = f"{len(bench_trace)} Poisson requests at 40/s, max 8 running, {CFG.name} fp32 on the CPU, virtual clock"
+ledger.record("13_decode_loop", [
+    *(ledger.Figure(f"decode_step_b{B}", ms, "ms", f"{CFG.name} fp32 engine decode step, one thread; median time")
+      for B, ms in decode_ms.items()),
+    *(figure for name, s in summaries.items() for figure in (
+        ledger.Figure(f"{name}_throughput", s["throughput"], "tokens/s", f"{name} batching; {trace}; output tokens "
+                      "from first arrival to last token"),
+        ledger.Figure(f"{name}_ttft_p50", s["ttft"].p50 * 1e3, "ms", f"{name} batching; {trace}; nearest-rank median"),
+        ledger.Figure(f"{name}_tpot_p50", s["tpot"].p50 * 1e3, "ms", f"{name} batching; {trace}; nearest-rank median"))),
+], on_cpu=True)
 
 # %% [markdown]
 # On a CPU, a step's time grows with the tokens in it almost from the first token (the CPU is

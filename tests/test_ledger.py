@@ -212,3 +212,10 @@ def test_bench_dry_runs_are_marked_not_real(tmp_path):
     broken.write_text(json.dumps({"device": "X", "date": "2026-11-30", "dry_run": False}))
     with pytest.raises(ledger.LedgerError, match="unexpected shape"):
         ledger.load(broken)
+
+
+def test_test_runs_and_the_grader_keep_lab_figures_out_of_the_users_folder():
+    from labsupport.course import nbval_plugin
+
+    assert nbval_plugin.LEDGER_VAR == ledger.FOLDER_VAR
+    assert os.environ[ledger.FOLDER_VAR] != str(Path.home() / ".labsupport" / "results")  # set by the plugin

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     led = sub.add_parser("ledger", help="tabulate and plot a folder of lab results files, one column per GPU")
     led.add_argument("folder", help="a folder of results files (searched recursively), or one file; labs save "
-                                    "them to ~/.labsupport/results (or $LABSUPPORT_RESULTS)")
+                                    "them to ~/.labsupport/results (or $LABSUPPORT_LEDGER)")
     led.add_argument("--out", metavar="DIR", help="also write ledger.csv, ledger.md and one plot per lab "
                                                   "(ledger_<lab>.png) into DIR; files of those names are replaced")
     led.add_argument("--no-plots", action="store_true", help="with --out, write the CSV and markdown only")

@@ -13,7 +13,9 @@
   silently compares nothing): record them with ``make record-outputs``;
 * with pytest-xdist, all the cells of a notebook run on one worker (``--dist loadscope``), since
   they share one kernel;
-* kernels draw figures off-screen (``MPLBACKEND=Agg``), as when outputs are recorded.
+* kernels draw figures off-screen (``MPLBACKEND=Agg``), as when outputs are recorded;
+* the figures labs save to the class ledger (:mod:`labsupport.ledger`) go to a temporary folder,
+  not to ``~/.labsupport/results``, unless ``LABSUPPORT_LEDGER`` names one.
 
 Stored outputs are recorded in Triton's interpreter on a CPU; on a machine with a CUDA GPU the
 problem sizes differ, so outputs are not compared there (``LABSUPPORT_NBVAL_COMPARE=1`` forces it).
@@ -24,12 +26,15 @@ learner's finished notebook to its end.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from .stored_outputs import CHECK_OUTPUT
 
 COMPARE_VAR = "LABSUPPORT_NBVAL_COMPARE"
+LEDGER_VAR = "LABSUPPORT_LEDGER"  # labsupport.ledger.FOLDER_VAR (not imported: this plugin loads before torch)
 
 
 def _nbval_cell(item) -> bool:
@@ -58,6 +63,10 @@ def _compare_outputs() -> bool:
 
 
 def pytest_configure(config):
+    # every test run, notebooks or not: a lab's ledger.record() must not write to the user's folder
+    if LEDGER_VAR not in os.environ:
+        os.environ[LEDGER_VAR] = folder = tempfile.mkdtemp(prefix="labsupport-ledger-")
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
     if not _nbval_on(config):
         return
     # nbval runs a notebook's cells in one kernel: they must not be spread over xdist workers

@@ -26,6 +26,7 @@ from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+from ..ledger import FOLDER_VAR as LEDGER_VAR
 from .sandbox import environment_for_kernel
 
 KERNEL_NAME = "labsupport-python"  # the private kernelspec's name (never "python3")
@@ -148,7 +149,8 @@ def execute(
     ``env`` adds variables to the kernel's environment (this process's own is left alone, so
     several notebooks can run at once); ``quiet`` drops the kernel process's own stderr (start-up
     warnings), which never holds a cell's output. ``sandbox`` runs the kernel inside it (see
-    :mod:`labsupport.course.sandbox`), with only its working folder writable.
+    :mod:`labsupport.course.sandbox`), with only its working folder writable. Figures a lab saves
+    with :func:`labsupport.ledger.record` go to a temporary folder, deleted afterwards.
 
     Raises KernelStartError when the kernel cannot start or dies before its first cell.
     """
@@ -210,7 +212,9 @@ def execute(
         base = os.environ
         if sandbox is not None:
             base = environment_for_kernel()
-        launch = {"env": {**base, "IPYTHONDIR": str(Path(private) / "ipython"), **(env or {})},
+        # the figures a lab saves to the class ledger go to a throwaway folder, not the grader's own
+        ledger = str(Path(private) / "ledger")
+        launch = {"env": {**base, "IPYTHONDIR": str(Path(private) / "ipython"), LEDGER_VAR: ledger, **(env or {})},
                   "cleanup_kc": True}
         if quiet or sandbox is not None:  # a sandboxed kernel writes nothing to the grader's terminal
             launch["stderr"] = subprocess.DEVNULL
