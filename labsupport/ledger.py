@@ -354,17 +354,58 @@ def _attention(data: dict) -> list[Figure]:
     return figs
 
 
-def _timed_rows(prefix: str, key: str, scale: float, unit: str, convention: str, name_of: Callable):
-    def read(data: dict) -> list[Figure]:
-        figs = []
-        for r in data.get("rows", []):
-            value = r.get(key)
-            if isinstance(value, dict):
-                value = value.get("median_s")
-            if isinstance(value, (int, float)):
-                figs.append(Figure(f"{prefix}_{name_of(r)}", value * scale, unit, convention))
-        return figs
-    return read
+def _name(text) -> str:
+    return _slug(str(text)).replace("-", "_")
+
+
+def _cache_ops(data: dict) -> list[Figure]:
+    figs = []
+    labels = {"paged": "course paged-attention kernel, shuffled block table",
+              "paged_in_order": "course paged-attention kernel, in-order block table",
+              "sdpa": "torch SDPA on a contiguous padded cache"}
+    for r in data["rows"]:
+        shape = f"{r['batch']} sequences, {r['tokens']} cached tokens, {r['dtype']}"
+        for key, label in labels.items():
+            if isinstance(r.get(key), dict) and r[key].get("median_s"):
+                figs.append(Figure(f"{key}_us_{_name(r['name'])}", r[key]["median_s"] * 1e6, "us",
+                                   f"{label}; {shape}; median time"))
+                figs.append(Figure(f"{key}_bandwidth_{_name(r['name'])}", r[key]["achieved_Bps"] / 1e9, "GB/s",
+                                   f"{label}; {shape}; formula bytes over median time"))
+    return figs
+
+
+def _launch_overhead(data: dict) -> list[Figure]:
+    figs = []
+    for r in data["rows"]:
+        for key, how in (("eager_s", "eager"), ("captured_s", "replayed from a CUDA graph")):
+            if r.get(key):
+                figs.append(Figure(f"decode_{key[:-2]}_ms_{_name(r['model'])}", r[key] * 1e3, "ms",
+                                   f"{r['model']} decode step, batch {data.get('batch', 1)}, context {r['context']}, "
+                                   f"{how}; median time"))
+    return figs
+
+
+def _many_gpus(data: dict) -> list[Figure]:
+    backend = data.get("backend", "")
+    figs = [Figure(f"all_reduce_n{r['world_size']}_{r['bytes']}B", r["seconds"] * 1e6, "us",
+                   f"{backend} all-reduce, {r['world_size']} processes; median time") for r in data["all_reduce"]]
+    figs += [Figure(f"decode_tp{r['world_size']}_b{r['batch']}_{_name(r['model'])}", r["seconds"] * 1e3, "ms",
+                    f"{r['model']} decode step, batch {r['batch']}, tensor parallel over {r['world_size']} "
+                    f"({backend}); median time") for r in data["decode"] if r.get("seconds")]
+    return figs
+
+
+def _precision(data: dict) -> list[Figure]:
+    figs = []
+    for r in data["rows"]:
+        group = "per channel" if r["group_size"] is None else f"groups of {r['group_size']}"
+        figs.append(Figure(f"int8_speedup_{_name(r['shape'])}_g{r['group_size'] or 0}_m{r['batch']}", r["speedup"], "x",
+                           f"({r['batch']}, {r['K']}) x ({r['K']}, {r['N']}), {group}: dense {data.get('dtype', '')} "
+                           f"median time over the course's int8 kernel's"))
+    if data.get("copy_bandwidth_Bps"):
+        figs.append(Figure("copy_bandwidth", data["copy_bandwidth_Bps"] / 1e9, "GB/s",
+                           "copy of a 1 GiB buffer; bytes read + written over median time"))
+    return figs
 
 
 # topic -> (lab key, function from the bench's JSON to figures). A topic without a reader here is
@@ -372,12 +413,10 @@ def _timed_rows(prefix: str, key: str, scale: float, unit: str, convention: str,
 BENCH_READERS: dict[str, tuple[str, Callable[[dict], list[Figure]]]] = {
     "phases": ("05_phases", _phases),
     "attention": ("07_attention", _attention),
-    "cache_ops": ("10_cache_ops", _timed_rows("paged_attention", "paged", 1e6, "us",
-                                              "course paged-attention decode kernel; median time",
-                                              lambda r: _slug(str(r.get("name", "row"))).replace("-", "_"))),
-    "launch_overhead": ("12_engines", _timed_rows("decode_eager", "eager_s", 1e3, "ms",
-                                                  "batch-1 decode step, eager; median time",
-                                                  lambda r: _slug(str(r.get("model", "model"))).replace("-", "_"))),
+    "precision": ("09_precision", _precision),
+    "cache_ops": ("10_cache_ops", _cache_ops),
+    "many_gpus": ("11_many_gpus", _many_gpus),
+    "launch_overhead": ("12_engines", _launch_overhead),
 }
 
 

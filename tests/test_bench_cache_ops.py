@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from labsupport import bench_cache_ops
+from labsupport import bench_cache_ops, ledger
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -26,6 +26,9 @@ def test_dry_run_writes_results_the_book_never_shows(tmp_path):
             assert row[key]["max_abs_error"] < 1e-4, (row["name"], key)
             assert row[key]["median_s"] > 0 and row[key]["bytes_formula"] > 0
     assert bench_cache_ops.load_results(out) is None  # a dry run is never a measurement
+    run = ledger.load(out)  # the class ledger reads the book's results files too
+    assert run.lab == "10_cache_ops" and not run.timings_real and "dry run" in run.source
+    assert len(run.figures) >= 6 and all(f.value > 0 for f in run.figures)
 
 
 def test_without_a_gpu_the_real_run_refuses(capsys, monkeypatch):

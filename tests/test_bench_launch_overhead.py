@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from labsupport import bench_launch_overhead
+from labsupport import bench_launch_overhead, ledger
 
 
 def test_dry_run_writes_results_the_book_never_shows(tmp_path):
@@ -15,6 +15,9 @@ def test_dry_run_writes_results_the_book_never_shows(tmp_path):
     row = data["rows"][0]
     assert row["eager_s"] > 0 and row["captured_s"] is None and row["ops_per_step"] > 0
     assert bench_launch_overhead.load_results(out) is None
+    run = ledger.load(out)  # the class ledger reads the book's results files too
+    assert run.lab == "12_engines" and not run.timings_real and "dry run" in run.source
+    assert len(run.figures) >= 1 and all(f.value > 0 for f in run.figures)
     assert "not yet measured" in bench_launch_overhead.results_markdown(out)
 
 

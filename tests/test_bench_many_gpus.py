@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from labsupport import bench_many_gpus
+from labsupport import bench_many_gpus, ledger
 
 
 def test_dry_run_writes_results_the_book_never_shows(tmp_path):
@@ -17,6 +17,9 @@ def test_dry_run_writes_results_the_book_never_shows(tmp_path):
     assert [r["world_size"] for r in data["decode"]] == [1, 2]
     assert all(r["max_logit_difference"] < 1e-4 for r in data["decode"])
     assert bench_many_gpus.load_results(out) is None  # a dry run is never a measurement
+    run = ledger.load(out)  # the class ledger reads the book's results files too
+    assert run.lab == "11_many_gpus" and not run.timings_real and "dry run" in run.source
+    assert len(run.figures) >= 5 and all(f.value > 0 for f in run.figures)
     assert "not yet measured" in bench_many_gpus.results_markdown(None)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from labsupport import bench_precision as B
+from labsupport import ledger
 from labsupport.int8_matmul import int8_matmul_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -34,6 +35,9 @@ def test_dry_run_writes_marked_results(tmp_path):
         assert r["max_error"] < 0.1  # the kernel agrees with the dequantised reference (fp16)
         assert r["int8_seconds"] > 0 and r["dense_seconds"] > 0
     assert B.load_results(out) is None  # a dry run never reaches the book
+    run = ledger.parse(ledger.from_bench("precision", data, out), str(out))  # the class ledger reads the book's results files too
+    assert run.lab == "09_precision" and not run.timings_real and "dry run" in run.source
+    assert len(run.figures) >= 2 and all(f.value > 0 for f in run.figures)
 
 
 def test_configs_dry_run_writes_a_table_with_the_course_row_first(tmp_path):
