@@ -355,7 +355,7 @@ def _attention(data: dict) -> list[Figure]:
 
 
 def _name(text) -> str:
-    return _slug(str(text)).replace("-", "_")
+    return _slug(str(text).replace(",", "")).replace("-", "_")  # "32 x 1,024" -> 32_x_1024
 
 
 def _cache_ops(data: dict) -> list[Figure]:

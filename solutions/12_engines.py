@@ -254,7 +254,6 @@ ledger.record("12_engines", [
 ], on_cpu=True)  # the course server runs its model on the CPU: the file names the CPU, real timings
 
 # %% [markdown]
-#
 # ## What you built and measured
 #
 # * The course server with a continuous-batching engine: concurrent requests share forward passes.
