@@ -5,16 +5,6 @@ import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-# Labs save their figures to the class ledger (labsupport.ledger); the notebooks the tests run
-# write them to a throwaway folder, never to ~/.labsupport/results.
-if "LABSUPPORT_RESULTS" not in os.environ:
-    import atexit
-    import shutil as _shutil
-    import tempfile
-
-    os.environ["LABSUPPORT_RESULTS"] = tempfile.mkdtemp(prefix="labsupport-results-")
-    atexit.register(_shutil.rmtree, os.environ["LABSUPPORT_RESULTS"], True)
-
 # Under `pytest -n N` (make test: 2 workers on 2 cores) each worker, and every notebook kernel or
 # script it starts, gets its share of the cores. torch otherwise starts one thread per core in
 # every process, and on a busy machine those threads spin waiting for each other: two lab 10

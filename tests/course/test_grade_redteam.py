@@ -34,7 +34,7 @@ import pytest
 from labsupport.course.sandbox import Sandbox, bwrap_problem, bwrap_sizes_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
-EXERCISE = "04-roofline-017"
+EXERCISE = "04-roofline-019"
 SANDBOX = not bwrap_problem()
 RIGHT = ("def arithmetic_intensity(m, k, n, dtype_bytes):\n"
          "    return 2 * m * k * n / (dtype_bytes * (m * k + k * n + m * n))\n")
@@ -248,9 +248,9 @@ def test_a_cell_added_under_a_course_cells_id_is_still_listed_as_not_run():
     nb = nbformat.read(str(ROOT / "labs" / "04_roofline.ipynb"), as_version=4)
     at = next(i for i, c in enumerate(nb.cells) if c.get("id") == EXERCISE)
     added = nbformat.v4.new_code_cell(RIGHT)
-    added["id"] = "04-roofline-018"  # the check cell's id, on a cell the learner added at the end
+    added["id"] = "04-roofline-020"  # the check cell's id, on a cell the learner added at the end
     nb.cells.append(added)
     nb.cells[at].source = WRONG
     spliced = splice(nb, load_course_cells("04_roofline"))
-    assert spliced.learner == [EXERCISE] and any(e.startswith("04-roofline-018") for e in spliced.extra)
+    assert spliced.learner == [EXERCISE] and any(e.startswith("04-roofline-020") for e in spliced.extra)
     assert "1 added cell(s) not run" in spliced.ignored()

@@ -24,8 +24,8 @@ from labsupport.course.sandbox import bwrap_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAMEWORK = ROOT / "labsupport" / "checks" / "framework.py"
-EXERCISE = "04-roofline-017"
-CHECK_CELL = "04-roofline-018"
+EXERCISE = "04-roofline-019"
+CHECK_CELL = "04-roofline-020"
 SANDBOX = not bwrap_problem()
 needs_bwrap = pytest.mark.skipif(not SANDBOX, reason=f"no sandbox here: {bwrap_problem()}")
 pytestmark = pytest.mark.notebook  # starts Jupyter kernels
@@ -226,7 +226,7 @@ def test_a_recorder_patched_in_memory_is_flagged_and_scores_nothing(graded):
     row = _row(graded, "patch")
     assert (row["status"], row["points"]) == ("failed", "0")
     assert "tampered in memory: labsupport.checks.framework._record comes from" in row["flags"]
-    assert "reported passed in cell 04-roofline-018, which then failed" in row["flags"]
+    assert "reported passed in cell 04-roofline-020, which then failed" in row["flags"]
 
 
 def test_a_check_rebound_in_the_notebook_is_not_the_one_called(graded):

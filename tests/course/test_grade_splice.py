@@ -33,8 +33,8 @@ def _cell(nb, cid):
 
 
 def test_release_records_the_exercise_cells_and_the_names_they_define():
-    assert (FIRST["id"], FIRST["defines"]) == ("05-phases-015", ["prefill_flops"])
-    assert (SECOND["id"], SECOND["defines"]) == ("05-phases-023", ["decode_bytes_per_step"])
+    assert (FIRST["id"], FIRST["defines"]) == ("05-phases-017", ["prefill_flops"])
+    assert (SECOND["id"], SECOND["defines"]) == ("05-phases-025", ["decode_bytes_per_step"])
     released = [c for c in _lab05().cells if c.cell_type == "code"]
     assert [(c["id"], c.source) for c in released] == [(c["id"], c["source"]) for c in COURSE]
 
@@ -42,19 +42,19 @@ def test_release_records_the_exercise_cells_and_the_names_they_define():
 def test_only_the_exercise_cells_are_the_learners():
     nb = _lab05()
     _cell(nb, FIRST["id"]).source = "def helper():\n    return 2\n\ndef prefill_flops(cfg, p, causal=False):\n    return helper()"
-    _cell(nb, "05-phases-016").source = "print('PASSED check_prefill_flops')"  # an edited check cell
+    _cell(nb, "05-phases-018").source = "print('PASSED check_prefill_flops')"  # an edited check cell
     _cell(nb, "05-phases-002").source += "\nimport labsupport.checks.framework as fw"  # an edited import cell
     nb.cells.insert(3, nbformat.v4.new_code_cell("prefill_flops = lambda *a, **k: 42"))  # an added cell
     out = splice(nb, COURSE)
     ran = {c["id"]: c.source for c in out.notebook.cells}
     assert ran[FIRST["id"]].startswith("def helper():")  # the whole exercise cell is theirs, helpers too
-    assert ran["05-phases-016"] == "check_prefill_flops(prefill_flops)"  # the course's check cell ran
+    assert ran["05-phases-018"] == "check_prefill_flops(prefill_flops)"  # the course's check cell ran
     assert "fw" not in ran["05-phases-002"]
     assert "lambda *a, **k: 42" not in "".join(ran.values())
     assert out.learner == [FIRST["id"], SECOND["id"]] and out.moved == [] and out.missing == []
-    assert [e.split(" ")[0] for e in out.edited] == ["05-phases-002", "05-phases-016"]
+    assert [e.split(" ")[0] for e in out.edited] == ["05-phases-002", "05-phases-018"]
     assert len(out.extra) == 1 and "prefill_flops = lambda" in out.extra[0]
-    assert [out.roles[i] for i, c in enumerate(out.notebook.cells) if c["id"] in (FIRST["id"], "05-phases-016")] == [
+    assert [out.roles[i] for i, c in enumerate(out.notebook.cells) if c["id"] in (FIRST["id"], "05-phases-018")] == [
         "learner", "course"]
     assert "1 added cell(s) not run" in out.ignored() and "2 edited course cell(s) ignored" in out.ignored()
 
@@ -77,14 +77,14 @@ def test_a_notebook_with_none_of_the_exercise_cells_is_reported_unmatched_and_no
     nbformat.write(nb, str(tmp_path / "eve_05_phases.ipynb"))
     rows = grade_notebook(tmp_path / "eve_05_phases.ipynb", unsandboxed="a test")
     assert [(r.check, r.points, r.max_points, r.status) for r in rows] == [("-", 0, 10, "unmatched")]
-    assert "exercise cell 05-phases-015 missing (no cell defines prefill_flops)" in rows[0].detail
+    assert "exercise cell 05-phases-017 missing (no cell defines prefill_flops)" in rows[0].detail
     assert "1 added cell(s) not run" in rows[0].ignored
 
 
 def test_only_the_cells_the_checks_need_run():
     out = needed(splice(_lab05(), COURSE))
     ids = [c["id"] for c in out.notebook.cells]
-    assert ids == ["05-phases-001", "05-phases-002", FIRST["id"], "05-phases-016", SECOND["id"], "05-phases-024"]
+    assert ids == ["05-phases-001", "05-phases-002", FIRST["id"], "05-phases-018", SECOND["id"], "05-phases-026"]
     assert [out.roles[i] for i in range(len(ids))] == ["course", "course", "learner", "course", "learner", "course"]
     nb = _lab05()  # a learner's exercise cell that uses a course name pulls in the cell that binds it
     _cell(nb, FIRST["id"]).source = "def prefill_flops(cfg, p, causal=False):\n    return len(measured)"
@@ -99,17 +99,17 @@ def test_results_count_only_from_the_course_check_cells(monkeypatch, tmp_path):
             if cell["id"] == FIRST["id"]:
                 cell.outputs = [nbformat.v4.new_output("display_data", data={RESULT_MIME: {
                     "check": "check_prefill_flops", "passed": True}})]
-            if cell["id"] == "05-phases-016":
+            if cell["id"] == "05-phases-018":
                 cell.outputs = [nbformat.v4.new_output("display_data", data={RESULT_MIME: {
                     "check": "check_prefill_flops", "passed": False, "reason": "failed", "message": "wrong"}})]
-            if cell["id"] == "05-phases-024":  # a pass from a cell that then failed
+            if cell["id"] == "05-phases-026":  # a pass from a cell that then failed
                 cell.outputs = [nbformat.v4.new_output("display_data", data={RESULT_MIME: {
                     "check": "check_decode_bytes", "passed": True}}),
                     nbformat.v4.new_output("error", ename="SystemExit", evalue="", traceback=[])]
         run = Execution(nb)
         run.errors = []
         from labsupport.course.notebooks import CellError
-        index = next(i for i, c in enumerate(nb.cells) if c["id"] == "05-phases-024")
+        index = next(i for i, c in enumerate(nb.cells) if c["id"] == "05-phases-026")
         run.errors.append(CellError(index, "SystemExit", "", nb.cells[index].source))
         return run
 
@@ -118,8 +118,8 @@ def test_results_count_only_from_the_course_check_cells(monkeypatch, tmp_path):
     rows = grade_notebook(tmp_path / "fay_05_phases.ipynb", unsandboxed="a test")
     assert [(r.check, r.points, r.status) for r in rows] == [("check_prefill_flops", 0, "failed"),
                                                            ("check_decode_bytes", 0, "failed")]
-    assert "forged result: check_prefill_flops reported as passed from the learner's cell 05-phases-015" in rows[0].flags
-    assert "check_decode_bytes reported passed in cell 05-phases-024, which then failed" in rows[0].flags
+    assert "forged result: check_prefill_flops reported as passed from the learner's cell 05-phases-017" in rows[0].flags
+    assert "check_decode_bytes reported passed in cell 05-phases-026, which then failed" in rows[0].flags
 
 
 def test_unsandboxed_grading_says_so_on_every_row_and_in_the_table(tmp_path, capsys):
@@ -137,10 +137,10 @@ def test_unsandboxed_grading_says_so_on_every_row_and_in_the_table(tmp_path, cap
 
 
 def test_the_table_names_the_learners_cells_and_what_was_ignored():
-    row = Row("a.ipynb", "check_x", 1, 1, "passed", sandbox="bwrap", learner_cells="05-phases-015",
+    row = Row("a.ipynb", "check_x", 1, 1, "passed", sandbox="bwrap", learner_cells="05-phases-017",
               ignored="1 added cell(s) not run: x")
     table = format_table([row])
-    assert "learner's cells: 05-phases-015" in table and "not run: 1 added cell(s) not run: x" in table
+    assert "learner's cells: 05-phases-017" in table and "not run: 1 added cell(s) not run: x" in table
     assert "UNSANDBOXED" not in table
 
 
