@@ -251,7 +251,7 @@ def test_grading_works_installed_from_a_wheel_without_the_sources(tmp_path):
         rows = list(csv.DictReader(f))
     assert [(r["check"], r["points"], r["max_points"], r["status"]) for r in rows] == [
         ("-", "0", "10", "unmatched")]  # the course's cells come with the package: nothing of theirs to grade
-    assert "exercise cell 00-first-kernel-013 missing (no cell defines add_kernel, vector_add" in rows[0]["detail"]
+    assert "exercise cell 00-first-kernel-015 missing (no cell defines add_kernel, vector_add" in rows[0]["detail"]
 
 
 def test_grading_refuses_without_the_lab_list(tmp_path, monkeypatch, capsys):
