@@ -156,11 +156,17 @@ def make_record(lab: str, figures: Iterable, *, s: LabSettings | None = None, so
     name, kind = (cpu_name(), "cpu") if on_cpu else (s.device_name, device_kind(s))
     if timings_real is None:
         timings_real = True if on_cpu else s.timings_meaningful
-    kept = [_as_figure(f) for f in figures]
-    kept = [f for f in kept if isinstance(f.value, (int, float)) and math.isfinite(f.value)]
+    kept = []
+    for f in map(_as_figure, figures):
+        try:
+            value = float(f.value)  # a numpy or 0-d torch number too
+        except (TypeError, ValueError):
+            raise TypeError(f"figure {f.name!r}: value {f.value!r} is not a number") from None
+        if math.isfinite(value):
+            kept.append(Figure(f.name, value, f.unit, f.convention, f.timing))
     data = {"schema": SCHEMA, "lab": lab, "device": {"name": name, "kind": kind},
             "utc": utc or utc_now(), "versions": versions(s), "timings_real": bool(timings_real),
-            "source": source, "figures": [dict(f.as_dict(), value=float(f.value)) for f in kept]}
+            "source": source, "figures": [f.as_dict() for f in kept]}
     parse(data, f"the record for {lab}")  # a lab's mistake fails here, not in the instructor's ledger
     return data
 

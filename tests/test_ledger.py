@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from labsupport import ledger
 from labsupport.device import settings as current_settings
@@ -90,6 +91,10 @@ def test_unwritable_folder_warns_and_the_lab_goes_on(tmp_path, capsys):
 def test_figures_that_are_not_numbers_are_left_out_and_bad_ones_rejected(tmp_path):
     data = ledger.make_record("05_phases", [*FIGURES, ("oom_point", float("nan"), "ms", "out of memory")], s=gpu())
     assert [f["name"] for f in data["figures"]] == ["matmul_peak", "copy_bandwidth", "hit_rate"]
+    tensor = ledger.make_record("05_phases", [("from_a_tensor", torch.tensor(2.5), "ms", "c")], s=gpu())
+    assert tensor["figures"][0]["value"] == 2.5 and type(tensor["figures"][0]["value"]) is float
+    with pytest.raises(TypeError, match="'bad': value 'fast' is not a number"):
+        ledger.make_record("05_phases", [("bad", "fast", "ms", "c")], s=gpu())
     with pytest.raises(ledger.LedgerError, match="appears twice"):
         ledger.make_record("05_phases", [FIGURES[0], FIGURES[0]], s=gpu())
     with pytest.raises(ledger.LedgerError, match="lab key"):
