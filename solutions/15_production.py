@@ -47,6 +47,7 @@ import time
 import httpx
 import matplotlib.pyplot as plt
 
+from labsupport import ledger
 from labsupport.bench_serving import arrival_times, run_benchmark
 from labsupport.checks import check_open_loop, check_poisson_arrivals, check_slo_report
 from labsupport.load_testing import (
@@ -91,7 +92,8 @@ print(f"unloaded ({WHERE}): TTFT p50 {alone['ttft_s']['p50'] * 1e3:.0f} ms, TPOT
 # within a bucket, so it is coarser than the client's nearest rank).
 
 # %%
-RATES = [round(capacity * f, 1) for f in (0.5, 0.7, 0.85, 1.0, 1.2)]
+LOAD_FACTORS = (0.5, 0.7, 0.85, 1.0, 1.2)  # offered load over the capacity
+RATES = [round(capacity * f, 1) for f in LOAD_FACTORS]
 rows = load_sweep(server, RATES, num_prompts=16, **LOAD)
 print(f"{'rate/s':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'E2E p90':>8} {'peak waiting':>13} {'server TTFT p90':>16}")
 for r in rows:
@@ -115,6 +117,28 @@ ax.set(xlabel="offered load (requests/s, Poisson)", ylabel="TTFT (ms, nearest ra
        title=f"Latency against load, FIFO course server ({WHERE})")
 ax.legend(fontsize=8)
 plt.show()
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_RESULTS` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# The server runs on the CPU, so the file names the CPU.
+
+# %%
+sweep = "FIFO course server, course-tiny, 10 ms step delay, 8 output tokens, 16 Poisson requests per rate"
+ledger.record("15_production", [
+    ledger.Figure("unloaded_ttft_p50", alone["ttft_s"]["p50"] * 1e3, "ms", f"{sweep}; 4 requests one at a time; nearest rank"),
+    ledger.Figure("unloaded_e2e_mean", service_s * 1e3, "ms", f"{sweep}; 4 requests one at a time; mean"),
+    ledger.Figure("capacity", capacity, "requests/s", "1 / unloaded mean E2E (one request at a time)"),
+    *([ledger.Figure("knee", knee, "requests/s", "lowest offered rate whose TTFT p90 exceeds unloaded TTFT + one service time")]
+      if knee is not None else []),
+    *(ledger.Figure(f"ttft_p90_load{factor:g}", r["summary"]["ttft_s"]["p90"] * 1e3, "ms",
+                    f"{sweep}; offered load {factor:g} x capacity; nearest rank") for factor, r in zip(LOAD_FACTORS, rows)),
+], on_cpu=True)
 
 # %% [markdown]
 # Below the knee, TTFT is the prefill plus a short wait; past it, requests queue behind each other
