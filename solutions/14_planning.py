@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from labsupport import costs, planning
+from labsupport import costs, ledger, planning
 from labsupport.bench_serving import run_benchmark
 from labsupport.checks import check_concurrency, check_cost, check_max_batch, check_replicas
 from labsupport.hardware import get_gpu
@@ -138,6 +138,29 @@ for B, t_bare, t_server in zip(batches, bare_s, step_s):
           f"in the server {t_server * 1e3:.2f} ms ({t_server / t_bare:.1f}x)")
 bare_overhead, bare_per_sequence, bare_compute_eff = fit_steps(bare_s)
 print(f"({WHERE})")
+
+# %% [markdown]
+# ### Save your figures to the class ledger
+#
+# `ledger.record` writes this run's figures, with your device, the date and the versions, to a
+# new small file in `~/.labsupport/results/` (or the folder `LABSUPPORT_RESULTS` names); it never
+# replaces an earlier one. An instructor collects the class's files and runs
+# `python -m labsupport ledger FOLDER` to compare everyone's GPUs side by side.
+
+# The server and the model run on the CPU, so the file names the CPU.
+
+# %%
+steps = f"{MODEL_NAME}, fp32, context {ctx}"
+ledger.record("14_planning", [
+    ledger.Figure("copy_bandwidth", copy_bw / 1e9, "GB/s", "copy of a 64 MiB buffer; bytes read + written over median time"),
+    ledger.Figure("matmul_rate", matmul_rate / 1e9, "GFLOP/s", "fp32 512 x 512 matmul; 2n^3 FLOPs over median time"),
+    *(ledger.Figure(f"server_step_b{B}", t * 1e3, "ms", f"course server decode step (TPOT p50), {steps}, batch {B}")
+      for B, t in zip(batches, step_s)),
+    *(ledger.Figure(f"model_step_b{B}", t * 1e3, "ms", f"the model's decode step alone, {steps}, batch {B}; median time")
+      for B, t in zip(batches, bare_s)),
+    ledger.Figure("server_step_overhead", overhead * 1e3, "ms", "fixed part of the fit step = overhead + B x per-sequence"),
+    ledger.Figure("admission", admission_s * 1e3, "ms", "time per request outside decode steps, one request at a time"),
+], on_cpu=True)
 
 # %% [markdown]
 # ## 1. The planner's core
