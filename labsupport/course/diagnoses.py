@@ -21,7 +21,9 @@ which returns a dict of descriptions), and collects
   ``expect_kernel_work``'s ``hint``, with module constants (``LLAMA3_HINT``) resolved;
 * **failures**: ``checker.fail``'s problem text.
 
-Parts of an f-string that are computed at run time (``f"... {n} heads"``) show as ``…``. A hint
+Parts of an f-string that are computed at run time show as the expression in angle brackets
+(``f"... {n} heads"`` reads ``... ⟨n⟩ heads``), or as ``…`` where the expression is too long to
+help a reader (more than :data:`_SHOWN_EXPRESSION` characters). A hint
 computed by a function call (``hint=_block_hint(...)``) is not a literal and is left out; its
 function's own literals are still read when the check reaches it. ``tests/course/test_diagnoses.py``
 compares the table with what the checks actually pass to the :class:`Checker` at run time for
@@ -39,6 +41,7 @@ CHECKS_DIR = Path(__file__).resolve().parent.parent / "checks"
 # the loop variables that name a mistake's description in ``for description, ... in (...)``
 _DESCRIPTION_NAMES = {"description", "desc", "mistake", "why"}
 _RUNTIME = "…"
+_SHOWN_EXPRESSION = 24  # longer run-time expressions show as … (a call's arguments help no reader)
 
 
 @dataclass
@@ -67,7 +70,7 @@ def check_modules(checks_dir: Path | str = CHECKS_DIR) -> dict[str, Path]:
 
 def text_of(node: ast.AST | None, constants: dict[str, ast.AST] | None = None, depth: int = 0) -> list[str]:
     """The strings ``node`` evaluates to when that can be read from the source: a literal, an
-    f-string (run-time parts shown as ``…``), ``a + b``, ``x if c else y`` (both), a module
+    f-string (run-time parts shown as ``⟨expression⟩`` or ``…``, see :func:`_placeholder`), ``a + b``, ``x if c else y`` (both), a module
     constant by name. Anything else gives no string."""
     constants = constants or {}
     if node is None or depth > 8:
@@ -80,7 +83,7 @@ def text_of(node: ast.AST | None, constants: dict[str, ast.AST] | None = None, d
             if isinstance(value, ast.Constant):
                 parts.append(str(value.value))
             else:
-                parts.append(_RUNTIME)
+                parts.append(_placeholder(value, constants, depth))
         return ["".join(parts)]
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = text_of(node.left, constants, depth + 1), text_of(node.right, constants, depth + 1)
@@ -99,6 +102,24 @@ def text_of(node: ast.AST | None, constants: dict[str, ast.AST] | None = None, d
             return [t for sub in ast.walk(fn) if isinstance(sub, ast.Return)
                     for t in text_of(sub.value, scope, depth + 1)]
     return []
+
+
+def _placeholder(value: ast.FormattedValue, constants: dict[str, ast.AST], depth: int) -> str:
+    """What a part of an f-string shows: a module constant's text where it is one (``{RULE}``,
+    ``{NO_COPY[0]}`` of a tuple of strings); else the run-time expression, ``{n}`` -> ``⟨n⟩``,
+    ``{first - 1}`` -> ``⟨first - 1⟩`` (format spec and conversion dropped), or ``…`` if long."""
+    node = value.value
+    if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, int) and isinstance(node.value, ast.Name)
+            and isinstance(constants.get(node.value.id), (ast.Tuple, ast.List))):
+        items = constants[node.value.id].elts
+        node = items[node.slice.value] if -len(items) <= node.slice.value < len(items) else node
+    if isinstance(node, (ast.Name, ast.Constant)) or node is not value.value:
+        known = text_of(node, constants, depth + 1)
+        if len(known) == 1:
+            return known[0]
+    expression = ast.unparse(value.value)
+    return f"⟨{expression}⟩" if len(expression) <= _SHOWN_EXPRESSION else _RUNTIME
 
 
 def _scope(fn: ast.AST, constants: dict) -> dict:
@@ -271,17 +292,23 @@ def _escape(text: str) -> str:
     return "".join(parts)
 
 
+def _plain_roles(text: str) -> str:
+    """A docstring's Sphinx cross-references as plain code: ``:mod:`~a.b``` -> ```a.b```."""
+    return re.sub(r":[a-z]+(?::[a-z]+)?:`~?([^`]+)`", r"`\1`", text)
+
+
 def markdown(key: str, checks_dir: Path | str = CHECKS_DIR) -> str:
     """The lab's checks as Markdown: for each, its points and docstring, then the mistakes it
-    names, its hints and the other failures it reports."""
+    names, its hints and the other failures it reports. A note says how run-time values show."""
     lines = []
     table = diagnose_lab(key, checks_dir)
     total = sum(c.points or 0 for c in table)
     lines.append(f"The lab has {len(table)} graded check{'s' if len(table) != 1 else ''}, "
-                 f"{total:g} points in all.\n")
+                 f"{total:g} points in all. In the messages below, ⟨n⟩ stands for a value the check fills "
+                 f"in when it runs (here, the expression that computes it) and … for a longer one.\n")
     for check in table:
         points = f"{check.points:g} points" if check.points is not None else "points not a literal"
-        lines.append(f"**`{check.name}`** ({points}). {_escape(check.doc)}\n")
+        lines.append(f"**`{check.name}`** ({points}). {_escape(_plain_roles(check.doc))}\n")
         for title, items in (("Mistakes it recognises and names", check.mistakes),
                              ("Hints it gives", check.hints),
                              ("Other failures it reports", check.failures)):

@@ -71,9 +71,9 @@ def test_a_newly_named_mistake_appears(tmp_path):
     (check,) = diagnoses.diagnose_lab("42_width", tmp_path)
     assert (check.name, check.points, check.doc) == ("check_width", 7, "fn(x) must return the width.")
     assert set(check.mistakes) == {"the heads are counted twice (a planted mistake)",
-                                   "the width is left out entirely", "the width of … is squared"}
+                                   "the width is left out entirely", "the width of ⟨x⟩ is squared"}
     assert check.hints == ["multiply the width by the number of heads", "return x itself, not a multiple."]
-    assert check.failures == ["the width … is far too large."]
+    assert check.failures == ["the width ⟨x⟩ is far too large."]
     # a mistake added to the source shows in the next table
     (tmp_path / "lab42_width.py").write_text(MODULE.replace(
         '"short": 3,', '"short": 3,\n        "the width is given in bits, not bytes": 8 * x,'))
@@ -103,6 +103,23 @@ def test_pairs_and_hint_defaults(tmp_path):
     assert "the table changed after a failed call." in check.failures
 
 
+def test_run_time_values_read_as_their_expressions_and_constants_as_their_text(tmp_path):
+    (tmp_path / "lab44_values.py").write_text(textwrap.dedent('''
+        from .framework import graded
+        IN_PLACE = ("the block is written in place", "copy it first.")
+
+        @graded(points=2)
+        def check_values(fn, checker):
+            """Like :func:`~labsupport.kvcache.kv_bytes` by :data:`RULE`."""
+            checker.fail(None, f"block {n} of {total - 1} holds {sorted(set(a) - set(b))[:3]}; as when {IN_PLACE[0]}.")
+    '''))
+    (check,) = diagnoses.diagnose_lab("44_values", tmp_path)
+    assert check.failures == ["block ⟨n⟩ of ⟨total - 1⟩ holds …; as when the block is written in place."]
+    md = diagnoses.markdown("44_values", tmp_path)
+    assert "Like `labsupport.kvcache.kv_bytes` by `RULE`." in md and ":func:" not in md
+    assert "⟨n⟩ stands for a value the check fills in" in md
+
+
 def test_markdown_escapes_outside_code_only():
     assert diagnoses._escape("costs $5 and ``a_b * c`` or n_kv * 2") == r"costs \$5 and ``a_b * c`` or n\_kv \* 2"
 
@@ -127,9 +144,10 @@ RUNTIME = ["03_journey", "04_roofline", "06_kv_cache", "12_engines"]
 
 
 def _pattern(entry: str) -> re.Pattern:
-    """An entry of the static table as a pattern: ``…`` stands for any run-time text."""
+    """An entry of the static table as a pattern: ``…`` and ``⟨expression⟩`` stand for any run-time text."""
     entry = entry.split(" (fix: ")[0]
-    return re.compile("".join(".*?" if part == "…" else re.escape(part) for part in re.split("(…)", entry)), re.S)
+    parts = re.split("(…|⟨[^⟩]*⟩)", entry)
+    return re.compile("".join(".*?" if i % 2 else re.escape(part) for i, part in enumerate(parts)), re.S)
 
 
 @pytest.mark.parametrize("key", RUNTIME)
