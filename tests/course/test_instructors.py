@@ -39,6 +39,19 @@ def test_every_lab_has_a_session_plan(key):
     assert f"/labs/{key}`" in text, f"{page.name} does not link its lab"
 
 
+SECTIONS = re.compile(r"\bsections? (\d+)((?:(?:,| and| to) \d+)*)", re.I)
+
+
+@pytest.mark.parametrize("key", list(diagnoses.check_modules()))
+def test_the_lab_sections_a_plan_names_exist(key):
+    """"section 3 of the lab" in a session plan is a numbered section of that lab's notebook."""
+    text = " ".join(_page(key).read_text().split())
+    numbered = set(re.findall(r"^# ## (\d+)\. ", (ROOT / "solutions" / f"{key}.py").read_text(), re.M))
+    named = [(m.group(0), n) for m in SECTIONS.finditer(text) for n in re.findall(r"\d+", m.group(0))]
+    missing = [(phrase, n) for phrase, n in named if n not in numbered]
+    assert not missing, f"{key}: the plan names lab sections the lab does not have: {missing} (it has {sorted(numbered)})"
+
+
 def test_outline_rules():
     rows = sessions.parse_outline(["10 | Recap", "", "80 | Lab"])
     assert rows == [(10, "Recap"), (80, "Lab")]
