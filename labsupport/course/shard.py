@@ -289,7 +289,7 @@ def shard_header(shard: Shard, notebooks: list[Path], paths: list[str], options:
         "course": course_fingerprint(),
         "options": {k: options.get(k) for k in SCORING_OPTIONS},
         "submissions": {"paths": [_text(p) for p in paths], "count": len(notebooks),
-                        "sha256": submissions_digest(notebooks)},
+                        "sha256": submissions_digest(notebooks), "notebooks": [_text(p) for p in notebooks]},
         "expected": len(deal(notebooks, shard)),
         "host": socket.gethostname(), "jobs": jobs,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -375,6 +375,21 @@ def shard_paths(arguments: Iterable[str]) -> list[Path]:
     return unique
 
 
+def _list_difference(a: dict, b: dict, shown: int = 3) -> str:
+    """``; only the first has x.ipynb; only the second has y.ipynb`` from two shards' lists of
+    notebooks (empty when a shard file has no list, or the lists hold the same notebooks)."""
+    first, second = a.get("notebooks"), b.get("notebooks")
+    if not isinstance(first, list) or not isinstance(second, list):
+        return ""
+    parts = []
+    for label, mine, theirs in (("the first", first, second), ("the second", second, first)):
+        only = [p for p in mine if p not in set(theirs)]
+        if only:
+            more = f" and {len(only) - shown} more" if len(only) > shown else ""
+            parts.append(f"only {label} has {', '.join(map(str, only[:shown]))}{more}")
+    return "".join(f"; {part}" for part in parts)
+
+
 def _differ(name: str, first: tuple[Path, object], other: tuple[Path, object], what: str) -> ShardError:
     return ShardError(f"{first[0]} and {other[0]} were graded with different {name} ({first[1]} and "
                       f"{other[1]}): {what}")
@@ -414,9 +429,10 @@ def merge(arguments: Iterable[str]) -> tuple[list[Row], list[dict]]:
         a, b = first["submissions"], data["submissions"]
         if (a.get("sha256"), a.get("count")) != (b.get("sha256"), b.get("count")):
             raise ShardError(f"{first_path} and {path} were given different submissions ({a.get('count')} and "
-                             f"{b.get('count')} notebooks, from {a.get('paths')} and {b.get('paths')}): the "
-                             f"submissions changed between shards, or the shards were given other paths or "
-                             f"the same in another order. Grade every shard again with the same paths")
+                             f"{b.get('count')} notebooks, from {a.get('paths')} and {b.get('paths')}"
+                             f"{_list_difference(a, b)}): the submissions changed between shards, or the shards "
+                             f"were given other paths or the same in another order. Grade every shard again "
+                             f"with the same paths")
     # every shard exactly once
     by_index: dict[int, list[Path]] = {}
     for path, data in shards:

@@ -247,6 +247,7 @@ def test_shards_of_different_splits_courses_options_or_classes_are_refused(cheap
     err = _merge_error(capsys, str(shards / "shard-0-of-3.json"), str(shards / "shard-1-of-3.json"),
                        str(other / "shard-2-of-3.json"))
     assert "were given different submissions (5 and 6 notebooks" in err
+    assert f"only the second has {folder / 'fay_04_roofline.ipynb'})" in err and "only the first" not in err
 
     damaged = json.loads((shards / "shard-1-of-3.json").read_text())
     damaged["course"]["lab_checks_sha256"] = "0" * 64  # as written by a checkout with other checks
