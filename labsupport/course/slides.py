@@ -141,6 +141,9 @@ def _inline(page: str, folder: Path) -> str:
 def lab_notebooks(labs_dir: Path, only: list[str] | None = None) -> list[Path]:
     """The learner notebooks in ``labs_dir``, or those whose name starts with one of ``only``."""
     found = sorted(labs_dir.glob("[0-9][0-9]_*.ipynb"))
+    if not found:
+        raise SlidesError(f"no lab notebooks (NN_topic.ipynb) in {labs_dir}; give the folder of learner "
+                          f"notebooks (labs/, which `make release` writes)")
     if only:
         found = [p for p in found if any(p.stem.startswith(o) for o in only)]
         unknown = [o for o in only if not any(p.stem.startswith(o) for p in found)]

@@ -86,6 +86,14 @@ def test_solution_notebooks_are_refused(tmp_path):
         slides.refuse_solutions(nb, "edited.ipynb")
 
 
+def test_a_folder_without_lab_notebooks_is_refused(tmp_path):
+    (tmp_path / "notes.ipynb").write_text("{}")
+    for folder in (tmp_path, tmp_path / "missing"):
+        with pytest.raises(slides.SlidesError, match="no lab notebooks"):
+            slides.build(tmp_path / "out", folder)
+    assert not (tmp_path / "out").exists()  # nothing written, not even an empty index
+
+
 def test_headings_inside_a_cell_and_fences():
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_markdown_cell("# Title\n\nintro\n\n## One\n\ntext\n```\n# not a heading\n```\n### Deeper"),
