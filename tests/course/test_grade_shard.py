@@ -343,6 +343,11 @@ def test_the_kubernetes_manifests_are_an_indexed_job_and_its_merge():
     merge = next(d for d in yaml.safe_load_all((SCRIPTS / "k8s_merge_job.yaml").read_text()) if d)
     merge_command = " ".join(merge["spec"]["template"]["spec"]["containers"][0]["command"])
     assert "-m labsupport grade-merge" in merge_command
+    # both run as the image's non-root user, with the results volume made writable for it
+    for pod in (spec["template"]["spec"], merge["spec"]["template"]["spec"]):
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] and context["runAsUser"] == context["fsGroup"] == 1000
+    assert "useradd --create-home --uid 1000 grader" in (SCRIPTS / "Dockerfile").read_text()
 
 
 # -- containers ----------------------------------------------------------------------------------
