@@ -39,7 +39,7 @@ def test_every_lab_has_a_session_plan(key):
     assert f"/labs/{key}`" in text, f"{page.name} does not link its lab"
 
 
-SECTIONS = re.compile(r"\bsections? (\d+)((?:(?:,| and| to) \d+)*)", re.I)
+SECTIONS = re.compile(r"\b(?:sections?|parts?) (\d+)((?:(?:,| and| to) \d+)*)", re.I)
 
 
 @pytest.mark.parametrize("key", list(diagnoses.check_modules()))
