@@ -55,20 +55,41 @@ Units and conventions (each in the parameter's name where it can be):
 * **KV cache** (chapter 06): ``2 * n_layers * n_kv_heads * head_dim * kv_dtype_bytes`` bytes per
   token, **KV heads, not query heads** (:func:`labsupport.costs.kv_bytes_per_token`). A replica has
   ``memory_utilization * tp * memory_gib * 2**30`` bytes (vLLM's ``gpu_memory_utilization``, 0.9 by
-  default), of which the weights take ``param_count * weight_dtype_bytes`` and the cache gets the
-  rest; :func:`max_batch_in_memory` fits ``batch`` sequences of ``context_tokens`` each in it.
+  default: the fraction of each GPU's total memory the whole engine instance may use), of which the
+  weights take ``param_count * weight_dtype_bytes`` and the cache gets the rest;
+  :func:`max_batch_in_memory` fits ``batch`` sequences of ``context_tokens`` each in it. vLLM also
+  takes out of that fraction the peak activation memory it profiles at startup (it grows with
+  ``max_num_batched_tokens``), memory outside PyTorch's allocator (NCCL, the CUDA context) and, in
+  recent versions, an estimate of its CUDA graphs, so its cache is smaller than this bound: read
+  the engine's startup log ("Available KV cache memory") and lower ``memory_utilization`` to match.
 * **The plan** (:func:`plan`) prices the decode step at the mean context of a running sequence,
   ``mean prompt + mean output / 2`` (with continuous batching the batch holds sequences at every
-  stage), sizes memory for sequences at full length at the ``percentile``-th percentile of
-  ``prompt + output``, and inflates the decode step by the share of GPU time spent prefilling
-  (``step / (1 - prefill_share)``: prefill and decode take turns on the same GPU). The share is the
+  stage; given samples of the output lengths, the mean is weighted by each request's decode steps,
+  :func:`_running_context`, since long answers sit in more steps). It sizes memory for every batch
+  slot holding a sequence at full length at the ``percentile``-th percentile of ``prompt + output``:
+  a conservative bound, since a paged cache only holds what each sequence has reached (on average
+  about the step's context) and an engine that runs out preempts a request rather than failing.
+  It inflates the decode step by the share of GPU time spent prefilling
+  (``step / (1 - prefill_share)``: prefill and decode take turns on the same GPU; this is the mean
+  TPOT, and the steps that carry a prefill chunk are longer than the rest). The share is the
   arrival rate per replica times a prompt's prefill FLOPs over the achieved compute rate
   (:func:`prefill_compute_time`: batched with decode steps, a prefill adds its arithmetic, not
   another read of the weights). TTFT is predicted as a prompt's prefill on its own
-  (:func:`prefill_time`) plus one decode step; queueing is not modelled. Replicas are
-  sized for the ``burst_percentile``-th percentile of concurrency under Poisson arrivals (the number
-  of requests in an M/G/infinity system is Poisson with mean ``arrival_rate * time_in_system``)
-  unless a ``headroom`` fraction is given.
+  (:func:`prefill_time`) plus one decode step; queueing is not modelled.
+* **Little's law in the plan** counts the requests holding a batch slot and a cache, so its time
+  is the time in the running batch, ``prefill + (mean output - 1) * TPOT target``: a request
+  waiting in the engine's queue holds neither (vLLM allocates its cache blocks when it is
+  scheduled), so queueing delay adds to latency but not to the batch. The TPOT *target*, not the
+  predicted TPOT, is used: a plan whose replicas run faster than the target holds fewer requests
+  at a time than it sized for (conservative). **Utilisation** is that mean concurrency over the
+  fleet's batch slots (``replicas x batch``): the share of slots in use on average, not the share
+  of time the GPUs are busy.
+* Replicas are sized for the ``burst_percentile``-th percentile of concurrency under Poisson
+  arrivals (the number of requests in an M/G/infinity system is Poisson with mean
+  ``arrival_rate * time_in_system``) unless a ``headroom`` fraction is given.
+* **Cost** is given per million output tokens and per million tokens counting prompts too
+  (``Plan.cost_per_million_output_tokens``, ``Plan.cost_per_million_tokens``): the same fleet and
+  price over two token counts, so the second is always the smaller; say which one you quote.
 """
 
 from __future__ import annotations
@@ -438,6 +459,28 @@ def _lengths(name: str, value) -> tuple[float, float]:
     return sum(samples) / len(samples), samples
 
 
+def _running_context(mean_prompt: float, prompt_samples, output_samples, mean_output: float) -> float:
+    """Mean context of a sequence in a decode step, over the steps (what a step's KV read averages).
+
+    A request with prompt ``p`` and output ``o`` is in ``o - 1`` decode steps, at contexts ``p + 1`` to
+    ``p + o - 1``: ``p + o / 2`` on average. A step samples requests in proportion to their steps (a
+    long answer sits in many more steps than a short one), so over a workload the mean is
+    ``sum((o - 1) * (p + o / 2)) / sum(o - 1)``. With every output of one length that is
+    ``mean prompt + mean output / 2``; with a spread of output lengths it is larger, by about
+    ``variance(o) / (2 * mean(o))``, and taking the plain means would underprice the step.
+    """
+    if output_samples is None:
+        return mean_prompt + mean_output / 2
+    if prompt_samples is not None and len(prompt_samples) == len(output_samples):
+        pairs = list(zip(prompt_samples, output_samples))
+    else:  # prompts and outputs not paired: the mean prompt for each
+        pairs = [(mean_prompt, o) for o in output_samples]
+    steps = sum(o - 1 for _, o in pairs)
+    if steps == 0:  # every answer is one token: no decode steps at all
+        return mean_prompt + mean_output / 2
+    return sum((o - 1) * (p + o / 2) for p, o in pairs) / steps
+
+
 @dataclass(frozen=True)
 class Plan:
     """What :func:`plan` returns. Times in seconds, memory in bytes, rates per second."""
@@ -446,7 +489,7 @@ class Plan:
     arrival_rate: float  # requests per second
     mean_prompt_tokens: float
     mean_output_tokens: float
-    step_context_tokens: int  # context the decode step is priced at (mean prompt + mean output / 2)
+    step_context_tokens: int  # context the decode step is priced at: a running sequence's mean (_running_context)
     memory_context_tokens: int  # context memory is sized for (percentile of prompt + output)
     # one replica
     gpus_per_replica: int  # the tensor-parallel degree
@@ -527,7 +570,7 @@ def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_
     else:
         memory_context = math.ceil(prompt_p + (nearest_rank(output_samples, percentile)
                                                if output_samples else mean_output))
-    step_context = math.ceil(mean_prompt + mean_output / 2)
+    step_context = math.ceil(_running_context(mean_prompt, prompt_samples, output_samples, mean_output))
 
     prefill_mean = prefill_time(cfg, math.ceil(mean_prompt), weight_dtype_bytes=weight_dtype_bytes, **hardware)
     prefill_p = prefill_time(cfg, math.ceil(prompt_p), weight_dtype_bytes=weight_dtype_bytes, **hardware)

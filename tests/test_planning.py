@@ -197,6 +197,21 @@ def test_plan_with_length_samples_uses_the_percentile_for_memory():
     assert p.step_context_tokens == math.ceil(890 + 100)
 
 
+def test_plan_weights_the_step_context_by_decode_steps():
+    # long answers sit in many more decode steps than short ones: the mean context a step reads is
+    # sum((o - 1) * (p + o / 2)) / sum(o - 1), not mean prompt + mean output / 2
+    outputs = [10] * 90 + [1000] * 10
+    p = _plan(prompt_tokens=100, output_tokens=outputs)
+    weighted = (90 * 9 * (100 + 5) + 10 * 999 * (100 + 500)) / (90 * 9 + 10 * 999)
+    assert p.step_context_tokens == math.ceil(weighted) == 563
+    assert p.step_context_tokens > math.ceil(100 + sum(outputs) / len(outputs) / 2)
+    # paired samples: a long prompt with a long answer weighs more
+    paired = _plan(prompt_tokens=[100] * 90 + [4000] * 10, output_tokens=outputs)
+    assert paired.step_context_tokens == math.ceil((90 * 9 * 105 + 10 * 999 * 4500) / (90 * 9 + 10 * 999))
+    # one-token answers have no decode steps: the plain means
+    assert _plan(prompt_tokens=100, output_tokens=[1, 1]).step_context_tokens == math.ceil(100 + 0.5)
+
+
 def test_plan_with_an_explicit_headroom_and_tensor_parallelism():
     p = _plan(arrival_rate=50, headroom=0.5)
     assert p.headroom == 0.5 and not any("Poisson" in n for n in p.notes)

@@ -133,6 +133,35 @@ def test_max_batch_mistakes(flags, needle):
     fails(check_max_batch, planted_batch(**flags), needle)
 
 
+def planted_batch_step(mode):
+    """max_batch by bisection with the step time written wrong one way (review of chapter 14)."""
+
+    def max_batch(cfg, context_tokens, tpot_s, *, memory_gib, bandwidth_gb_s, peak_tflops, bandwidth_efficiency,
+                  compute_efficiency, step_overhead_s=0.0, weight_dtype_bytes=2, kv_dtype_bytes=2,
+                  memory_utilization=0.9, tensor_parallel=1):
+        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_dtype_bytes
+        weights = param_count(cfg) * weight_dtype_bytes
+        bw = tensor_parallel * bandwidth_gb_s * 1e9 * bandwidth_efficiency
+        peak = tensor_parallel * peak_tflops * 1e12 * compute_efficiency
+        attention = 0 if mode == "no attention" else 4 * cfg.n_layers * context_tokens * cfg.n_heads * cfg.head_dim
+
+        def step(b):
+            memory, compute = (weights + b * context_tokens * per_token) / bw, b * (2 * param_count(cfg) + attention) / peak
+            return (memory + compute if mode == "sum" else max(memory, compute)) + step_overhead_s
+
+        by_time = lab._largest(step, tpot_s)
+        budget = memory_utilization * tensor_parallel * memory_gib * 2**30
+        return min(by_time, max(0, math.floor((budget - weights) / (context_tokens * per_token))))
+
+    return max_batch
+
+
+@pytest.mark.parametrize("mode", ["sum", "no attention"])
+def test_max_batch_rejects_a_wrong_step_time(mode):
+    # the memory and compute times added instead of the larger taken; the attention FLOPs left out
+    fails(check_max_batch, planted_batch_step(mode), "batch")
+
+
 def test_max_batch_must_be_a_whole_number():
     right = planted_batch()
     fails(check_max_batch, lambda *a, **k: float(right(*a, **k)), "return a whole number")
