@@ -53,7 +53,9 @@ Units and conventions (each in the parameter's name where it can be):
   With tensor parallelism (``tensor_parallel``, ``tp``) the bytes and FLOPs are split evenly over
   ``tp`` GPUs; the all-reduces between them are not counted (they go into the overhead).
 * **KV cache** (chapter 06): ``2 * n_layers * n_kv_heads * head_dim * kv_dtype_bytes`` bytes per
-  token, **KV heads, not query heads** (:func:`labsupport.costs.kv_bytes_per_token`). A replica has
+  token, **KV heads, not query heads** (:func:`labsupport.costs.kv_bytes_per_token`). (With a
+  tensor-parallel degree above the number of KV heads, vLLM replicates KV heads across the GPUs,
+  so the cache per token grows; the planner does not model that case.) A replica has
   ``memory_utilization * tp * memory_gib * 2**30`` bytes (vLLM's ``gpu_memory_utilization``, 0.9 by
   default: the fraction of each GPU's total memory the whole engine instance may use), of which the
   weights take ``param_count * weight_dtype_bytes`` and the cache gets the rest;
@@ -86,7 +88,10 @@ Units and conventions (each in the parameter's name where it can be):
   of time the GPUs are busy.
 * Replicas are sized for the ``burst_percentile``-th percentile of concurrency under Poisson
   arrivals (the number of requests in an M/G/infinity system is Poisson with mean
-  ``arrival_rate * time_in_system``) unless a ``headroom`` fraction is given.
+  ``arrival_rate * time_in_system``) unless a ``headroom`` fraction is given. That is the fleet's
+  percentile, so it assumes a router that sends each request to a replica with a free slot; a
+  router that spreads requests at random (or round robin) gives each replica its own stream of
+  mean ``concurrency / replicas``, whose spread is relatively larger and needs more headroom.
 * **Cost** is given per million output tokens and per million tokens counting prompts too
   (``Plan.cost_per_million_output_tokens``, ``Plan.cost_per_million_tokens``): the same fleet and
   price over two token counts, so the second is always the smaller; say which one you quote.
