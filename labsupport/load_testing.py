@@ -172,6 +172,13 @@ def closed_loop_latencies(duration_s: float, service_s: float, stall: tuple[floa
     return out
 
 
+class _Server(ThreadingHTTPServer):
+    # a class attribute, read when the socket starts listening: http.server's default backlog of 5
+    # drops connections when dozens arrive at once on a busy machine, and the client retries 1 s later
+    request_queue_size = 128
+    daemon_threads = True
+
+
 class SlowService:
     """A real HTTP service on 127.0.0.1 that answers ``GET /work?i=I`` after ``delay_s(i)`` seconds
     (a number, or a function of ``i``) with ``{"i": I}``, from a thread per request, and records when
@@ -213,9 +220,7 @@ class SlowService:
             def log_message(self, *args):  # quiet
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._server.request_queue_size = 128
+        self._server = _Server(("127.0.0.1", 0), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True, name="SlowService").start()
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         return self

@@ -88,6 +88,23 @@ def check_poisson_arrivals(fn, checker):
                                f"than {threshold:.3f}; their standard deviation is {spread:.2f} of their mean, "
                                f"where exponential gaps have 1.00). Evenly spaced or uniform gaps are not a "
                                f"Poisson process.", POISSON_RULE)
+        # the gaps must also be independent and keep one rate from start to end (sorted gaps have the
+        # right distribution but are not a Poisson process). For independent gaps the halves' means
+        # differ by a normal with standard deviation sqrt(2 / m) (in units of the mean, m gaps a half),
+        # and the lag-1 correlation is normal with standard deviation 1 / sqrt(n - 1): 6 of each
+        # (probability 2e-9 each) and 8 for the correlation, whose tails are heavier than normal.
+        half = len(gaps) // 2
+        first, second = sum(gaps[:half]) / half / mean, sum(gaps[half:2 * half]) / half / mean
+        if abs(first - second) > 6 * math.sqrt(2 / half):
+            checker.fail(case, f"the gaps in the first half of the schedule average {first * mean:.4g} s and in the "
+                               f"second half {second * mean:.4g} s: the rate must not drift. Draw every gap "
+                               f"afresh, independent of the others (do not sort or reorder them).", POISSON_RULE)
+        centred = [g / mean - 1 for g in gaps]
+        lag1 = sum(a * b for a, b in zip(centred, centred[1:])) / sum(c * c for c in centred)
+        if abs(lag1) > 8 / math.sqrt(len(gaps)):
+            checker.fail(case, f"consecutive gaps are correlated (lag-1 correlation {lag1:.3f}, where independent "
+                               f"gaps give 0 within {8 / math.sqrt(len(gaps)):.3f}): draw each gap independently "
+                               f"of the previous one.", POISSON_RULE)
     case = Case(n=50, rate=2.0, rng="random.Random(5), twice, then random.Random(6)")
     first = _as_float_list(checker, case, checker.call(fn, 50, 2.0, random.Random(5), case=case), 50)
     again = _as_float_list(checker, case, checker.call(fn, 50, 2.0, random.Random(5), case=case), 50)
@@ -98,23 +115,47 @@ def check_poisson_arrivals(fn, checker):
                            "global generator).", POISSON_RULE)
 
 
-# The schedule the open-loop check sends: requests closer together than the service time, a late
-# straggler, and service times that differ so that answers come back out of order.
-OPEN_SCHEDULE = [0.0, 0.05, 0.10, 0.15, 0.20, 0.25, 0.30, 0.60]
-LATE_S = 0.35  # how late (seconds) a send may reach the service (a loaded machine); a closed loop is 0.45 s or more
+# The schedule the open-loop check sends: 34 requests 5 ms apart, more than any default thread pool
+# holds (``concurrent.futures.ThreadPoolExecutor`` makes at most 32 workers, 6 on a 2-core machine), then
+# a straggler. The service holds every one of the 34 until 0.8 s (odd i) or 0.9 s (even i) after the
+# check starts, so the answers come back out of order and all 34 must be in flight at once: a closed
+# loop, or a pool of fewer than 34 threads, sends request k only after an answer is back, at 0.8 s or
+# later, at least 0.8 - 0.165 = 0.635 s late. Once released, requests take 0.05 s, so those run fast.
+OPEN_SCHEDULE = [round(0.005 * i, 3) for i in range(34)] + [1.0]
+HELD = len(OPEN_SCHEDULE) - 1
+LATE_S = 0.4  # how late (seconds) a send may reach the service on a loaded machine; too few threads: 0.635 s
 
 
-def _service_time(i: int) -> float:
-    return 0.8 if i % 2 == 0 else 0.5
+def _held_until(start: list[float]):
+    """The service time of request ``i``: held until its release (0.8 s or 0.9 s after ``start[0]``),
+    and at least 0.05 s."""
+    def delay(i: int) -> float:
+        release = start[0] + (0.8 if i % 2 else 0.9) if i < HELD else 0.0
+        return max(0.05, release - time.perf_counter())
+    return delay
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    parts, i = [], 0
+    while i < len(indices):
+        j = i
+        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
+            j += 1
+        parts.append(f"{indices[i]}" if i == j else f"{indices[i]}-{indices[j]}")
+        i = j + 1
+    return ", ".join(parts)
 
 
 @graded(points=3, bans=(open_loop,))
 def check_open_loop(fn, checker):
     """``fn(times_s, send)`` must call ``send(i)`` at each scheduled time against a slow real service,
     without waiting for earlier calls, and return the results in order."""
-    case = Case(times_s=OPEN_SCHEDULE, send="a GET to a real HTTP service that answers in 0.5 or 0.8 s")
-    with SlowService(_service_time) as service:
-        start = time.perf_counter()
+    case = Case(times_s=f"{HELD} sends 5 ms apart, then one at 1.0 s",
+                send=f"a GET to a real HTTP service that holds the first {HELD} until 0.8 or 0.9 s")
+    started = [math.inf]
+    with SlowService(_held_until(started)) as service:
+        start = started[0] = time.perf_counter()
         got = checker.call(fn, list(OPEN_SCHEDULE), service.send, case=case)
         returned = time.perf_counter()
         finished_then = dict(service.finished)
@@ -133,18 +174,19 @@ def check_open_loop(fn, checker):
         offset = arrived[i] - start
         if offset < at - 1e-3:
             checker.fail(case, f"request {i} reached the service {offset:.3f} s after the start, before its "
-                               f"scheduled time {at:.2f} s: sleep until start + times_s[i] before sending.",
+                               f"scheduled time {at:.3f} s: sleep until start + times_s[i] before sending.",
                          OPEN_LOOP_RULE)
     for i, at in enumerate(OPEN_SCHEDULE):
         offset = arrived[i] - start
         if offset > at + LATE_S:
             waited = [j for j in range(i) if finished.get(j, math.inf) <= arrived[i]]
-            problem = (f"request {i}, scheduled at {at:.2f} s, reached the service at {offset:.3f} s: "
+            problem = (f"request {i}, scheduled at {at:.3f} s, reached the service at {offset:.3f} s: "
                        f"{offset - at:.3f} s late.")
             if waited:
-                problem += (f" It was sent only after the answers to requests {waited} had come back: a closed "
-                            f"loop (or a pool of too few threads) waits for completions, so a slow server slows "
-                            f"the arrivals down and its queue never shows (coordinated omission).")
+                problem += (f" It was sent only after the answers to requests {_ranges(waited)} had come back: "
+                            f"a closed loop, or a pool of too few threads (ThreadPoolExecutor's default is at "
+                            f"most 32), waits for completions, so a slow server slows the arrivals down and "
+                            f"its queue never shows (coordinated omission). Start one thread per request.")
             checker.fail(case, problem, OPEN_LOOP_RULE)
     if isinstance(got, (str, bytes)) or not hasattr(got, "__len__") or len(got) != n:
         checker.fail(case, f"return a list of the {n} results of send, got {got!r:.200}.", OPEN_LOOP_RULE)

@@ -27,6 +27,13 @@ def ref_poisson(n, rate, rng):
     return times
 
 
+def ref_poisson_from_gaps(gaps):
+    times = [0.0]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return times
+
+
 def by_inverse_cdf(n, rate, rng):  # another right answer: -log(U) / rate, as numpy arrays
     gaps = -np.log(1.0 - np.array([rng.random() for _ in range(n - 1)])) / rate
     return np.concatenate([[0.0], np.cumsum(gaps)])
@@ -59,6 +66,13 @@ POISSON_MUTANTS = {
     "first request after a gap": (
         lambda n, rate, rng: ref_poisson(n + 1, rate, rng)[1:], "schedule starts at 0"),
     "one time too few": (lambda n, rate, rng: ref_poisson(n, rate, rng)[:-1] if n > 1 else [], "expected"),
+    "sorted gaps (the right distribution, a drifting rate)": (
+        lambda n, rate, rng: ref_poisson_from_gaps(sorted(rng.expovariate(rate) for _ in range(n - 1))),
+        "rate must not drift"),
+    "each gap used twice (gaps not independent)": (
+        lambda n, rate, rng: ref_poisson_from_gaps([g for _ in range(n // 2) for g in [rng.expovariate(rate)] * 2]
+                                                   [:n - 1]),
+        "correlated"),
     "bench_serving's generator, reseeded from rng": (
         lambda n, rate, rng: bench_serving.arrival_times(n, rate, 1.0, seed=rng.random()), "course's own answer"),
 }
@@ -192,7 +206,22 @@ def times_as_gaps(times_s, send):
     return results
 
 
+def pool_of(workers):
+    def fn(times_s, send):
+        start = time.perf_counter()
+
+        def at(i):
+            time.sleep(max(0.0, start + times_s[i] - time.perf_counter()))
+            return send(i)
+
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(at, range(len(times_s))))
+    return fn
+
+
 OPEN_LOOP_MUTANTS = {
+    "ThreadPoolExecutor's default size (at most 32 workers)": (pool_of(None), "too few threads"),
+    "a pool of 32 threads": (pool_of(32), "too few threads"),
     "a closed loop (waits for each answer)": (closed, "closed\\s+loop"),
     "a pool of two threads": (small_pool, "late"),
     "all at once, ignoring the schedule": (all_at_once, "before its scheduled time"),
