@@ -258,6 +258,13 @@ def slo_report(requests: Sequence[dict | None], slo: dict, duration_s: float) ->
     "ttft_p": p-th percentile of the completed requests' TTFTs, "tpot_p": ... of their TPOTs (None
     if none has one)}``."""
     duration_s = positive_number("duration_s", duration_s)
+    if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Sequence) or not requests:
+        raise ValueError(f"requests must be a non-empty list (one item per request sent), got {requests!r:.100}")
+    missing = {"ttft_s", "tpot_s", "p"} - set(slo) if isinstance(slo, dict) else {"ttft_s", "tpot_s", "p"}
+    if missing:
+        raise ValueError(f"slo must be a dict with keys ttft_s, tpot_s and p; missing {sorted(missing)}")
+    if not 0 <= slo["p"] <= 100:
+        raise ValueError(f"slo['p'] is a percentile, from 0 to 100; got {slo['p']!r}")
     done = [r for r in requests if r is not None]
     met = [r for r in done if r["ttft"] <= slo["ttft_s"] and (r["tpot"] is None or r["tpot"] <= slo["tpot_s"])]
     tpots = [r["tpot"] for r in done if r["tpot"] is not None]

@@ -143,8 +143,9 @@ ledger.record("15_production", [
 # %% [markdown]
 # Below the knee, TTFT is the prefill plus a short wait; past it, requests queue behind each other
 # and the percentiles climb steeply, the p99 first. The knee sits below the capacity: at a
-# utilisation $\rho$ a queue's wait grows like $\rho / (1 - \rho)$, so it is already several
-# service times at 80 %. (The convention for the knee here: the lowest rate whose TTFT p90 is above
+# utilisation $\rho$ a one-at-a-time server with a fixed service time under Poisson arrivals (the
+# M/D/1 queue of the chapter) keeps each request waiting $\rho / (2(1 - \rho))$ service times on
+# average, two of them at 80 %, and twice that if service times vary as much as exponential ones. (The convention for the knee here: the lowest rate whose TTFT p90 is above
 # the unloaded TTFT plus one whole service time, so that the p90 request waited behind at least
 # one other. With 16 requests per rate the p90 is the 15th of 16: expect it to wobble between runs.)
 #
@@ -284,9 +285,10 @@ for label, times in (("Poisson (yours)", poisson_arrivals(600, 10.0, random.Rand
 # its time and then calls `send(i)`), and return the list of the results, `results[i] = send(i)`,
 # once every call has returned.
 #
-# The check sends to a real HTTP service that takes 0.5 or 0.8 s to answer, and looks at when
-# each request reached it. A loop that waits for each answer before the next send (a *closed loop*)
-# arrives late.
+# The check sends 34 requests 5 ms apart to a real HTTP service that holds each of them for most of
+# a second, and looks at when each request reached it. A loop that waits for each answer before the
+# next send (a *closed loop*) arrives late, and so does a pool of fewer threads than requests in
+# flight: `concurrent.futures.ThreadPoolExecutor()` makes at most 32 workers (6 on a 2-core machine).
 
 # %%
 def open_loop(times_s, send):
@@ -456,12 +458,14 @@ server.stop()
 #    what does `Retry-After` ask of it?
 #
 # <!-- BEGIN SOLUTION -->
-# 1. Little: a closed loop sends only when an answer comes back, so the rate it reports is what
-#    the server let it send, and its latencies miss the queue open arrivals would build during
-#    every slow spell. Users at an open 30 requests per second would see that queue, and a p99 at
-#    least as high, possibly much higher; measure with an open loop at that rate.
+# 1. By Little's law, 64 clients that each always have one request out, at 30 requests per second,
+#    spend 64 / 30 = 2.1 s per request: the rate is what the server let them send, not a rate
+#    chosen in advance, and its latencies miss the queue open arrivals would build during
+#    every slow spell. Users at an open 30 requests per second would see that queue, and most
+#    likely a higher p99, possibly much higher; measure with an open loop at that rate.
 # 2. Arrivals are random: even below capacity, bursts come faster than the server serves, and the
-#    queue they leave takes time to drain; the mean wait grows like rho / (1 - rho). The tail is
+#    queue they leave takes time to drain; the mean wait is rho / (2 (1 - rho)) service times for a
+#    fixed service time (M/D/1), twice that for exponential ones (M/M/1). The tail is
 #    made of the requests that arrive behind the largest bursts: it sits far above the mean, so it
 #    crosses any fixed target first.
 # 3. It is refused again and again while the slots stay full, adding load (each refusal still costs

@@ -87,6 +87,31 @@ def test_knee_rate_and_slo_report():
     assert report == {"goodput": 1.0, "attainment": 0.5, "ttft_p": 0.2, "tpot_p": 0.01}
 
 
+def test_slo_report_edge_cases():
+    requests = [{"ttft": t, "tpot": None} for t in (0.3, 0.1, 0.2)] + [None]
+    lowest = slo_report(requests, {"ttft_s": 0.25, "tpot_s": 0.05, "p": 0}, 1.0)
+    assert lowest["ttft_p"] == 0.1 and lowest["tpot_p"] is None  # p0: the smallest; no TPOT at all
+    assert slo_report(requests, {"ttft_s": 0.25, "tpot_s": 0.05, "p": 100}, 1.0)["ttft_p"] == 0.3  # the largest
+    refused = slo_report([None, None], {"ttft_s": 1, "tpot_s": 1, "p": 90}, 1.0)
+    assert refused == {"goodput": 0.0, "attainment": 0.0, "ttft_p": None, "tpot_p": None}
+    with pytest.raises(ValueError, match="non-empty list"):
+        slo_report([], {"ttft_s": 1, "tpot_s": 1, "p": 90}, 1.0)
+    with pytest.raises(ValueError, match="missing"):
+        slo_report(requests, {"ttft_s": 1, "p": 90}, 1.0)
+    with pytest.raises(ValueError, match="from 0 to 100"):
+        slo_report(requests, {"ttft_s": 1, "tpot_s": 1, "p": 0.9e3}, 1.0)
+
+
+def test_slow_service_takes_dozens_of_connections_at_once():
+    # http.server's default listen backlog (5) drops connections that arrive together on a busy
+    # machine, and the client retries a second later; SlowService listens with a deeper one
+    with SlowService(0.3) as service:
+        start = time.perf_counter()
+        open_loop([0.0] * 40, service.send)
+        latest = max(service.arrived.values()) - start
+    assert len(service.arrived) == 40 and latest < 0.5
+
+
 def test_open_and_closed_loops_against_a_slow_service():
     with SlowService(0.3) as service:
         start = time.perf_counter()
