@@ -311,6 +311,15 @@ SLO_MUTANTS = {
     "throughput, not goodput": (variant(meets=lambda r, slo: True), "throughput, not goodput"),
     "attainment over completed requests only": (
         variant(attain_over=lambda requests, done: len(done)), "completed requests only"),
+    "percentiles over the requests that met the SLO only": (
+        lambda requests, slo, d: {**ref_slo(requests, slo, d), "ttft_p": nearest_rank(
+            [r["ttft"] for r in requests if r and r["ttft"] <= slo["ttft_s"]
+             and (r["tpot"] is None or r["tpot"] <= slo["tpot_s"])], slo["p"])},
+        "met the SLO only"),
+    "one-token answers counted as TPOT 0": (
+        lambda requests, slo, d: {**ref_slo(requests, slo, d), "tpot_p": nearest_rank(
+            [r["tpot"] or 0.0 for r in requests if r], slo["p"])},
+        "TPOT of 0"),
     "a list, not a dict": (lambda requests, slo, d: list(ref_slo(requests, slo, d).values()), "return a dict"),
 }
 
