@@ -109,7 +109,7 @@ def test_slow_service_takes_dozens_of_connections_at_once():
         start = time.perf_counter()
         open_loop([0.0] * 40, service.send)
         latest = max(service.arrived.values()) - start
-    assert len(service.arrived) == 40 and latest < 0.5
+    assert len(service.arrived) == 40 and latest < 0.9  # a dropped connection would come back after 1 s
 
 
 def test_open_and_closed_loops_against_a_slow_service():
