@@ -417,9 +417,10 @@ check_slo_report(slo_report)
 # %% [markdown]
 # **The goodput at a planned rate.** A planner sizes a deployment so that each replica runs below
 # its knee. Chapter 14's planner (`labsupport.planning`) sizes batched GPU replicas from the cost
-# of a decode step and a TPOT target; for this server, which serves one request at a time, its
-# model comes down to "arrival rate x service time at most 1", the capacity itself. So we plan
-# with a utilisation target instead, 60 % of the measured capacity, and set the SLO from this
+# of a decode step and a TPOT target, fitting the requests in flight (Little's law) into batches
+# with headroom for bursts; it has no queue in it, so for this server, which serves one request at
+# a time and makes the others wait, it says nothing about the wait. So we plan with a utilisation
+# target instead, 60 % of the measured capacity, and set the SLO from this
 # machine's unloaded speed so that it means the same on a fast and a slow CPU: TTFT at most two
 # unloaded service times, TPOT at most 1.5 times the unloaded p50, judged at p90. Then 24 requests
 # at the planned rate, and the same at 1.3 times capacity.
