@@ -182,8 +182,9 @@ class _Server(ThreadingHTTPServer):
 class SlowService:
     """A real HTTP service on 127.0.0.1 that answers ``GET /work?i=I`` after ``delay_s(i)`` seconds
     (a number, or a function of ``i``) with ``{"i": I}``, from a thread per request, and records when
-    each request arrived and finished (``time.perf_counter``). A context manager; :meth:`send` is a
-    client for it."""
+    each request arrived and finished (``time.perf_counter``; "finished" is taken just before the answer
+    is written, so a client that has its answer always finds it recorded). A context manager;
+    :meth:`send` is a client for it."""
 
     def __init__(self, delay_s: float | Callable[[int], float] = 0.5):
         self.delay = delay_s if callable(delay_s) else (lambda i: delay_s)
@@ -209,13 +210,13 @@ class SlowService:
                     service.max_in_flight = max(service.max_in_flight, len(service.arrived) - len(service.finished))
                 time.sleep(service.delay(i))
                 body = json.dumps({"i": i}).encode()
+                with service._lock:  # before the answer leaves: a client holding it always sees this
+                    service.finished[i] = time.perf_counter()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-                with service._lock:
-                    service.finished[i] = time.perf_counter()
 
             def log_message(self, *args):  # quiet
                 pass
