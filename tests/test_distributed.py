@@ -42,13 +42,34 @@ def _children_before():
     _BEFORE.update(_children())
 
 
-def no_children_left():
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if not _children() - _BEFORE:
-            return True
+class _Left:
+    """False when processes a launch added are still alive after the wait; says which they are."""
+
+    def __init__(self, pids: set[int]):
+        self.pids = pids
+
+    def __bool__(self) -> bool:
+        return not self.pids
+
+    def __repr__(self) -> str:
+        names = []
+        for pid in sorted(self.pids):
+            try:
+                names.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+            except psutil.Error:
+                names.append(f"{pid}: gone")
+        return f"processes left: {names}"
+
+
+def no_children_left(wait_s: float = 30):
+    """Whether every process the test added has ended (waiting up to ``wait_s``: a loaded machine
+    can take seconds to reap killed ranks); a falsy result names the ones left."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = _children() - _BEFORE
+        if not left or time.monotonic() >= deadline:
+            return _Left(left)
         time.sleep(0.1)
-    return False
 
 
 def raises_on_rank_one():
