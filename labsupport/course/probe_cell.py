@@ -48,7 +48,8 @@ def _labsupport_probe(nonce, mime):
                         if inspect.isfunction(member) and f"{value.__qualname__}.{attr}" in disk:
                             same(member, f"{module.__name__}.{name}.{attr}")
             for qualname in disk:
-                if "." not in qualname and qualname != "<module>" and not callable(vars(module).get(qualname)):
+                # top-level functions and classes only: <module>, <listcomp>, <genexpr>, <lambda>... have no name
+                if "." not in qualname and not qualname.startswith("<") and not callable(vars(module).get(qualname)):
                     problems.append(f"{module.__name__}.{qualname} was replaced")
         fw_codes = codes(fw.__file__)
         for name, check in list(fw.REGISTRY.items()):
