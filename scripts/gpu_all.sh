@@ -16,11 +16,12 @@
 #   7. cache ops   python -m labsupport.bench_cache_ops (chapter 10)            at most  60 s
 #   8. labs        labs 00, 04, 05, 06, 08, 09 run as scripts (30-90 s each)    at most 360 s
 #   9. lab 10      the lab 10 solution run as a script (full preset)            at most  60 s
+#  10. engines     python -m labsupport.bench_launch_overhead (chapter 12)     at most  60 s
 #
 # OUTDIR receives two files, rewritten after every step so a run cut short keeps what it had:
 #   gpu_results.tar.gz   results/gpu_phases.json, results/gpu_attention.json,
-#                        results/gpu_precision.json and results/gpu_cache_ops.json (what the book
-#                        reads) and results/gpu_logs/ (environment, each step's log and tables);
+#                        results/gpu_precision.json, results/gpu_cache_ops.json and
+#                        results/gpu_launch_overhead.json (what the book reads) and results/gpu_logs/ (environment, each step's log and tables);
 #                        a dry run's archive holds dry_run_results/ instead, so it never
 #                        replaces measured results.
 #                        Install it with `tar -xzf gpu_results.tar.gz` from the repository root,
@@ -28,7 +29,7 @@
 #   gpu_summary.txt      one line per step (exit status, seconds) and the benchmark verdicts.
 # (A device lent for a short time returns at most a few files: hence one archive.)
 #
-#     bash scripts/gpu_all.sh --only phases|attention|precision|cache_ops [OUTDIR]   # one chapter's steps
+#     bash scripts/gpu_all.sh --only phases|attention|precision|cache_ops|engines [OUTDIR]   # one chapter's steps
 #     GPU_DRY_RUN=1 bash scripts/gpu_all.sh /tmp/x               # the same steps on a CPU through
 #                                                                # the Triton interpreter at tiny
 #                                                                # shapes: checks the script, measures
@@ -42,13 +43,13 @@ ONLY=all
 ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        --only) ONLY=${2:?--only needs phases, attention, precision or cache_ops}; shift 2;;
+        --only) ONLY=${2:?--only needs phases, attention, precision, cache_ops or engines}; shift 2;;
         --only=*) ONLY=${1#--only=}; shift;;
-        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only phases|attention|precision|cache_ops] [OUTDIR])" >&2; exit 2;;
+        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only phases|attention|precision|cache_ops|engines] [OUTDIR])" >&2; exit 2;;
         *) ARGS+=("$1"); shift;;
     esac
 done
-case "$ONLY" in all|phases|attention|precision|cache_ops) ;; *) echo "gpu_all.sh: --only takes phases, attention, precision or cache_ops, not $ONLY" >&2; exit 2;; esac
+case "$ONLY" in all|phases|attention|precision|cache_ops|engines) ;; *) echo "gpu_all.sh: --only takes phases, attention, precision, cache_ops or engines, not $ONLY" >&2; exit 2;; esac
 if [ ${#ARGS[@]} -gt 1 ]; then echo "gpu_all.sh: one OUTDIR at most, got ${ARGS[*]}" >&2; exit 2; fi
 OUT_DIR="${ARGS[0]:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
@@ -152,6 +153,10 @@ if [ "$ONLY" = all ]; then  # the other labs' GPU paths, if time is left: a lear
 fi
 if [ "$ONLY" = all ] || [ "$ONLY" = cache_ops ]; then
     step "lab 10 solution as a script" 60 "$LOGS/lab10.txt" "$PY" solutions/10_cache_ops.py
+fi
+if [ "$ONLY" = all ] || [ "$ONLY" = engines ]; then  # chapter 12: a decode step eager and from a CUDA graph
+    step "launch overhead benchmark" 60 "$LOGS/launch_overhead.log" \
+        "$PY" -m labsupport.bench_launch_overhead ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_launch_overhead.json"
 fi
 pack
 echo "== done (status $status) after $(( $(date +%s) - START )) s: $OUT_DIR/gpu_results.tar.gz, $SUMMARY" | tee -a "$SUMMARY"
