@@ -21,10 +21,16 @@ from labsupport.transformer import Transformer
 
 
 def _children() -> set[int]:
+    """The live descendants of this test worker, except those under a process it already had: a
+    browser another test module started (the planner page's Chromium) spawns helpers of its own at
+    any time, and they are not the launcher's."""
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            ancestors = {a.pid for a in p.parents()}
+            if not ancestors & _BEFORE:
                 out.add(p.pid)
         except psutil.NoSuchProcess:
             pass
