@@ -25,6 +25,18 @@ def _missing_tools() -> list[str]:
     return [name for name in ("nbformat", "nbclient", "ipykernel") if importlib.util.find_spec(name) is None]
 
 
+def _joined_shard(argv: list[str]) -> list[str]:
+    """``--shard -1/2`` as ``--shard=-1/2``: argparse reads a value that starts with a dash as an
+    option and says only "expected one argument"; joined, the value reaches :func:`parse_shard`,
+    whose message says what a shard should look like."""
+    out = list(argv)
+    for i, word in enumerate(out[:-1]):
+        if word == "--shard" and out[i + 1].startswith("-"):
+            out[i : i + 2] = [f"--shard={out[i + 1]}"]
+            break
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labsupport")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "(ledger_<lab>.png) into DIR; files of those names are replaced")
     led.add_argument("--no-plots", action="store_true", help="with --out, write the CSV and markdown only")
 
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_joined_shard(sys.argv[1:] if argv is None else list(argv)))
     if args.command == "grade-merge":  # no notebook runner needed: runs without the grade extra
         return _merge(args)
     if args.command == "ledger":  # needs none of the notebook packages

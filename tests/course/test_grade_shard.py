@@ -400,3 +400,10 @@ def test_the_dockerfile_installs_the_course_for_kernels_and_graders():
         assert needed in logical
     for name in ("requirements-cpu.txt", "requirements.txt"):
         assert (ROOT / name).exists()
+
+
+def test_a_negative_shard_reaches_the_shard_message(tmp_path, capsys):
+    """argparse alone would read ``-1/2`` as an option and say only "expected one argument"."""
+    assert main(["grade", str(tmp_path), "--shard", "-1/2"]) == 2
+    err = capsys.readouterr().err
+    assert "--shard '-1/2': give K/N" in err and "expected one argument" not in err
