@@ -190,8 +190,11 @@ def build(out_dir: Path, labs_dir: Path = ROOT / "labs", only: list[str] | None 
         target = out_dir / f"{path.stem}.slides.html"
         target.write_text(page, encoding="utf-8")
         written.append(target)
-    links = "\n".join(f'<li><a href="{p.name}">{html.escape(p.stem.replace(".slides", ""))}</a></li>'
-                      for p in sorted(out_dir.glob("*.slides.html")))
+    # decks of earlier runs (`make slides 06` writes one) stay listed; a deck whose lab is gone does not
+    labs = {p.stem for p in labs_dir.glob("*.ipynb")}
+    decks = [p for p in sorted(out_dir.glob("*.slides.html")) if p.name.removesuffix(".slides.html") in labs]
+    links = "\n".join(f'<li><a href="{p.name}">{html.escape(p.name.removesuffix(".slides.html"))}</a></li>'
+                      for p in decks)
     (out_dir / "index.html").write_text(
         f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Slides</title></head>\n"
         f"<body><h1>Slides, one deck per lab</h1>\n<ul>\n{links}\n</ul></body></html>\n", encoding="utf-8")

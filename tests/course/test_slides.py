@@ -124,3 +124,14 @@ def test_offline_and_self_contained(tmp_path):
         slides.build(out, ROOT / "labs", only=["00"], reveal=reveal)
     with pytest.raises(slides.SlidesError, match="no lab notebook .* '99'"):
         slides.build(out, ROOT / "labs", only=["99"])
+
+
+def test_the_index_keeps_earlier_decks_and_drops_a_gone_lab(tmp_path):
+    out = tmp_path / "slides"
+    out.mkdir()
+    (out / "05_phases.slides.html").write_text("<html></html>")  # from an earlier `make slides 05`
+    (out / "99_renamed.slides.html").write_text("<html></html>")  # its lab is no longer in labs/
+    slides.build(out, ROOT / "labs", only=[LAB])
+    index = (out / "index.html").read_text()
+    assert "05_phases.slides.html" in index and f"{LAB}.slides.html" in index
+    assert "99_renamed" not in index
