@@ -134,7 +134,7 @@ bare = Transformer(cfg, seed=0)  # the server's model, fp32 on the CPU
 bare_s = [p.seconds for p in measure_decode(bare, list(batches), [ctx], threads=1, progress=False, repeats=5)]
 for B, t_bare, t_server in zip(batches, bare_s, step_s):
     read = costs.decode_step_bytes(cfg, B, ctx, 4, 4).total
-    print(f"batch {B}: the model alone {t_bare * 1e3:.2f} ms ({read / t_bare / copy_bw:.0%} of the copy rate); "
+    print(f"batch {B}: the model alone {t_bare * 1e3:.2f} ms ({read / t_bare / copy_bw:.1%} of the copy rate); "
           f"in the server {t_server * 1e3:.2f} ms ({t_server / t_bare:.1f}x)")
 bare_overhead, bare_per_sequence, bare_compute_eff = fit_steps(bare_s)
 print(f"({WHERE})")
