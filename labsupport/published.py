@@ -83,6 +83,20 @@ LLAMA3_BPE_TOKENS = Figure(
     "meta-llama/llama3, llama/tokenizer.py (num_base_tokens = len(mergeable_ranks))",
 )
 
+#: Llama 3.1's first special tokens, in id order from ``LLAMA3_BPE_TOKENS`` (id 128,000) on; the
+#: rest of its 256 are reserved. An id is 128,000 plus the position here.
+LLAMA31_SPECIAL_TOKEN_ORDER = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+    "<|eot_id|>", "<|python_tag|>", "<|image|>",
+)
+LLAMA31_SPECIAL_TOKEN_SOURCE = "meta-llama/llama-models at a9c89c4, models/llama3/tokenizer.py (special_tokens)"
+#: The tokens at which each model's reference code stops generating (``Tokenizer.stop_tokens``).
+LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>")
+LLAMA3_STOP_TOKENS_SOURCE = "meta-llama/llama3 at 0053e6b, llama/tokenizer.py (stop_tokens)"
+LLAMA31_STOP_TOKENS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+LLAMA31_STOP_TOKENS_SOURCE = LLAMA31_SPECIAL_TOKEN_SOURCE.replace("special_tokens", "stop_tokens")
+
 #: Where they come from, in the report's round numbers: tokens of OpenAI's tiktoken tokenizer, and
 #: tokens added for languages other than English.
 LLAMA3_TIKTOKEN_TOKENS = Figure(
