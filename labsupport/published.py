@@ -128,6 +128,15 @@ MIXTRAL_ACTIVE_PARAMS = Figure(
     "Mistral AI, 'Mixtral of experts' (announcement), 11 December 2023",
 )
 
+#: Mixtral 8x7B's RoPE base: a hundred times Mistral 7B v0.1's (whose 10,000 is in labsupport.models).
+#: Its attention has no sliding window: ``sliding_window`` is null in the same file, and the paper
+#: describes "a fully dense context length of 32k tokens".
+MIXTRAL_ROPE_THETA = Figure(
+    1e6, "", "Mixtral 8x7B's RoPE base (rope_theta)",
+    "config.json of mistralai/Mixtral-8x7B-v0.1 (rope_theta, sliding_window: null); transformers' MixtralConfig "
+    "defaults to the same; Jiang et al., 'Mixtral of Experts', arXiv:2401.04088, 2024, section 2",
+)
+
 #: DeepSeek-V3: a mixture of experts far sparser than Mixtral.
 DEEPSEEK_V3_TOTAL_PARAMS = Figure(
     671e9, "parameters", "DeepSeek-V3, all parameters", "DeepSeek-AI, 'DeepSeek-V3 Technical Report', 2024",
