@@ -79,6 +79,22 @@ def prefill_attention_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool =
     return float(attention / 2 if causal else attention)
 
 
+def prefill_flops_after_prefix(cfg: ModelConfig, prompt_tokens: int, cached_tokens: float = 0) -> float:
+    """Causal FLOPs to prefill ``prompt_tokens`` when the first ``cached_tokens`` of them are already
+    in a prefix cache (chapters 10 and 14): the linear layers run on the other ``P - H`` tokens only,
+    but each of them still attends to every token before it, cached or not, so the attention term is
+    the whole prompt's less the prefix's own: ``2*N*(P - H) + 2*L*d*(P**2 - H**2)`` (the causal count
+    of :func:`prefill_flops`). ``cached_tokens`` may be a mean (a float); it must be below
+    ``prompt_tokens`` (an engine always computes the last prompt token, whose logits it samples)."""
+    cfg = as_model(cfg)
+    p = positive_int("prompt_tokens", prompt_tokens)
+    if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, (int, float)) or not 0 <= cached_tokens < p:
+        raise ValueError(f"cached_tokens must be from 0 up to (not including) prompt_tokens ({p}): an engine always "
+                         f"computes the last token of a prompt; got {cached_tokens!r}")
+    h = float(cached_tokens)
+    return float(2 * param_count(cfg) * (p - h) + 2 * cfg.n_layers * cfg.q_width * (p * p - h * h))
+
+
 def attention_share(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
     """Fraction of prefill FLOPs spent in attention's quadratic term."""
     return prefill_attention_flops(cfg, prompt_tokens, causal) / prefill_flops(cfg, prompt_tokens, causal)

@@ -7,10 +7,11 @@ arguments with :mod:`labsupport._validate`, and returns a number or a frozen dat
 
 * :func:`plan` (the whole planner) -> :class:`Plan`. It checks its arguments once into a frozen
   :class:`PlanSettings` and hands that to :func:`plan_from`, whose pieces (:func:`_contexts`,
-  :func:`_fewest_replicas`, :func:`_notes`) each read it whole.
-* The four exercises of lab 14 (course answers, ``@answer``): :func:`concurrency` (Little's law),
+  :func:`size_fleet`, :func:`_notes`) each read it whole.
+* The exercises of lab 14 (course answers, ``@answer``): :func:`concurrency` (Little's law),
   :func:`max_batch` (the largest batch meeting the TPOT target that fits in memory),
-  :func:`replicas_for_rate` and :func:`cost_per_million_tokens`.
+  :func:`replicas_for_rate`, :func:`cost_per_million_tokens`, and :func:`size_fleet` (the replica
+  search of :func:`plan`, with prefill interference, burst headroom and prefix-cache hits).
 * The pieces they are made of: :func:`time_in_system`, :func:`decode_step_time`,
   :func:`max_batch_for_tpot`, :func:`max_batch_in_memory`, :func:`prefill_time`,
   :func:`prefill_compute_time`,
@@ -94,6 +95,22 @@ Units and conventions (each in the parameter's name where it can be):
   grows faster than the prompt, so the cost of the mean prompt would underprice it). TTFT is
   predicted as a prompt's prefill on its own (:func:`prefill_time`) plus one decode step;
   queueing is not modelled.
+* **Prefix caching** (chapters 10 and 12). ``prefix_hit_rate`` is the fraction of prompt tokens an
+  engine finds in its prefix cache (vLLM exports ``prefix_cache_queries`` and ``prefix_cache_hits``,
+  both in tokens; their ratio is this rate). Each prompt of ``P`` tokens is planned with
+  ``h * P`` of them cached (at most ``P - 1``: an engine always computes the last prompt token). What
+  it changes is **prefill work**: the uncached tokens run through the layers, and their attention
+  still reads the cached prefix's keys (:func:`labsupport.costs.prefill_flops_after_prefix`), so the
+  prefill share per replica, the time in system and the TTFT all shrink, and with the share, the
+  decode budget grows. What it does **not** change: the decode step (every running sequence still
+  reads its whole context from the cache, shared blocks included: a paged-attention kernel reads a
+  block once per sequence that holds it), and the memory each sequence is sized for (shared blocks
+  are stored once, so a real cache holds more sequences than planned: this plan does not count that
+  saving, which depends on how many requests share a prefix *at the same time*, not on the hit
+  rate). Nor the tokens a price counts: a cached prompt token is still a prompt token served (some
+  APIs bill it lower; that is a price list, not a cost). A hit rate measured on one workload is a
+  property of that workload's prompts and of the cache's size and eviction: plan with the rate
+  measured on the traffic and the deployment you will run.
 * **The planned TPOT is a mean.** The batch is the largest whose *mean* TPOT (prefill turns
   included) meets ``tpot_target_s``. Single gaps are longer where a step carries a prefill chunk,
   and the batch itself varies with the arrivals, so a target stated at a percentile (p90, p99) is
@@ -161,6 +178,7 @@ __all__ = [
     "prefill_compute_time",
     "prefill_time",
     "replicas_for_rate",
+    "size_fleet",
     "time_in_system",
 ]
 
@@ -321,28 +339,31 @@ def max_batch(model, context_tokens: int, tpot_s: float, *, memory_gib: float, b
 
 def prefill_time(model, prompt_tokens: int, *, bandwidth_gb_s: float, peak_tflops: float,
                  bandwidth_efficiency: float, compute_efficiency: float, step_overhead_s: float = 0.0,
-                 weight_dtype_bytes: float = 2, tensor_parallel: int = 1) -> float:
+                 weight_dtype_bytes: float = 2, tensor_parallel: int = 1, cached_tokens: float = 0) -> float:
     """Seconds to prefill one prompt: the larger of its FLOPs (:func:`labsupport.costs.prefill_flops`,
     causal) over the achieved compute rate and its weight reads over the achieved bandwidth, plus
-    the per-step overhead."""
+    the per-step overhead. With ``cached_tokens`` of the prompt found in a prefix cache, only the
+    rest is computed (:func:`labsupport.costs.prefill_flops_after_prefix`); the weights are still read."""
     cfg = as_model(model)
     bw, peak, b_eff, c_eff, overhead, tp = _hardware(bandwidth_gb_s, peak_tflops, bandwidth_efficiency,
                                                      compute_efficiency, step_overhead_s, tensor_parallel)
-    flops = costs.prefill_flops(cfg, prompt_tokens, causal=True)
+    flops = costs.prefill_flops_after_prefix(cfg, prompt_tokens, cached_tokens)
     weights = costs.param_count(cfg) * positive_number("weight_dtype_bytes", weight_dtype_bytes)
     return max(flops / (tp * peak * c_eff), weights / (tp * bw * b_eff)) + overhead
 
 
 def prefill_compute_time(model, prompt_tokens: int, *, peak_tflops: float, compute_efficiency: float,
-                         tensor_parallel: int = 1) -> float:
+                         tensor_parallel: int = 1, cached_tokens: float = 0) -> float:
     """Seconds of GPU time one prompt's prefill adds when it is batched with decode steps (chunked
     prefill, as vLLM and SGLang schedule it): its causal FLOPs over the achieved compute rate. The
-    weights are read by the decode step anyway, so only the arithmetic is extra."""
+    weights are read by the decode step anyway, so only the arithmetic is extra. With
+    ``cached_tokens`` of the prompt in a prefix cache, the FLOPs of the rest
+    (:func:`labsupport.costs.prefill_flops_after_prefix`)."""
     cfg = as_model(model)
     peak = positive_number("peak_tflops", peak_tflops) * 1e12
     c_eff = _fraction("compute_efficiency", compute_efficiency)
     tp = positive_int("tensor_parallel", tensor_parallel)
-    return costs.prefill_flops(cfg, prompt_tokens, causal=True) / (tp * peak * c_eff)
+    return costs.prefill_flops_after_prefix(cfg, prompt_tokens, cached_tokens) / (tp * peak * c_eff)
 
 
 # --- replicas, bursts, cost ---------------------------------------------------------------------
@@ -400,6 +421,7 @@ def _erfinv(y: float) -> float:
     return (low + high) / 2
 
 
+@answer
 def burst_headroom(mean_concurrency: float, percent: float = 99.0) -> float:
     """Extra capacity, as a fraction of the mean, that covers the ``percent``-th percentile of
     concurrency under Poisson arrivals: ``poisson_quantile(mean, percent) / mean - 1`` (at least 0)."""
@@ -581,6 +603,7 @@ class PlanSettings:
     compute_efficiency: float
     step_overhead_s: float
     fp8_compute: bool
+    prefix_hit_rate: float = 0.0  # fraction of prompt tokens found in the prefix cache
 
     @classmethod
     def create(cls, model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_target_s: float,
@@ -589,9 +612,14 @@ class PlanSettings:
                kv_dtype_bytes: float = 2, tensor_parallel: int = 1,
                memory_utilization: float = DEFAULT_MEMORY_UTILIZATION, headroom: float | None = None,
                burst_percentile: float = 99.0, gpu_hour_price: float | None = None,
-               fp8_compute: bool = False) -> "PlanSettings":
+               fp8_compute: bool = False, prefix_hit_rate: float = 0.0) -> "PlanSettings":
         """Check every argument of :func:`plan` (same names) and return them normalised."""
         card = as_gpu(gpu)
+        if isinstance(prefix_hit_rate, bool) or not isinstance(prefix_hit_rate, numbers.Real) or \
+                not 0 <= prefix_hit_rate < 1:
+            raise ValueError(f"prefix_hit_rate is the fraction of prompt tokens found in the prefix cache, from 0 "
+                             f"up to (not including) 1 (vLLM's prefix_cache_hits over prefix_cache_queries); "
+                             f"got {prefix_hit_rate!r}")
         mean_prompt, prompt_samples = _lengths("prompt_tokens", prompt_tokens)
         mean_output, output_samples = _lengths("output_tokens", output_tokens)
         if mean_output < 1:
@@ -617,7 +645,7 @@ class PlanSettings:
             kv_dtype_bytes=positive_number("kv_dtype_bytes", kv_dtype_bytes),
             memory_utilization=_fraction("memory_utilization", memory_utilization),
             bandwidth_efficiency=bandwidth_efficiency, compute_efficiency=compute_efficiency,
-            step_overhead_s=step_overhead_s, fp8_compute=fp8_compute)
+            step_overhead_s=step_overhead_s, fp8_compute=fp8_compute, prefix_hit_rate=float(prefix_hit_rate))
 
     @property
     def peak_flops(self) -> float:
@@ -653,9 +681,35 @@ class PlanSettings:
         """``seconds_for(prompt_tokens)`` averaged over the prompts: over the samples when there are
         some (prefill's cost grows faster than linearly with the prompt, so the cost of the mean prompt
         would underprice it), else at the mean prompt."""
-        if self.prompt_samples is None:
-            return seconds_for(math.ceil(self.mean_prompt))
-        return sum(seconds_for(p) for p in self.prompt_samples) / len(self.prompt_samples)
+        return sum(seconds_for(p) for p in self.prompts()) / len(self.prompts())
+
+    def prompts(self) -> tuple[int, ...]:
+        """The prompt lengths a prefill's cost is averaged over: the samples, or the mean prompt
+        (rounded up) when none were given."""
+        return self.prompt_samples if self.prompt_samples is not None else (math.ceil(self.mean_prompt),)
+
+    def contexts(self) -> tuple[int, int, float]:
+        """(the context a decode step is priced at, the context memory is sized for, the prompt at the
+        percentile): see :func:`_contexts`."""
+        return _contexts(self)
+
+    def prefill_alone_s(self, prompt_tokens: int, cached_tokens: float = 0) -> float:
+        """One prompt's prefill on its own (:func:`prefill_time`: weights read, FLOPs, overhead), with
+        ``cached_tokens`` of it in the prefix cache."""
+        return prefill_time(self.cfg, prompt_tokens, weight_dtype_bytes=self.weight_dtype_bytes,
+                            cached_tokens=cached_tokens, **self.hardware())
+
+    def prefill_work_s(self, prompt_tokens: int, cached_tokens: float = 0) -> float:
+        """The GPU time one prompt's prefill adds batched into decode steps (:func:`prefill_compute_time`),
+        with ``cached_tokens`` of it in the prefix cache."""
+        return prefill_compute_time(self.cfg, prompt_tokens, peak_tflops=self.peak_flops / 1e12,
+                                    compute_efficiency=self.compute_efficiency, tensor_parallel=self.tensor_parallel,
+                                    cached_tokens=cached_tokens)
+
+    def cached_tokens(self, prompt_tokens: int) -> float:
+        """The mean cached part of a prompt at this hit rate: ``prefix_hit_rate * prompt_tokens``, at most
+        ``prompt_tokens - 1`` (an engine always computes the last prompt token)."""
+        return min(self.prefix_hit_rate * prompt_tokens, prompt_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -706,6 +760,7 @@ class Plan:
     cost_per_million_output_tokens_at_saturation: float | None = None
     cost_per_million_tokens_at_saturation: float | None = None
     matmul_peak_flops: float = 0.0  # the datasheet peak the compute efficiency is a fraction of (bf16, or FP8)
+    prefix_hit_rate: float = 0.0  # fraction of prompt tokens found in the prefix cache (cuts prefill work only)
 
 
 def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_target_s: float,
@@ -713,7 +768,8 @@ def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_
          step_overhead_s: float = 0.0, percentile: float = 99.0, weight_dtype_bytes: float = 2,
          kv_dtype_bytes: float = 2, tensor_parallel: int = 1,
          memory_utilization: float = DEFAULT_MEMORY_UTILIZATION, headroom: float | None = None,
-         burst_percentile: float = 99.0, gpu_hour_price: float | None = None, fp8_compute: bool = False) -> Plan:
+         burst_percentile: float = 99.0, gpu_hour_price: float | None = None, fp8_compute: bool = False,
+         prefix_hit_rate: float = 0.0) -> Plan:
     """Plan a deployment of ``model`` on ``gpu`` for a workload (module docstring: conventions).
 
     ``prompt_tokens`` and ``output_tokens`` are mean lengths, or lists of sampled lengths (then the
@@ -725,7 +781,10 @@ def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_
     ``gpu_hour_price`` is the caller's price of one GPU for one hour. ``fp8_compute`` runs the
     matmuls at the GPU's FP8 peak (weights and activations in FP8, W8A8, as vLLM's fp8
     quantisation runs on Hopper), twice the bf16 peak on Hopper; refused on a GPU without FP8
-    tensor cores. The arguments are checked once, into a :class:`PlanSettings`.
+    tensor cores. ``prefix_hit_rate`` is the fraction of prompt tokens found in the prefix cache (vLLM's
+    ``prefix_cache_hits`` over ``prefix_cache_queries``, both counted in tokens): it cuts the prefill's
+    arithmetic (module docstring), and nothing else. The arguments are checked once, into a
+    :class:`PlanSettings`.
     """
     return plan_from(PlanSettings.create(
         model, gpu, arrival_rate=arrival_rate, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
@@ -733,32 +792,74 @@ def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_
         compute_efficiency=compute_efficiency, step_overhead_s=step_overhead_s, percentile=percentile,
         weight_dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel,
         memory_utilization=memory_utilization, headroom=headroom, burst_percentile=burst_percentile,
-        gpu_hour_price=gpu_hour_price, fp8_compute=fp8_compute))
+        gpu_hour_price=gpu_hour_price, fp8_compute=fp8_compute, prefix_hit_rate=prefix_hit_rate))
+
+
+@answer
+def size_fleet(s: PlanSettings) -> dict:
+    """The fewest replicas that carry the load, and what each runs (lab 14, exercise 1e).
+
+    Returns ``{"replicas", "batch", "prefill_share", "headroom", "ttft_s"}``. A prefill costs its
+    uncached tokens (``s.cached_tokens``), averaged over ``s.prompts()``. Little's law counts the
+    requests in the running batch, ``rate * (mean prefill alone + (mean output - 1) * TPOT target)``,
+    with the Poisson headroom of :func:`burst_headroom` unless ``s.headroom`` is given. With ``r``
+    replicas each spends ``rate / r * prefill work`` of its time prefilling, so its decode steps get
+    ``TPOT target * (1 - share)`` and its batch is the largest that meets that and fits in memory;
+    ``r`` is the fewest for which ``r`` such batches hold the requests in flight with the headroom
+    (:func:`replicas_for_rate`). More replicas only help (less prefill each, a larger batch), so the
+    search doubles, then bisects. No replica count works when even one sequence misses the target
+    or does not fit: then 0 replicas and a batch of 0. The TTFT is the percentile prompt's prefill
+    alone plus one decode step at the batch (none when infeasible); queueing is not modelled.
+    """
+    step_context, memory_context, prompt_p = s.contexts()
+    prefill_alone = s.mean_prefill(lambda p: s.prefill_alone_s(p, s.cached_tokens(p)))
+    prefill_work = s.mean_prefill(lambda p: s.prefill_work_s(p, s.cached_tokens(p)))
+    in_memory = s.batch_in_memory(memory_context)
+    # Little's law over the running batch (module docstring): the TPOT target, not the prediction
+    time_in_sys = prefill_alone + (s.mean_output - 1) * s.tpot_target_s
+    mean_concurrency = s.arrival_rate * time_in_sys
+    room = s.headroom if s.headroom is not None else burst_headroom(mean_concurrency, s.burst_percentile)
+
+    def batch(r: int) -> int:
+        share = s.arrival_rate / r * prefill_work
+        return min(s.batch_for_tpot(step_context, s.tpot_target_s * (1 - share)), in_memory) if share < 1 else 0
+
+    def enough(r: int) -> bool:
+        b = batch(r)
+        return b >= 1 and replicas_for_rate(s.arrival_rate, time_in_sys, b, room) <= r
+
+    first = math.ceil(prompt_p)
+    ttft = s.prefill_alone_s(first, s.cached_tokens(first))
+    if min(s.batch_for_tpot(step_context, s.tpot_target_s), in_memory) < 1:
+        return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+    low, high = 0, 1  # enough(high) is unknown until checked; enough(low) is False
+    while not enough(high):
+        low, high = high, high * 2
+        if high > 1 << 40:
+            raise ValueError("the planner found no replica count that carries this load; check the inputs")
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid, high)
+    b = batch(high)
+    return {"replicas": high, "batch": b, "prefill_share": s.arrival_rate / high * prefill_work,
+            "headroom": room, "ttft_s": ttft + s.step_time(b, step_context)}
 
 
 def plan_from(s: PlanSettings) -> Plan:
     """:func:`plan` for settings already checked: size memory, prefill, the fleet, then price it."""
-    step_context, memory_context, prompt_p = _contexts(s)
-    prefill_mean = s.mean_prefill(lambda p: prefill_time(s.cfg, p, weight_dtype_bytes=s.weight_dtype_bytes,
-                                                         **s.hardware()))
-    prefill_work = s.mean_prefill(lambda p: prefill_compute_time(
-        s.cfg, p, peak_tflops=s.peak_flops / 1e12, compute_efficiency=s.compute_efficiency,
-        tensor_parallel=s.tensor_parallel))
+    step_context, memory_context, _ = s.contexts()
+    prefill_mean = s.mean_prefill(lambda p: s.prefill_alone_s(p, s.cached_tokens(p)))
+    prefill_work = s.mean_prefill(lambda p: s.prefill_work_s(p, s.cached_tokens(p)))
     in_memory = s.batch_in_memory(memory_context)
-    # Little's law over the running batch (module docstring): the TPOT target, not the prediction
-    time_in_sys = prefill_mean + (s.mean_output - 1) * s.tpot_target_s
+    time_in_sys = prefill_mean + (s.mean_output - 1) * s.tpot_target_s  # as size_fleet counts it
     mean_concurrency = s.arrival_rate * time_in_sys
-    room = s.headroom if s.headroom is not None else burst_headroom(mean_concurrency, s.burst_percentile)
-    replicas = _fewest_replicas(s, step_context, in_memory, prefill_work, time_in_sys, room)
-    share = s.arrival_rate / replicas * prefill_work if replicas else 0.0
-    by_time = s.batch_for_tpot(step_context, s.tpot_target_s * (1 - share)) if share < 1 else 0
-    batch = min(by_time, in_memory)
+    fleet = size_fleet(s)
+    replicas, batch, share, room, ttft = (fleet[k] for k in ("replicas", "batch", "prefill_share", "headroom",
+                                                             "ttft_s"))
     feasible = batch >= 1
-    replicas = replicas if feasible else 0
+    by_time = s.batch_for_tpot(step_context, s.tpot_target_s * (1 - share))  # share is 0 when infeasible
     step = s.step_time(batch, step_context) if feasible else math.inf
     tpot = step / (1 - share) if feasible else math.inf
-    prefill_p = prefill_time(s.cfg, math.ceil(prompt_p), weight_dtype_bytes=s.weight_dtype_bytes, **s.hardware())
-    ttft = prefill_p + (step if feasible else 0.0)
     gpus = replicas * s.tensor_parallel
     out_rate = s.arrival_rate * s.mean_output
     all_rate = s.arrival_rate * (s.mean_output + s.mean_prompt)
@@ -786,7 +887,7 @@ def plan_from(s: PlanSettings) -> Plan:
         notes=_notes(s, memory_context, in_memory, by_time, feasible, ttft, room),
         cost_per_million_output_tokens_at_saturation=price(out_rate / utilisation) if feasible else None,
         cost_per_million_tokens_at_saturation=price(all_rate / utilisation) if feasible else None,
-        matmul_peak_flops=s.peak_flops,
+        matmul_peak_flops=s.peak_flops, prefix_hit_rate=s.prefix_hit_rate,
     )
 
 
@@ -803,34 +904,6 @@ def _contexts(s: PlanSettings) -> tuple[int, int, float]:
         memory_context = math.ceil(prompt_p + output_p)
     step_context = math.ceil(_running_context(s.mean_prompt, s.prompt_samples, s.output_samples, s.mean_output))
     return step_context, memory_context, prompt_p
-
-
-def _fewest_replicas(s: PlanSettings, step_context: int, in_memory: int, prefill_work: float,
-                     time_in_sys: float, room: float) -> int:
-    """The fewest replicas that carry the load each with its own batch, or 0 when no batch of one fits.
-
-    Prefill share and batch depend on each other through the replica count: more replicas, less
-    prefill each, a longer decode budget, a larger batch. The condition only gets easier as the
-    count grows, so search by doubling, then bisection."""
-
-    def enough(r: int) -> bool:
-        share = s.arrival_rate / r * prefill_work
-        if share >= 1:
-            return False
-        b = min(s.batch_for_tpot(step_context, s.tpot_target_s * (1 - share)), in_memory)
-        return b >= 1 and replicas_for_rate(s.arrival_rate, time_in_sys, b, room) <= r
-
-    if min(s.batch_for_tpot(step_context, s.tpot_target_s), in_memory) < 1:
-        return 0
-    low, high = 0, 1  # enough(high) is unknown until checked; enough(low) is False
-    while not enough(high):
-        low, high = high, high * 2
-        if high > 1 << 40:
-            raise ValueError("the planner found no replica count that carries this load; check the inputs")
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if enough(mid) else (mid, high)
-    return high
 
 
 def _notes(s: PlanSettings, memory_context: int, in_memory: int, by_time: int, feasible: bool, ttft: float,
@@ -855,6 +928,9 @@ def _notes(s: PlanSettings, memory_context: int, in_memory: int, by_time: int, f
                      "rest, and the batch varies): a target at a percentile needs the margin a load test measures")
         notes.append("prefill interference is added to the decode steps (an upper bound: an engine that folds "
                      "prefill chunks into memory-bound decode steps hides part of it); a load test decides")
+    if s.prefix_hit_rate:
+        notes.append(f"a prefix-cache hit rate of {s.prefix_hit_rate:.0%} of prompt tokens cuts the prefill work only: "
+                     f"the decode step, the memory per sequence and the tokens priced are planned as without a cache")
     if s.tensor_parallel > 1:
         notes.append(f"the all-reduces between the {s.tensor_parallel} GPUs of a replica (two per layer per step) "
                      f"are not modelled: the step time is a lower bound by their cost")

@@ -380,3 +380,80 @@ def test_plan_settings_are_checked_once_and_frozen():
 def test_bad_input_is_refused_with_a_clear_message(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- prefix caching as a planning input (issue 22) -------------------------------------------------------
+
+
+def test_prefill_after_a_prefix_is_the_whole_prompt_less_the_prefix_alone():
+    from labsupport.costs import prefill_flops, prefill_flops_after_prefix
+
+    for p, h in ((2000, 0), (2000, 1500), (4096, 4095), (7, 3)):
+        assert prefill_flops_after_prefix(M8, p, h) == pytest.approx(
+            prefill_flops(M8, p, causal=True) - (prefill_flops(M8, h, causal=True) if h else 0), rel=1e-12)
+    # by hand: 2 N (P - H) for the layers, 2 L d (P^2 - H^2) for attention to every earlier token, cached or not
+    assert prefill_flops_after_prefix(M8, 1000, 250.5) == pytest.approx(
+        2 * param_count(M8) * 749.5 + 2 * 32 * 4096 * (1000**2 - 250.5**2))
+    for bad in (1000, 1001, -1, True, "half"):
+        with pytest.raises(ValueError, match="cached_tokens"):
+            prefill_flops_after_prefix(M8, 1000, bad)
+
+
+def test_a_prefix_hit_rate_cuts_prefill_work_and_nothing_else():
+    """Long prompts at a high rate, so that prefill takes a large share of each replica: the hit rate
+    shrinks the prefill, its share, the TTFT and the fleet; the decode step, the contexts, the memory
+    per sequence and the tokens priced stay as they are."""
+    kw = dict(arrival_rate=30, prompt_tokens=[6000, 8000, 4000, 7000], output_tokens=200, tpot_target_s=0.03)
+    cold, warm = _plan(**kw), _plan(**kw, prefix_hit_rate=0.8)
+    assert warm.prefix_hit_rate == 0.8 and cold.prefix_hit_rate == 0.0
+    assert warm.prefill_compute_s < 0.3 * cold.prefill_compute_s and warm.prefill_s < cold.prefill_s
+    assert warm.ttft_s < cold.ttft_s and warm.time_in_system_s < cold.time_in_system_s
+    assert warm.replicas < cold.replicas and warm.prefill_share < cold.prefill_share + 1e-12
+    same = ("step_context_tokens", "memory_context_tokens", "batch_in_memory", "kv_bytes_per_token",
+            "total_tokens_per_s", "output_tokens_per_s", "weight_bytes")
+    assert {k: getattr(warm, k) for k in same} == {k: getattr(cold, k) for k in same}
+    s = planning.PlanSettings.create(M8, "H200", ttft_target_s=1.0, bandwidth_efficiency=0.7, compute_efficiency=0.5,
+                                     step_overhead_s=2e-3, prefix_hit_rate=0.8, **kw)
+    assert s.step_time(16, 7000) == planning.PlanSettings.create(
+        M8, "H200", ttft_target_s=1.0, bandwidth_efficiency=0.7, compute_efficiency=0.5, step_overhead_s=2e-3,
+        **kw).step_time(16, 7000)
+    assert any("prefix-cache hit rate of 80%" in n for n in warm.notes)
+    assert not any("prefix-cache" in n for n in cold.notes)
+
+
+def test_the_cached_part_of_a_prompt_never_includes_its_last_token():
+    s = planning.PlanSettings.create(M8, "H200", arrival_rate=1, prompt_tokens=[1, 10, 1000], output_tokens=5,
+                                     ttft_target_s=1, tpot_target_s=0.05, bandwidth_efficiency=0.7,
+                                     compute_efficiency=0.5, prefix_hit_rate=0.95)
+    assert [s.cached_tokens(p) for p in s.prompts()] == [0, 9, pytest.approx(950)]
+    assert planning.plan_from(s).feasible  # a one-token prompt still has its one token computed
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, 1.5, True, "80%", None])
+def test_a_bad_hit_rate_is_refused_with_what_it_means(bad):
+    with pytest.raises(ValueError, match="fraction of prompt tokens found in the prefix cache"):
+        _plan(prefix_hit_rate=bad)
+
+
+def test_size_fleet_is_the_plans_replica_search():
+    size_fleet = unguarded(planning.size_fleet)
+    for kw in (dict(), dict(arrival_rate=200, prompt_tokens=4000), dict(prefix_hit_rate=0.6, headroom=0.25),
+               dict(arrival_rate=3, tpot_target_s=0.004)):  # the last: no batch meets the target
+        s = planning.PlanSettings.create(M8, "H200", **{**dict(
+            arrival_rate=20, prompt_tokens=1000, output_tokens=250, ttft_target_s=1.0, tpot_target_s=0.05,
+            bandwidth_efficiency=0.7, compute_efficiency=0.5, step_overhead_s=2e-3), **kw})
+        fleet, p = size_fleet(s), planning.plan_from(s)
+        assert (fleet["replicas"], fleet["batch"], fleet["headroom"]) == (p.replicas, p.batch, p.headroom)
+        assert fleet["prefill_share"] == p.prefill_share and fleet["ttft_s"] == p.ttft_s
+        if p.feasible:  # the plan's replicas carry the load, and one fewer would not
+
+            def carried(r):
+                share = p.arrival_rate / r * p.prefill_compute_s
+                if share >= 1:
+                    return False
+                b = min(s.batch_for_tpot(p.step_context_tokens, s.tpot_target_s * (1 - share)), p.batch_in_memory)
+                return b >= 1 and replicas_for_rate(p.arrival_rate, p.time_in_system_s, b, p.headroom) <= r
+
+            assert carried(p.replicas) and (p.replicas == 1 or not carried(p.replicas - 1))
+        else:
+            assert fleet["replicas"] == fleet["batch"] == 0 and fleet["prefill_share"] == 0.0
