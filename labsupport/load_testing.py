@@ -47,6 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ._answers import answer
 from ._validate import positive_int, positive_number
+from .prometheus import bucket_counts, bucket_quantile, counter_increase
 from .bench_serving import _run_sync, random_prompts, run_benchmark
 
 __all__ = [
@@ -310,29 +311,17 @@ def metric(samples: dict, name: str, **labels) -> float:
 
 def histogram_quantile(samples: dict, name: str, q: float, before: dict | None = None) -> float | None:
     """The ``q`` quantile (0 to 1) of histogram ``name`` as Prometheus's ``histogram_quantile``
-    estimates it: find the bucket where the cumulative count reaches ``q`` of the total and
-    interpolate linearly inside it (the lowest bucket from 0; in the ``+Inf`` bucket, the largest
-    finite bound). With ``before``, of the observations made since that scrape. None if empty."""
-    bounds = []
-    for (sample, labels), value in samples.items():
-        if sample == name + "_bucket":
-            le = dict(labels)["le"]
-            base = metric(before, sample, le=le) if before is not None else 0.0
-            bounds.append((float(le), value - base))
-    bounds.sort()
-    if not bounds or bounds[-1][1] <= 0:
+    estimates it (:func:`labsupport.prometheus.bucket_quantile`): find the bucket where the cumulative
+    count reaches ``q`` of the total and interpolate linearly inside it (the lowest bucket from 0; in
+    the ``+Inf`` bucket, the largest finite bound). With ``before``, of the observations made since
+    that scrape (:func:`labsupport.prometheus.histogram_quantile_between`). None if empty."""
+    after = bucket_counts(samples, name)
+    if not after:
         return None
-    rank = q * bounds[-1][1]
-    lower, below = 0.0, 0.0
-    for upper, count in bounds:
-        if count >= rank:
-            if math.isinf(upper):
-                return lower
-            if count == below:
-                return upper
-            return lower + (upper - lower) * (rank - below) / (count - below)
-        lower, below = upper, count
-    return bounds[-1][0]
+    start = bucket_counts(before, name) if before is not None else dict.fromkeys(after, 0.0)
+    start = {le: start.get(le, 0.0) for le in after}
+    value = bucket_quantile(q, [(le, counter_increase(start[le], after[le])) for le in after])
+    return None if math.isnan(value) else value
 
 
 class MetricsSampler:
