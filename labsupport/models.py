@@ -25,6 +25,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ._answers import answer
+
 # Llama 3's rotary base (Grattafiori et al., 2024): the default for ModelConfig.rope_theta, so the
 # course presets rotate as Llama 3 does.
 LLAMA3_ROPE_THETA = 500_000.0
@@ -248,6 +250,7 @@ def _hf_bool(config: Mapping, field: str, default: bool) -> bool:
     return value
 
 
+@answer  # lab 02's config-reading exercises refuse it: reading the file is their point
 def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face ``config.json`` (parsed into a dict).
 

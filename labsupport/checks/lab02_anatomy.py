@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 import random
 from collections.abc import Mapping
 
 from ..anatomy import COMPONENTS, param_count_by_component
-from ..models import ModelConfig, get_model
+from ..config_costs import decode_bytes_from_config, params_from_config
+from ..costs import decode_step_bytes, param_count
+from ..models import HF_ARCHITECTURES, HF_CONFIGS, ModelConfig, from_hf_config, get_model, hf_config
 from .framework import Case, ForbiddenCall, graded
 
 COUNT_RULE = (
@@ -152,3 +155,192 @@ def check_param_count_by_component(fn, checker):
         if matched:
             problem += f"\nYour counts match what we get when {matched}."
         checker.fail(case, problem, COUNT_RULE)
+
+
+# --- a real config.json, read: parameters and a decode step's bytes -------------------------------------
+
+CONFIG_RULE = (
+    "read the shape from the config.json (num_hidden_layers, hidden_size, num_attention_heads, "
+    "num_key_value_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings) and count every weight "
+    "the module tree shows: each Linear is in_features x out_features, plus out_features when it has a bias; "
+    "each RMSNorm its width. A field the file leaves out takes the default of the family's configuration class "
+    "in transformers (transformers.AutoConfig.for_model(model_type)): Mistral has 8 KV heads, Qwen2 and Qwen3 "
+    "32, Llama as many as its query heads; Qwen3's head_dim is 128, the others' hidden_size / "
+    "num_attention_heads. Which projections have a bias and which norms exist differs by family: read the trees."
+)
+BYTES_RULE = (
+    "a decode step reads every weight it multiplies by once (a tied table is read in full as the output layer), "
+    "one row of an untied input embedding table per sequence (a lookup), and the keys and values of every cached "
+    "token of every sequence: batch x context_tokens x 2 x layers x KV heads x head_dim, all at dtype_bytes."
+)
+
+
+def _family_config(family: str, rng: random.Random, index: int) -> dict:
+    """A config.json no one has seen, of ``family``: random sizes, with fields left out at random so that
+    the family's defaults decide them."""
+    kv = rng.choice([1, 2, 4, 8])
+    heads = kv * rng.randint(1, 4)
+    width = heads * rng.choice([16, 24, 32])
+    config = {
+        "architectures": [HF_ARCHITECTURES[family]], "model_type": family, "hidden_act": "silu",
+        "num_hidden_layers": rng.randint(1, 6), "hidden_size": width, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "intermediate_size": rng.randint(16, 400), "vocab_size": rng.randint(300, 5000),
+        "rope_theta": rng.choice([10000.0, 1e6]),
+    }
+    if rng.random() < 0.5:
+        config["tie_word_embeddings"] = rng.random() < 0.5
+    if family in ("llama", "qwen3") and rng.random() < 0.5:
+        config["attention_bias"] = rng.random() < 0.5
+    if rng.random() < 0.5:
+        config["head_dim"] = 2 * rng.randint(4, 40)
+    if family == "mistral" and rng.random() < 0.5 and heads % 8 == 0:
+        del config["num_key_value_heads"]  # MistralConfig's default: 8
+    if family == "qwen3" and "head_dim" not in config and rng.random() < 0.5:
+        pass  # Qwen3Config's default head_dim: 128
+    config["_case"] = f"random {family} config {index}"
+    return config
+
+
+def config_cases() -> list[tuple[str, dict]]:
+    """(label, config.json dict): the real models', then ones whose derived values differ from the explicit
+    ones, then fresh random ones."""
+    cases = [(f"{name}'s config.json", hf_config(name)) for name in HF_CONFIGS]
+    qwen06 = hf_config("qwen3-0.6b")
+    no_head_dim = {k: v for k, v in qwen06.items() if k != "head_dim"}
+    mistral = {k: v for k, v in hf_config("mistral-7b-v0.1").items() if k not in ("num_key_value_heads",)}
+    cases += [
+        ("Qwen3-0.6B without its head_dim field (Qwen3Config's default decides)", no_head_dim),
+        ("Mistral 7B without num_key_value_heads (MistralConfig's default decides)", mistral),
+        ("a Llama with attention_bias true (q, k, v and o biased), tie_word_embeddings left out",
+         {**{k: v for k, v in hf_config("llama-3.1-8b").items() if k != "tie_word_embeddings"},
+          "attention_bias": True, "num_hidden_layers": 2, "vocab_size": 1000}),
+        ("a small Qwen2, tied, a head width wider than hidden_size / heads",
+         {**hf_config("qwen2-7b"), "num_hidden_layers": 3, "hidden_size": 112, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 40, "intermediate_size": 300, "vocab_size": 999,
+          "tie_word_embeddings": True}),
+        ("a Qwen3 with attention_bias true", {**hf_config("qwen3-0.6b"), "num_hidden_layers": 2, "attention_bias": True,
+                                              "vocab_size": 2000}),
+    ]
+    rng = random.Random(random.SystemRandom().randrange(10**9))
+    cases += [(c.pop("_case"), c) for c in (_family_config(f, rng, i) for i, f in enumerate(
+        rng.sample(list(HF_ARCHITECTURES), 2)))]
+    return cases
+
+
+def _config_mistakes(config: dict) -> dict[str, dict]:
+    """What each planted mistake counts for ``config``: the course's count of a config read wrongly."""
+    count = param_count_by_component.__wrapped__
+    cfg = from_hf_config(config)
+    right = count(cfg)
+    family = config.get("model_type")
+    out = {}
+    if "head_dim" in config and config["head_dim"] and cfg.d_model % cfg.n_heads == 0 and \
+            cfg.head_dim != cfg.d_model // cfg.n_heads:
+        out["the head width is taken as hidden_size / num_attention_heads although the file gives head_dim"] = \
+            count(dataclasses.replace(cfg, head_dim=None))
+    if "head_dim" not in config and family == "qwen3" and cfg.d_model % cfg.n_heads == 0:
+        out["Qwen3's head width is taken as hidden_size / num_attention_heads; Qwen3Config's default head_dim is "
+            "128 when the file leaves it out"] = count(dataclasses.replace(cfg, head_dim=None))
+    if "num_key_value_heads" not in config and family != "llama":
+        out[f"the KV heads are taken as num_attention_heads; {family}'s configuration class defaults "
+            f"num_key_value_heads to {cfg.n_kv_heads} when the file leaves it out"] = \
+            count(dataclasses.replace(cfg, n_kv_heads=cfg.n_heads))
+    out["the key and value projections are sized from the query heads (num_attention_heads) instead of "
+        "num_key_value_heads"] = count(dataclasses.replace(cfg, n_kv_heads=cfg.n_heads))
+    if "tie_word_embeddings" not in config:
+        out["a tie_word_embeddings left out of the file is read as true (these families default to false)"] = \
+            right | {"output": 0}
+    if family == "qwen2":
+        out["Qwen2's q, k and v biases are left out (Qwen2 always has them; its config has no switch for them)"] = \
+            count(dataclasses.replace(cfg, qkv_bias=False))
+        out["Qwen2 is given an output-projection bias too (its o_proj has none)"] = \
+            count(dataclasses.replace(cfg, o_bias=True))
+    if cfg.o_bias:
+        out["attention_bias puts a bias on the output projection too (o_proj), not only on q, k and v"] = \
+            count(dataclasses.replace(cfg, o_bias=False))
+    if cfg.qk_norm:
+        out["Qwen3's q_norm and k_norm (head_dim weights each, per layer) are left out"] = \
+            count(dataclasses.replace(cfg, qk_norm=False))
+    if cfg.tied_embeddings:
+        out["the tied output layer is counted again (a tied model stores one table)"] = right | {"output": right["embedding"]}
+    out["the final norm (hidden_size weights after the last layer) is left out"] = right | {"norms": right["norms"] - cfg.d_model}
+    return {k: v for k, v in out.items() if v != right}
+
+
+@graded(points=6, bans=(params_from_config, param_count_by_component, from_hf_config))
+def check_params_from_config(fn, checker):
+    """``fn(config)`` (a ``config.json`` dict of a Llama, Mistral, Qwen2 or Qwen3 model) must return its
+    parameters by component, with each family's defaults for the fields the file leaves out."""
+    no_torch = _NoTorch()
+    for label, config in config_cases():
+        case = Case(config=label, **{k: config.get(k, "(absent)") for k in (
+            "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "tie_word_embeddings", "attention_bias")})
+        got = checker.call(no_torch(fn), copy.deepcopy(config), case=case)
+        expected = params_from_config.__wrapped__(config)
+        if not isinstance(got, Mapping) or set(got) != set(COMPONENTS):
+            checker.fail(case, f"your function returned {got!r:.200}; expected a dict with exactly the keys "
+                               f"{', '.join(repr(k) for k in COMPONENTS)}.", CONFIG_RULE)
+        for key in COMPONENTS:
+            if isinstance(got[key], bool) or not isinstance(got[key], numbers.Integral):
+                checker.fail(case, f"the count for {key!r} is {got[key]!r}, expected an int.", CONFIG_RULE)
+        got = {k: int(got[k]) for k in COMPONENTS}
+        if got == expected:
+            continue
+        wrong = [k for k in COMPONENTS if got[k] != expected[k]]
+        problem = "wrong count for " + "; ".join(
+            f"{k}: {got[k]:,} instead of {expected[k]:,} ({got[k] - expected[k]:+,})" for k in wrong) + "."
+        matched = [why for why, values in _config_mistakes(config).items() if values == got]
+        if matched:
+            problem += f"\nYour counts match what we get when {'; or when '.join(matched)}."
+        checker.fail(case, problem, CONFIG_RULE)
+
+
+def _bytes_cases(configs) -> list[tuple[str, dict, int, int, int]]:
+    """(label, config, batch, context_tokens, dtype_bytes)."""
+    out = []
+    shapes = ((1, 0, 2), (8, 4096, 2), (3, 1000, 1), (64, 513, 4))
+    for i, (label, config) in enumerate(configs):
+        batch, context, dtype = shapes[i % len(shapes)]
+        out.append((label, config, batch, context, dtype))
+    return out
+
+
+def _bytes_mistakes(config: dict, batch: int, context: int, dtype: int) -> dict[str, float]:
+    cfg = from_hf_config(config)
+    right = decode_bytes_from_config.__wrapped__(config, batch, context, dtype)
+    params = param_count(cfg)
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    table = cfg.vocab_size * cfg.d_model
+    unread = 0 if cfg.tied_embeddings else max(cfg.vocab_size - batch, 0) * cfg.d_model
+    out = {
+        "the whole input embedding table is charged: a step looks up one row of it per sequence": right + unread * dtype,
+        "the key and value cache is sized from the query heads instead of the KV heads":
+            right + batch * context * 2 * cfg.n_layers * (cfg.n_heads - cfg.n_kv_heads) * cfg.head_dim * dtype,
+        "the factor 2 for keys AND values is missing from the cache": right - batch * context * kv // 2 * dtype,
+        "the cache of one sequence is counted, not of every sequence in the batch":
+            right - (batch - 1) * context * kv * dtype,
+        "the weights are read once per sequence, not once per step (a batch shares one read of every weight)":
+            right + (batch - 1) * (params - unread) * dtype,
+        "dtype_bytes is ignored (2 bytes per element assumed)": right / dtype * 2,
+        "a tied model's table is charged one row per sequence; it is read in full as the output layer":
+            right - table * dtype + min(batch, cfg.vocab_size) * cfg.d_model * dtype if cfg.tied_embeddings else right,
+        "the head width is taken as hidden_size / num_attention_heads although the file gives head_dim":
+            decode_bytes_from_config.__wrapped__({**config, "head_dim": None}, batch, context, dtype)
+            if cfg.d_model % cfg.n_heads == 0 else right,
+    }
+    return {k: v for k, v in out.items() if v != right}
+
+
+@graded(points=4, bans=(decode_bytes_from_config, params_from_config, param_count_by_component, from_hf_config,
+                        decode_step_bytes))
+def check_decode_bytes_from_config(fn, checker):
+    """``fn(config, batch, context_tokens, dtype_bytes)`` must return the bytes one decode step reads: the
+    weights it multiplies by, the input rows it looks up, and every sequence's keys and values."""
+    no_torch = _NoTorch()
+    for label, config, batch, context, dtype in _bytes_cases(config_cases()):
+        case = Case(config=label, batch=batch, context_tokens=context, dtype_bytes=dtype)
+        got = checker.call(no_torch(fn), copy.deepcopy(config), batch, context, dtype, case=case)
+        expected = decode_bytes_from_config.__wrapped__(config, batch, context, dtype)
+        checker.expect_number(got, float(expected), case=case, rel=1e-12, what="bytes read", hint=BYTES_RULE,
+                              mistakes=_bytes_mistakes(config, batch, context, dtype))

@@ -134,3 +134,167 @@ def test_random_shapes_are_valid_and_vary():
     drawn = [cfg for _ in range(20) for cfg in _cases() if cfg.name.startswith("random-")]
     assert len(drawn) == 40 and len({(c.d_model, c.head_dim, c.vocab_size) for c in drawn}) > 30
     assert all(c.head_dim * c.n_heads != c.d_model for c in drawn)
+
+
+# --- check_params_from_config and check_decode_bytes_from_config (issue 22) -------------------------------------
+
+KV_DEFAULT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+
+
+def learner_from_config(config, *, derived_head_dim=False, qwen3_default=True, kv_default=True, tied_default=False,
+                        qwen2_bias=True, qwen2_o_bias=False, llama_o_bias=True, qk_norms=True, tied_twice=False,
+                        kv_from_heads=False, final_norm=True):
+    """A learner's reading of a config.json, written from the lab's spec and module trees; each switch plants
+    one mistake."""
+    family = config["model_type"]
+    d, L, H, V = (config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
+    if "num_key_value_heads" in config and config["num_key_value_heads"] is not None:
+        hkv = config["num_key_value_heads"]
+    else:
+        hkv = KV_DEFAULT.get(family, H) if kv_default else H
+    if kv_from_heads:
+        hkv = H
+    if config.get("head_dim") and not derived_head_dim:
+        D = config["head_dim"]
+    elif family == "qwen3" and qwen3_default and not derived_head_dim:
+        D = 128
+    else:
+        D = d // H
+    tied = config.get("tie_word_embeddings", tied_default)
+    if family == "qwen2":
+        qkv_bias, o_bias = qwen2_bias, qwen2_o_bias
+    elif family == "mistral":
+        qkv_bias = o_bias = False
+    else:
+        qkv_bias = config.get("attention_bias", False)
+        o_bias = qkv_bias and llama_o_bias
+    attention = 2 * d * H * D + 2 * d * hkv * D + (H * D + 2 * hkv * D if qkv_bias else 0) + (d if o_bias else 0)
+    norms = L * 2 * d + (d if final_norm else 0) + (L * 2 * D if family == "qwen3" and qk_norms else 0)
+    return {"embedding": V * d, "attention": L * attention, "feed_forward": L * 3 * d * config["intermediate_size"],
+            "norms": norms, "output": V * d if (tied_twice or not tied) else 0}
+
+
+def learner_bytes(config, batch, context, dtype, *, whole_table=False, query_heads=False, no_factor_2=False,
+                  one_cache=False, weights_per_sequence=False, fixed_dtype=False, tied_rows=False):
+    parts = learner_from_config(config)
+    family = config["model_type"]
+    H, d = config["num_attention_heads"], config["hidden_size"]
+    hkv = config.get("num_key_value_heads") or KV_DEFAULT.get(family, H)
+    D = config.get("head_dim") or (128 if family == "qwen3" else d // H)
+    tied = config.get("tie_word_embeddings", False)
+    V = config["vocab_size"]
+    rows = min(batch, V) * d
+    weights = sum(parts.values())
+    if not tied and not whole_table:
+        weights -= parts["embedding"] - rows
+    if tied and tied_rows:
+        weights -= parts["embedding"] - rows
+    if weights_per_sequence:
+        weights *= batch
+    kv = (1 if no_factor_2 else 2) * config["num_hidden_layers"] * (H if query_heads else hkv) * D
+    cache = (1 if one_cache else batch) * context * kv
+    size = 2 if fixed_dtype else dtype
+    return (weights + cache) * size
+
+
+def test_config_references_pass(capsys):
+    from labsupport.checks import check_decode_bytes_from_config, check_params_from_config
+    from labsupport.checks.framework import Checker
+    from labsupport.config_costs import decode_bytes_from_config, params_from_config
+
+    check_params_from_config(learner_from_config)
+    check_decode_bytes_from_config(learner_bytes)
+    out = capsys.readouterr().out
+    assert "PASSED check_params_from_config" in out and "PASSED check_decode_bytes_from_config" in out
+    # the course's answers are built on what the checks ban: run through the bodies unbanned
+    check_params_from_config.__wrapped__(unguarded(params_from_config), Checker("check_params_from_config"))
+    check_decode_bytes_from_config.__wrapped__(unguarded(decode_bytes_from_config),
+                                               Checker("check_decode_bytes_from_config"))
+
+
+def test_transformers_own_defaults_are_a_right_way_to_read_the_file(capsys):
+    """A learner may let transformers' configuration class fill in the defaults, as vLLM does."""
+    import transformers
+
+    from labsupport.checks import check_params_from_config
+
+    def through_autoconfig(config):
+        c = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+        filled = {**config, "num_key_value_heads": c.num_key_value_heads,
+                  "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                  "tie_word_embeddings": c.tie_word_embeddings}
+        return learner_from_config(filled)
+
+    check_params_from_config(through_autoconfig)
+    assert "PASSED check_params_from_config" in capsys.readouterr().out
+
+
+CONFIG_MUTANTS = {
+    "head_dim derived though given": (dict(derived_head_dim=True), "although the file gives head_dim"),
+    "Qwen3's default head_dim": (dict(qwen3_default=False), "Qwen3Config's default head_dim is 128"),
+    "KV heads default": (dict(kv_default=False), "defaults num_key_value_heads to"),
+    "tied by default": (dict(tied_default=True), "read as true"),
+    "Qwen2 without biases": (dict(qwen2_bias=False), "Qwen2's q, k and v biases are left out"),
+    "Qwen2 with an o bias": (dict(qwen2_o_bias=True), "output-projection bias too"),
+    "attention_bias without o_proj": (dict(llama_o_bias=False), "on the output projection too"),
+    "no q/k norms": (dict(qk_norms=False), "q_norm and k_norm"),
+    "tied counted twice": (dict(tied_twice=True), "counted again"),
+    "KV from query heads": (dict(kv_from_heads=True), "sized from the query heads"),
+    "no final norm": (dict(final_norm=False), "final norm"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_MUTANTS))
+def test_config_mutants_fail(name):
+    from labsupport.checks import check_params_from_config
+
+    flags, message = CONFIG_MUTANTS[name]
+    with pytest.raises(CheckFailed, match=message):
+        check_params_from_config(lambda c: learner_from_config(c, **flags))
+
+
+BYTES_MUTANTS = {
+    "the whole input table": (dict(whole_table=True), "whole input embedding table is charged"),
+    "cache from query heads": (dict(query_heads=True), "sized from the query heads"),
+    "no factor 2": (dict(no_factor_2=True), "factor 2 for keys AND values"),
+    "one sequence's cache": (dict(one_cache=True), "cache of one sequence"),
+    "weights per sequence": (dict(weights_per_sequence=True), "once per sequence"),
+    "dtype ignored": (dict(fixed_dtype=True), "dtype_bytes is ignored"),
+    "a tied table looked up only": (dict(tied_rows=True), "read in full as the output layer"),
+}
+
+
+@pytest.mark.parametrize("name", list(BYTES_MUTANTS))
+def test_bytes_mutants_fail(name):
+    from labsupport.checks import check_decode_bytes_from_config
+
+    flags, message = BYTES_MUTANTS[name]
+    with pytest.raises(CheckFailed, match=message):
+        check_decode_bytes_from_config(lambda c, b, n, t: learner_bytes(c, b, n, t, **flags))
+
+
+def test_config_checks_refuse_the_stub_the_course_reader_and_a_built_model():
+    from labsupport.checks import check_decode_bytes_from_config, check_params_from_config
+    from labsupport.models import from_hf_config
+
+    def stub(config):
+        raise NotImplementedError
+
+    with pytest.raises(CheckFailed, match="NotImplementedError"):
+        check_params_from_config(stub)
+    with pytest.raises(CheckFailed, match="NotImplementedError"):
+        check_decode_bytes_from_config(lambda c, b, n, t: stub(c))
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_params_from_config(lambda c: learner(from_hf_config(c)))
+    with pytest.raises(CheckFailed, match="called torch"):
+        check_params_from_config(lambda c: anatomy.hf_param_counts(c))
+
+
+def test_the_random_configs_differ_between_runs_and_are_valid():
+    from labsupport.checks.lab02_anatomy import config_cases
+    from labsupport.models import from_hf_config
+
+    drawn = [config for _ in range(10) for label, config in config_cases() if label.startswith("random")]
+    assert len({str(sorted(c.items())) for c in drawn}) == len(drawn) == 20
+    assert all(from_hf_config(c) for c in drawn)
