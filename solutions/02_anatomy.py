@@ -11,12 +11,16 @@
 # 3. profile the same two steps with `torch.profiler` and compare where the time goes with where
 #    the FLOPs and the bytes say it should;
 # 4. write `param_count_by_component`, the exact number of weights in each part of a decoder of
-#    any shape, tied embeddings, q/k/v biases and explicit head widths included, and have it
-#    checked;
+#    any shape, tied embeddings, q/k/v biases and explicit head widths included, derived from the
+#    module trees of real architectures (no table of formulas), and have it checked;
 # 5. verify your count three ways: your formula, the course model's `numel()`, and Hugging Face
 #    `transformers` building the real architectures (Llama 3.1, Mistral, Qwen2, Qwen3) on the
 #    meta device, with no download and no memory;
-# 6. see where the parameters of real models are, and what a mixture of experts changes.
+# 6. see where the parameters of real models are, and what a mixture of experts changes;
+# 7. read a real `config.json`, with each family's defaults for the fields it leaves out, into the
+#    same count (checked);
+# 8. count the bytes one decode step reads from a `config.json` (checked), predict the step's time
+#    from them and this machine's memory bandwidth, and compare with the step measured in section 3.
 #
 # Everything runs on a CPU in well under a minute. The model's weights are random: the time a
 # forward pass of a dense model takes does not depend on their values. (The time a *request* takes
@@ -50,10 +54,12 @@ from labsupport.anatomy import (
     step_costs,
     time_step,
 )
-from labsupport.checks import check_param_count_by_component
+from labsupport.checks import check_decode_bytes_from_config, check_param_count_by_component, check_params_from_config
 from labsupport.costs import param_count
 from labsupport.device import device, lab_dtype
 from labsupport.models import HF_CONFIGS, ModelConfig, get_model, hf_config, to_hf_config
+from labsupport.roofline import measure_copy
+from labsupport.timing import benchmark
 from labsupport.transformer import Transformer
 
 DEVICE = device()
@@ -250,23 +256,50 @@ fig.tight_layout()
 # %% [markdown]
 # ## 4. Exercise: the parameters of any decoder, by component
 #
-# Complete `param_count_by_component(cfg)`. `cfg` is a `labsupport.models.ModelConfig` with
-# fields `n_layers` ($L$), `d_model` ($d$), `n_heads` ($H$), `n_kv_heads` ($H_{kv}$),
-# `head_dim` ($D$), `d_ff`, `vocab_size` ($V$), and the flags in which real models differ:
-# `tied_embeddings`, `qkv_bias`, `o_bias` and `qk_norm`. Return a dict with exactly these keys,
+# How many weights does a decoder hold, and where? No table of formulas here: the module tree says it. Below
+# is layer 0 of each family the course serves, built by Hugging Face `transformers` from a small
+# `config.json` on the meta device (shapes, no memory), with the fields that set each shape. Every
+# `Linear(in_features=a, out_features=b, bias=...)` holds $a \cdot b$ weights, plus $b$ more when it has a
+# bias; every `RMSNorm((w,))` holds $w$. Read them: which widths come from which field, which projections
+# have a bias in which family, and which norms exist beyond the two of every layer.
+
+# %%
+def small(family, **fields):  # a small config.json of the family, for a short tree
+    return {"model_type": family, "architectures": [family.capitalize() + "ForCausalLM"], "num_hidden_layers": 1,
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+            "vocab_size": 500, **fields}
+
+
+TREES = {
+    "llama (attention_bias true)": small("llama", attention_bias=True),
+    "mistral": small("mistral"),
+    "qwen2": small("qwen2"),
+    "qwen3 (head_dim 32, tied)": small("qwen3", head_dim=32, tie_word_embeddings=True),
+}
+for label, config in TREES.items():
+    built = hf_model(config)
+    print(f"--- {label}: {', '.join(f'{k}={v}' for k, v in config.items() if k not in ('architectures', 'model_type'))}")
+    print("embed_tokens:", built.model.embed_tokens, "| norm:", built.model.norm, "| lm_head:", built.lm_head,
+          "| tied:", built.lm_head.weight is built.model.embed_tokens.weight)
+    print(built.model.layers[0])
+
+# %% [markdown]
+# Complete `param_count_by_component(cfg)`. `cfg` is a `labsupport.models.ModelConfig` with fields
+# `n_layers`, `d_model`, `n_heads`, `n_kv_heads`, `head_dim`, `d_ff`, `vocab_size`, and the flags in which
+# real models differ: `tied_embeddings`, `qkv_bias` (biases on q, k and v), `o_bias` (a bias on the output
+# projection) and `qk_norm` (Qwen3's norms on queries and keys). Return a dict with exactly these keys,
 # each an `int`:
 #
-# | key | what | count |
-# | --- | --- | --- |
-# | `"embedding"` | the token table | $V d$ |
-# | `"attention"` | q, k, v, o projections of all layers | $L\,(d \cdot HD + 2\,d \cdot H_{kv}D + HD \cdot d)$, plus $HD + 2H_{kv}D$ per layer if `qkv_bias`, plus $d$ per layer if `o_bias` |
-# | `"feed_forward"` | SwiGLU's gate, up and down matrices | $L \cdot 3\,d\,d_{ff}$ |
-# | `"norms"` | RMSNorm weight vectors | $2d$ per layer, $d$ for the final norm, plus $2D$ per layer if `qk_norm` |
-# | `"output"` | the output layer | $V d$, or $0$ when `tied_embeddings` (one table, counted under `"embedding"`) |
+# * `"embedding"`: the token table;
+# * `"attention"`: the q, k, v and output projections of all layers, with their biases;
+# * `"feed_forward"`: SwiGLU's gate, up and down matrices of all layers;
+# * `"norms"`: every RMSNorm weight vector (per layer, the final one, and any on queries and keys);
+# * `"output"`: the output layer, or `0` when it is tied to the embedding table (one table, counted under
+#   `"embedding"`).
 #
-# Use `cfg.head_dim`, never `d_model // n_heads`: Qwen3-0.6B has 16 heads of 128 on a width of
-# 1,024. Write the formula from the fields with integer arithmetic; the check refuses a function
-# that builds a model (that is section 5's cross-check).
+# Use `cfg.head_dim`, never `d_model // n_heads`: the Qwen3 tree above has 4 heads of 32 on a width of 64
+# (Qwen3-0.6B has 16 heads of 128 on a width of 1,024). Count from the fields with integer arithmetic; the
+# check refuses a function that builds a model (that is section 5's cross-check).
 
 # %%
 def param_count_by_component(cfg) -> dict:
@@ -384,6 +417,132 @@ print(f"total {moe['total']:,} (transformers: {hf_total:,}); active per token {m
 assert hf_total == moe["total"], (hf_total, moe["total"])
 
 # %% [markdown]
+# ## 7. Exercise: read a real config.json
+#
+# An engine meets a model as its `config.json`, and so does a planner. Your count of section 4 took a
+# `ModelConfig`, whose every field was filled in. A real file is terser: a field it leaves out takes the
+# **default of the family's configuration class** in `transformers` (what transformers and vLLM build), and
+# what a field means depends on the family. Two files from section 5:
+
+# %%
+for name in ("qwen3-0.6b", "mistral-7b-v0.1"):
+    print(name, hf_config(name))
+for family in ("llama", "mistral", "qwen2", "qwen3"):  # the defaults a file can rely on
+    defaults = transformers.AutoConfig.for_model(family)
+    print(f"{family:8s} defaults: num_key_value_heads={defaults.num_key_value_heads}, "
+          f"head_dim={getattr(defaults, 'head_dim', None)} (of hidden_size={defaults.hidden_size}, "
+          f"num_attention_heads={defaults.num_attention_heads}), tie_word_embeddings={defaults.tie_word_embeddings}")
+
+# %% [markdown]
+# Read them with care: Llama's `num_key_value_heads` follows `num_attention_heads` when it is missing, but
+# Mistral's class puts 8 and Qwen's 32; Qwen3's `head_dim` is 128 unless the file says otherwise, the others'
+# `hidden_size / num_attention_heads`. And the module trees of section 4 showed what the flags mean: which
+# projections `attention_bias` switches (Llama, Qwen3), which Qwen2 always biases (its file has no switch), and
+# the norms Qwen3 adds.
+#
+# Complete `params_from_config(config)`: `config` is a `config.json` as a dict (`json.load(open(...))`) of a
+# `llama`, `mistral`, `qwen2` or `qwen3` model (`config["model_type"]`); return its parameters by component,
+# the same dict as section 4's. You may build a `ModelConfig` and call your `param_count_by_component`, or count
+# directly; reading the fields is the exercise, so the check refuses `labsupport.models.from_hf_config` (the
+# course's reader) and anything that builds a model. (`transformers.AutoConfig.for_model(...)`, which only fills
+# in defaults, is fine.)
+
+# %%
+def params_from_config(config):
+    # BEGIN SOLUTION: read the fields (absent: the family's defaults), the bias and norm flags by family; count
+    family = config["model_type"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or {"mistral": 8, "qwen2": 32, "qwen3": 32}.get(family, heads)
+    head_dim = config.get("head_dim") or (128 if family == "qwen3" and "head_dim" not in config
+                                          else config["hidden_size"] // heads)
+    if family == "qwen2":
+        qkv_bias, o_bias = True, False  # always, whatever the file says
+    elif family == "mistral":
+        qkv_bias = o_bias = False
+    else:  # llama, qwen3: attention_bias switches q, k, v and o together
+        qkv_bias = o_bias = bool(config.get("attention_bias", False))
+    cfg = ModelConfig(config.get("_name_or_path", family), config["num_hidden_layers"], config["hidden_size"], heads,
+                      kv_heads, config["intermediate_size"], config["vocab_size"],
+                      tied_embeddings=bool(config.get("tie_word_embeddings", False)), head_dim=head_dim,
+                      qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=family == "qwen3")
+    return param_count_by_component(cfg)
+    # END SOLUTION
+
+
+# %%
+check_params_from_config(params_from_config)
+
+# %% [markdown]
+# ## 8. Exercise: what a decode step reads, predicted and measured
+#
+# Section 2 said a decode step is limited by reading memory: its time should be about the bytes it reads
+# over the memory bandwidth. Which bytes, exactly?
+#
+# * **Every weight it multiplies by, once per step**, whatever the batch: all sequences of the batch share
+#   one read of each matrix. A **tied** table is read in full, as the output layer.
+# * Of an **untied** input embedding table, one row per sequence: the embedding is a lookup, not a matmul,
+#   and the other rows stay in memory untouched (about 1 GB of Llama 3.1 8B's 16 in bf16).
+# * The **keys and values** of every cached token, of every layer and KV head, for every sequence in the
+#   batch.
+#
+# Activations are a few KB per token: leave them out. Complete `decode_bytes_from_config(config, batch,
+# context_tokens, dtype_bytes)`: the bytes one decode step of `batch` sequences, each attending over
+# `context_tokens` cached tokens, reads, with the weights and the cache at `dtype_bytes` per element. You may
+# use your `params_from_config` (chapter 05's `costs.decode_step_bytes` is refused: it charges the whole
+# input table, the runbook's convention).
+
+# %%
+def decode_bytes_from_config(config, batch, context_tokens, dtype_bytes):
+    # BEGIN SOLUTION: the weights once (an untied input table: one row per sequence) + every sequence's K and V
+    parts = params_from_config(config)
+    family, heads = config["model_type"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or {"mistral": 8, "qwen2": 32, "qwen3": 32}.get(family, heads)
+    head_dim = config.get("head_dim") or (128 if family == "qwen3" and "head_dim" not in config
+                                          else config["hidden_size"] // heads)
+    weights = sum(parts.values())
+    if parts["output"]:  # untied: the input table is looked up, one row per sequence
+        weights -= parts["embedding"] - min(batch, config["vocab_size"]) * config["hidden_size"]
+    cache = batch * context_tokens * 2 * config["num_hidden_layers"] * kv_heads * head_dim
+    return (weights + cache) * dtype_bytes
+    # END SOLUTION
+
+
+# %%
+check_decode_bytes_from_config(decode_bytes_from_config)
+
+# %% [markdown]
+# **The prediction.** Section 3 timed a decode step of `small-63m` (or the 8B on a GPU). Predict it from its
+# bytes: your count, for its `config.json`, over the rate at which this machine reads memory. Which rate? The
+# operation a decode step spends its bytes on is a matrix-vector product (one token's activations times a
+# weight matrix), so time one on a matrix far larger than the caches, and divide the matrix's bytes by its
+# time; chapter 04's copy rate (bytes read plus bytes written) is printed beside it. A prediction from bytes
+# alone is a floor on the time: it leaves out every fixed cost of a step (launching its operations, the
+# norms, the sampling).
+
+# %%
+size, rows = (512 * 2**20, 8192) if settings.on_gpu else (128 * 2**20, 4096)  # bytes: several times the caches
+weight = torch.randn(rows, size // (rows * DTYPE_BYTES), device=DEVICE, dtype=DTYPE)
+vector = torch.randn(weight.shape[1], device=DEVICE, dtype=DTYPE)
+read_rate = weight.numel() * DTYPE_BYTES / benchmark(lambda: weight @ vector, gpu=settings.on_gpu).median_s
+copy_rate = max(measure_copy([size], progress=False))
+del weight, vector
+step_bytes = decode_bytes_from_config(to_hf_config(CFG), 1, PROMPT + 1, DTYPE_BYTES)
+predicted_s, measured_s = step_bytes / read_rate, unprofiled["decode"]
+print(f"{CFG.name}, {str(DTYPE)[6:]}, context {PROMPT + 1} ({where}): {step_bytes / 2**20:,.1f} MiB read per step")
+print(f"matrix-vector read rate {read_rate / 1e9:.1f} GB/s (copy rate {copy_rate / 1e9:.1f} GB/s, read + written)")
+print(f"predicted {predicted_s * 1e3:.2f} ms from the bytes, measured {measured_s * 1e3:.2f} ms "
+      f"(measured / predicted: {measured_s / predicted_s:.2f})")
+
+# %% [markdown]
+# The measured step should come out at or above the prediction: about equal when the step is all weight reads
+# at the matrix-vector rate, and a few times above it when fixed costs weigh (one CPU thread running a few
+# hundred small operations per step; on a GPU at batch 1, the launches that CUDA graphs remove, chapter 12).
+# Two things can move it below 1 on a CPU: a machine busy while the matrix-vector product was timed (rerun the
+# two cells), and a copy or read rate measured on a buffer that partly fits in the cache. Chapter 05 measures
+# the same on an H200, where optimised engines reach most of the datasheet bandwidth at batch 1. Either way the
+# bytes give the floor: no engine decodes faster than its model's bytes allow.
+
+# %% [markdown]
 # **Question.** In section 2 the output layer takes a visible share of a decode step's reads.
 # Which real model of section 6 spends the largest share of a decode step's
 # reads on its output layer, and why?
@@ -404,5 +563,7 @@ assert hf_total == moe["total"], (hf_total, moe["total"])
 # * Real models differ in details that change the count: tied embeddings, q/k/v biases, q/k norms,
 #   a head width that is not $d / H$. A mixture of experts stores far more parameters than each
 #   token uses.
+# * A `config.json` leaves fields out: the family's configuration class fills them in, and a head width,
+#   a KV head count or a bias read wrongly changes every number computed from it.
 # * Prefill time follows FLOPs; decode time follows bytes, plus a fixed cost per operation that a
-#   one-token step cannot hide.
+#   one-token step cannot hide. The bytes a step reads, over the memory bandwidth, are its floor.

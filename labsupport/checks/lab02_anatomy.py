@@ -15,11 +15,12 @@ from ..models import HF_ARCHITECTURES, HF_CONFIGS, ModelConfig, from_hf_config, 
 from .framework import Case, ForbiddenCall, graded
 
 COUNT_RULE = (
-    "with d = d_model, D = cfg.head_dim (never d_model // n_heads: Qwen3 gives it explicitly), H = n_heads, "
-    "Hkv = n_kv_heads, L = n_layers: embedding = vocab_size*d; attention = L*(d*H*D + 2*d*Hkv*D + H*D*d, "
-    "plus H*D + 2*Hkv*D if qkv_bias, plus d if o_bias); feed_forward = L*3*d*d_ff; norms = 2*d per layer + "
-    "d for the final norm (+ 2*D per layer if qk_norm); output = vocab_size*d, or 0 if tied_embeddings "
-    "(the shared table is counted once, under embedding)."
+    "count what the module trees of section 4 show, from the config's fields: each Linear holds in_features x "
+    "out_features weights, plus out_features when it has a bias (qkv_bias: q, k and v; o_bias: the output "
+    "projection); the key and value projections are n_kv_heads * head_dim wide, the query projection n_heads * "
+    "head_dim (use cfg.head_dim, never d_model // n_heads); each RMSNorm holds its width (two per layer, the "
+    "final one, and with qk_norm one of head_dim on queries and one on keys per layer); a tied output layer is "
+    "the embedding table itself, counted once under embedding."
 )
 
 
