@@ -13,7 +13,9 @@
 #    TPOT target and the memory allow, the replicas an arrival rate needs, and the cost of a million
 #    tokens. Each is checked on configurations with known answers, and against the unit mistakes
 #    that make real plans wrong by factors (GB against GiB, bytes per element, a KV cache sized from
-#    the query heads, seconds against hours);
+#    the query heads, seconds against hours); then the **replica search** that ties them together,
+#    with prefill interference, burst headroom and a prefix cache's hits, checked against
+#    `planning.plan` on random workloads;
 # 2. use your planner, calibrated by part 0, to **predict** the highest request rate the server
 #    sustains under a TPOT target, check it with a load test, and plot predicted against measured.
 #
@@ -341,6 +343,120 @@ if measured:
         print("note:", note)
 
 # %% [markdown]
+# ### Exercise 1e: the replica search
+#
+# Now write the part of `planning.plan` that decides the fleet. Three things tie it together, and your
+# exercises 1a to 1c each solved one of them alone:
+#
+# * **Prefill interference.** A prefill is arithmetic on the same GPU that runs the decode steps. Batched
+#   into the steps (chunked prefill), a prompt adds its FLOPs, not another read of the weights:
+#   `s.prefill_work_s(prompt, cached)` seconds. A replica that receives $\lambda / r$ requests a second
+#   spends a share $\lambda / r \cdot t_\text{work}$ of its time on them, so its decode steps only get
+#   $\mathrm{TPOT} \cdot (1 - \text{share})$, and the batch that meets *that* is smaller. So the batch depends
+#   on the number of replicas $r$, and the number of replicas on the batch. More replicas never hurt (less
+#   prefill each, a larger batch): find the **fewest** $r$ whose batches hold the requests in flight.
+# * **Burst headroom.** Little's law gives the *mean* number in flight, $n = \lambda\,(t_\text{prefill} +
+#   (\text{output} - 1)\,\mathrm{TPOT})$, with $t_\text{prefill}$ one prefill alone, `s.prefill_alone_s(prompt,
+#   cached)`. Under Poisson arrivals that number is itself Poisson with mean $n$ (chapter 14): provision for
+#   its `s.burst_percentile`-th percentile, `planning.poisson_quantile(n, s.burst_percentile)`, that is a
+#   headroom of `quantile / n - 1` (never below 0), unless `s.headroom` gives one.
+# * **Prefix caching.** A fraction `s.prefix_hit_rate` of prompt tokens is found in the prefix cache: of a
+#   prompt of $P$ tokens, $h P$ are cached (but at most $P - 1$: an engine always computes the last prompt
+#   token, whose logits it needs). Pass that to the two prefill methods; they charge the uncached tokens'
+#   layers **and their attention to every earlier token, cached or not**. Average a prefill over
+#   `s.prompts()` (the sampled prompts, or the mean one).
+#
+# `s` is a `planning.PlanSettings`: the workload (`s.arrival_rate`, `s.mean_output`, `s.tpot_target_s`,
+# `s.prefix_hit_rate`, `s.headroom`, `s.burst_percentile`) and the deployment, with the pieces you need as
+# methods: `s.contexts()` gives `(step context, memory context, percentile prompt)`; `s.batch_for_tpot(step
+# context, tpot_s)` is the largest batch whose decode step meets `tpot_s`; `s.batch_in_memory(memory
+# context)` the largest whose cache fits; `s.step_time(batch, step context)` one decode step. Use your
+# `replicas_for_rate` for the count. Return a dict:
+#
+# * `"replicas"` and `"batch"` (ints): the fewest replicas, and the batch each runs with that many; both 0
+#   when even one sequence cannot meet the target or fit (no count of replicas helps then);
+# * `"prefill_share"`: each replica's share at that count (0.0 when there are none); `"headroom"`: the
+#   fraction you provisioned;
+# * `"ttft_s"`: the percentile prompt's (rounded up) prefill alone, with its cached part, plus one decode step
+#   at the batch (no step when there is no batch): what `planning.plan` predicts, without queueing.
+#
+# The check compares your fleet with `planning.plan`'s on fixed workloads and on random ones drawn afresh
+# at every run.
+
+# %%
+from labsupport.checks import check_size_fleet
+from labsupport.planning import poisson_quantile
+
+
+def size_fleet(s):
+    # BEGIN SOLUTION: prefill (alone, work) over s.prompts() with cached tokens; Little + headroom; fewest r whose batch(r) carries it
+    def cached(p):
+        return min(s.prefix_hit_rate * p, p - 1)
+
+    step_context, memory_context, prompt_p = s.contexts()
+    alone = sum(s.prefill_alone_s(p, cached(p)) for p in s.prompts()) / len(s.prompts())
+    work = sum(s.prefill_work_s(p, cached(p)) for p in s.prompts()) / len(s.prompts())
+    time_in_sys = alone + (s.mean_output - 1) * s.tpot_target_s
+    in_flight = s.arrival_rate * time_in_sys
+    if s.headroom is not None:
+        headroom = s.headroom
+    else:
+        headroom = max(0.0, poisson_quantile(in_flight, s.burst_percentile) / in_flight - 1)
+    in_memory = s.batch_in_memory(memory_context)
+
+    def batch(r):
+        share = s.arrival_rate / r * work
+        return min(s.batch_for_tpot(step_context, s.tpot_target_s * (1 - share)), in_memory) if share < 1 else 0
+
+    top = math.ceil(prompt_p)
+    ttft = s.prefill_alone_s(top, cached(top))
+    if min(s.batch_for_tpot(step_context, s.tpot_target_s), in_memory) < 1:
+        return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": headroom, "ttft_s": ttft}
+    r = 1
+    while batch(r) < 1 or replicas_for_rate(s.arrival_rate, time_in_sys, batch(r), headroom) > r:
+        r *= 2  # double until enough ...
+    low = r // 2  # ... then bisect between the last count that was not and the first that is
+    while r - low > 1:
+        mid = (low + r) // 2
+        if batch(mid) >= 1 and replicas_for_rate(s.arrival_rate, time_in_sys, batch(mid), headroom) <= mid:
+            r = mid
+        else:
+            low = mid
+    return {"replicas": r, "batch": batch(r), "prefill_share": s.arrival_rate / r * work, "headroom": headroom,
+            "ttft_s": ttft + s.step_time(batch(r), step_context)}
+    # END SOLUTION
+
+
+# %%
+check_size_fleet(size_fleet)
+
+# %% [markdown]
+# **What a prefix cache buys.** A retrieval-augmented service on the 8B: 10 requests a second with 8,000-token
+# prompts, most of which is the same instructions and documents, 200-token answers, TPOT 20 ms, TTFT 0.5 s.
+# Your search, at hit rates from none to most of the prompt, with chapter 05's H200 calibration:
+
+# %% tags=["nbval-check-output"]
+if measured:
+    print(f"{'hit rate':>9} {'prefill work':>13} {'share':>7} {'batch':>6} {'replicas':>9} {'TTFT':>8}")
+    for hit in (0.0, 0.5, 0.8, 0.95):
+        rag = planning.PlanSettings.create(
+            m8, h200, arrival_rate=10, prompt_tokens=8000, output_tokens=200, ttft_target_s=0.5, tpot_target_s=TPOT,
+            bandwidth_efficiency=measured.bandwidth_efficiency, compute_efficiency=measured.compute_efficiency,
+            step_overhead_s=measured.step_overhead_s, prefix_hit_rate=hit)
+        fleet = size_fleet(rag)
+        work = rag.prefill_work_s(8000, min(hit * 8000, 7999))
+        print(f"{hit:9.0%} {work * 1e3:10.1f} ms {fleet['prefill_share']:7.1%} {fleet['batch']:6d} "
+              f"{fleet['replicas']:9d} {fleet['ttft_s'] * 1e3:5.0f} ms")
+
+# %% [markdown]
+# The hit rate cuts the prefill's arithmetic, but less than in proportion: the uncached tokens still attend
+# to the whole cached prefix. With less prefill per replica, the decode steps get more of the TPOT budget,
+# the batch grows, and fewer replicas carry the load; the TTFT falls with the work. What the cache does not
+# change: a decode step still reads every running sequence's whole context (shared blocks included), and the
+# planner still sizes memory as if no block were shared. And the hit rate is the workload's: measure it on
+# your own traffic (vLLM exports `prefix_cache_queries` and `prefix_cache_hits`, both counted in tokens).
+
+# %% [markdown]
 # **Try it live.** The same planner, with controls for the workload, the model, the GPU, the
 # precision, the tensor-parallel degree and the efficiencies, runs in JupyterLab: in a new cell,
 #
@@ -498,7 +614,8 @@ server.stop()
 #
 # ## What you built and measured
 #
-# * The planner's core: Little's law, the batch a TPOT target and the memory allow, replicas, cost.
+# * The planner's core: Little's law, the batch a TPOT target and the memory allow, replicas, cost;
+#   and the replica search that ties them together (prefill interference, bursts, prefix-cache hits).
 # * A calibration of the planner on your own machine, from the engine itself rather than a datasheet.
 # * A prediction of a server's sustainable rate, and a load test that checks it at the target's
 #   percentile.

@@ -5,6 +5,9 @@ known answers and against the unit mistakes planners make."""
 from __future__ import annotations
 
 import math
+import numbers
+import random
+from collections.abc import Mapping
 
 from ..costs import param_count
 from ..hardware import get_gpu
@@ -13,13 +16,18 @@ from ..planning import (
     GB,
     GIB,
     SECONDS_PER_HOUR,
+    PlanSettings,
+    burst_headroom,
     concurrency,
     cost_per_million_tokens,
     decode_step_time,
     max_batch,
     max_batch_for_tpot,
     max_batch_in_memory,
+    plan_from,
+    poisson_quantile,
     replicas_for_rate,
+    size_fleet,
     time_in_system,
 )
 from .framework import Case, graded
@@ -299,3 +307,217 @@ def check_cost(fn, checker):
                     if not math.isclose(v, expected, rel_tol=1e-9)}
         checker.expect_number(got, expected, case=case, rel=1e-9, what="cost per million tokens", hint=COST_RULE,
                               mistakes=mistakes)
+
+
+# --- exercise 1e: the replica search ---------------------------------------------------------------------
+
+FLEET_RULE = (
+    "a prefill costs only its uncached tokens (cached = prefix_hit_rate * prompt, at most prompt - 1), "
+    "averaged over s.prompts(); the requests in flight are the arrival rate times (the mean prefill alone plus "
+    "mean output - 1 decode steps at the TPOT target), with the Poisson headroom at s.burst_percentile unless "
+    "s.headroom is given; with r replicas each spends rate / r times the mean prefill work of its time "
+    "prefilling, so its decode steps get the TPOT target times (1 - that share), and its batch is the largest "
+    "that meets that and fits in memory (s.contexts(): step and memory contexts); the answer is the fewest r "
+    "whose batches hold the requests in flight with the headroom (0 replicas and batch 0 when even one "
+    "sequence cannot meet the target or fit); the TTFT is the percentile prompt's prefill alone plus one "
+    "decode step at the batch."
+)
+FLEET_KEYS = ("replicas", "batch", "prefill_share", "headroom", "ttft_s")
+
+
+def fleet_variant(s, *, interference=True, per_replica=True, headroom=True, search=True, cache=True,
+                  cached_attention=True, little="prefill", ttft_step=True, ttft_percentile=True, memory=True) -> dict:
+    """:func:`labsupport.planning.size_fleet` written out, with one step optionally done wrong (the
+    defaults give the right answer)."""
+    step_ctx, mem_ctx, prompt_p = s.contexts()
+
+    def cached(p):
+        return min(s.prefix_hit_rate * p, p - 1) if cache else 0
+
+    def work(p):
+        if cached_attention:
+            return s.prefill_work_s(p, cached(p))
+        h = math.floor(cached(p))  # the uncached suffix priced as a prompt of its own: its attention to the prefix lost
+        return s.prefill_work_s(max(1, p - h))
+
+    def alone(p):
+        if cached_attention:
+            return s.prefill_alone_s(p, cached(p))
+        return s.prefill_alone_s(max(1, p - math.floor(cached(p))))
+
+    prompts = s.prompts()
+    prefill_alone = sum(alone(p) for p in prompts) / len(prompts)
+    prefill_work = sum(work(p) for p in prompts) / len(prompts)
+    first = prefill_alone if little == "prefill" else s.ttft_target_s
+    time_in_sys = first + (s.mean_output - 1) * s.tpot_target_s
+    conc = s.arrival_rate * time_in_sys
+    if s.headroom is not None:
+        room = s.headroom
+    else:
+        room = max(0.0, poisson_quantile(conc, s.burst_percentile) / conc - 1) if headroom else 0.0
+    in_memory = s.batch_in_memory(mem_ctx) if memory else 1 << 20
+
+    def share_of(r):
+        if not interference:
+            return 0.0
+        return (s.arrival_rate / r if per_replica else s.arrival_rate) * prefill_work
+
+    def batch(r):
+        share = share_of(r)
+        return min(s.batch_for_tpot(step_ctx, s.tpot_target_s * (1 - share)), in_memory) if share < 1 else 0
+
+    p_ttft = math.ceil(prompt_p if ttft_percentile else s.mean_prompt)
+    ttft = alone(p_ttft)
+    if min(s.batch_for_tpot(step_ctx, s.tpot_target_s), in_memory) < 1:
+        return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+    if search:  # more replicas only help: double, then bisect, for the fewest that carry the load
+        def enough(r):
+            b = batch(r)
+            return b >= 1 and replicas_for_rate(s.arrival_rate, time_in_sys, b, room) <= r
+
+        low, high = 0, 1
+        while not enough(high):
+            low, high = high, high * 2
+            if high > 1 << 30:  # a mistake that no replica count satisfies
+                return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if enough(mid) else (mid, high)
+        r, b = high, batch(high)
+    else:  # one pass: the batch sized at one replica's prefill share, never recomputed for the fleet
+        b = batch(1)
+        if b < 1:
+            return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+        r = replicas_for_rate(s.arrival_rate, time_in_sys, b, room)
+    return {"replicas": r, "batch": b, "prefill_share": share_of(r) if search else share_of(1), "headroom": room,
+            "ttft_s": ttft + (s.step_time(b, step_ctx) if ttft_step else 0.0)}
+
+
+def _fleet_mistakes(s) -> dict[str, dict]:
+    wrong = {
+        "prefill interference is left out: the decode steps get the whole TPOT target": dict(interference=False),
+        "the prefill share is taken over the whole fleet's arrival rate, not one replica's (rate / replicas)":
+            dict(per_replica=False),
+        "the burst headroom is left out (the mean number of requests in flight is provisioned)": dict(headroom=False),
+        "the batch is sized at the prefill share of a single replica and never recomputed as replicas are added "
+        "(the share, and so the batch, depend on the replica count: search for the fewest that carry the load)":
+            dict(search=False),
+        "the prefix-cache hit rate is ignored (every prompt token computed)": dict(cache=False),
+        "the uncached part of a prompt is priced as a prompt of its own: its attention to the cached prefix is "
+        "left out": dict(cached_attention=False),
+        "the time in system starts with the TTFT target instead of the prefill (Little's law counts the time a "
+        "request really spends)": dict(little="ttft target"),
+        "the TTFT leaves out the decode step that follows the prefill": dict(ttft_step=False),
+        "the TTFT is taken at the mean prompt instead of the percentile prompt": dict(ttft_percentile=False),
+        "the memory limit is left out of the batch": dict(memory=False),
+    }
+    return {d: fleet_variant(s, **flags) for d, flags in wrong.items()}
+
+
+_FLEET_DEPLOYMENTS = (  # (model, GPU, tensor-parallel degree)
+    ("llama-3.1-8b", "H200", 1), ("llama-3.1-8b", "H100 SXM", 1), ("qwen3-8b", "H200", 1),
+    ("mistral-7b-v0.1", "A100 80GB", 1), ("llama-3.1-70b", "H100 SXM", 4), ("llama-3.1-70b", "H200", 2),
+)
+
+
+def _settings(model, gpu, tp=1, **kw):
+    base = dict(arrival_rate=20, prompt_tokens=1000, output_tokens=250, ttft_target_s=1.0, tpot_target_s=0.04,
+                bandwidth_efficiency=0.8, compute_efficiency=0.55, step_overhead_s=0.003, tensor_parallel=tp)
+    base.update(kw)
+    return PlanSettings.create(get_model(model), get_gpu(gpu), **base)
+
+
+def _random_settings(seed: int):
+    """A workload and deployment drawn from ``seed``: the model, the GPU, the rate, the lengths (a mean
+    or sampled lengths), the targets, the efficiencies, the hit rate and the headroom."""
+    rng = random.Random(seed)
+    model, gpu, tp = rng.choice(_FLEET_DEPLOYMENTS)
+    prompt = rng.choice([rng.randint(100, 6000), [rng.randint(50, 8000) for _ in range(rng.randint(2, 6))]])
+    output = rng.choice([rng.randint(20, 800), [rng.randint(2, 900) for _ in range(rng.randint(2, 6))]])
+    return _settings(
+        model, gpu, tp, arrival_rate=round(rng.uniform(0.5, 150), 2), prompt_tokens=prompt, output_tokens=output,
+        ttft_target_s=round(rng.uniform(0.3, 3), 2), tpot_target_s=round(rng.uniform(0.015, 0.08), 4),
+        bandwidth_efficiency=round(rng.uniform(0.55, 0.9), 3), compute_efficiency=round(rng.uniform(0.3, 0.7), 3),
+        step_overhead_s=round(rng.uniform(0.0005, 0.005), 5), prefix_hit_rate=rng.choice([0.0, 0.3, 0.75, 0.95]),
+        headroom=rng.choice([None, None, 0.25]), burst_percentile=rng.choice([99.0, 95.0, 99.9]))
+
+
+def fleet_cases(seeds) -> list[tuple[str, object]]:
+    """(label, PlanSettings): workloads chosen to expose one mistake each, then random ones."""
+    return [
+        ("long prompts at a high rate: prefill takes a large share of each replica", _settings(
+            "llama-3.1-8b", "H200", arrival_rate=60, prompt_tokens=6000, output_tokens=150, tpot_target_s=0.03)),
+        ("a system prompt shared by most requests: 85% of prompt tokens cached", _settings(
+            "llama-3.1-8b", "H100 SXM", arrival_rate=40, prompt_tokens=[3000, 4000, 5000, 8000], output_tokens=120,
+            tpot_target_s=0.025, prefix_hit_rate=0.85)),
+        ("a chat workload with the Poisson headroom at p99, sampled lengths", _settings(
+            "qwen3-8b", "H200", arrival_rate=12, prompt_tokens=[300, 900, 1500, 2400], output_tokens=[80, 300, 700, 250],
+            tpot_target_s=0.05)),
+        ("an explicit 25% headroom, 70B over 4 H100s", _settings(
+            "llama-3.1-70b", "H100 SXM", 4, arrival_rate=8, prompt_tokens=2000, output_tokens=400, tpot_target_s=0.06,
+            headroom=0.25)),
+        ("memory binds: long contexts, a loose TPOT target", _settings(
+            "llama-3.1-8b", "A100 80GB", arrival_rate=5, prompt_tokens=30000, output_tokens=2000, tpot_target_s=0.2)),
+        ("no replica can meet the target (70B on one H100)", _settings(
+            "llama-3.1-70b", "H100 SXM", arrival_rate=5, tpot_target_s=0.03)),
+        *((f"random workload, seed {seed}", _random_settings(seed)) for seed in seeds),
+    ]
+
+
+def _describe(s) -> dict:
+    prompts = s.prompt_samples if s.prompt_samples is not None else round(s.mean_prompt, 2)
+    outputs = s.output_samples if s.output_samples is not None else round(s.mean_output, 2)
+    return dict(model=s.cfg.name, gpu=s.card.name, tensor_parallel=s.tensor_parallel, arrival_rate=s.arrival_rate,
+                prompt_tokens=prompts, output_tokens=outputs, tpot_target_s=s.tpot_target_s,
+                prefix_hit_rate=s.prefix_hit_rate, headroom=s.headroom, burst_percentile=s.burst_percentile)
+
+
+@graded(points=6, bans=(size_fleet, burst_headroom))
+def check_size_fleet(fn, checker):
+    """``fn(s)`` (``s`` a :class:`labsupport.planning.PlanSettings`) must return the fleet
+    :func:`labsupport.planning.plan` sizes: ``{"replicas", "batch", "prefill_share", "headroom", "ttft_s"}``,
+    on fixed workloads and on random ones drawn afresh at every run."""
+    fresh = random.SystemRandom()
+    for label, s in fleet_cases([1, 2, 3] + [fresh.randrange(10**6) for _ in range(3)]):
+        case = Case(workload=label, **_describe(s))
+        got = checker.call(fn, s, case=case)
+        want = plan_from(s)
+        expected = {"replicas": want.replicas, "batch": want.batch, "prefill_share": want.prefill_share,
+                    "headroom": want.headroom, "ttft_s": want.ttft_s}
+        if fleet_variant(s) != size_fleet.__wrapped__(s) or size_fleet.__wrapped__(s) != expected:
+            raise AssertionError(f"check_size_fleet: its written-out reference disagrees with plan on [{case}]")
+        if not isinstance(got, Mapping) or set(FLEET_KEYS) - set(got):
+            checker.fail(case, f"your function returned {got!r:.200}; return a dict with the keys "
+                               f"{', '.join(repr(k) for k in FLEET_KEYS)}.", FLEET_RULE)
+        for key in ("replicas", "batch"):
+            if not isinstance(got[key], numbers.Integral) or isinstance(got[key], bool):
+                checker.fail(case, f"{key} is {got[key]!r}, a {type(got[key]).__name__}: return a whole number.",
+                             FLEET_RULE)
+        if all(isinstance(got[k], numbers.Real) and math.isclose(got[k], expected[k], rel_tol=1e-9, abs_tol=1e-12)
+               for k in FLEET_KEYS):
+            continue
+        mistakes = _fleet_mistakes(s)  # only now: each one is a search of its own
+
+        def same(a, b) -> bool:
+            return isinstance(a, numbers.Real) and math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+
+        # a mistake that gives every value the learner's did names what went wrong, whichever key shows it
+        # (several mistakes can give the same fleet on one workload: then all of them are named)
+        whole = [d for d, v in mistakes.items() if all(same(got[k], v[k]) for k in FLEET_KEYS)]
+        for key in FLEET_KEYS:
+            if whole:
+                named = {"; or when ".join(whole): float(mistakes[whole[0]][key])}
+            else:
+                named = {d: float(v[key]) for d, v in mistakes.items() if not same(v[key], expected[key])}
+            if key in ("replicas", "batch"):
+                if not isinstance(got[key], numbers.Integral) or isinstance(got[key], bool):
+                    checker.fail(case, f"{key} is {got[key]!r}, a {type(got[key]).__name__}: return a whole number.",
+                                 FLEET_RULE)
+            if expected[key] == 0 and key in ("replicas", "batch", "prefill_share"):
+                if got[key] != 0:
+                    problem = (f"{key} is {got[key]!r}, expected 0: no replica can run even one sequence within the "
+                               f"TPOT target and its memory, and the plan says so with 0 replicas.")
+                    checker.fail(case, problem, FLEET_RULE)
+                continue
+            checker.expect_number(got[key], float(expected[key]), case=case, rel=1e-9, what=key, hint=FLEET_RULE,
+                                  mistakes=named)

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from labsupport import planning
+from labsupport._answers import course_checks_its_answers, unguarded
 from labsupport.checks import CheckFailed, check_concurrency, check_cost, check_max_batch, check_replicas
 from labsupport.checks import lab14_planning as lab
 from labsupport.costs import param_count
@@ -288,3 +289,122 @@ def test_cost_mistakes(kwargs, needle):
 def test_cost_stub_and_answer():
     fails(check_cost, stub, "NotImplementedError", reason="not done")
     fails(check_cost, planning.cost_per_million_tokens, "the course's own answer")
+
+
+# --- check_size_fleet (issue 22) ------------------------------------------------------------------------------
+
+
+def learner_fleet(s, **mistake):
+    """A learner's replica search written from the lab's spec (a linear search over the replica count,
+    the headroom from planning.poisson_quantile); ``mistake`` plants one mistake by name."""
+    from labsupport.planning import poisson_quantile
+
+    step_ctx, mem_ctx, prompt_p = s.contexts()
+
+    def cached(p):
+        return 0 if mistake.get("no_cache") else min(s.prefix_hit_rate * p, p - 1)
+
+    alone = [s.prefill_alone_s(p, cached(p)) for p in s.prompts()]
+    work = [s.prefill_work_s(p, cached(p)) for p in s.prompts()]
+    if mistake.get("suffix_alone"):
+        work = [s.prefill_work_s(max(1, p - math.floor(cached(p)))) for p in s.prompts()]
+        alone = [s.prefill_alone_s(max(1, p - math.floor(cached(p)))) for p in s.prompts()]
+    prefill, prefill_work = sum(alone) / len(alone), sum(work) / len(work)
+    t = (s.ttft_target_s if mistake.get("ttft_in_little") else prefill) + (s.mean_output - 1) * s.tpot_target_s
+    n = s.arrival_rate * t
+    if s.headroom is not None:
+        room = s.headroom
+    else:
+        room = 0.0 if mistake.get("no_headroom") else max(0.0, poisson_quantile(n, s.burst_percentile) / n - 1)
+    memory = 1 << 20 if mistake.get("no_memory") else s.batch_in_memory(mem_ctx)
+
+    def share(r):
+        if mistake.get("no_interference"):
+            return 0.0
+        return (s.arrival_rate if mistake.get("fleet_share") else s.arrival_rate / r) * prefill_work
+
+    def batch(r):
+        return min(s.batch_for_tpot(step_ctx, s.tpot_target_s * (1 - share(r))), memory) if share(r) < 1 else 0
+
+    top = math.ceil(prompt_p if not mistake.get("mean_prompt_ttft") else s.mean_prompt)
+    ttft = s.prefill_alone_s(top, cached(top))
+    if min(s.batch_for_tpot(step_ctx, s.tpot_target_s), memory) < 1:
+        return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+    r = 1
+    if mistake.get("one_pass"):
+        b = batch(1)
+        if b == 0:  # one replica cannot prefill all the traffic: concluded infeasible
+            return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+        r = max(1, math.ceil(n * (1 + room) / b - 1e-9))
+    else:
+        while batch(r) < 1 or math.ceil(n * (1 + room) / batch(r) - 1e-9) > r:
+            r += 1
+            if r > 5000:  # the fleet-wide share never falls with more replicas: a learner's loop would hang
+                return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+        b = batch(r)
+    step = 0.0 if mistake.get("ttft_without_step") else s.step_time(b, step_ctx)
+    return {"replicas": r, "batch": b, "prefill_share": share(1 if mistake.get("one_pass") else r), "headroom": room,
+            "ttft_s": ttft + step}
+
+
+def test_size_fleet_reference_and_a_spec_version_pass(capsys):
+    from labsupport.checks import check_size_fleet
+    from labsupport.checks.framework import Checker
+
+    check_size_fleet(learner_fleet)
+    assert "PASSED check_size_fleet" in capsys.readouterr().out
+    # the course's answer calls burst_headroom, which the check bans: run through the body unbanned
+    check_size_fleet.__wrapped__(unguarded(planning.size_fleet), Checker("check_size_fleet"))
+
+
+FLEET_MUTANTS = {
+    "no_interference": "prefill interference is left out",
+    "fleet_share": "whole fleet's arrival rate",
+    "no_headroom": "burst headroom is left out",
+    "one_pass": "never recomputed as replicas are added",
+    "no_cache": "hit rate is ignored",
+    "suffix_alone": "its attention to the cached prefix is left out",
+    "ttft_in_little": "starts with the TTFT target",
+    "ttft_without_step": "leaves out the decode step",
+    "mean_prompt_ttft": "at the mean prompt instead of the percentile",
+    "no_memory": "memory limit is left out",
+}
+
+
+@pytest.mark.parametrize("mistake", list(FLEET_MUTANTS))
+def test_size_fleet_mutants_fail(mistake):
+    from labsupport.checks import check_size_fleet
+
+    with pytest.raises(CheckFailed, match=FLEET_MUTANTS[mistake]):
+        check_size_fleet(lambda s: learner_fleet(s, **{mistake: True}))
+
+
+def test_size_fleet_stub_shape_and_course_answer():
+    from labsupport.checks import check_size_fleet
+
+    def stub(s):
+        raise NotImplementedError
+
+    with pytest.raises(CheckFailed, match="NotImplementedError"):
+        check_size_fleet(stub)
+    with pytest.raises(CheckFailed, match="return a dict with the keys"):
+        check_size_fleet(lambda s: learner_fleet(s)["replicas"])
+    with pytest.raises(CheckFailed, match="a whole number"):
+        check_size_fleet(lambda s: {**learner_fleet(s), "replicas": float(learner_fleet(s)["replicas"])})
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_size_fleet(lambda s: planning.size_fleet(s))
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_size_fleet(lambda s: {k: getattr(planning.plan_from(s), k) for k in
+                                        ("replicas", "batch", "prefill_share", "headroom")}
+                             | {"ttft_s": planning.plan_from(s).ttft_s})
+
+
+def test_size_fleet_cases_vary_and_each_mistake_shows():
+    """Every fixed case is feasible but one; the random workloads differ from run to run."""
+    from labsupport.checks.lab14_planning import _random_settings, fleet_cases
+
+    plans = [planning.plan_from(s) for _, s in fleet_cases([])]
+    assert sum(not p.feasible for p in plans) == 1
+    assert max(p.prefill_share for p in plans) > 0.3 and any(p.batch == p.batch_in_memory for p in plans)
+    assert len({str(_random_settings(seed)) for seed in range(10)}) == 10
