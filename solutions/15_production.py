@@ -16,6 +16,12 @@
 #    real service), and see what a closed loop hides when the server stalls: *coordinated omission*;
 # 5. compute the **goodput** of a run against a service-level objective (SLO), with nearest-rank
 #    percentiles (checked), and measure it on the server at a planned rate and past capacity.
+# 6. compute a **percentile from the server's histogram** between two scrapes, as Prometheus's
+#    `histogram_quantile` does (checked against Prometheus's own semantics);
+# 7. write a **client that honours `Retry-After`**, with a capped, jittered exponential backoff
+#    (checked against a real four-slot service's log of arrivals);
+# 8. test lab 14's plan once more: the **goodput of the continuous engine at the rate the planner
+#    predicts** (measured, not graded).
 #
 # The server is chapter 03's `python -m labsupport.serve` (random weights: its text is meaningless),
 # on the CPU, with `--step-delay` adding a fixed pause to every forward pass so that its speed
@@ -458,6 +464,235 @@ for rho in (0.6, 1.3):
 # so a short overload test understates it. Load tests in production run for minutes at each rate
 # and leave out a warm-up.
 
+# %% [markdown]
+# ## 6. Exercise: the server's percentile, as Prometheus computes it
+#
+# The client measured every request; a dashboard only has the server's histograms. A Prometheus
+# histogram is one counter per bucket, `course:time_to_first_token_seconds_bucket{le="0.25"}`: how many
+# requests so far had a TTFT of **at most** 0.25 s. The counts are cumulative (the `le="+Inf"` bucket
+# counts every request) and they only grow, from the moment the server started. So a percentile *of
+# the last five minutes* is computed from the **increase** of every bucket over those five minutes,
+# `histogram_quantile(0.9, rate(course:time_to_first_token_seconds_bucket[5m]))` (`rate` is the increase
+# per second; dividing every bucket by the same window changes no percentile).
+#
+# What `histogram_quantile` returns, as Prometheus's own code (`promql/quantile.go`, at commit `d15adb9`,
+# version 3.14.0) computes it. Say 40 requests arrived in the window; the 90th percentile is the one of
+# **rank** $0.9 \times 40 = 36$. Walk up the buckets (ordered by their bound, as numbers) to the first
+# whose increase **reaches** 36: say `le="0.5"` reached 38 and `le="0.25"` only 30. Prometheus does not
+# know where in (0.25, 0.5] those 8 requests fell, so it assumes they are spread evenly and
+# **interpolates linearly**: $0.25 + (0.5 - 0.25) \times (36 - 30) / (38 - 30) = 0.4375$ s. Three edges:
+#
+# * **the lowest bucket** starts at 0 (for a positive bound), so a rank in it is interpolated from 0;
+# * **the +Inf bucket** has no upper bound to interpolate to: a rank that lands there gives the largest
+#   finite bound (here 60 s), an answer that says only "at least";
+# * **an empty window** (no request between the scrapes) has no percentile: NaN, which a graph shows as a
+#   gap, where 0 would read as a perfect latency.
+#
+# And one edge of counters: a count that went **down** between the scrapes means the server restarted and
+# counted from 0 again; Prometheus's `rate` and `increase` then take the new count as the increase, for each
+# bucket on its own.
+#
+# Complete `histogram_quantile_between(q, before, after)`. `before` and `after` are two scrapes of one
+# histogram, `{le: cumulative count}` with the `le` labels as the server writes them (strings such as
+# `"0.005"` and `"+Inf"`; `float()` reads both), not necessarily in order. Return the `q` quantile (0 to 1)
+# of the observations made between them, a float.
+
+# %%
+from labsupport.checks import check_histogram_quantile, check_retry_after
+from labsupport.prometheus import bucket_counts
+from labsupport.retries import RetryAfterService
+
+# %%
+def histogram_quantile_between(q, before, after):
+    # BEGIN SOLUTION: each bucket's increase (a fall is a reset), sorted by bound; rank q * total; interpolate in the bucket that reaches it
+    increase = {le: after[le] - before[le] if after[le] >= before[le] else after[le] for le in after}
+    buckets = sorted((float(le), count) for le, count in increase.items())  # (bound, cumulative count)
+    total = buckets[-1][1]  # the +Inf bucket counts every observation
+    if total == 0:
+        return math.nan
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower  # no bound above: the largest finite one
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+    # END SOLUTION
+
+
+# %%
+check_histogram_quantile(histogram_quantile_between)
+
+# %% [markdown]
+# Now on the server of section 1: scrape its TTFT histogram, send 16 requests at its capacity,
+# scrape again, and compare the server's p50 and p90 of those requests with the client's own nearest-rank
+# ones. The server starts its clock when a request reaches it and the client when it sends, and the
+# histogram only knows buckets, so expect them to agree to within a bucket, not exactly.
+
+# %%
+TTFT = "course:time_to_first_token_seconds"
+before = bucket_counts(scrape_metrics(server.url), TTFT)
+run = run_benchmark(server.base_url, "course-tiny", num_prompts=16, request_rate=round(capacity, 1), seed=5, **LOAD)
+after = bucket_counts(scrape_metrics(server.url), TTFT)
+client_ttfts = [r["ttft"] for r in request_latencies(run) if r is not None]
+for q in (0.5, 0.9):
+    print(f"TTFT p{q * 100:.0f}: server's histogram {histogram_quantile_between(q, before, after) * 1e3:6.1f} ms, "
+          f"client's nearest rank {p(client_ttfts, q * 100) * 1e3:6.1f} ms ({WHERE})")
+print("buckets that grew:", {le: after[le] - before[le] for le in sorted(after, key=float) if after[le] > before[le]})
+
+# %% [markdown]
+# Two rules follow for dashboards. A percentile over **several replicas** is taken from their buckets
+# added together, `histogram_quantile(0.9, sum by (le) (rate(...[5m])))`, never as the mean of each
+# replica's percentile: a busy replica and an idle one average to a latency nobody saw. And a bucket's
+# bounds cap what it can say: with bounds at 0.25 and 0.5 s, a target of 0.3 s cannot be checked from this
+# histogram at all. Choose the bounds around your targets.
+
+# %% [markdown]
+# ## 7. Exercise: a client that honours Retry-After
+#
+# Section 2's server answered a request beyond its four slots with HTTP 429 and `Retry-After: 1`: *come
+# back in a second*. What the clients do next decides whether the overload passes. A client that retries at
+# once, in a loop, is refused again and again and adds a refused request each time. And if every client
+# waits exactly the second it was told, those refused together all come back in the same instant, and are
+# refused together again: a **thundering herd**. So a good client
+#
+# * retries only the answers that mean *try again later*: **429** (too many requests) and **503** (the
+#   server is draining); anything else (a 200, a 400, a 500) is returned as it is;
+# * waits at least what `Retry-After` asks for (seconds; 0 when the header is missing);
+# * adds on top a random **jitter**, drawn from `rng`, uniform from 0 to an envelope that doubles at every
+#   retry and is capped: before retry $k$ ($k = 0$ for the first) the envelope is
+#   $\min(\text{cap}_s,\ \text{base}_s \cdot 2^k)$ (*full jitter*: Marc Brooker, "Exponential Backoff And
+#   Jitter", AWS Architecture Blog, 2015);
+# * gives up after `max_attempts` attempts in all, returning the last answer, with no wait after it.
+#
+# Complete `send_with_backoff(send, rng, *, max_attempts, base_s, cap_s, sleep)`. `send()` makes one request
+# and returns its response (an `httpx.Response`: `.status_code`, and `.headers`, whose names are read
+# regardless of case). Wait with `sleep(seconds)`, the function you are given (the check hands in a fake
+# clock, so that it runs in no time), not with `time.sleep` itself. Return the last response.
+#
+# The check runs your client on scripted answers, then ten of them at once against a real service with four
+# slots that answers 429 with `Retry-After: 1`, and reads the service's log of when each attempt arrived. On
+# a busy machine everything can arrive late; nothing can arrive *early* by accident, so that is what it
+# judges.
+
+# %%
+def send_with_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=time.sleep):
+    # BEGIN SOLUTION: send; return unless 429/503 (or last attempt); sleep Retry-After + rng.uniform(0, min(cap, base * 2**k))
+    for attempt in range(max_attempts):
+        response = send()
+        if response.status_code not in (429, 503) or attempt == max_attempts - 1:
+            return response
+        try:
+            asked = max(0.0, float(response.headers.get("retry-after")))
+        except (TypeError, ValueError):  # no header, or not a number of seconds
+            asked = 0.0
+        sleep(asked + rng.uniform(0, min(cap_s, base_s * 2 ** attempt)))
+    # END SOLUTION
+
+
+# %%
+check_retry_after(send_with_backoff)
+
+# %% [markdown]
+# **What it buys.** Ten clients at once against the four-slot service (each admitted request holds a slot
+# for 0.8 s): first clients that retry at once, up to six attempts, then your client. The service's log says
+# how many attempts it saw, how many it refused, and who was never served.
+
+# %%
+def retry_at_once(send, rng, *, max_attempts=6, **_):
+    for _ in range(max_attempts):
+        response = send()
+        if response.status_code not in (429, 503):
+            break
+    return response
+
+
+for label, client in (("retry at once", retry_at_once), ("your backoff", send_with_backoff)):
+    with RetryAfterService(slots=4, service_s=0.8, retry_after_s=1) as service:
+        start = time.perf_counter()
+        finals = {}
+        threads = [threading.Thread(target=lambda i=i: finals.update(
+            {i: client(lambda: service.send(f"c{i}"), random.Random(i), max_attempts=6, base_s=0.1, cap_s=1.0)}))
+            for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took = time.perf_counter() - start
+        log = service.attempts
+    served = sum(r.status_code == 200 for r in finals.values())
+    print(f"{label:<14} {len(log):3d} attempts, {sum(a.status == 429 for a in log):3d} refused; "
+          f"{served} of 10 clients served, in {took:.1f} s ({WHERE})")
+
+# %% [markdown]
+# Retrying at once spends its six attempts in a fraction of a second, while the slots are still taken: the
+# clients refused in the first round are usually never served, and every refusal cost the service a
+# connection. The backoff waits out the second it was asked to and comes back spread out, so the slots serve
+# everyone within a few seconds, at the price of a few refusals. (On a very busy machine the clients start
+# late and spread out by themselves, and retrying at once does better than it deserves: run the cell twice.) (Real clients differ: OpenAI's Python client waits what `Retry-After` says when it is
+# at most two minutes, without jitter, and otherwise backs off from 0.5 s, doubling, capped at 8 s.)
+
+# %% [markdown]
+# ## 8. The plan, tested: goodput at the rate lab 14 predicts
+#
+# Lab 14's planner predicted the highest request rate chapter 13's continuous engine sustains on this
+# machine under a TPOT target, and load-tested it at the target's percentile. Here the loop closes with the
+# measure an SLO is stated in, **goodput**, using your `slo_report`: the same calibration (closed-loop decode
+# steps at batch 1 and 4, this machine's copy and matmul rates), the same prediction, then an open-loop
+# Poisson run at the predicted rate and one at twice it.
+#
+# This part is **measured, not graded**. Each run lasts a few seconds on a CPU that other programs share: a
+# calibration or a run that lands on a busy moment moves the prediction or the goodput by tens of percent, so
+# no threshold on them could tell a right answer from a wrong one reliably. Read the numbers, and run the part
+# again to see how much they move.
+
+# %%
+from labsupport import costs
+from labsupport.roofline import measure_copy, measure_matmul
+from labsupport.server_calibration import calibrate, predicted_rate
+from labsupport.serve.engine import MODEL_NAME, course_model_config
+from labsupport.tokenizer import course_tokenizer
+
+engine_server = ServerProcess(["--engine", "continuous", "--context", "256", "--max-tokens-limit", "64",
+                               "--max-running", "64", "--num-blocks", "1100", "--block-size", "16"], threads=1).start()
+engine_cfg = course_model_config(course_tokenizer().vocab_size)
+OUT = 16
+cal = calibrate(engine_server.base_url, MODEL_NAME, engine_cfg, output_tokens=OUT,
+                copy_bandwidth=max(measure_copy([64 * 2**20], progress=False)),
+                matmul_rate=max(measure_matmul([512], progress=False)))
+target = 3 * (cal.overhead_s + cal.per_sequence_s)  # lab 14's TPOT target: three batch-1 steps
+# the weights and the server's cache (1,100 blocks of 16 tokens), fp32
+memory = costs.param_count(engine_cfg) * 4 + 1100 * 16 * costs.kv_bytes_per_token(engine_cfg, 4)
+rate = predicted_rate(cal, engine_cfg, target, OUT, memory_bytes=memory)
+print(f"steps {[f'{t * 1e3:.2f} ms' for t in cal.step_s]} at batches {cal.batches}; admission "
+      f"{cal.admission_s * 1e3:.1f} ms; TPOT target {target * 1e3:.2f} ms at p90; predicted rate {rate:.1f}/s ({WHERE})")
+
+# %%
+ENGINE_SLO = {"ttft_s": 10 * target, "tpot_s": target, "p": 90}  # TPOT as lab 14 targets it; TTFT ten steps' worth
+for label, asked in (("the predicted rate", rate), ("twice the predicted rate", 2 * rate)):
+    if asked <= 0:
+        print("no rate was predicted sustainable on this machine: nothing to test")
+        break
+    run = run_benchmark(engine_server.base_url, MODEL_NAME, num_prompts=max(12, min(24, int(3 * asked))),
+                        request_rate=asked, input_words=16, output_tokens=OUT, ignore_eos=True, seed=9)
+    report = slo_report(request_latencies(run), ENGINE_SLO, run["duration_s"])
+    print(f"{label:<25} {asked:6.1f}/s: throughput {run['request_throughput']:5.1f}/s, goodput "
+          f"{report['goodput']:5.1f}/s, attainment {report['attainment']:.0%}, TPOT p90 "
+          f"{report['tpot_p'] * 1e3:.2f} ms (target {target * 1e3:.2f}) ({WHERE})")
+engine_server.stop()
+
+# %% [markdown]
+# What to look for. At the predicted rate the planner expects the *mean* TPOT to meet the target, so most
+# requests should meet it but not all: the SLO is judged at the 90th percentile, which sits above the mean
+# (lab 14's part 2 said why), so an attainment well short of 100% is what a plan sized on the mean gives. At
+# twice the rate the batch grows past what the target allows and the admissions take more of the server's
+# time: the goodput falls further below the throughput, and the gap between them is the traffic the plan did
+# not provision for. If even the predicted rate's attainment is low, either the run landed on a busy moment
+# (run the two cells again) or the calibration did (the planner predicted from a step slower or faster than the
+# one the load met): a plan is tested by its goodput, not by its throughput.
+
 # %%
 server.stop()
 
@@ -471,6 +706,10 @@ server.stop()
 #   load, the knee, and the goodput at a planned rate and past capacity.
 # * Admission control: a bounded queue answers 429 at once, the admitted requests all finish, and
 #   a drain lets them finish while the replica goes away.
+# * A percentile from the server's own histogram, as Prometheus computes it (and why per-replica
+#   percentiles are never averaged).
+# * A client that backs off: it honours `Retry-After`, spreads its retries with jitter, and stops.
+# * The plan of lab 14 tested against the SLO's own measure, goodput, at the predicted rate.
 #
 # ### Questions
 #
@@ -494,4 +733,22 @@ server.stop()
 # 3. It is refused again and again while the slots stay full, adding load (each refusal still costs
 #    a connection and a parse) without getting served sooner; `Retry-After` asks it to wait that many
 #    seconds (better, with jitter and exponential backoff), or to try another replica.
+# <!-- END SOLUTION -->
+
+# %% [markdown]
+# ### Questions on sections 6 to 8
+#
+# 4. Two replicas report a TTFT p90 of 0.1 s and 2 s. Is the service's p90 about 1 s? What would you
+#    compute instead, and from what?
+# 5. A thousand clients are refused in the same second with `Retry-After: 1`. What does the server see
+#    one second later if they all honour it exactly, and what does the jitter change?
+#
+# <!-- BEGIN SOLUTION -->
+# 4. No: a percentile of the union is not the mean of the percentiles. If the fast replica serves most of
+#    the traffic, the service's p90 is near 0.1 s; if the slow one does, near 2 s. Add the replicas' bucket
+#    increases and take one quantile of the sum:
+#    `histogram_quantile(0.9, sum by (le) (rate(course:time_to_first_token_seconds_bucket[5m])))`.
+# 5. A thousand requests in the same few milliseconds: the same overload, one second later, refused again
+#    (a thundering herd). With full jitter they arrive spread over the envelope, so the server admits them
+#    at the rate its slots free, and each later round of retries is spread wider still.
 # <!-- END SOLUTION -->

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 
 from ..bench_serving import arrival_times
 from ..latency import percentile
 from ..load_testing import SlowService, _nearest_rank, open_loop, poisson_arrivals, slo_report
-from .framework import Case, graded
+from ..prometheus import bucket_quantile, counter_increase, histogram_quantile_between, parse_le
+from ..retries import RetryAfterService, backoff_wait, send_with_backoff
+from .framework import Case, ForbiddenCall, graded
 
 POISSON_RULE = (
     "return n send times: the first at 0, then each previous time plus a gap drawn from rng with "
@@ -326,3 +329,413 @@ def check_slo_report(fn, checker):
                                      if want[key] is None or not math.isclose(v, want[key])})
             checker.expect_number(got[key], want[key], case=case, rel=1e-12, what=f"{key} (p{slo['p']})",
                                   hint=SLO_RULE, mistakes=mistakes)
+
+
+# --- the server's percentile, as Prometheus computes it ----------------------------------------------
+
+QUANTILE_RULE = (
+    "each bucket's count is cumulative (observations at most its bound, so +Inf holds them all); take each "
+    "bucket's increase between the scrapes (a count that went down was reset: its increase is its new value); "
+    "order the buckets by their bound as numbers; the rank is q times the +Inf bucket's increase; the quantile "
+    "lies in the first bucket whose increase reaches the rank, interpolated linearly from the bound below it "
+    "(0 below the lowest bucket) to its own; in the +Inf bucket it is the largest finite bound; with nothing "
+    "observed in between it is NaN (math.nan)."
+)
+
+
+def _wrong_quantiles(q: float, before: dict, after: dict) -> dict[str, float]:
+    """What each planted mistake returns on a case (the course's arithmetic with one step done wrong)."""
+    inc = {le: counter_increase(before[le], after[le]) for le in after}
+    pairs = sorted(((parse_le(le), c) for le, c in inc.items()), key=lambda p: p[0])
+
+    def per_bucket_as_cumulative(counts):  # the cumulative counts read as counts per bucket, then summed
+        total, out = 0.0, []
+        for upper, c in counts:
+            total += c
+            out.append((upper, total))
+        return out
+
+    def first_above(counts):  # the bucket whose count exceeds the rank (>), not reaches it (>=)
+        total = counts[-1][1]
+        if total <= 0:
+            return math.nan
+        rank = q * total
+        b = next((i for i in range(len(counts) - 1) if counts[i][1] > rank), len(counts) - 1)
+        if b == len(counts) - 1:
+            return counts[-2][0]
+        start, below = (counts[b - 1][0], counts[b - 1][1]) if b else (0.0, 0.0)
+        return start + (counts[b][0] - start) * (rank - below) / (counts[b][1] - below)
+
+    def located(counts):  # (bucket index, lower bound, count below, count in it) where the rank falls
+        total = counts[-1][1]
+        rank = q * total
+        b = next((i for i in range(len(counts) - 1) if counts[i][1] >= rank), len(counts) - 1)
+        lower, below = (counts[b - 1][0], counts[b - 1][1]) if b else (0.0, 0.0)
+        return b, lower, below, counts[b][1] - below, rank
+
+    def variant(kind):
+        if not pairs or pairs[-1][1] <= 0:
+            return math.nan
+        b, lower, below, inside, rank = located(pairs)
+        upper = pairs[b][0]
+        if kind == "upper":
+            return upper if not math.isinf(upper) else pairs[-2][0]
+        if kind == "middle":
+            return (lower + upper) / 2 if not math.isinf(upper) else pairs[-2][0]
+        if kind == "inf":
+            return math.inf if math.isinf(upper) else bucket_quantile(q, pairs)
+        if kind == "lowest from its bound":
+            return upper if b == 0 else bucket_quantile(q, pairs)
+        raise ValueError(kind)
+
+    out = {
+        "a count that went down (a restart) is subtracted anyway, not read as a reset":
+            _naive(q, sorted(((parse_le(le), after[le] - before[le]) for le in after), key=lambda p: p[0])),
+        "the counts since the server started are used (the after scrape alone), not their increase between "
+        "the two scrapes": bucket_quantile(q, list(after.items())),
+        "the bounds are sorted as strings ('+Inf' first, '10' before '2.5'), not as numbers": _string_sorted(q, inc),
+        "the cumulative counts are read as counts per bucket (added up again)":
+            bucket_quantile(q, per_bucket_as_cumulative(pairs)),
+        "the bucket is the first whose count exceeds the rank (>), not the first that reaches it (>=)":
+            first_above(pairs),
+        "a rank in the lowest bucket gives its bound, not a value interpolated from 0": variant("lowest from its bound"),
+        "the quantile is the upper bound of its bucket, not interpolated inside it": variant("upper"),
+        "the quantile is the middle of its bucket, not interpolated linearly inside it": variant("middle"),
+        "a rank in the +Inf bucket gives infinity, not the largest finite bound": variant("inf"),
+    }
+    return out
+
+
+def _naive(q: float, ordered: list[tuple[float, float]]) -> float:
+    """The straightforward loop a learner writes, on buckets in the order given: the last bucket's
+    count is the total (NaN when it is not positive), the first bucket reaching the rank holds the
+    quantile, and a rank in an infinite bucket gives the bound below it."""
+    if not ordered or ordered[-1][1] <= 0:
+        return math.nan
+    rank = q * ordered[-1][1]
+    b = next((i for i, (_, c) in enumerate(ordered) if c >= rank), len(ordered) - 1)
+    start, below = (ordered[b - 1][0], ordered[b - 1][1]) if b else (0.0, 0.0)
+    if math.isinf(ordered[b][0]):
+        return start
+    inside = ordered[b][1] - below
+    return start + (ordered[b][0] - start) * (rank - below) / inside if inside > 0 else math.nan
+
+
+def _string_sorted(q: float, inc: dict) -> float:
+    """The loop on buckets ordered by their le strings ('+Inf' sorts first, '10' before '2.5')."""
+    return _naive(q, [(parse_le(le), c) for le, c in sorted(inc.items(), key=lambda item: item[0])])
+
+
+def _scrape(bounds: list[str], counts: list[float], order: list[int] | None = None) -> dict[str, float]:
+    """``{le: count}`` in the given order of keys (a scrape need not list its buckets sorted)."""
+    order = order if order is not None else list(range(len(bounds)))
+    return {bounds[i]: float(counts[i]) for i in order}
+
+
+_COURSE_LE = ["0.001", "0.005", "0.01", "0.02", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0",
+              "60.0", "+Inf"]
+
+
+def _cumulative(per_bucket: list[int], base: list[float] | None = None) -> list[float]:
+    total, out = 0.0, []
+    for i, c in enumerate(per_bucket):
+        total += c
+        out.append(total + (base[i] if base else 0.0))
+    return out
+
+
+def _quantile_cases(seed: int) -> list[tuple[str, float, dict, dict]]:
+    """(label, q, before, after)."""
+    le5 = ["0.1", "0.25", "0.5", "1", "+Inf"]
+    before5 = _cumulative([4, 6, 10, 5, 1])
+    window = [3, 9, 2, 4, 2]  # observations per bucket between the scrapes
+    after5 = _cumulative(window, before5)
+    cases = [
+        ("the p50 of a window, the scrapes' counts differ", 0.5, _scrape(le5, before5), _scrape(le5, after5)),
+        ("the p90 of the same window", 0.9, _scrape(le5, before5), _scrape(le5, after5)),
+        ("the rank exactly on a bucket's count, empty buckets above it", 0.5,
+         _scrape(le5, [0, 0, 0, 0, 0]), _scrape(le5, _cumulative([0, 6, 0, 0, 6]))),
+        ("q = 1 when no observation is above 0.25: every count after that bucket equals the total", 1.0,
+         _scrape(le5, [1, 2, 2, 2, 2]), _scrape(le5, [6, 12, 12, 12, 12])),
+        ("every observation in the lowest bucket", 0.5, _scrape(le5, [2, 2, 2, 2, 2]), _scrape(le5, [10, 10, 10, 10, 10])),
+        ("the rank in the +Inf bucket (slower than the largest finite bound)", 0.95,
+         _scrape(le5, _cumulative([1, 1, 1, 1, 0])), _scrape(le5, _cumulative([2, 2, 1, 1, 8], _cumulative([1, 1, 1, 1, 0])))),
+        ("bounds whose strings sort otherwise than their numbers, keys in no order", 0.75,
+         _scrape(["2.5", "10", "5", "+Inf"], [1, 4, 3, 4], [2, 3, 0, 1]),
+         _scrape(["2.5", "10", "5", "+Inf"], [3, 14, 9, 15], [1, 0, 3, 2])),
+        ("the server restarted between the scrapes: every count went down", 0.9,
+         _scrape(le5, _cumulative([40, 30, 20, 5, 5])), _scrape(le5, _cumulative([1, 5, 2, 1, 0]))),
+        ("an empty window: nothing observed between the scrapes", 0.9,
+         _scrape(le5, before5), _scrape(le5, before5)),
+    ]
+    rng = random.Random(seed)
+    base = _cumulative([rng.randrange(50) for _ in _COURSE_LE])
+    grown = _cumulative([rng.randrange(30) if i < 9 else rng.randrange(3) for i in range(len(_COURSE_LE))], base)
+    order = list(range(len(_COURSE_LE)))
+    rng.shuffle(order)
+    q = round(rng.uniform(0.5, 0.99), 2)
+    cases.append((f"the course server's buckets, random counts, seed {seed}", q, _scrape(_COURSE_LE, base, order),
+                  _scrape(_COURSE_LE, grown, order)))
+    return cases
+
+
+def _fresh_seed() -> int:
+    """A seed drawn when the check runs (shown in the case, so a failure can be replayed)."""
+    return random.SystemRandom().randrange(10**6)
+
+
+def _same(got: float, want: float) -> bool:
+    return (math.isnan(got) and math.isnan(want)) or (math.isinf(got) and got == want) or \
+        (math.isfinite(got) and math.isfinite(want) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12))
+
+
+@graded(points=4, bans=(histogram_quantile_between, bucket_quantile))
+def check_histogram_quantile(fn, checker):
+    """``fn(q, before, after)`` must return the ``q`` quantile of the observations made between two
+    scrapes of a histogram's buckets, as Prometheus's ``histogram_quantile`` over ``increase`` does."""
+    for label, q, before, after in _quantile_cases(_fresh_seed()):
+        case = Case(case=label, q=q, before=before if len(before) <= 5 else f"{len(before)} buckets",
+                    after=after if len(after) <= 5 else f"{len(after)} buckets")
+        got = checker.call(fn, q, dict(before), dict(after), case=case)
+        want = histogram_quantile_between.__wrapped__(q, before, after)
+        if hasattr(got, "item"):
+            got = got.item()
+        if got is None or isinstance(got, bool) or not isinstance(got, (int, float)):
+            problem = f"your function returned {got!r}, expected a float ({want!r})."
+            if got is None and math.isnan(want):
+                problem += (" With nothing observed in the window Prometheus returns NaN (math.nan): a graph "
+                            "shows a gap there, where None would break the arithmetic around it.")
+            checker.fail(case, problem, QUANTILE_RULE)
+        got = float(got)
+        if _same(got, want):
+            continue
+        problem = f"the quantile is {got!r}, expected {want!r}."
+        if math.isnan(want) and got == 0:
+            problem += " An empty window has no quantile: 0 would read as a perfect latency on a dashboard."
+        for description, wrong in _wrong_quantiles(q, before, after).items():
+            if not _same(wrong, want) and _same(got, wrong):
+                problem += f"\nYour quantile matches what we get when {description}."
+                break
+        checker.fail(case, problem, QUANTILE_RULE)
+
+
+# --- a client that honours Retry-After -----------------------------------------------------------------
+
+RETRY_RULE = (
+    "retry only 429 and 503 answers, at most max_attempts attempts in all, and return the last answer "
+    "(without waiting after it); before the k-th retry (k = 0 first) sleep, with the sleep you are given, "
+    "the seconds Retry-After asks for (0 when it is absent) plus a random time drawn from rng, uniform from 0 "
+    "to min(cap_s, base_s * 2**k)."
+)
+
+
+class _Headers(dict):
+    """Response headers looked up regardless of case, as HTTP's (and httpx's) are."""
+
+    def __init__(self, items=()):
+        super().__init__((k.lower(), v) for k, v in dict(items).items())
+
+    def get(self, key, default=None):
+        return super().get(key.lower(), default)
+
+    def __getitem__(self, key):
+        return super().__getitem__(key.lower())
+
+    def __contains__(self, key):
+        return super().__contains__(key.lower())
+
+
+class _Response:
+    def __init__(self, status_code: int, retry_after: str | None = None):
+        self.status_code = status_code
+        self.headers = _Headers({"Retry-After": retry_after} if retry_after is not None else {})
+
+    def __repr__(self) -> str:
+        after = self.headers.get("retry-after")
+        return f"<{self.status_code}{f' Retry-After: {after}' if after is not None else ''}>"
+
+
+class _Script:
+    """A fake server that answers from a script, and a fake clock: ``sleep`` records the waits."""
+
+    def __init__(self, answers: list[_Response]):
+        self.answers = answers  # the last answer repeats
+        self.calls: list[float] = []  # the fake clock at each call
+        self.waits: list[float] = []
+        self.now = 0.0
+
+    def send(self):
+        self.calls.append(self.now)
+        if len(self.calls) > 64:
+            raise RuntimeError("send was called more than 64 times: the loop does not stop after max_attempts")
+        return self.answers[min(len(self.calls), len(self.answers)) - 1]
+
+    def sleep(self, seconds):
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"sleep was asked for {seconds!r} seconds")
+        self.waits.append(float(seconds))
+        self.now += float(seconds)
+
+
+def _run_script(checker, fn, case, script: _Script, rng, **kw):
+    real_sleep = time.sleep
+
+    def watched(seconds):  # the learner must sleep with the sleep handed in, not time.sleep
+        if seconds and seconds > 0.05:
+            raise ForbiddenCall("your function called time.sleep itself: sleep with the `sleep` argument it is "
+                                "given (the check passes a fake clock, so that it runs in no time).")
+        real_sleep(seconds)
+
+    time.sleep = watched
+    start = time.perf_counter()
+    try:
+        got = checker.call(fn, script.send, rng, sleep=script.sleep, case=case, **kw)
+    finally:
+        time.sleep = real_sleep
+    if not script.waits and len(script.calls) > 1 and time.perf_counter() - start > 0.5:
+        checker.fail(case, f"your function took {time.perf_counter() - start:.1f} s and never called the `sleep` it "
+                           f"was given: sleep with that argument (the check hands in a fake clock), not with a "
+                           f"sleep imported from time.", RETRY_RULE)
+    return got
+
+
+def _check_waits(checker, case, script: _Script, asked: list[float | None], base: float, cap: float) -> None:
+    """Each wait between Retry-After and Retry-After plus the capped exponential envelope."""
+    for k, (wait, after) in enumerate(zip(script.waits, asked)):
+        floor = after or 0.0
+        envelope = min(cap, base * 2 ** k)
+        if wait < floor - 1e-9:
+            checker.fail(case, f"before retry {k} your function waited {wait:.3g} s, but the server's answer said "
+                               f"Retry-After: {after:g}: a client must not come back sooner than it was asked to.",
+                         RETRY_RULE)
+        if wait > floor + envelope + 1e-9:
+            problem = (f"before retry {k} your function waited {wait:.3g} s: more than Retry-After "
+                       f"({floor:g} s) plus the backoff's envelope min(cap_s, base_s * 2**k) = {envelope:g} s.")
+            if base * 2 ** k > cap and wait > floor + cap:
+                problem += " Is the backoff capped at cap_s?"
+            checker.fail(case, problem, RETRY_RULE)
+
+
+@graded(points=4, bans=(send_with_backoff, backoff_wait))
+def check_retry_after(fn, checker):
+    """``fn(send, rng, *, max_attempts, base_s, cap_s, sleep)`` must retry 429 and 503 answers with
+    ``Retry-After`` honoured and a jittered, capped exponential backoff on top; checked on a fake clock,
+    then with ten clients against a real service with four slots, from its log of arrivals."""
+    base, cap = 0.25, 2.0
+    kw = dict(max_attempts=5, base_s=base, cap_s=cap)
+    scripts = [
+        ("429 (Retry-After 1), 429 (1), 429 (2), then 200",
+         [_Response(429, "1"), _Response(429, "1"), _Response(429, "2"), _Response(200)], [1.0, 1.0, 2.0], 200),
+        ("503 while draining (Retry-After 3), then 200", [_Response(503, "3"), _Response(200)], [3.0], 200),
+        ("429 without a Retry-After header, twice, then 200",
+         [_Response(429), _Response(429), _Response(200)], [None, None], 200),
+        ("400 (a bad request is not retried)", [_Response(400)], [], 400),
+        ("500 (neither 429 nor 503: returned as it is)", [_Response(500)], [], 500),
+        ("200 at once", [_Response(200)], [], 200),
+    ]
+    for label, answers, asked, final in scripts:
+        case = Case(answers=label, **kw)
+        script = _Script(answers)
+        got = _run_script(checker, fn, case, script, random.Random(1), **kw)
+        if len(script.calls) != len(answers):
+            problem = f"send was called {len(script.calls)} times, expected {len(answers)}."
+            if len(script.calls) > len(answers) and final not in (429, 503):
+                problem += f" A {final} is final: only 429 and 503 say 'try again later'."
+            elif len(script.calls) < len(answers):
+                problem += f" Your function stopped at the answer {answers[len(script.calls) - 1]!r}, which is retryable."
+            checker.fail(case, problem, RETRY_RULE)
+        if getattr(got, "status_code", None) != final:
+            checker.fail(case, f"your function returned {got!r}; expected the last answer, the {final}.", RETRY_RULE)
+        if len(script.waits) != len(asked):
+            problem = f"your function slept {len(script.waits)} times, expected {len(asked)} (once before each retry)."
+            if not script.waits and asked:
+                problem += " It retried at once: a refused client that comes straight back is refused again."
+            checker.fail(case, problem, RETRY_RULE)
+        _check_waits(checker, case, script, asked, base, cap)
+
+    case = Case(answers="429 (Retry-After 1) every time", **kw)
+    script = _Script([_Response(429, "1")])
+    got = _run_script(checker, fn, case, script, random.Random(2), **kw)
+    if len(script.calls) != kw["max_attempts"]:
+        checker.fail(case, f"send was called {len(script.calls)} times; with max_attempts={kw['max_attempts']} it must "
+                           f"be called exactly that many times, then give up.", RETRY_RULE)
+    if len(script.waits) != kw["max_attempts"] - 1:
+        checker.fail(case, f"your function slept {len(script.waits)} times for {len(script.calls)} attempts: there is "
+                           f"no wait after the last attempt (it only delays the caller's error).", RETRY_RULE)
+    if getattr(got, "status_code", None) != 429:
+        checker.fail(case, f"after the last attempt your function returned {got!r}; return the last answer, the 429.",
+                     RETRY_RULE)
+    _check_waits(checker, case, script, [1.0] * len(script.waits), base, cap)
+    _check_jitter(checker, fn, base, cap)
+    _check_against_a_real_service(checker, fn)
+
+
+def _check_jitter(checker, fn, base: float, cap: float) -> None:
+    """Forty clients, each with its own rng, refused seven times with Retry-After 1: at every retry
+    their waits must spread over the envelope (jitter), which must double up to the cap."""
+    attempts = 8
+    kw = dict(max_attempts=attempts, base_s=base, cap_s=cap)
+    case = Case(clients="40, rng = random.Random(seed) for seed 0 to 39", answers="429 (Retry-After 1) every time", **kw)
+    waits = []
+    for seed in range(40):
+        script = _Script([_Response(429, "1")])
+        _run_script(checker, fn, case, script, random.Random(seed), **kw)
+        if len(script.waits) != attempts - 1:
+            checker.fail(case, f"with seed {seed} your function slept {len(script.waits)} times in "
+                               f"{len(script.calls)} attempts, expected {attempts - 1}.", RETRY_RULE)
+        _check_waits(checker, case, script, [1.0] * len(script.waits), base, cap)
+        waits.append([w - 1.0 for w in script.waits])
+    for k in range(attempts - 1):
+        at_k = [w[k] for w in waits]
+        envelope = min(cap, base * 2 ** k)
+        if max(at_k) - min(at_k) < 1e-9:
+            checker.fail(case, f"before retry {k} all 40 clients waited exactly {at_k[0] + 1:.4g} s: no jitter. Clients "
+                               f"refused in the same instant then all come back in the same instant, and are "
+                               f"refused together again (a thundering herd). Draw the extra wait from rng.",
+                         RETRY_RULE)
+        # 40 draws spread over [0, envelope]: the largest is below 0.7 of it with probability 0.7**40, 6e-7
+        if max(at_k) < 0.7 * envelope:
+            checker.fail(case, f"before retry {k} the 40 clients' extra waits (beyond Retry-After) reach only "
+                               f"{max(at_k):.3g} s, where the envelope min(cap_s, base_s * 2**k) is {envelope:g} s: the "
+                               f"backoff grows too slowly (exponential: the envelope doubles at every retry).",
+                         RETRY_RULE)
+
+
+def _check_against_a_real_service(checker, fn) -> None:
+    """Ten clients at once against a real service of four slots that answers 429 with Retry-After 1.
+    Only what load cannot cause is judged: a retry that reached the service sooner than the
+    Retry-After it was given (load only makes things later), and a client that never got a 200
+    within eight attempts (the slots free within a second)."""
+    clients, kw = 10, dict(max_attempts=8, base_s=0.1, cap_s=1.0)
+    case = Case(service="a real HTTP service on 127.0.0.1: 4 slots held 0.3 s each, 429 with Retry-After: 1 when full",
+                clients=f"{clients} threads at once, rng = random.Random(client)", **kw)
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+    with RetryAfterService(slots=4, service_s=0.3, retry_after_s=1) as service:
+        def client(i: int) -> None:
+            try:
+                results[i] = checker.call(fn, lambda: service.send(f"c{i}"), random.Random(i), case=case, **kw)
+            except BaseException as exc:  # noqa: BLE001 - reported below, in the check's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        log = service.by_client()
+    if errors:
+        raise errors[0]
+    for i in range(clients):
+        attempts = log.get(f"c{i}", [])
+        for k, (refused, retry) in enumerate(zip(attempts, attempts[1:])):
+            if refused.status == 429 and retry.arrived_s < refused.answered_s + refused.retry_after_s - 0.005:
+                checker.fail(case, f"client {i}'s attempt {k + 2} reached the service "
+                                   f"{retry.arrived_s - refused.answered_s:.3f} s after its attempt {k + 1} was refused "
+                                   f"with Retry-After: {refused.retry_after_s:g}: sooner than the server asked.",
+                             RETRY_RULE)
+        status = getattr(results.get(i), "status_code", None)
+        if status != 200:
+            checker.fail(case, f"client {i} ended with {results.get(i)!r} after {len(attempts)} attempt(s) "
+                               f"({[a.status for a in attempts]}); four slots held 0.3 s serve ten clients within "
+                               f"three rounds of retries.", RETRY_RULE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import random
+import re
 import threading
 import time
 
@@ -14,6 +15,7 @@ import pytest
 from labsupport import bench_serving
 from labsupport._answers import course_checks_its_answers, unguarded
 from labsupport.checks import CheckFailed, check_open_loop, check_poisson_arrivals, check_slo_report
+from labsupport.checks.framework import Checker
 from labsupport.load_testing import open_loop, poisson_arrivals, slo_report
 
 # --- check_poisson_arrivals ------------------------------------------------------------------------
@@ -348,3 +350,216 @@ def test_slo_refuses_the_course_answer_and_its_percentile():
             check_slo_report(lambda r, s, d: slo_report(r, s, d))
         with pytest.raises(CheckFailed, match="course's own answer"):
             check_slo_report(variant(pct=percentile))
+
+
+# --- check_histogram_quantile (issue 22) -------------------------------------------------------------------
+
+
+def learner_quantile(q, before, after, *, use_after=False, string_sort=False, per_bucket=False, above=False,
+                     no_interp=False, middle=False, inf=False, lowest_upper=False, no_reset=False, empty=math.nan):
+    """A learner's histogram_quantile over two scrapes, written from the lab's spec; each switch plants one
+    mistake."""
+    if use_after:
+        inc = dict(after)
+    else:
+        inc = {le: (after[le] - before[le] if no_reset or after[le] >= before[le] else after[le]) for le in after}
+    key = (lambda item: item[0]) if string_sort else (lambda item: float(item[0]))
+    buckets = [(float(le), count) for le, count in sorted(inc.items(), key=key)]
+    if per_bucket:
+        total, summed = 0.0, []
+        for upper, count in buckets:
+            total += count
+            summed.append((upper, total))
+        buckets = summed
+    total = buckets[-1][1]
+    if total <= 0:
+        return empty
+    rank = q * total
+    for i, (upper, count) in enumerate(buckets):
+        if count > rank if above else count >= rank:
+            break
+    lower, below = (buckets[i - 1][0], buckets[i - 1][1]) if i else (0.0, 0.0)
+    if math.isinf(upper):
+        return math.inf if inf else lower
+    if no_interp or (lowest_upper and i == 0):
+        return upper
+    if middle:
+        return (lower + upper) / 2
+    return lower + (upper - lower) * (rank - below) / (count - below)
+
+
+def test_histogram_quantile_references_pass(capsys):
+    from labsupport.checks import check_histogram_quantile
+    from labsupport.prometheus import histogram_quantile_between
+
+    check_histogram_quantile(learner_quantile)
+    assert capsys.readouterr().out.count("PASSED check_histogram_quantile") == 1
+    # the course's answer is built on bucket_quantile, which the check bans: run through the body unbanned
+    check_histogram_quantile.__wrapped__(unguarded(histogram_quantile_between), Checker("check_histogram_quantile"))
+
+
+QUANTILE_MUTANTS = {
+    "after alone": (dict(use_after=True), "counts since the server started"),
+    "bounds sorted as strings": (dict(string_sort=True), "sorted as strings"),
+    "cumulative read as per bucket": (dict(per_bucket=True), "read as counts per bucket"),
+    "exceeds, not reaches": (dict(above=True), "exceeds the rank (>)"),
+    "upper bound, no interpolation": (dict(no_interp=True), "upper bound of its bucket"),
+    "middle of the bucket": (dict(middle=True), "middle of its bucket"),
+    "+Inf gives infinity": (dict(inf=True), "gives infinity"),
+    "lowest bucket gives its bound": (dict(lowest_upper=True), "lowest bucket gives its bound"),
+    "reset subtracted": (dict(no_reset=True), "subtracted anyway"),
+    "empty window gives 0": (dict(empty=0.0), "0 would read as a perfect latency"),
+    "empty window gives None": (dict(empty=None), "Prometheus returns NaN"),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTILE_MUTANTS))
+def test_histogram_quantile_mutants_fail(name):
+    from labsupport.checks import check_histogram_quantile
+
+    flags, message = QUANTILE_MUTANTS[name]
+    with pytest.raises(CheckFailed, match=re.escape(message)):
+        check_histogram_quantile(lambda q, b, a: learner_quantile(q, b, a, **flags))
+
+
+def test_histogram_quantile_stub_and_course_answers_are_refused():
+    from labsupport.checks import check_histogram_quantile
+    from labsupport.load_testing import histogram_quantile
+    from labsupport.prometheus import bucket_quantile, histogram_quantile_between
+
+    def stub(q, before, after):
+        raise NotImplementedError
+
+    with pytest.raises(CheckFailed, match="NotImplementedError"):
+        check_histogram_quantile(stub)
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_histogram_quantile(lambda q, b, a: histogram_quantile_between(q, b, a))
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_histogram_quantile(lambda q, b, a: bucket_quantile(q, [(le, a[le] - b[le]) for le in a]))
+        with pytest.raises(CheckFailed, match="course's own answer"):  # the older helper is built on it
+            check_histogram_quantile(lambda q, b, a: histogram_quantile(
+                {("x_bucket", frozenset({"le": le}.items())): v for le, v in a.items()}, "x", q,
+                {("x_bucket", frozenset({"le": le}.items())): v for le, v in b.items()}))
+
+
+def test_bucket_quantile_gives_prometheus_own_expected_values():
+    """`testhistogram` of Prometheus's promql/promqltest/testdata/histograms.test (commit d15adb9)
+    at 50m: every bucket grew by its step ten times. Its expected values, and the special cases
+    quantile.go documents."""
+    from labsupport.prometheus import bucket_quantile
+
+    positive = [("0.1", 50), (".2", 70), ("1e0", 110), ("+Inf", 120)]
+    negative = [("-.2", 10), ("-0.1", 20), ("0.3", 20), ("+Inf", 30)]
+    expected = {0: (0, -0.2), 0.2: (0.048, -0.2), 0.5: (0.15, -0.15), 0.8: (0.72, 0.3), 1: (1, 0.3)}
+    for q, (pos, neg) in expected.items():
+        assert bucket_quantile(q, positive) == pytest.approx(pos, abs=1e-12)
+        assert bucket_quantile(q, negative) == pytest.approx(neg, abs=1e-12)
+    assert bucket_quantile(-0.1, positive) == -math.inf and bucket_quantile(1.01, positive) == math.inf
+    assert math.isnan(bucket_quantile(math.nan, positive))
+    assert math.isnan(bucket_quantile(0.5, [("0.1", 0), ("+Inf", 0)]))  # no observations
+    assert math.isnan(bucket_quantile(0.5, [("0.1", 3), ("1", 4)]))  # no +Inf bucket
+    assert math.isnan(bucket_quantile(0.0, [("0.1", 0), ("+Inf", 5)]))  # 0/0 in an empty lowest bucket
+    assert bucket_quantile(0.5, [("0.1", 5), ("0.2", 4), ("+Inf", 10)]) == pytest.approx(0.1)  # made monotonic
+    assert bucket_quantile(0.5, [("0.1", 2), ("1e-1", 2), ("+Inf", 8)]) == pytest.approx(0.1)  # one bound, two spellings
+
+
+# --- check_retry_after (issue 22) -------------------------------------------------------------------------
+
+
+def learner_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=time.sleep, ignore_after=False,
+                    no_jitter=False, no_cap=False, linear=False, larger_of=False, retry_all=False, forever=False,
+                    wait_after_last=False, no_503=False, real_sleep=False):
+    """A learner's client written from the lab's spec; each switch plants one mistake."""
+    attempt = 0
+    while True:
+        response = send()
+        retryable = (429,) if no_503 else (429, 503)
+        done = response.status_code == 200 if retry_all else response.status_code not in retryable
+        last = attempt == max_attempts - 1 and not forever
+        if done or (last and not wait_after_last):
+            return response
+        header = response.headers.get("retry-after")
+        after = 0.0 if ignore_after or header is None else float(header)
+        envelope = base_s * (attempt + 1) if linear else base_s * 2 ** attempt
+        envelope = envelope if no_cap else min(cap_s, envelope)
+        extra = envelope if no_jitter else rng.uniform(0, envelope)
+        wait = max(after, extra) if larger_of else after + extra
+        (time.sleep if real_sleep else sleep)(wait)
+        if last:
+            return response
+        attempt += 1
+
+
+def test_retry_after_reference_passes(capsys):
+    from labsupport.checks import check_retry_after
+    from labsupport.retries import send_with_backoff
+
+    check_retry_after(learner_backoff)
+    assert capsys.readouterr().out.count("PASSED check_retry_after") == 1
+    check_retry_after.__wrapped__(unguarded(send_with_backoff), Checker("check_retry_after"))
+
+
+RETRY_MUTANTS = {
+    "Retry-After ignored": (dict(ignore_after=True), "must not come back sooner"),
+    "no jitter": (dict(no_jitter=True), "no jitter"),
+    "the larger of Retry-After and the backoff": (dict(larger_of=True), "no jitter"),
+    "backoff not capped": (dict(no_cap=True), "Is the backoff capped"),
+    "linear backoff": (dict(linear=True), "grows too slowly"),
+    "every error retried": (dict(retry_all=True), "A 400 is final"),
+    "503 not retried": (dict(no_503=True), "stopped at the answer <503 Retry-After: 3>, which is retryable"),
+    "retries forever": (dict(forever=True), "more than 64 times"),
+    "a wait after the last attempt": (dict(wait_after_last=True), "no wait after the last attempt"),
+}
+
+
+@pytest.mark.parametrize("name", list(RETRY_MUTANTS))
+def test_retry_after_mutants_fail(name):
+    from labsupport.checks import check_retry_after
+
+    flags, message = RETRY_MUTANTS[name]
+    with pytest.raises(CheckFailed, match=re.escape(message)):
+        check_retry_after(lambda send, rng, **kw: learner_backoff(send, rng, **kw, **flags))
+
+
+def test_retry_after_refuses_time_sleep_the_stub_and_the_course_answer():
+    from labsupport.checks import check_retry_after
+    from labsupport.retries import backoff_wait, send_with_backoff
+
+    with pytest.raises(CheckFailed, match="called time.sleep itself"):
+        check_retry_after(lambda send, rng, **kw: learner_backoff(send, rng, **kw, real_sleep=True))
+
+    def stub(send, rng, **kw):
+        raise NotImplementedError
+
+    with pytest.raises(CheckFailed, match="NotImplementedError"):
+        check_retry_after(stub)
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_retry_after(lambda send, rng, **kw: send_with_backoff(send, rng, **kw))
+
+        def with_the_course_wait(send, rng, *, max_attempts, base_s, cap_s, sleep):
+            for k in range(max_attempts):
+                r = send()
+                if r.status_code not in (429, 503) or k == max_attempts - 1:
+                    return r
+                sleep(backoff_wait(k, rng, base_s=base_s, cap_s=cap_s, retry_after_s=1.0))
+
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_retry_after(with_the_course_wait)
+
+
+def test_the_real_service_part_judges_only_what_load_cannot_cause():
+    """A client that comes back early is caught from the service's log, however loaded the machine."""
+    from labsupport.checks import check_retry_after
+    from labsupport.checks.lab15_production import _check_against_a_real_service
+    from labsupport.checks.framework import Checker
+
+    def early_on_the_real_service(send, rng, *, max_attempts, base_s, cap_s, sleep=None):
+        """Right on a fake clock; on the real service (no sleep handed in) it waits a tenth of the time."""
+        return learner_backoff(send, rng, max_attempts=max_attempts, base_s=base_s, cap_s=cap_s,
+                               sleep=sleep or (lambda s: time.sleep(s / 10)))
+
+    with pytest.raises(CheckFailed, match="sooner than the server asked"):
+        _check_against_a_real_service(Checker("check_retry_after"), early_on_the_real_service)
+    assert check_retry_after.points == 4
