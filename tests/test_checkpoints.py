@@ -11,18 +11,15 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from labsupport import checkpoints
-from labsupport.checkpoints import CheckpointError, load
-from labsupport.models import to_hf_config
+from labsupport.checkpoints import load
 from labsupport.tokenizer import course_passages
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-T = gguf.GGMLQuantizationType
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
