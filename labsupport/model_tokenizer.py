@@ -255,3 +255,33 @@ class IncrementalDetokenizer:
         after = self._tokenizer.decode(self._ids[self._prefix:])
         self._ids, self._prefix, self._read = [], 0, 0
         return after[len(before):]
+
+
+# ChatML, the template family of SmolLM2 and Qwen: each turn is <|im_start|>role\ncontent<|im_end|>\n.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chatml_tokenizer(text: str | None = None, vocab_size: int = 512) -> ModelTokenizer:
+    """A small byte-level BPE trained here (on ``text``, by default the course corpus) with ChatML's
+    special tokens and template: a real Hugging Face tokenizer for pages and tests that need one
+    without loading a checkpoint (chapter 01's role-injection demonstration)."""
+    # tokenizers and transformers are imported here: optional dependencies (labsupport[model])
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from .tokenizer import course_corpus
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([course_corpus() if text is None else text], trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                 unk_token="<|endoftext|>")
+    hf.chat_template = CHATML_TEMPLATE
+    return ModelTokenizer(hf, "course ChatML BPE")
