@@ -28,7 +28,7 @@ CHATS = [
     [{"role": "user", "content": "Name a prime number."}, {"role": "assistant", "content": "7."},
      {"role": "user", "content": "And one larger than 100?"}],
 ]
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 # Last-position logits: both sides hold the same dequantised float32 weights, so they differ only by
 # the order of float32 operations (torch's fused attention against transformers' eager attention,
 # matmul blocking) compounded over 30 layers. Measured here: about 2e-5 on logits of size ~20; the
@@ -75,7 +75,10 @@ def test_greedy_tokens_equal_transformers_generate(real, reference):
     for chat in CHATS:
         ids = real.tokenizer.apply_chat_template(chat)
         ours = checkpoints.greedy(real.model, ids, NEW_TOKENS)
-        theirs = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+        # the attention mask is given: left to infer it, generate masks every id equal to the pad id, and
+        # SmolLM2 pads with <|im_end|>, which every turn of the prompt ends with
+        theirs = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                              pad_token_id=2)[0, len(ids):].tolist()
         assert ours == theirs, (chat, tok.decode(ours), tok.decode(theirs))
 
