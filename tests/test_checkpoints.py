@@ -28,7 +28,7 @@ CHATS = [
     [{"role": "user", "content": "Name a prime number."}, {"role": "assistant", "content": "7."},
      {"role": "user", "content": "And one larger than 100?"}],
 ]
-NEW_TOKENS = 16
+NEW_TOKENS = 10
 # Last-position logits: both sides hold the same dequantised float32 weights, so they differ only by
 # the order of float32 operations (torch's fused attention against transformers' eager attention,
 # matmul blocking) compounded over 30 layers. Measured here: about 2e-5 on logits of size ~20; the
@@ -69,18 +69,31 @@ def test_the_real_model_is_what_its_file_says(real):
     assert real.tokenizer.eos_token_ids == (2,) and real.tokenizer.bos_token_id == 1
 
 
+def _hf_greedy(hf, ids, n):
+    # the attention mask is given: left to infer it, generate masks every id equal to the pad id, and
+    # SmolLM2 pads with <|im_end|>, which every turn of the prompt ends with
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
 @torch.no_grad()
 def test_greedy_tokens_equal_transformers_generate(real, reference):
     tok, hf = reference
-    for chat in CHATS:
+    for chat in CHATS[1:]:
         ids = real.tokenizer.apply_chat_template(chat)
         ours = checkpoints.greedy(real.model, ids, NEW_TOKENS)
-        # the attention mask is given: left to infer it, generate masks every id equal to the pad id, and
-        # SmolLM2 pads with <|im_end|>, which every turn of the prompt ends with
-        theirs = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=2)[0, len(ids):].tolist()
+        theirs = _hf_greedy(hf, ids, NEW_TOKENS)
         assert ours == theirs, (chat, tok.decode(ours), tok.decode(theirs))
+
+
+@torch.no_grad()
+def test_a_greedy_chat_answer_ends_at_eos_as_transformers(real, reference):
+    tok, hf = reference
+    answer = real.chat(CHATS[0], max_new_tokens=NEW_TOKENS)
+    theirs = _hf_greedy(hf, _hf_ids(tok, CHATS[0]), NEW_TOKENS)
+    assert answer == "The capital of France is Paris."
+    assert tok.decode(theirs).startswith(answer + "<|im_end|>")
 
 
 @torch.no_grad()
@@ -91,10 +104,6 @@ def test_last_position_logits_within_the_stated_tolerance(real, reference):
     theirs = hf(torch.tensor([ids])).logits[0, -1].float()
     assert (ours - theirs).abs().max() < LOGIT_ATOL
     assert (ours - theirs).abs().max() > 0 or torch.equal(ours, theirs)
-
-
-def test_a_greedy_chat_answer(real):
-    assert real.chat("What is the capital of France?", max_new_tokens=16) == "The capital of France is Paris."
 
 
 # --- the tokenizer against transformers' ----------------------------------------------------------

@@ -74,3 +74,16 @@ def test_unknown_names_and_splits_are_errors():
         families.split_keys("diagonal")
     with pytest.raises(ValueError, match="not supported"):
         families.family("gpt2")
+
+
+def test_the_course_presets_keep_the_epsilon_they_always_had_and_the_model_reads_the_config_s():
+    from labsupport.transformer import RMSNorm
+
+    assert all(MODELS[name].rms_norm_eps == 1e-5 for name in ("tiny-2m", "tiny-20m", "small-63m", "llama-3.1-8b"))
+    assert MODELS["qwen3-8b"].rms_norm_eps == 1e-6
+    model = Transformer(ModelConfig(**{**{f: getattr(FEATURES[3], f) for f in (
+        "name", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "head_dim", "qk_norm")},
+        "rms_norm_eps": 3e-6}), device="meta")
+    assert {m.eps for m in model.modules() if isinstance(m, RMSNorm)} == {3e-6}
+    with pytest.raises(ValueError, match="rms_norm_eps must be a number between 0 and 1"):
+        ModelConfig("bad", 2, 64, 4, 2, 96, 128, rms_norm_eps=0.0)
