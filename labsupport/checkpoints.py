@@ -87,12 +87,10 @@ REGISTERED: dict[str, Registered] = {
     ),
 }
 
-# The tensor types a GGUF file may hold: dequantised by gguf.quants.dequantize (numpy), each tested
-# against gguf.quants.quantize (tests/test_checkpoints.py). Others are refused by name.
+# The tensor types a GGUF file may hold: dequantised by gguf.quants.dequantize (numpy), each one in a
+# file written with gguf.quants.quantize and loaded in tests/test_checkpoint_formats.py. Others (the
+# K-quants, the i-quants) are refused by name.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-# GGUF tensors the course model has no use for (llama.cpp writes rope_freqs for Llama 3.1's scaling,
-# which is refused below with its own message).
-_IGNORED_GGUF = ()
 
 
 @dataclass
@@ -541,7 +539,7 @@ def gguf_state_dict(reader, cfg: ModelConfig, arch: str) -> dict[str, torch.Tens
             values = unpermute_qk(values, cfg.n_heads if ".wq." in row.name else cfg.n_kv_heads)
         state[key] = torch.from_numpy(np.ascontiguousarray(values))
         used.add(gguf_name)
-    unused = [n for n in tensors if n not in used and n not in _IGNORED_GGUF]
+    unused = [n for n in tensors if n not in used]
     if unused:
         raise CheckpointError(f"{cfg.name}: the GGUF file has tensors the course model has no place for: "
                               f"{', '.join(unused[:6])}; its architecture is not the plain {arch} the loader reads")
