@@ -7,16 +7,16 @@ from __future__ import annotations
 import json
 import shutil
 
+import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from labsupport import checkpoints, families
 from labsupport.checkpoints import CheckpointError, load
 from labsupport.models import ModelConfig, to_hf_config
 
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
 T = gguf.GGMLQuantizationType
 QUANTISED = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.F16, T.BF16, T.F32)
 

@@ -13,13 +13,11 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from labsupport import checkpoints
 from labsupport.checkpoints import load
 from labsupport.tokenizer import course_passages
-
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -33,7 +33,8 @@ def test_the_table_counts_what_costs_counts():
 
 @pytest.mark.parametrize("family", list(families.FAMILIES))
 def test_transformers_names_the_same_tensors(family):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a course dependency (requirements.txt); imported here like labsupport.anatomy does
+
     cfg = {"llama": FEATURES[1], "mistral": FEATURES[0], "qwen2": FEATURES[2], "qwen3": FEATURES[3]}[family]
     hf_cfg = {**to_hf_config(cfg), "model_type": family, "architectures": [families.FAMILIES[family].architecture]}
     if family == "mistral":
