@@ -561,6 +561,8 @@ def _load_gguf(path: Path, name: str, device, dtype, verbose: bool) -> LoadedMod
         tok_dir = folder / "tokenizer"
         tokenizer = ModelTokenizer.from_pretrained(tok_dir, name, meta["eos_token_ids"]) if tok_dir.is_dir() else None
     else:
+        if folder.exists():  # stale (another format) or damaged: entries are renamed in whole, never partial
+            shutil.rmtree(folder, ignore_errors=True)
         start = time.perf_counter()
         size = path.stat().st_size
         if verbose:

@@ -244,3 +244,18 @@ def test_folder_errors(tmp_path):
     (folder / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(CheckpointError, match="only safetensors"):
         load(folder)
+
+
+def test_a_cache_entry_written_meanwhile_by_another_process_is_kept(tmp_path):
+    path = tmp_path / "llama.gguf"
+    write_gguf(path, LLAMA, hf_model(LLAMA))
+    first = load(path, verbose=False)
+    marker = first.cache_dir / "labsupport.json"
+    before = marker.read_text()
+    # a second writer of the same entry (another process that converted at the same time) loses the race
+    checkpoints._write_cache(first.cache_dir, {"format": checkpoints.FORMAT_VERSION, "other": True},
+                             {"x": torch.zeros(2)}, None)
+    assert marker.read_text() == before and not list(first.cache_dir.parent.glob(".tmp-*"))
+    (first.cache_dir / "model.safetensors").write_bytes(b"damaged")  # a damaged entry is converted again
+    assert torch.equal(load(path, verbose=False).model.norm.weight, first.model.norm.weight)
+    assert checkpoints._read_cache(first.cache_dir) is not None  # and replaced by a whole one
