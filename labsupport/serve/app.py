@@ -155,30 +155,36 @@ class _Account:
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The request's body: HTTP 413 past ``limit`` bytes (told by Content-Length, or counted as it
-    comes), 408 if it has not all arrived within ``timeout_s`` seconds of the handler starting."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise InvalidRequest(f"the request body has {int(declared)} bytes; this server takes at most {limit} "
-                             f"(--max-body-bytes)", None, "body_too_large", status=413, close=True)
+    comes), 408 if it has not all arrived within ``timeout_s`` seconds of the handler starting.
 
-    async def read() -> bytes:
-        chunks, size = [], 0
+    A body over the limit is still read to its end (within the deadline), but not kept: closing a
+    connection with unread bytes makes the kernel reset it, and the client would never see the 413."""
+    declared = request.headers.get("content-length")
+    size, chunks = 0, []
+
+    async def read() -> None:
+        nonlocal size
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit:
-                raise InvalidRequest(f"the request body is over {limit} bytes, the most this server takes "
-                                     f"(--max-body-bytes)", None, "body_too_large", status=413, close=True)
-            chunks.append(chunk)
-        return b"".join(chunks)
+            if size <= limit:
+                chunks.append(chunk)
 
+    timed_out = False
     try:
-        return await asyncio.wait_for(read(), timeout_s)
+        await asyncio.wait_for(read(), timeout_s)
     except TimeoutError:
-        raise InvalidRequest(f"the request body did not arrive within {timeout_s:g} s (--body-timeout); send it "
-                             f"whole, at once", None, "body_timeout", status=408, close=True) from None
+        timed_out = True
     except ClientDisconnect:
         raise InvalidRequest("the client went away before its request body arrived", None, "client_disconnected",
                              close=True) from None
+    if size > limit or (declared is not None and declared.isdigit() and int(declared) > limit):
+        told = f"has {int(declared)} bytes" if declared is not None and declared.isdigit() else f"is over {limit} bytes"
+        raise InvalidRequest(f"the request body {told}; this server takes at most {limit} (--max-body-bytes)",
+                             None, "body_too_large", status=413, close=True)
+    if timed_out:
+        raise InvalidRequest(f"the request body did not arrive within {timeout_s:g} s (--body-timeout); send it "
+                             f"whole, at once", None, "body_timeout", status=408, close=True)
+    return b"".join(chunks)
 
 
 def create_app(backend: Backend, *, drain_timeout_s: float = 30.0, on_drained=None,
