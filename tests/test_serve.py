@@ -324,7 +324,12 @@ def test_a_busy_port_and_bad_options_are_refused_with_advice(server, capsys):
     port = server.url.rsplit(":", 1)[1]
     assert cli.main(["--port", port]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert cli.main(["--port", "0", "--model", "no-such-model-anywhere"]) == 2  # said before anything is served
+    said = capsys.readouterr().err
+    assert "no-such-model-anywhere" in said or "labsupport.checkpoints" in said
     for options, message in ((["--max-requests", "0"], "--max-requests must be at least 1"),
+                             (["--header-timeout", "-1"], "--header-timeout must be 0 or more"),
+                             (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
                              (["--base-model", "llama-3.1-70b"], "small presets"),
                              (["--port", "70000"], "--port must be from 0 to 65535")):
         with pytest.raises(SystemExit):
@@ -497,3 +502,22 @@ def test_dropped_streams_free_their_slots_under_asgi_2_4():
     finally:
         uv.should_exit = True
         thread.join(10)
+
+
+def test_the_guidellm_table_reads_the_results_file_or_says_not_yet_measured(tmp_path):
+    from labsupport.serve import guidellm
+
+    assert "not yet measured" in guidellm.results_markdown(guidellm.load_results(tmp_path / "none.json"))
+    stats = {"mean": 1.0, "p50": 2.0, "p90": 3.0}
+    run = {"rate": 2.0, "ttft_ms": stats, "tpot_ms": stats, "e2e_ms": stats, "gap_cv": 1.02, "repeated_gap_share": 0.9,
+           "server_ttft_ms_mean": 4.0, "server_itl_ms_mean": 5.0}
+    results = {"runs": [{**run, "client": "bench_serving", "workers": None}, {**run, "client": "guidellm", "workers": 1}],
+               "date": "2026-12-01 16:00 UTC", "machine": {"cores": 2, "platform": "Linux", "load_average_1min": 3.0},
+               "versions": {"guidellm": "0.8.1", "python": "3.11", "torch": "2.13.0", "labsupport_commit": "abc"},
+               "load": {"requests": 40, "output_tokens": 16, "prompt_tokens": 12},
+               "server": {"command": ["python", "-m", "labsupport.serve"]}, "conventions": "times in ms"}
+    table = guidellm.results_markdown(results)
+    assert "| 2 requests/s | `bench_serving` | 2.0 | 3.0 | 2.00 | 2 | 4.0 | 5.00 | 1.02 | 90% |" in table
+    assert "guidellm, 1 worker" in table and "2026-12-01" in table and "guidellm 0.8.1" in table
+    command = guidellm.guidellm_command("guidellm", "http://h:1", "m", "/t", 2.0, 40, 12, 16)
+    assert "kind=hf_auto,model=/t" in command and "kind=poisson,rate=2" in command
