@@ -66,6 +66,6 @@ def results_markdown(results: dict | None) -> str:
                 f"{v['python']}, torch {v['torch']}, labsupport {v['labsupport_commit']}: the course server "
                 f"(`{' '.join(results['server']['command'][1:])}`, FIFO), {load['requests']} streamed requests per "
                 f"run, Poisson arrivals, {load['output_tokens']} output tokens each (`ignore_eos`), prompts of about "
-                f"{load['prompt_tokens']} tokens. {results['conventions']}; the server's columns come from its own "
+                f"{load['prompt_tokens']} tokens. {results['conventions'][:1].upper()}{results['conventions'][1:]}; the server's columns come from its own "
                 f"`/metrics` histograms over the run (from arrival, so a slow client cannot inflate them).")
     return "\n".join(rows)
