@@ -113,9 +113,19 @@ class CourseTokenizer:
 
     @functools.cached_property
     def _fast(self):
-        from tokenizers import Tokenizer
+        """The export as a ``tokenizers.Tokenizer`` (built in memory if the cache cannot be written),
+        or None without the ``tokenizers`` package: then the course's own BPE encodes, which is
+        quadratic in one long word but bounded by the server's prompt-size check."""
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            return None
+        try:
+            tok = Tokenizer.from_file(str(self._export / "tokenizer.json"))
+        except OSError:
+            from .hf_tokenizer import hf_tokenizer
 
-        tok = Tokenizer.from_file(str(self._export / "tokenizer.json"))
+            return hf_tokenizer(self.bpe)
         tok.encode_special_tokens = True  # "<|endoftext|>" typed in text is text
         return tok
 
@@ -129,6 +139,8 @@ class CourseTokenizer:
         except UnicodeEncodeError as error:
             raise ValueError(f"the text holds a lone surrogate U+{ord(text[error.start]):04X} at character "
                              f"{error.start}, which UTF-8 cannot encode; send valid Unicode text") from None
+        if self._fast is None:
+            return self.bpe.encode(text)
         return self._fast.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
