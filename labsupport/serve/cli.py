@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -133,7 +134,8 @@ def _write_tokenizer(backend, folder: str | None) -> None:
     """Write the served tokenizer in Hugging Face format, for benchmark clients; say where."""
     target = folder or str(cache_dir() / "tokenizers" / backend.model_name)
     try:
-        backend.tokenizer_dir = str(backend.tokenizer.save_pretrained(target))
+        backend.tokenizer.save_pretrained(target)  # interface A: writes tokenizer.json and tokenizer_config.json
+        backend.tokenizer_dir = str(Path(target).expanduser().resolve())
     except (OSError, ImportError, ValueError) as exc:
         print(f"labsupport.serve: could not write the tokenizer's files to {target} ({exc}); benchmark clients "
               f"that need a tokenizer will not find one", flush=True)
