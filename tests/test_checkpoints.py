@@ -183,3 +183,23 @@ def test_a_second_load_reads_the_cache_not_the_gguf(real, monkeypatch):
     monkeypatch.setattr(checkpoints, "_gguf_reader", no_reading)
     again = load("smollm2-135m-instruct", verbose=False)
     assert torch.equal(again.model.layers[3].attention.wk.weight, real.model.layers[3].attention.wk.weight)
+
+
+def test_the_course_server_serves_it_to_the_official_client(real):
+    """README's third line: ``python -m labsupport.serve --model smollm2-135m-instruct`` (the conversion
+    is cached by the ``real`` fixture, so the server reads the cache), chat through the openai client."""
+    import openai
+
+    from labsupport.serve.process import ServerProcess
+
+    server = ServerProcess(["--model", "smollm2-135m-instruct"], threads=1).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none")
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+        reply = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=16,
+                                               messages=CHATS[0])
+        assert reply.choices[0].message.content == "The capital of France is Paris."
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.prompt_tokens == len(real.tokenizer.apply_chat_template(CHATS[0]))
+    finally:
+        server.stop()
