@@ -47,8 +47,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ._answers import answer
 from ._validate import positive_int, positive_number
-from .prometheus import bucket_counts, bucket_quantile, counter_increase
 from .bench_serving import _run_sync, random_prompts, run_benchmark
+from .prometheus import bucket_counts, bucket_quantile, counter_increase
 
 __all__ = [
     "MetricsSampler",

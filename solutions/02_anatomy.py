@@ -54,7 +54,11 @@ from labsupport.anatomy import (
     step_costs,
     time_step,
 )
-from labsupport.checks import check_decode_bytes_from_config, check_param_count_by_component, check_params_from_config
+from labsupport.checks import (
+    check_decode_bytes_from_config,
+    check_param_count_by_component,
+    check_params_from_config,
+)
 from labsupport.costs import param_count
 from labsupport.device import device, lab_dtype
 from labsupport.models import HF_CONFIGS, ModelConfig, get_model, hf_config, to_hf_config
@@ -521,11 +525,17 @@ check_decode_bytes_from_config(decode_bytes_from_config)
 
 # %%
 size, rows = (512 * 2**20, 8192) if settings.on_gpu else (128 * 2**20, 4096)  # bytes: several times the caches
-weight = torch.randn(rows, size // (rows * DTYPE_BYTES), device=DEVICE, dtype=DTYPE)
-vector = torch.randn(weight.shape[1], device=DEVICE, dtype=DTYPE)
-read_rate = weight.numel() * DTYPE_BYTES / benchmark(lambda: weight @ vector, gpu=settings.on_gpu).median_s
+
+
+def matvec_read_rate(size, rows):
+    """Bytes per second a matrix-vector product of a (rows, size / rows) matrix reads, median time."""
+    weight = torch.randn(rows, size // (rows * DTYPE_BYTES), device=DEVICE, dtype=DTYPE)
+    vector = torch.randn(weight.shape[1], device=DEVICE, dtype=DTYPE)
+    return weight.numel() * DTYPE_BYTES / benchmark(lambda: weight @ vector, gpu=settings.on_gpu).median_s
+
+
+read_rate = matvec_read_rate(size, rows)
 copy_rate = max(measure_copy([size], progress=False))
-del weight, vector
 step_bytes = decode_bytes_from_config(to_hf_config(CFG), 1, PROMPT + 1, DTYPE_BYTES)
 predicted_s, measured_s = step_bytes / read_rate, unprofiled["decode"]
 print(f"{CFG.name}, {str(DTYPE)[6:]}, context {PROMPT + 1} ({where}): {step_bytes / 2**20:,.1f} MiB read per step")

@@ -502,6 +502,7 @@ from labsupport.checks import check_histogram_quantile, check_retry_after
 from labsupport.prometheus import bucket_counts
 from labsupport.retries import RetryAfterService
 
+
 # %%
 def histogram_quantile_between(q, before, after):
     # BEGIN SOLUTION: each bucket's increase (a fall is a reset), sorted by bound; rank q * total; interpolate in the bucket that reaches it
@@ -651,8 +652,8 @@ for label, client in (("retry at once", retry_at_once), ("your backoff", send_wi
 # %%
 from labsupport import costs
 from labsupport.roofline import measure_copy, measure_matmul
-from labsupport.server_calibration import calibrate, predicted_rate
 from labsupport.serve.engine import MODEL_NAME, course_model_config
+from labsupport.server_calibration import calibrate, predicted_rate
 from labsupport.tokenizer import course_tokenizer
 
 engine_server = ServerProcess(["--engine", "continuous", "--context", "256", "--max-tokens-limit", "64",

@@ -447,7 +447,7 @@ def test_size_fleet_is_the_plans_replica_search():
         assert fleet["prefill_share"] == p.prefill_share and fleet["ttft_s"] == p.ttft_s
         if p.feasible:  # the plan's replicas carry the load, and one fewer would not
 
-            def carried(r):
+            def carried(r, p=p, s=s):
                 share = p.arrival_rate / r * p.prefill_compute_s
                 if share >= 1:
                     return False

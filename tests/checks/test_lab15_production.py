@@ -375,9 +375,9 @@ def learner_quantile(q, before, after, *, use_after=False, string_sort=False, pe
     if total <= 0:
         return empty
     rank = q * total
-    for i, (upper, count) in enumerate(buckets):
-        if count > rank if above else count >= rank:
-            break
+    i = next((j for j, (_, count) in enumerate(buckets) if (count > rank if above else count >= rank)),
+             len(buckets) - 1)
+    upper, count = buckets[i]
     lower, below = (buckets[i - 1][0], buckets[i - 1][1]) if i else (0.0, 0.0)
     if math.isinf(upper):
         return math.inf if inf else lower
@@ -552,8 +552,8 @@ def test_retry_after_refuses_time_sleep_the_stub_and_the_course_answer():
 def test_the_real_service_part_judges_only_what_load_cannot_cause():
     """A client that comes back early is caught from the service's log, however loaded the machine."""
     from labsupport.checks import check_retry_after
-    from labsupport.checks.lab15_production import _check_against_a_real_service
     from labsupport.checks.framework import Checker
+    from labsupport.checks.lab15_production import _check_against_a_real_service
 
     def early_on_the_real_service(send, rng, *, max_attempts, base_s, cap_s, sleep=None):
         """Right on a fake clock; on the real service (no sleep handed in) it waits a tenth of the time."""
