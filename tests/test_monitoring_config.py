@@ -2,13 +2,18 @@
 use only what the course server really exports: every metric name, label and bucket bound in their
 PromQL is checked against the /metrics page of a running server (continuous engine, one request
 served and one refused), and the files hold together (rules the dashboard uses exist, panels do not
-overlap, percentiles come from summed buckets, never from averaged percentiles)."""
+overlap, percentiles come from summed buckets, never from averaged percentiles). Where promtool is
+installed, Prometheus itself checks the configuration and the rules and runs the rules' unit tests
+(course_server_rules_test.yml)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -27,13 +32,23 @@ BUILTIN = {"up"}
 
 @pytest.fixture(scope="module")
 def exported():
-    """{sample name: set of label names} and {histogram: bucket bounds} from a running server."""
-    server = ServerProcess(["--engine", "continuous", "--context", "64", "--max-tokens-limit", "4"], threads=1).start()
+    """{sample name: set of label names} and {histogram: bucket bounds} from a running server that has
+    served a request, refused one (429, one slot taken) and lost one (the client closed its stream), so
+    that every labelled counter has a sample and shows its label names."""
+    server = ServerProcess(["--engine", "continuous", "--context", "64", "--max-tokens-limit", "32", "--max-requests",
+                            "1", "--step-delay", "0.2"], threads=1).start()
+    body = {"model": "course-tiny", "prompt": "hello", "max_tokens": 2}
     try:
-        httpx.post(server.base_url + "/completions", json={"model": "course-tiny", "prompt": "hello", "max_tokens": 2},
-                   timeout=60).raise_for_status()
-        bad = httpx.post(server.base_url + "/completions", json={"model": "course-tiny", "max_tokens": "two"}, timeout=60)
-        assert bad.status_code == 400
+        with httpx.stream("POST", server.base_url + "/completions", json={**body, "stream": True, "max_tokens": 32},
+                          timeout=60) as s:
+            next(s.iter_lines())  # admitted and streaming for about 6 s more: the one slot is taken
+            assert httpx.post(server.base_url + "/completions", json=body, timeout=60).status_code == 429
+        # the stream was closed mid-way: an abort. Then the slot frees and a request is served.
+        deadline = time.monotonic() + 30
+        while (r := httpx.post(server.base_url + "/completions", json=body, timeout=60)).status_code == 429:
+            assert time.monotonic() < deadline, "the slot was never freed after the client went away"
+            time.sleep(0.1)
+        r.raise_for_status()
         text = httpx.get(server.url + "/metrics", timeout=60).text
     finally:
         server.stop()
@@ -77,6 +92,8 @@ def _metrics_in(expr: str) -> list[tuple[str, list[str]]]:
     """(metric name, label names matched in its selector) for every series the expression selects."""
     out = []
     code = re.sub(r"\[[^\]]*\]", "", _without_strings(expr))  # range durations like [5m] and [$__rate_interval]
+    # grouping clauses name labels, not series: sum by (job, le) (...), on (job), group_left (reason)
+    code = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", r"\1", code)
     for match in SELECTOR.finditer(code):
         name, selector = match.group(1), match.group(2)
         if name in KEYWORDS or re.fullmatch(r"[\d.e]+", name):
@@ -84,8 +101,7 @@ def _metrics_in(expr: str) -> list[tuple[str, list[str]]]:
         after = code[match.end():].lstrip()
         if after.startswith("(") and selector is None:  # a function call
             continue
-        labels = re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", _without_strings(expr)[match.start():match.end()]) \
-            if selector else []
+        labels = re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector) if selector else []  # strings blanked, names kept
         out.append((name, labels))
     return out
 
@@ -104,6 +120,11 @@ def test_every_series_the_files_select_is_one_the_server_exports(exported):
             missing = [label for label in labels if label not in names[name] | {"job", "instance", "model"}]
             assert not missing, f"{where}: {name} has no label {missing}; it has {sorted(names[name])}"
     assert not unknown, f"series the server does not export: {unknown}; it exports {sorted(names)}"
+    for where, expr in _expressions():  # sum by (le), by (finished_reason): labels the selected series carry
+        have = {"job", "instance", "model"}.union(*(names.get(n, set()) for n, _ in _metrics_in(expr)))
+        grouped = {label.strip() for clause in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", _without_strings(expr))
+                   for label in clause.split(",")}
+        assert grouped <= have, f"{where} groups by {sorted(grouped - have)}, which its series do not carry"
     used = {name for _, expr in _expressions() for name, _ in _metrics_in(expr)}
     assert {"course:time_to_first_token_seconds_bucket", "course:num_requests_waiting", "course:kv_cache_usage_perc",
             "course:request_rejected_total", "up"} <= used  # the dashboard covers state, latency and refusals
@@ -176,3 +197,17 @@ def test_the_dashboard_is_a_grafana_dashboard_with_no_overlapping_panels():
                 cells.add((x, y))
         for t in p["targets"]:
             assert "[$__rate_interval]" in t["expr"] or "rate(" not in t["expr"], t["expr"]
+
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian: apt-get install prometheus)")
+@pytest.mark.parametrize("args", [("check", "config", "prometheus.yml"), ("check", "rules", "course_server_rules.yml"),
+                                  ("test", "rules", "course_server_rules_test.yml")])
+def test_prometheus_itself_accepts_the_files_and_the_alerts_fire_when_they_should(args):
+    """Prometheus's own tool: the configuration and the rules parse as Prometheus parses them, and the rules'
+    unit tests (synthetic scrapes: a burn rate of 20 pages, 0.5 does not, a burst that is over stops paging,
+    refusals page, a failed scrape pages) pass."""
+    done = subprocess.run([PROMTOOL, *args], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
