@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from .position import default_inv_freq, rope_cos_sin, rotate  # chapter 08's rotation
+
 __all__ = [
     "E2M1_VALUES",
     "E4M3_MAX",
@@ -203,8 +205,6 @@ def rope_key_quantization_errors(tokens: int = 512, head_dim: int = 128, theta: 
     grows with the position, so after it the pair's size is spread over both of its channels, in a
     proportion that changes with the position, and a per-channel scale must cover the largest: coarser
     for most tokens. A per-tensor scale does not see the difference."""
-    from .position import default_inv_freq, rope_cos_sin, rotate  # chapter 08's rotation
-
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(tokens, head_dim, generator=gen)
     half = head_dim // 2
