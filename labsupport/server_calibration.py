@@ -48,7 +48,7 @@ def calibrate(base_url: str, model: str, cfg: ModelConfig, *, copy_bandwidth: fl
         raise ValueError(f"calibrate needs batch 1 and at least one other batch to fit a line, got {batches}")
     steps, admission, prompt_tokens = [], None, input_words
     for b in batches:
-        s = run_benchmark(base_url, model, num_prompts=max(8, 4 * b), max_concurrency=b, input_words=input_words,
+        s = run_benchmark(base_url, model, num_prompts=max(6, 3 * b), max_concurrency=b, input_words=input_words,
                           output_tokens=output_tokens, ignore_eos=True, seed=b)
         steps.append(s["tpot_s"]["p50"])
         if b == 1:

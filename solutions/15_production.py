@@ -598,7 +598,7 @@ check_retry_after(send_with_backoff)
 
 # %% [markdown]
 # **What it buys.** Ten clients at once against the four-slot service (each admitted request holds a slot
-# for 0.8 s): first clients that retry at once, up to six attempts, then your client. The service's log says
+# for 0.5 s): first clients that retry at once, up to six attempts, then your client. The service's log says
 # how many attempts it saw, how many it refused, and who was never served.
 
 # %%
@@ -611,7 +611,7 @@ def retry_at_once(send, rng, *, max_attempts=6, **_):
 
 
 for label, client in (("retry at once", retry_at_once), ("your backoff", send_with_backoff)):
-    with RetryAfterService(slots=4, service_s=0.8, retry_after_s=1) as service:
+    with RetryAfterService(slots=4, service_s=0.5, retry_after_s=1) as service:
         start = time.perf_counter()
         finals = {}
         threads = [threading.Thread(target=lambda i=i: finals.update(
@@ -659,7 +659,7 @@ from labsupport.tokenizer import course_tokenizer
 engine_server = ServerProcess(["--engine", "continuous", "--context", "256", "--max-tokens-limit", "64",
                                "--max-running", "64", "--num-blocks", "1100", "--block-size", "16"], threads=1).start()
 engine_cfg = course_model_config(course_tokenizer().vocab_size)
-OUT = 16
+OUT = 12
 cal = calibrate(engine_server.base_url, MODEL_NAME, engine_cfg, output_tokens=OUT,
                 copy_bandwidth=max(measure_copy([64 * 2**20], progress=False)),
                 matmul_rate=max(measure_matmul([512], progress=False)))
@@ -676,7 +676,7 @@ for label, asked in (("the predicted rate", rate), ("twice the predicted rate", 
     if asked <= 0:
         print("no rate was predicted sustainable on this machine: nothing to test")
         break
-    run = run_benchmark(engine_server.base_url, MODEL_NAME, num_prompts=max(12, min(24, int(3 * asked))),
+    run = run_benchmark(engine_server.base_url, MODEL_NAME, num_prompts=max(10, min(16, int(2 * asked))),
                         request_rate=asked, input_words=16, output_tokens=OUT, ignore_eos=True, seed=9)
     report = slo_report(request_latencies(run), ENGINE_SLO, run["duration_s"])
     print(f"{label:<25} {asked:6.1f}/s: throughput {run['request_throughput']:5.1f}/s, goodput "
