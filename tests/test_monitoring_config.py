@@ -39,7 +39,7 @@ def exported():
                             "1", "--step-delay", "0.2"], threads=1).start()
     body = {"model": "course-tiny", "prompt": "hello", "max_tokens": 2}
     try:
-        with httpx.stream("POST", server.base_url + "/completions", json={**body, "stream": True, "max_tokens": 32},
+        with httpx.stream("POST", server.base_url + "/completions", json={**body, "stream": True, "max_tokens": 32, "ignore_eos": True},
                           timeout=60) as s:
             next(s.iter_lines())  # admitted and streaming for about 6 s more: the one slot is taken
             assert httpx.post(server.base_url + "/completions", json=body, timeout=60).status_code == 429

@@ -509,10 +509,6 @@ def check_size_fleet(fn, checker):
                 named = {"; or when ".join(whole): float(mistakes[whole[0]][key])}
             else:
                 named = {d: float(v[key]) for d, v in mistakes.items() if not same(v[key], expected[key])}
-            if key in ("replicas", "batch"):
-                if not isinstance(got[key], numbers.Integral) or isinstance(got[key], bool):
-                    checker.fail(case, f"{key} is {got[key]!r}, a {type(got[key]).__name__}: return a whole number.",
-                                 FLEET_RULE)
             if expected[key] == 0 and key in ("replicas", "batch", "prefill_share"):
                 if got[key] != 0:
                     problem = (f"{key} is {got[key]!r}, expected 0: no replica can run even one sequence within the "
