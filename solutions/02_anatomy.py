@@ -22,9 +22,9 @@
 # forward pass takes does not depend on their values.
 #
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
-# raises an error. Until you have written the exercise, its check cell raises and nothing below it
-# runs; scroll back up to the first cell with a red error. The profile (sections 2 and 3) comes
-# before the exercise, so a first Run All already measures your device.
+# raises an error. Until you have written the exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. The profile (sections
+# 2 and 3) comes before the exercise, so a first Run All already measures your device.
 
 # %% [setup]
 import labsupport

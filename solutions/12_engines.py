@@ -22,7 +22,8 @@
 # CPU, also on a machine with a GPU, and every timing here is a CPU timing, labelled so.
 #
 # **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
-# cell raises, and nothing below it runs. Scroll back up to the first red error.
+# cell raises with a short message saying so, nothing below it runs, and JupyterLab scrolls back to
+# that cell.
 
 # %% [setup]
 import labsupport
