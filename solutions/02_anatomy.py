@@ -32,6 +32,12 @@ import labsupport
 settings = labsupport.setup()
 
 # %%
+from labsupport.serve import install_missing
+
+# Hugging Face transformers, the reference this lab counts against, only where it is missing
+installed = install_missing({"transformers": "transformers>=5"})
+
+# %%
 import matplotlib.pyplot as plt
 import torch
 import transformers

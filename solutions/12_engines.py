@@ -31,6 +31,11 @@ import labsupport
 settings = labsupport.setup()
 
 # %%
+from labsupport.serve import install_missing
+
+installed = install_missing()  # the course server's packages, only where missing (a fresh Colab runtime)
+
+# %%
 import os
 import platform
 import threading
