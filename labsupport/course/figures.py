@@ -1,4 +1,4 @@
-"""The figures of the book's chapters 09-15, drawn at build time from the course's own code.
+"""The figures of the book's chapters, drawn at build time from the course's own code.
 
 Each ``*_figure()`` returns a matplotlib figure computed from ``labsupport`` (no number typed in,
 nothing measured on a device: a figure that needs a GPU reads its results file elsewhere), in well
@@ -35,7 +35,7 @@ def glue(name: str, fig) -> None:
     from myst_nb import glue as myst_glue
 
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)
+    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     myst_glue(name, Image(data=buffer.getvalue(), format="png", retina=True), display=False)
 
@@ -48,6 +48,72 @@ def _figure(width: float, height: float, ncols: int = 1):
             if key.startswith("axes.spines."):
                 ax.spines[key.rsplit(".", 1)[1]].set_visible(value)
     return fig, axes
+
+
+# --- 00 Start, 01 Tokens, 02 Anatomy ------------------------------------------------------------------
+
+
+def request_timeline_figure(model: str = "llama-3.1-8b", card: str = "H100", prompt_tokens: int = 2000,
+                            output_tokens: int = 200):
+    """Chapter 00: one request's life as the course's roofline model counts it (chapter 05; a model,
+    not a measurement): one prefill, then one decode step per further token, each step reading the
+    weights again."""
+    from .. import serving
+
+    report = serving.phases(model, serving.serving_gpu(card, 1), prompt_tokens, output_tokens, 1)
+    steps = output_tokens - 1
+    ttft, itl = report.ttft * 1e3, report.itl * 1e3
+    fig, ax = _figure(7.0, 2.0)
+    ax.barh(0, ttft, color=ORANGE, height=0.5)
+    ax.barh(0, steps * itl, left=ttft, color=BLUE, height=0.5)
+    ax.vlines(ttft + itl * np.arange(1, steps), -0.25, 0.25, color="white", lw=0.3)  # one line per step
+    ax.annotate(f"prefill: the {prompt_tokens:,} prompt tokens at once, {ttft:.0f} ms (time to first token)",
+                (ttft / 2, 0.25), (0, 0.62), textcoords=("data", "data"), fontsize=9, color=ORANGE,
+                arrowprops={"arrowstyle": "-", "color": ORANGE})
+    ax.text(ttft + steps * itl / 2, -0.45, f"decode: {steps} steps of {itl:.1f} ms, one token each",
+            ha="center", va="top", fontsize=9, color=BLUE)
+    ax.set(yticks=[], xlabel="ms after the request starts", ylim=(-0.95, 0.9),
+           title=f"One request on {model}, bf16, one {card}: chapter 05's roofline model")
+    ax.spines["left"].set_visible(False)
+    return fig
+
+
+def tokens_by_kind_figure(by_size: dict):
+    """Chapter 01: characters per token for each kind of text, for tokenizers of several vocabulary
+    sizes trained on the course corpus (``by_size``: vocabulary size -> :func:`compression_by_kind`)."""
+    sizes = sorted(by_size)
+    kinds = list(by_size[sizes[0]])
+    fig, ax = _figure(8.0, 3.2)
+    width = 0.8 / len(sizes)
+    for i, (v, colour) in enumerate(zip(sizes, (GREY, BLUE, ORANGE))):
+        ax.bar(np.arange(len(kinds)) + (i - (len(sizes) - 1) / 2) * width,
+               [by_size[v][k].chars_per_token for k in kinds], width, color=colour, label=f"{v:,} ids")
+    ax.set_xticks(range(len(kinds)), kinds, rotation=30, ha="right")
+    ax.set(ylabel="characters per token", title="The same tokenizer compresses each kind of text differently")
+    ax.legend(frameon=False, title="vocabulary", title_fontsize=9)
+    return fig
+
+
+def parameters_by_component_figure(models=("qwen3-0.6b", "llama-3.1-8b", "qwen3-8b", "llama-3.1-70b")):
+    """Chapter 02: where each model's parameters are, by component (chapter 02's formulas,
+    :func:`labsupport.anatomy.param_count_by_component`)."""
+    from ..anatomy import COMPONENTS, param_count_by_component
+
+    colours = {"embedding": GREY, "attention": BLUE, "feed_forward": ORANGE, "norms": GREEN, "output": RED}
+    fig, ax = _figure(7.0, 2.6)
+    for row, name in enumerate(models):
+        counts = param_count_by_component(name)
+        total, left = sum(counts.values()), 0.0
+        for part in COMPONENTS:
+            share = counts.get(part, 0) / total
+            ax.barh(row, share, left=left, color=colours[part], label=part.replace("_", "-") if row == 0 else None)
+            left += share
+        ax.text(1.01, row, f"{total / 1e9:.2f} B", va="center", fontsize=9)
+    ax.set_yticks(range(len(models)), models)
+    ax.invert_yaxis()
+    ax.set(xlabel="share of the parameters", xlim=(0, 1), title="Where the parameters are")
+    ax.legend(frameon=False, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.32), fontsize=8)
+    return fig
 
 
 # --- 09 Precision -------------------------------------------------------------------------------
