@@ -277,16 +277,16 @@ def speculative_figure(alphas=(0.5, 0.7, 0.8, 0.9), max_k: int = 8):
 # --- 14 Planning ----------------------------------------------------------------------------------
 
 
-def planner_figure(model, gpu, context_tokens: int, tpot_target_s: float, **hardware):
+def planner_figure(model, context_tokens: int, tpot_target_s: float, *, memory_gib: float, **hardware):
     """Chapter 14: the planner's decode step against the batch (the memory and compute rooflines'
-    maximum plus overhead), with the TPOT target and the batch the memory holds."""
+    maximum plus overhead), with the TPOT target and the batch ``memory_gib`` of memory holds."""
     from .. import planning
 
     batches = np.unique(np.logspace(0, 10, 60, base=2).astype(int))
     steps = [planning.decode_step_time(model, int(b), context_tokens, **hardware) * 1e3 for b in batches]
     by_tpot = planning.max_batch_for_tpot(model, context_tokens, tpot_target_s, **hardware)
     memory = {k: v for k, v in hardware.items() if k in ("weight_dtype_bytes", "kv_dtype_bytes")}
-    by_memory = planning.max_batch_in_memory(model, context_tokens, memory_gib=gpu.memory_bytes / 2**30, **memory)
+    by_memory = planning.max_batch_in_memory(model, context_tokens, memory_gib=memory_gib, **memory)
     fig, ax = _figure(6.4, 3.3)
     ax.plot(batches, steps, color=BLUE, lw=2, label="decode step (planner)")
     ax.axhline(tpot_target_s * 1e3, color=ORANGE, ls="--", label=f"TPOT target {tpot_target_s * 1e3:.0f} ms")
