@@ -9,14 +9,23 @@ under a second on a CPU. A chapter page shows one in a hidden cell with :func:`g
 
 from __future__ import annotations
 
+import io
 import math
+import random
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")  # noqa: E402  (figures are files; no window)
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from .. import planning, serving
+from ..anatomy import COMPONENTS, param_count_by_component
+from ..cache_waste import concurrent_usage
+from ..collectives import ring_bytes_sent
+from ..load_testing import closed_loop_latencies, fifo_latencies, poisson_arrivals
+from ..quantize import fake_quantize, outlier_weight, relative_error
+from ..scheduler import TraceItem, schedule_step, simulate
+from ..speculative import expected_tokens_per_step
 
 DPI = 200  # pixels per inch of the stored PNG; it is shown at half that (IPython's retina Image)
 STYLE = {
@@ -29,9 +38,8 @@ BLUE, ORANGE, GREEN, GREY, RED = "#0969da", "#d1600f", "#1a7f37", "#6e7781", "#b
 
 def glue(name: str, fig) -> None:
     """Glue ``fig`` under ``name`` as a PNG at :data:`DPI`, shown at half its pixels, and close it."""
-    import io
 
-    from IPython.display import Image  # only on a book page
+    from IPython.display import Image  # only where a book page is built (IPython, myst-nb)
     from myst_nb import glue as myst_glue
 
     buffer = io.BytesIO()
@@ -58,7 +66,6 @@ def request_timeline_figure(model: str = "llama-3.1-8b", card: str = "H100", pro
     """Chapter 00: one request's life as the course's roofline model counts it (chapter 05; a model,
     not a measurement): one prefill, then one decode step per further token, each step reading the
     weights again."""
-    from .. import serving
 
     report = serving.phases(model, serving.serving_gpu(card, 1), prompt_tokens, output_tokens, 1)
     steps = output_tokens - 1
@@ -97,7 +104,6 @@ def tokens_by_kind_figure(by_size: dict):
 def parameters_by_component_figure(models=("qwen3-0.6b", "llama-3.1-8b", "qwen3-8b", "llama-3.1-70b")):
     """Chapter 02: where each model's parameters are, by component (chapter 02's formulas,
     :func:`labsupport.anatomy.param_count_by_component`)."""
-    from ..anatomy import COMPONENTS, param_count_by_component
 
     colours = {"embedding": GREY, "attention": BLUE, "feed_forward": ORANGE, "norms": GREEN, "output": RED}
     fig, ax = _figure(7.0, 2.6)
@@ -131,7 +137,6 @@ def _positive_values(dtype: torch.dtype) -> np.ndarray:
 def precision_formats_figure():
     """Chapter 09: the grid each format rounds to (the gap to the next value, relative to the value,
     against the value) and what rounding costs a weight matrix with outliers, by quantisation group."""
-    from ..quantize import fake_quantize, outlier_weight, relative_error
 
     fig, (grid, error) = _figure(9.0, 3.4, 2)
     for dtype, label, colour in ((torch.float16, "fp16", BLUE), (torch.bfloat16, "bf16", GREEN),
@@ -164,7 +169,6 @@ def precision_formats_figure():
 def cache_day_figure(requests: dict, *, max_len: int, block_size: int = 16):
     """Chapter 10: tokens the cache holds over the day, against what a paged cache (blocks of
     ``block_size``) and a contiguous one (``max_len`` slots per request) keep reserved for them."""
-    from ..cache_waste import concurrent_usage
 
     use = concurrent_usage(requests, max_len=max_len, block_size=block_size)
     per = 15  # samples (minutes) averaged into one point: a quarter of an hour
@@ -188,7 +192,6 @@ def all_reduce_bytes_figure(max_gpus: int = 16):
     """Chapter 11: a ring all-reduce on n GPUs: what each GPU sends, as a share of the message
     (2(n - 1)/n), and how many steps it waits through one after another (2(n - 1)), against n. A
     time is the first over one link's bandwidth plus the second times one hop's latency."""
-    from ..collectives import ring_bytes_sent
 
     gpus = np.arange(2, max_gpus + 1)
     fig, ax = _figure(6.4, 3.2)
@@ -216,7 +219,6 @@ def engine_steps_figure(prompt_lengths=(5, 40, 9, 23, 3), *, output_len: int = 6
     the decision the engine takes each step, simulated without a model, so counted in steps and the
     same on every machine) for requests that arrive together: each request's prefill chunks and
     decodes, step by step, and the tokens in each step against the budget."""
-    from ..scheduler import TraceItem, schedule_step, simulate
 
     trace = [TraceItem(0, n, output_len) for n in prompt_lengths]
     steps = []
@@ -243,7 +245,6 @@ def engine_steps_figure(prompt_lengths=(5, 40, 9, 23, 3), *, output_len: int = 6
     lanes.set_yticks(range(len(trace)), [f"request {i} ({n} tokens)" for i, n in enumerate(prompt_lengths)])
     lanes.invert_yaxis()
     lanes.set_title(f"The scheduler's steps: budget {token_budget} tokens, at most {max_running} running")
-    from matplotlib.patches import Patch
     lanes.legend(handles=[Patch(color=ORANGE, label="prefill chunk (its tokens)"),
                           Patch(color=BLUE, label="decode (one token)"), Patch(color="#eaeef2", label="waiting")],
                  frameon=False, loc="upper right", fontsize=8)
@@ -260,7 +261,6 @@ def engine_steps_figure(prompt_lengths=(5, 40, 9, 23, 3), *, output_len: int = 6
 def speculative_figure(alphas=(0.5, 0.7, 0.8, 0.9), max_k: int = 8):
     """Chapter 13: tokens a speculative step yields against the draft length ``k``, for several
     acceptance rates (each drafted token accepted with probability alpha, independently)."""
-    from ..speculative import expected_tokens_per_step
 
     ks = np.arange(0, max_k + 1)
     fig, ax = _figure(6.4, 3.2)
@@ -280,7 +280,6 @@ def speculative_figure(alphas=(0.5, 0.7, 0.8, 0.9), max_k: int = 8):
 def planner_figure(model, context_tokens: int, tpot_target_s: float, *, memory_gib: float, **hardware):
     """Chapter 14: the planner's decode step against the batch (the memory and compute rooflines'
     maximum plus overhead), with the TPOT target and the batch ``memory_gib`` of memory holds."""
-    from .. import planning
 
     batches = np.unique(np.logspace(0, 10, 60, base=2).astype(int))
     steps = [planning.decode_step_time(model, int(b), context_tokens, **hardware) * 1e3 for b in batches]
@@ -310,9 +309,7 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
     """Chapter 15: (left) latency percentiles of a one-at-a-time server (each request takes
     ``service_s``) under Poisson arrivals, against the offered load; (right) the same stall seen by
     an open-loop and a closed-loop load generator (coordinated omission)."""
-    import random
 
-    from ..load_testing import closed_loop_latencies, fifo_latencies, poisson_arrivals
 
     fig, (knee, omission) = _figure(9.0, 3.3, 2)
     loads = np.linspace(0.1, 0.95, 18)
