@@ -70,7 +70,7 @@ def request_timeline_figure(model: str = "llama-3.1-8b", card: str = "H100", pro
     report = serving.phases(model, serving.serving_gpu(card, 1), prompt_tokens, output_tokens, 1)
     steps = output_tokens - 1
     ttft, itl = report.ttft * 1e3, report.itl * 1e3
-    fig, ax = _figure(7.0, 2.0)
+    fig, ax = _figure(6.9, 2.0)
     ax.barh(0, ttft, color=ORANGE, height=0.5)
     ax.barh(0, steps * itl, left=ttft, color=BLUE, height=0.5)
     ax.vlines(ttft + itl * np.arange(1, steps), -0.25, 0.25, color="white", lw=0.3)  # one line per step
@@ -90,7 +90,7 @@ def tokens_by_kind_figure(by_size: dict):
     sizes trained on the course corpus (``by_size``: vocabulary size -> :func:`compression_by_kind`)."""
     sizes = sorted(by_size)
     kinds = list(by_size[sizes[0]])
-    fig, ax = _figure(8.0, 3.2)
+    fig, ax = _figure(6.9, 3.2)
     width = 0.8 / len(sizes)
     for i, (v, colour) in enumerate(zip(sizes, (GREY, BLUE, ORANGE))):
         ax.bar(np.arange(len(kinds)) + (i - (len(sizes) - 1) / 2) * width,
@@ -106,7 +106,7 @@ def parameters_by_component_figure(models=("qwen3-0.6b", "llama-3.1-8b", "qwen3-
     :func:`labsupport.anatomy.param_count_by_component`)."""
 
     colours = {"embedding": GREY, "attention": BLUE, "feed_forward": ORANGE, "norms": GREEN, "output": RED}
-    fig, ax = _figure(7.0, 2.6)
+    fig, ax = _figure(6.9, 2.7)
     for row, name in enumerate(models):
         counts = param_count_by_component(name)
         total, left = sum(counts.values()), 0.0
@@ -118,7 +118,7 @@ def parameters_by_component_figure(models=("qwen3-0.6b", "llama-3.1-8b", "qwen3-
     ax.set_yticks(range(len(models)), models)
     ax.invert_yaxis()
     ax.set(xlabel="share of the parameters", xlim=(0, 1), title="Where the parameters are")
-    ax.legend(frameon=False, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.32), fontsize=8)
+    ax.legend(frameon=False, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.32), fontsize=8.5)
     return fig
 
 
@@ -138,28 +138,28 @@ def precision_formats_figure():
     """Chapter 09: the grid each format rounds to (the gap to the next value, relative to the value,
     against the value) and what rounding costs a weight matrix with outliers, by quantisation group."""
 
-    fig, (grid, error) = _figure(9.0, 3.4, 2)
+    fig, (grid, error) = _figure(6.9, 3.6, 2)
     for dtype, label, colour in ((torch.float16, "fp16", BLUE), (torch.bfloat16, "bf16", GREEN),
                                  (torch.float8_e4m3fn, "fp8 e4m3", ORANGE), (torch.float8_e5m2, "fp8 e5m2", RED)):
         v = _positive_values(dtype)
         gap = np.diff(v) / v[:-1]
         at = np.log2(v[:-1]) % 1 == 0  # at each power of two: the largest relative gap of its binade
-        grid.plot(v[:-1][at], gap[at], color=colour, label=f"{label} (largest {v[-1]:.4g})", lw=1.6)
-    grid.set(xscale="log", yscale="log", xlabel="value", ylabel="gap to the next value / value",
+        grid.plot(v[:-1][at], gap[at], color=colour, label=f"{label}, to {v[-1]:.3g}", lw=1.6)
+    grid.set(xscale="log", yscale="log", xlabel="value", ylabel="relative gap to the next value",
              title="The grid each format rounds to", xlim=(1e-8, 1e6), ylim=(1e-5, 2))
-    grid.legend(frameon=False, loc="lower center", fontsize=8, ncol=2)
+    grid.legend(frameon=False, loc="lower right", fontsize=8.5)
     w = outlier_weight()
     sizes = (32, 64, 128, 512)
     for bits, colour in ((8, BLUE), (4, ORANGE)):
         errs = [relative_error(fake_quantize(w, bits, g, True), w) for g in sizes]
-        error.plot(sizes, errs, "o-", color=colour, label=f"int{bits}, one scale per group")
+        error.plot(sizes, errs, "o-", color=colour, label=f"int{bits}, per group")
         error.axhline(relative_error(fake_quantize(w, bits, "channel", True), w), color=colour, ls="--", lw=1,
-                      label=f"int{bits}, one scale per row")
+                      label=f"int{bits}, per row")
     error.set(xscale="log", yscale="log", xlabel="group size (weights sharing one scale)",
-              ylabel="relative error of the weights", title="Quantisation error, weights with outliers")
+              ylabel="relative error of the weights", title="Quantisation error")
     error.minorticks_off()
     error.set_xticks(sizes, [str(s) for s in sizes])
-    error.legend(frameon=False, fontsize=8)
+    error.legend(frameon=False, fontsize=8.5)
     return fig
 
 
@@ -174,7 +174,7 @@ def cache_day_figure(requests: dict, *, max_len: int, block_size: int = 16):
     per = 15  # samples (minutes) averaged into one point: a quarter of an hour
     mean = {k: v[: len(v) // per * per].reshape(-1, per).mean(axis=1) for k, v in use.items()}
     hours = mean["time_s"] / 3600 + per / 120
-    fig, ax = _figure(7.0, 3.2)
+    fig, ax = _figure(6.9, 3.2)
     ax.plot(hours, mean["reserved"] / 1e3, color=RED, label=f"contiguous: {max_len:,} slots reserved per request")
     ax.plot(hours, mean["paged"] / 1e3, color=BLUE, lw=3, label=f"paged: blocks of {block_size} tokens")
     ax.plot(hours, mean["held"] / 1e3, color="black", lw=1, label="tokens the requests hold")
@@ -225,7 +225,7 @@ def engine_steps_figure(prompt_lengths=(5, 40, 9, 23, 3), *, output_len: int = 6
     simulate(schedule_step, trace, token_budget=token_budget, num_blocks=64, block_size=8,
              max_running=max_running, observe=steps.append)
     with plt.rc_context(STYLE):
-        fig, (lanes, totals) = plt.subplots(2, 1, figsize=(7.0, 4.2), sharex=True, layout="constrained",
+        fig, (lanes, totals) = plt.subplots(2, 1, figsize=(6.9, 4.4), sharex=True, layout="constrained",
                                             gridspec_kw={"height_ratios": [3, 1.3]})
     prefill_total, decode_total = np.zeros(len(steps)), np.zeros(len(steps))
     for s in steps:
@@ -235,7 +235,7 @@ def engine_steps_figure(prompt_lengths=(5, 40, 9, 23, 3), *, output_len: int = 6
             colour = ORANGE if prefill else BLUE
             lanes.barh(rid, 0.9, left=s.step - 0.45, height=0.7, color=colour)
             if prefill:
-                lanes.text(s.step, rid, str(n), ha="center", va="center", fontsize=7, color="white")
+                lanes.text(s.step, rid, str(n), ha="center", va="center", fontsize=7.5, color="white")
                 prefill_total[s.step] += n
             else:
                 decode_total[s.step] += n
@@ -247,7 +247,7 @@ def engine_steps_figure(prompt_lengths=(5, 40, 9, 23, 3), *, output_len: int = 6
     lanes.set_title(f"The scheduler's steps: budget {token_budget} tokens, at most {max_running} running")
     lanes.legend(handles=[Patch(color=ORANGE, label="prefill chunk (its tokens)"),
                           Patch(color=BLUE, label="decode (one token)"), Patch(color="#eaeef2", label="waiting")],
-                 frameon=False, loc="upper right", fontsize=8)
+                 frameon=False, loc="upper right", fontsize=8.5)
     x = np.arange(len(steps))
     totals.bar(x, prefill_total, color=ORANGE)
     totals.bar(x, decode_total, bottom=prefill_total, color=BLUE)
@@ -270,7 +270,7 @@ def speculative_figure(alphas=(0.5, 0.7, 0.8, 0.9), max_k: int = 8):
     ax.set(xlabel="draft length k (tokens proposed per step)", ylabel="tokens per target step",
            title="What a speculative step yields", ylim=(0, None))
     ax.set_xticks(ks)
-    ax.legend(frameon=False, title="(1 - alpha^(k+1)) / (1 - alpha)", title_fontsize=8)
+    ax.legend(frameon=False, title="(1 - alpha^(k+1)) / (1 - alpha)", title_fontsize=8.5)
     return fig
 
 
@@ -311,14 +311,14 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
     an open-loop and a closed-loop load generator (coordinated omission)."""
 
 
-    fig, (knee, omission) = _figure(9.0, 3.3, 2)
+    fig, (knee, omission) = _figure(6.9, 3.6, 2)
     loads = np.linspace(0.1, 0.95, 18)
     for q, colour in ((50, BLUE), (90, ORANGE), (99, RED)):
         lat = [_p(fifo_latencies(poisson_arrivals(n, rho / service_s, random.Random(seed)), service_s), q)
                for rho in loads]
         knee.plot(loads * 100, np.array(lat) / service_s, "o-", ms=3, color=colour, label=f"p{q}")
     knee.set(xlabel="offered load (% of capacity)", ylabel="latency (service times)", yscale="log",
-             title="The knee: latency against load")
+             title="The knee")
     knee.legend(frameon=False, loc="upper left")
     duration, stall = 60.0, (20.0, 5.0)  # the server stops from 20 s for 5 s
     rate = 0.5 / service_s
@@ -328,10 +328,10 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
     closed_sent = np.concatenate([[0.0], np.cumsum(closed_lat)[:-1]])
     omission.axvspan(stall[0], stall[0] + stall[1], color="#eaeef2", label="the server stalls")
     omission.plot(sent, open_lat, ".", ms=4, color=ORANGE,
-                  label=f"open loop, {len(sent)} sent on schedule: p90 {_p(open_lat, 90):.2f} s")
+                  label=f"open loop: p90 {_p(open_lat, 90):.2f} s")
     omission.plot(closed_sent, closed_lat, ".", ms=3, color=BLUE,
-                  label=f"closed loop, {len(closed_lat)} sent after each answer: p90 {_p(closed_lat, 90):.2f} s")
+                  label=f"closed loop: p90 {_p(closed_lat, 90):.2f} s")
     omission.set(yscale="log", xlabel="time the request was sent (s)", ylabel="latency (s)",
                  title=f"A {stall[1]:.0f} s stall at half the capacity")
-    omission.legend(frameon=False, fontsize=8, loc="center right")
+    omission.legend(frameon=False, fontsize=8.5, loc="upper right")
     return fig

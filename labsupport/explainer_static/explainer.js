@@ -152,10 +152,10 @@ function labsupportExplainer(root) {
       out["decode-split"] = split(r.dec, "one decode step");
     }
     for (const [key, k] of points(r)) out[key + "-point"] = intensity(k.intensity) + ", " + percent(k.fraction) + " of peak";
-    if (r.weights > r.mem || !r.fits) {
-      // a setting that cannot run has no latency or throughput (as the planner says "none")
-      const why = r.weights > r.mem ? "the weights do not fit" : "the KV cache does not fit";
-      for (const key of ["ttft", "itl", "latency", "throughput"]) { out[key] = "none"; out[key + "-note"] = why; }
+    if (r.weights > r.mem) {
+      // a setting that cannot run has no latency or throughput (as the planner says "none"); one
+      // whose cache outgrows the memory keeps its times, which the memory line says do not fit
+      for (const key of ["ttft", "itl", "latency", "throughput"]) { out[key] = "none"; out[key + "-note"] = "the weights do not fit"; }
     }
     return out;
   }
