@@ -310,8 +310,10 @@ fig.tight_layout()
 
 # %%
 # Hugging Face's trainer runs on every core by default (through Rayon); ours runs on one. The
-# library reads this variable at each call, so from here on both sides use one thread.
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# library reads TOKENIZERS_PARALLELISM at each call; this sets it, so from here on both sides use one thread.
+from labsupport.tokenizer import hf_single_thread
+
+hf_single_thread()
 try:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 except ModuleNotFoundError:
