@@ -39,6 +39,7 @@ from pathlib import Path
 import nbformat
 
 from ..checks.framework import GRADING_ENV, RESULT_MIME
+from .files import each_once
 from .manifest import load_course_cells, load_manifest
 from .notebooks import KernelStartError, execute, first_line, load
 from .probe import probe_cell, reimport, verdict
@@ -153,13 +154,7 @@ def expand(paths: Iterable[str]) -> list[Path]:
             )
         else:
             found.append(path)
-    unique, seen = [], set()
-    for path in found:
-        key = path.resolve() if path.exists() else path
-        if key not in seen:
-            seen.add(key)
-            unique.append(path)
-    return unique
+    return each_once(found)
 
 
 def bad_paths(paths: Iterable[str]) -> list[str]:
