@@ -223,6 +223,17 @@ class Engine:
         self._retire(req, "abort")
         return True
 
+    def release(self, request_id: Hashable) -> None:
+        """Forget a request: drop ``requests[request_id]``, so a server running for days does not
+        keep every request it served. One not yet finished is aborted first (its blocks go back to
+        the allocator). Releasing an id twice, or one never added, does nothing."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if not req.finished:
+            self._retire(req, "abort")
+        del self.requests[request_id]
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
