@@ -46,9 +46,11 @@ serve: $(STAMP)  ## serve the built book on http://127.0.0.1:$(PORT) (search nee
 # pages one after another, so alone it leaves one of two cores idle for the whole build (its page
 # kernels get one torch thread each, as the test workers' do, so three processes share two cores
 # without spinning). The book's log goes to $(BOOK_LOG), its last lines printed if it fails; then
-# the tests of the built book (marked `book`) run. Any part failing fails `make test`; Ctrl+C stops
-# all of it.
+# the tests of the built book (marked `book`, all under $(BOOK_TESTS): collecting only those folders
+# saves collecting the whole suite twice more; tests/notebooks/test_notebooks.py checks no `book` test
+# lives elsewhere) run. Any part failing fails `make test`; Ctrl+C stops all of it.
 BOOK_LOG ?= _build/book.log
+BOOK_TESTS := tests/book tests/scripts
 
 test: $(STAMP)  ## lint, release drift, unit tests, every notebook, the built book in Chromium
 	$(VENV)/bin/ruff check .
@@ -58,7 +60,7 @@ test: $(STAMP)  ## lint, release drift, unit tests, every notebook, the built bo
 	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=15 $(NBVAL) -m "not book" tests solutions labs; status=$$?; \
 	if wait $$book; then echo "make book: built (log in $(BOOK_LOG))"; \
 	else tail -n 60 $(BOOK_LOG); echo "make book failed (log in $(BOOK_LOG))"; exit 1; fi; \
-	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=5 -m book tests || status=1; exit $$status
+	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=5 -m book $(BOOK_TESTS) || status=1; exit $$status
 
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no book)
 	$(PY) -m pytest -m "not notebook and not book"

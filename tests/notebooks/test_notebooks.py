@@ -7,6 +7,7 @@ failure (a timeout above all, which nbval alone can let pass).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -37,6 +38,20 @@ def test_make_test_runs_the_notebooks_under_nbval():
     test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "$(NBVAL)" in test_recipe and "solutions labs" in test_recipe
     assert "--nbval-lax" in makefile and "--nbval-cell-timeout=" in makefile and "--dist loadscope" in test_recipe
+
+
+def test_make_test_runs_every_book_test_once_the_book_is_built():
+    """make test runs the tests that need no built book beside the book's build, then those marked
+    ``book``, collected from $(BOOK_TESTS) only: a ``book`` test anywhere else would never run."""
+    makefile = (ROOT / "Makefile").read_text()
+    test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert '-m "not book" tests solutions labs' in test_recipe and "-m book $(BOOK_TESTS)" in test_recipe
+    folders = next(line for line in makefile.splitlines() if line.startswith("BOOK_TESTS :=")).split(":=")[1].split()
+    marked = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "tests").rglob("test_*.py"))
+              if re.search(r"pytest\.mark\.book\b", p.read_text(encoding="utf-8"))]
+    assert marked, "no test is marked book"
+    outside = [p for p in marked if not any(p == f or p.startswith(f.rstrip("/") + "/") for f in folders)]
+    assert not outside, f"marked book but not under BOOK_TESTS ({' '.join(folders)}) in the Makefile: {outside}"
 
 
 @pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
