@@ -310,31 +310,11 @@ def _banned_by(check_names: Iterable[str]) -> set[str] | None:
     return banned
 
 
-def _library_settings(tree: ast.AST | None) -> set[ast.AST]:
-    """The ``os.environ`` nodes of statements that only set a library's option, ``os.environ["NAME"] =
-    "value"`` with both written out and a name that is not the grader's (``LABSUPPORT_...``): lab 01
-    sets ``TOKENIZERS_PARALLELISM`` so. Any other use of ``os.environ`` still counts."""
-    found: set[ast.AST] = set()
-    for node in ast.walk(tree) if tree is not None else ():
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Constant)):
-            continue
-        target = node.targets[0]
-        if (isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)
-                and isinstance(target.slice.value, str) and not target.slice.value.upper().startswith("LABSUPPORT")
-                and isinstance(target.value, ast.Attribute) and target.value.attr == "environ"
-                and isinstance(target.value.value, ast.Name) and target.value.value.id == "os"):
-            found.add(target.value)
-    return found
-
-
 def _reaches_into_interpreter(src: str, tree: ast.AST | None) -> list[str]:
     """What in a cell's code reaches into the interpreter or the kernel (see INTERPRETER_NAMES): the
     names it spells, and ``setattr``/``getattr``/``vars`` on a module like ``sys`` or ``math``."""
     found = [t.string for t in _tokens(python_source(src)) if t.type == tokenize.NAME and t.string in INTERPRETER_NAMES]
-    harmless = _library_settings(tree)
     for node in ast.walk(tree) if tree is not None else ():
-        if node in harmless:
-            continue
         if isinstance(node, ast.Call) and _func_name(node) in ("setattr", "getattr", "delattr", "vars") and node.args:
             root = _root_name(node.args[0])
             if root in INTERPRETER_OBJECTS:
