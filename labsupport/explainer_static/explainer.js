@@ -13,25 +13,10 @@ function labsupportExplainer(root) {
   const START = json("start");
   const $ = (sel) => root.querySelector(sel);
 
-  // Number formatting: toFixed rounds ties away from zero on the exact value, as the Python side.
-  const fixed = (x, d) => x.toFixed(d);
-  function group(text) {
-    let [whole, frac] = text.split(".");
-    const sign = whole.startsWith("-") ? "-" : "";
-    whole = whole.replace("-", "").replace(/\B(?=(\d{3})+(?!\d))/g, ",");
-    return sign + whole + (frac === undefined ? "" : "." + frac);
-  }
-  function seconds(s) {
-    const ms = s * 1000;
-    if (ms < 1) return fixed(ms, 2) + " ms";
-    if (s < 1) return fixed(ms, 1) + " ms";
-    if (s < 100) return fixed(s, 2) + " s";
-    if (s < 3600) return fixed(s / 60, 1) + " min";
-    return group(fixed(s / 3600, 1)) + " h";
-  }
+  // Number formatting (number_format.js, shared with the planner), then this widget's own units.
+  const { fixed, group, seconds, percent } = labsupportNumberFormat();
   const rate = (r) => group(fixed(r, r < 10 ? 1 : 0)) + " tok/s";
   const intensity = (x) => { const t = fixed(x, x < 10 ? 1 : 0); return (x >= 10000 ? group(t) : t) + " FLOP/B"; };
-  const percent = (f) => { const p = f * 100; return fixed(p, p < 10 ? 1 : 0) + "%"; };
   function gb(b) { const g = b / 1e9; return group(fixed(g, g < 10 ? 2 : g < 100 ? 1 : 0)) + " GB"; }
   function three(v) {
     let t = fixed(v, v < 10 ? 2 : v < 100 ? 1 : 0);
