@@ -279,11 +279,14 @@ def speculative_figure(alphas=(0.5, 0.7, 0.8, 0.9), max_k: int = 8):
 
 def planner_figure(model, context_tokens: int, tpot_target_s: float, *, memory_gib: float, **hardware):
     """Chapter 14: the planner's decode step against the batch (the memory and compute rooflines'
-    maximum plus overhead), with the TPOT target and the batch ``memory_gib`` of memory holds."""
+    maximum plus overhead), with the TPOT target and the batch ``memory_gib`` of memory holds. The
+    step is the plan's (``read_exact``: the bytes a step reads, as :func:`labsupport.planning.plan`
+    and the chapter's figures price it)."""
 
     batches = np.unique(np.logspace(0, 10, 60, base=2).astype(int))
-    steps = [planning.decode_step_time(model, int(b), context_tokens, **hardware) * 1e3 for b in batches]
-    by_tpot = planning.max_batch_for_tpot(model, context_tokens, tpot_target_s, **hardware)
+    steps = [planning.decode_step_time(model, int(b), context_tokens, **hardware, read_exact=True) * 1e3
+             for b in batches]
+    by_tpot = planning.max_batch_for_tpot(model, context_tokens, tpot_target_s, **hardware, read_exact=True)
     memory = {k: v for k, v in hardware.items() if k in ("weight_dtype_bytes", "kv_dtype_bytes")}
     by_memory = planning.max_batch_in_memory(model, context_tokens, memory_gib=memory_gib, **memory)
     fig, ax = _figure(6.4, 3.3)
