@@ -308,10 +308,12 @@ def _p(values, q):
     return values[max(0, math.ceil(q * len(values) / 100) - 1)]
 
 
-def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
+def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0, *, duration_s: float = 60.0,
+                stall: tuple[float, float] = (20.0, 5.0), load: float = 0.5):
     """Chapter 15: (left) latency percentiles of a one-at-a-time server (each request takes
-    ``service_s``) under Poisson arrivals, against the offered load; (right) the same stall seen by
-    an open-loop and a closed-loop load generator (coordinated omission)."""
+    ``service_s``) under Poisson arrivals, against the offered load; (right) the same stall (the
+    server stops at ``stall[0]`` s for ``stall[1]`` s of a ``duration_s`` run at ``load`` of its
+    capacity) seen by an open-loop and a closed-loop load generator (coordinated omission)."""
 
 
     fig, (knee, omission) = _figure(6.9, 3.6, 2)
@@ -323,8 +325,7 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
     knee.set(xlabel="offered load (% of capacity)", ylabel="latency (service times)", yscale="log",
              title="The knee")
     knee.legend(frameon=False, loc="upper left")
-    duration, stall = 60.0, (20.0, 5.0)  # the server stops from 20 s for 5 s
-    rate = 0.5 / service_s
+    duration, rate = duration_s, load / service_s
     sent = sorted(poisson_arrivals(int(rate * duration), rate, random.Random(seed)))
     open_lat = fifo_latencies(sent, service_s, stall)
     closed_lat = closed_loop_latencies(duration, service_s, stall)
@@ -335,6 +336,6 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
     omission.plot(closed_sent, closed_lat, ".", ms=3, color=BLUE,
                   label=f"closed loop: p90 {_p(closed_lat, 90):.2f} s")
     omission.set(yscale="log", xlabel="time the request was sent (s)", ylabel="latency (s)",
-                 title=f"A {stall[1]:.0f} s stall at half the capacity")
+                 title=f"A {stall[1]:.0f} s stall at {load:.0%} of the capacity")
     omission.legend(frameon=False, fontsize=8.5, loc="upper right")
     return fig
