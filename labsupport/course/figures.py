@@ -279,11 +279,14 @@ def speculative_figure(alphas=(0.5, 0.7, 0.8, 0.9), max_k: int = 8):
 
 def planner_figure(model, context_tokens: int, tpot_target_s: float, *, memory_gib: float, **hardware):
     """Chapter 14: the planner's decode step against the batch (the memory and compute rooflines'
-    maximum plus overhead), with the TPOT target and the batch ``memory_gib`` of memory holds."""
+    maximum plus overhead), with the TPOT target and the batch ``memory_gib`` of memory holds. The
+    step is the plan's (``read_exact``: the bytes a step reads, as :func:`labsupport.planning.plan`
+    and the chapter's figures price it)."""
 
     batches = np.unique(np.logspace(0, 10, 60, base=2).astype(int))
-    steps = [planning.decode_step_time(model, int(b), context_tokens, **hardware) * 1e3 for b in batches]
-    by_tpot = planning.max_batch_for_tpot(model, context_tokens, tpot_target_s, **hardware)
+    steps = [planning.decode_step_time(model, int(b), context_tokens, **hardware, read_exact=True) * 1e3
+             for b in batches]
+    by_tpot = planning.max_batch_for_tpot(model, context_tokens, tpot_target_s, **hardware, read_exact=True)
     memory = {k: v for k, v in hardware.items() if k in ("weight_dtype_bytes", "kv_dtype_bytes")}
     by_memory = planning.max_batch_in_memory(model, context_tokens, memory_gib=memory_gib, **memory)
     fig, ax = _figure(6.4, 3.3)
@@ -305,10 +308,12 @@ def _p(values, q):
     return values[max(0, math.ceil(q * len(values) / 100) - 1)]
 
 
-def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
+def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0, *, duration_s: float = 60.0,
+                stall: tuple[float, float] = (20.0, 5.0), load: float = 0.5):
     """Chapter 15: (left) latency percentiles of a one-at-a-time server (each request takes
-    ``service_s``) under Poisson arrivals, against the offered load; (right) the same stall seen by
-    an open-loop and a closed-loop load generator (coordinated omission)."""
+    ``service_s``) under Poisson arrivals, against the offered load; (right) the same stall (the
+    server stops at ``stall[0]`` s for ``stall[1]`` s of a ``duration_s`` run at ``load`` of its
+    capacity) seen by an open-loop and a closed-loop load generator (coordinated omission)."""
 
 
     fig, (knee, omission) = _figure(6.9, 3.6, 2)
@@ -320,8 +325,7 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
     knee.set(xlabel="offered load (% of capacity)", ylabel="latency (service times)", yscale="log",
              title="The knee")
     knee.legend(frameon=False, loc="upper left")
-    duration, stall = 60.0, (20.0, 5.0)  # the server stops from 20 s for 5 s
-    rate = 0.5 / service_s
+    duration, rate = duration_s, load / service_s
     sent = sorted(poisson_arrivals(int(rate * duration), rate, random.Random(seed)))
     open_lat = fifo_latencies(sent, service_s, stall)
     closed_lat = closed_loop_latencies(duration, service_s, stall)
@@ -332,6 +336,6 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0):
     omission.plot(closed_sent, closed_lat, ".", ms=3, color=BLUE,
                   label=f"closed loop: p90 {_p(closed_lat, 90):.2f} s")
     omission.set(yscale="log", xlabel="time the request was sent (s)", ylabel="latency (s)",
-                 title=f"A {stall[1]:.0f} s stall at half the capacity")
+                 title=f"A {stall[1]:.0f} s stall at {load:.0%} of the capacity")
     omission.legend(frameon=False, fontsize=8.5, loc="upper right")
     return fig
