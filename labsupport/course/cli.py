@@ -244,6 +244,8 @@ def _grade(args) -> int:
         print(f"grade: --require-sandbox: no sandbox here ({unsandboxed}); nothing was graded. Grade where "
               f"bubblewrap works, or use --container IMAGE", file=sys.stderr)
         return 2
+    if sandbox is not None and sandbox.note:
+        print(f"grade: note: {sandbox.note}", file=sys.stderr)
     if sandbox is None:
         print(f"grade: WARNING: grading UNSANDBOXED ({unsandboxed}): the submitted code runs with your "
               f"permissions; every row says so", file=sys.stderr)

@@ -56,12 +56,15 @@ cat > "$work/customize.sh" <<'EOF'
 #!/bin/sh
 set -eu
 rootfs=$1
+inside() {  # a command in the root file system, with none of this machine's settings (PIP_*, PATH)
+    env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 chroot "$rootfs" "$@"
+}
 mkdir -p "$rootfs/tmp/wheels"
 cp "$WHEELS"/* "$rootfs/tmp/wheels/"
-chroot "$rootfs" python3 -m venv /opt/course
-chroot "$rootfs" /opt/course/bin/python -m pip install --quiet --no-index --no-cache-dir \
-    --disable-pip-version-check --find-links /tmp/wheels -r /tmp/wheels/image-requirements.txt labsupport
-chroot "$rootfs" /opt/course/bin/python -m pip uninstall --quiet --yes pip setuptools
+inside python3 -m venv /opt/course
+inside /opt/course/bin/python -m pip install --quiet --no-index --no-cache-dir --disable-pip-version-check \
+    --find-links /tmp/wheels -r /tmp/wheels/image-requirements.txt labsupport
+inside /opt/course/bin/python -m pip uninstall --quiet --yes pip setuptools
 site=$(echo "$rootfs"/opt/course/lib/python3*/site-packages)
 if [ "${PRUNE:-1}" != 0 ]; then
     # never used by a kernel in this image, which has no C compiler and no GPU
@@ -74,9 +77,9 @@ if [ "${PRUNE:-1}" != 0 ]; then
 fi
 rm -rf "$rootfs/tmp/wheels" "$rootfs"/var/cache/* "$rootfs"/var/log/*
 # the kernel must start: the checks, the labs' packages, the interpreter mode
-chroot "$rootfs" env TRITON_INTERPRET=1 /opt/course/bin/python -c \
+inside env TRITON_INTERPRET=1 /opt/course/bin/python -c \
     "import ipykernel, torch, triton, transformers, fastapi, labsupport.checks; print('torch', torch.__version__, 'triton', triton.__version__)"
-chroot "$rootfs" /opt/course/bin/python -c \
+inside /opt/course/bin/python -c \
     "import json; from labsupport.course.shard import course_fingerprint; print(json.dumps(course_fingerprint()))" \
     > "$WHEELS/../fingerprint.json"
 EOF
@@ -84,7 +87,8 @@ chmod +x "$work/customize.sh"
 
 echo "== the root file system (mmdebstrap $suite), the packages installed into it"
 export WHEELS=$work/wheels PRUNE=${PRUNE:-1}
-mmdebstrap --variant=essential --include=python3,python3-venv \
+# essential: no apt, no init; python3 and the C++ runtime the wheels link against (libstdc++6)
+mmdebstrap --variant=essential --include=python3,python3-venv,libstdc++6 \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
     --customize-hook="$work/customize.sh \"\$1\"" \
