@@ -233,10 +233,17 @@ def check_image(box: Sandbox) -> None:
     except ValueError:
         found = None
     if not isinstance(found, dict):
-        why = (ran.stderr.strip() or ran.stdout.strip()).splitlines()
-        raise RuntimeError(f"--container: a kernel cannot start in {box.image} ({box.engine} run exited "
-                           f"{ran.returncode}: {why[-1][:300] if why else 'no output'}). The image needs `python` "
-                           f"on its PATH with ipykernel and the course package, and prlimit; {build} makes one")
+        lines = (ran.stderr.strip() or ran.stdout.strip()).splitlines()
+        why = f"{box.engine} run exited {ran.returncode}: {lines[-1][:300] if lines else 'no output'}"
+        if ran.returncode in (125, 126) and "Error" in ran.stderr:  # the engine's own error, not the image's
+            hint = ("; crun refuses cgroups mixed v1 and v2: install runc and set runtime = \"runc\" under [engine] "
+                    "in containers.conf (or in a file named by CONTAINERS_CONF)" if "hybrid mode" in ran.stderr else "")
+            raise RuntimeError(f"--container: {box.engine} cannot start a container of {box.image} with the "
+                               f"grader's options ({why}){hint}")
+        needs = "`prlimit` and `python` on its PATH" if ran.returncode == 127 else \
+            "`python` with ipykernel and the course package"
+        raise RuntimeError(f"--container: a kernel cannot start in {box.image} ({why}). The image needs {needs}; "
+                           f"{build} makes one")
     mine = course_fingerprint()
     keys = ("code_sha256", "lab_checks_sha256")
     if any(found.get(k) != mine[k] for k in keys):

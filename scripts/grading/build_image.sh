@@ -104,7 +104,7 @@ EOF
 )
 "$engine" import --change 'ENV PATH=/opt/course/bin:/usr/local/bin:/usr/bin:/bin' \
     --change 'WORKDIR /tmp' --change 'CMD ["python"]' \
-    --change "$labels" "$work/rootfs.tar" "$tag" >/dev/null
+    --change "$labels" --quiet "$work/rootfs.tar" "$tag" >/dev/null
 if [ -n "${ROOTFS:-}" ]; then
     cp "$work/rootfs.tar" "$ROOTFS"
 fi

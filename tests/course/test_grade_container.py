@@ -21,8 +21,15 @@ import nbformat
 import pytest
 
 from labsupport.course.cli import main
-from labsupport.course.sandbox import (FILE_LIMIT, PROCESS_LIMIT, TMP_LIMIT, Sandbox, bwrap_problem, choose,
-                                       container_engine)
+from labsupport.course.sandbox import (
+    FILE_LIMIT,
+    PROCESS_LIMIT,
+    TMP_LIMIT,
+    Sandbox,
+    bwrap_problem,
+    choose,
+    container_engine,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGV = ["/venv/bin/python", "-c", "main", "-f", "/k/connection.json"]
