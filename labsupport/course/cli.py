@@ -279,6 +279,8 @@ def _plan_grading(args) -> _Grading:
     if sandbox is None and args.require_sandbox and not args.no_sandbox:
         raise _Stop(f"--require-sandbox: no sandbox here ({unsandboxed}); nothing was graded. Grade where "
                     f"bubblewrap works, or use --container IMAGE")
+    if sandbox is not None and sandbox.note:
+        print(f"grade: note: {sandbox.note}", file=sys.stderr)
     if sandbox is None:
         print(f"grade: WARNING: grading UNSANDBOXED ({unsandboxed}): the submitted code runs with your "
               f"permissions; every row says so", file=sys.stderr)

@@ -109,16 +109,24 @@ def _kernel_manager(spec_root: Path, sandbox=None, writable: list[str] = (), cwd
     spec_dir.mkdir(parents=True)
     argv = [KERNEL_PYTHON, "-c", KERNEL_MAIN, "-f", "{connection_file}"]
     spec = {"display_name": f"Python ({KERNEL_PYTHON})", "language": "python"}
+    name = spec_root.parent.name  # a container's name: the private folder's (labsupport-kernel-...) is unique
     if sandbox is not None:
-        argv = sandbox.wrap(argv, [str(spec_root), *writable], cwd)
+        argv = sandbox.wrap(argv, [str(spec_root), *writable], cwd, name=name)
         spec["interrupt_mode"] = "message"
     spec["argv"] = argv
     (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
     specs = KernelSpecManager(kernel_dirs=[str(spec_root)], ensure_native_kernel=False)
     if sandbox is None:
         return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
-    km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs, transport="ipc",
-                            ip=str(spec_root / "ipc"))
+
+    class SandboxedKernelManager(AsyncKernelManager):
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            await super()._async_cleanup_resources(restart)
+            if not restart:  # the engine's client may be gone while its container runs on: remove it
+                await asyncio.to_thread(sandbox.stop, name)
+
+    km = SandboxedKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs, transport="ipc",
+                                ip=str(spec_root / "ipc"))
     km.connection_file = str(spec_root / "connection.json")
     return km
 
