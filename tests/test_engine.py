@@ -50,14 +50,14 @@ def test_greedy_tokens_equal_generate_alone_under_chunking_and_preemption(model)
     trace = mixed_trace(CFG.vocab_size)
     # a budget of 8 tokens chunks every long prompt; 14 blocks of 4 cannot hold everyone: preemption
     engine = Engine(model, num_blocks=14, block_size=4, token_budget=8, max_running=4, clock="steps")
-    decide, generated_when_preempted = engine.scheduler, []
+    decide, generated_when_preempted = engine.scheduler.decide, []
 
     def recording(*args):
         scheduled, preempted = decide(*args)
         generated_when_preempted.extend(len(engine.requests[rid].output_ids) for rid in preempted)
         return scheduled, preempted
 
-    engine.scheduler = recording
+    engine.scheduler.decide = recording
     requests = run_trace(engine, trace)
     for t, r in zip(trace, requests):
         assert r.finish_reason == "length"
