@@ -26,16 +26,10 @@ Without a GPU (and without ``--dry-run``) the command exits with status 2 and sa
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
-import time
-
 import torch
 
+from . import bench_harness as H
 from . import costs
-from .device import configure_triton, interpreter_mode
 from .models import get_model
 from .phases import (
     fit_prefill_times,
@@ -59,21 +53,6 @@ DECODE_BATCH_CONTEXT = (8192, 64)
 DECODE_CONTEXTS = ([512, 2048, 8192, 32768, 131072], [128, 512])
 SHORT_CONTEXT = 512  # "batch 1, short context" in the book
 BOOK_BATCH = 64  # the book's "batch 64 at 8,192 tokens" point
-
-
-class Recorder:
-    """The results dictionary, saved to ``path`` after every section."""
-
-    def __init__(self, path: str, base: dict):
-        self.path, self.data, self.start = path, dict(base), time.time()
-
-    def save(self, section: str) -> None:
-        self.data["wall_seconds"] = round(time.time() - self.start, 1)
-        self.data["completed"] = section
-        with open(self.path, "w", encoding="utf-8") as f:
-            json.dump(self.data, f, indent=2)
-            f.write("\n")
-        print(f"[{self.data['wall_seconds']:.0f} s] {section} done, saved to {self.path}", flush=True)
 
 
 def prefill_rows(cfg, points) -> list[dict]:
@@ -143,19 +122,8 @@ def run(out_path: str, *, dry_run: bool) -> dict:
     quick = pick({}, {"repeats": 1})  # the dry run times each point once; on a GPU do_bench decides
     if dry_run:
         torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
-    import triton
-
-    name = pick(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", "CPU (dry run)")
-    rec = Recorder(out_path, {
-        "dry_run": dry_run,
-        "device": name,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "model": cfg.name,
-        "dtype": str(dtype).replace("torch.", ""),
-        "weights": "random (seeded); timing does not depend on values",
-    })
+    rec = H.Recorder(out_path, H.header(dry_run, model=cfg.name, dtype=str(dtype).replace("torch.", ""),
+                                        weights="random (seeded); timing does not depend on values"))
     r = rec.data
 
     copy_bw = max(measure_copy(pick([2**30, 4 * 2**30], [2**22]), device=device, **quick))
@@ -243,21 +211,16 @@ def run(out_path: str, *, dry_run: bool) -> dict:
     return r
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsupport.bench_phases", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/gpu_phases.json",
-                        help="results file (default results/gpu_phases.json, which chapter 05 reads)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the same code on the CPU with a tiny model: checks this command, measures nothing")
-    args = parser.parse_args(argv)
-    configure_triton()
-    if not args.dry_run and (not torch.cuda.is_available() or interpreter_mode()):
-        reason = "no CUDA GPU is visible" if not torch.cuda.is_available() else "TRITON_INTERPRET is set"
-        print(f"bench_phases measures a GPU ({reason}); --dry-run checks the command on a CPU.", file=sys.stderr)
-        return 2
+def _measure(args) -> None:
     run(args.out, dry_run=args.dry_run)
-    return 0
+
+
+BENCH = H.Bench("phases", "05", _measure, description=__doc__.split("\n")[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    return H.main(BENCH, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
