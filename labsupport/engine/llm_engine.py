@@ -47,6 +47,8 @@ class StepRecord:
     preempted: int
     free_blocks: int
     waiting: int
+    kv_tokens: int = 0  # tokens of cache the step's attention read (each sequence's length after it)
+    attention_pairs: int = 0  # query-key pairs its attention scored (causal: a token sees itself and earlier)
 
 
 class _Clock:
@@ -248,8 +250,10 @@ class Engine:
             if reason:
                 self._retire(req, reason)
         prefill = sum(n for _, n in batch.seqs) - decode
+        kv = sum(r.num_computed for r, _ in batch.seqs)  # after the step: each sequence's cached length
+        pairs = sum(n * (r.num_computed - n) + n * (n + 1) // 2 for r, n in batch.seqs)
         self.steps.append(StepRecord(len(self.steps), now, duration, len(batch.seqs), prefill, decode,
-                                     batch.preempted, self.allocator.num_free_blocks, len(self.waiting)))
+                                     batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs))
         return events
 
     def _stop_reason(self, req: Request) -> str | None:
