@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .device import interpreter_mode
+from .flash_decoding import load_kv_tile, online_softmax_step
 from .paged_attention import gather_contiguous
 
 __all__ = ["check_batch_inputs", "store_kv", "store_kv_triton", "paged_attention_spec", "paged_attention_torch",
@@ -280,28 +281,10 @@ def paged_attention_kernel(
     for start in range(0, end, BLOCK_N):
         pos = start + offs_n  # (BLOCK_N,)
         ok = pos < end
-        page = tl.load(bt_ptr + seq * stride_btb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kn + slot[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_ok, other=0.0)  # (BLOCK_N, D_PAD)
-        v = tl.load(v_ptr + page[:, None] * stride_vn + slot[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # (BLOCK_M, BLOCK_N)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr + seq * stride_btb, pos, ok, kvh, offs_d, d_ok,
+                            stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh, BLOCK_SIZE)
         visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal: a query sees keys up to itself
-        s = tl.where(visible, s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (row0 + tok)[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -285,6 +285,73 @@ def load_results(path=None) -> dict | None:
     return H.load_results("engine", path, required=("models",))
 
 
+def gpu_figures(results: dict | None) -> dict:
+    """The figures chapters 12 and 13 quote from a run, as text: each "not yet measured" without one.
+
+    ``engine_tps`` and ``static_tps``: output tokens per second on the trace, per model;
+    ``engine_over_static``: their ratio; ``bound_all`` and ``bound_b64``: the engine's steps'
+    roofline bound over their measured time, all steps and decode batches of 64 or more (Llama 3.2
+    1B, the target's model); ``graph_b1_8b``: the 8B's batch-1 decode step from CUDA graphs as a
+    fraction of the copy rate; ``graph_speedup``: eager step time over graph step time, across the
+    sweep's batches; ``max_decode``: the largest decode batch the trace reached."""
+    keys = ("status", "when", "engine_tps", "static_tps", "engine_over_static", "bound_all", "bound_b64",
+            "graph_b1_8b", "eager_b1_8b", "graph_speedup", "max_decode")
+    out = dict.fromkeys(keys, NOT_MEASURED)
+    out["status"] = "No GPU has run it for this build of the book, so every GPU figure below reads \"not yet measured\""
+    if not results:
+        return out
+    date = H.date_of(results)
+    out["status"] = f"It ran on an {results['device']} on {date} (torch {results['torch']}, triton {results['triton']})"
+    out["when"] = f"{results['device']}, {date}"
+    models = results["models"]
+    out["engine_tps"] = "; ".join(f"{m['model']} {m['engine']['output_tokens_per_s']:,.0f}" for m in models)
+    static = [m for m in models if "output_tokens_per_s" in (m.get("static") or {})]
+    if static:
+        out["static_tps"] = "; ".join(f"{m['model']} {m['static']['output_tokens_per_s']:,.0f}" for m in static)
+        ratios = [m["engine_over_static"] for m in static]
+        out["engine_over_static"] = f"{min(ratios):.1f}x to {max(ratios):.1f}x"
+    elif models and models[0].get("static", {}).get("skipped"):
+        out["static_tps"] = out["engine_over_static"] = "not measured (transformers was not installed on the GPU machine)"
+    one_b = next((m for m in models if m["model"] == "llama-3.2-1b"), None)
+    if one_b:
+        out["bound_all"] = f"{one_b['roofline']['all']['fraction_of_bound']:.0%}"
+        if one_b["roofline"].get("decode_batch_64"):
+            out["bound_b64"] = f"{one_b['roofline']['decode_batch_64']['fraction_of_bound']:.0%}"
+        out["max_decode"] = f"{one_b['max_decode_batch']:,}"
+    sweep = [r for r in results.get("decode_sweep", []) if r.get("step_s")]
+    by = {(r["model"], r["batch"], r["cuda_graphs"]): r for r in sweep}
+    if (g := by.get(("llama-3.1-8b", 1, True))) is not None:
+        out["graph_b1_8b"] = f"{g['fraction_of_copy']:.0%}"
+    if (e := by.get(("llama-3.1-8b", 1, False))) is not None:
+        out["eager_b1_8b"] = f"{e['fraction_of_copy']:.0%}"
+    speedups = [by[(m, b, False)]["step_s"] / r["step_s"] for (m, b, graphs), r in by.items()
+                if graphs and (m, b, False) in by]
+    if speedups:
+        out["graph_speedup"] = f"{min(speedups):.2f}x to {max(speedups):.2f}x"
+    return out
+
+
+def results_markdown(results: dict | None) -> str:
+    """The engine's table (one row per model) with device and date, or "not yet measured"."""
+    if not results:
+        return ("**Not yet measured.** No GPU has run `python -m labsupport.bench_engine` for this build of the "
+                "book (`bash scripts/gpu_all.sh --only decode` runs it).")
+    lines = [f"Measured on {results['device']}, {H.date_of(results)} (torch {results['torch']}, triton "
+             f"{results['triton']}), {results['dtype']}, random weights; {results['trace']['arrivals']} arrivals, prompts of "
+             f"{min(results['trace']['prompt_lens'])}-{max(results['trace']['prompt_lens'])} tokens, outputs of "
+             f"{min(results['trace']['output_lens'])}-{max(results['trace']['output_lens'])}, end-of-text ignored.", "",
+             "| model | requests | engine (tok/s) | static batching (tok/s) | engine / static | engine steps' bound / "
+             "measured | largest decode batch |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for m in results["models"]:
+        static = m.get("static") or {}
+        st = f"{static['output_tokens_per_s']:,.0f}" if "output_tokens_per_s" in static else "not measured"
+        ratio = f"{m['engine_over_static']:.1f}x" if "engine_over_static" in m else "-"
+        lines.append(f"| {m['model']} | {m['requests']} | {m['engine']['output_tokens_per_s']:,.0f} | {st} | {ratio} "
+                     f"| {m['roofline']['all']['fraction_of_bound']:.0%} | {m['max_decode_batch']} |")
+    return "\n".join(lines)
+
+
+NOT_MEASURED = H.NOT_MEASURED
 BENCH = H.Bench("engine", "12 and 13", measure, description=__doc__.split("\n")[0])
 
 

@@ -39,9 +39,46 @@ from .device import interpreter_mode
 from .paged_attention import check_paged_inputs
 
 __all__ = ["split_kv_decode_attention", "num_kv_splits", "split_kv_decode_kernel", "combine_splits_kernel",
-           "BLOCK_N"]
+           "load_kv_tile", "online_softmax_step", "BLOCK_N"]
 
 BLOCK_N = 64  # tokens per key/value tile (several 16-token pages)
+
+
+@triton.jit
+def load_kv_tile(k_ptr, v_ptr, table_ptr, pos, ok, kvh, offs_d, d_ok,
+                 stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """The keys and values of token positions ``pos`` (a tile, masked by ``ok``) of one sequence
+    (``table_ptr``: its row of the block table) for KV head ``kvh``: (BLOCK_N, D_PAD) each. The
+    tile's table entries are one vector load (neighbouring tokens share a page)."""
+    page = tl.load(table_ptr + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    kv_ok = ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + page[:, None] * stride_kn + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=kv_ok, other=0.0)
+    v = tl.load(v_ptr + page[:, None] * stride_vn + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=kv_ok, other=0.0)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale, IEEE: tl.constexpr):
+    """One tile of the online softmax (chapter 07): scores ``q k^T`` where ``visible`` (else
+    -inf), the running maximum ``m_i`` and sum ``l_i`` rescaled, ``acc`` updated with the tile's
+    values. Returns ``(m_i, l_i, acc)``."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # float32 accumulation
+    s = tl.where(visible, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -94,28 +131,9 @@ def split_kv_decode_kernel(
     for tile in range(first, last):
         pos = tile * BLOCK_N + offs_n  # (BLOCK_N,) token positions of this tile
         ok = pos < seq_len
-        # the tile's pages: one table entry per token, loaded as one vector (neighbours share a page)
-        page = tl.load(bt_ptr + b * stride_btb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kn + slot[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_ok, other=0.0)  # (BLOCK_N, D_PAD)
-        v = tl.load(v_ptr + page[:, None] * stride_vn + slot[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # (GROUP_PAD, BLOCK_N), float32 accumulation
-        s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])  # (GROUP_PAD, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (GROUP_PAD, D_PAD)
-        m_i = m_new
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr + b * stride_btb, pos, ok, kvh, offs_d, d_ok,
+                            stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh, BLOCK_SIZE)
+        m_i, l_i, acc = online_softmax_step(q, k, v, ok[None, :], m_i, l_i, acc, sm_scale, IEEE)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split leaves 0 (and l = 0)
     row = (b * H + heads) * NUM_SPLITS + split  # (GROUP_PAD,) index into (B, H, NUM_SPLITS)

@@ -229,6 +229,17 @@ def int8_launch_plan(m: int, n: int, k: int, group_size: int, *, interpreter: bo
 
 
 @triton.jit
+def store_partial(out_ptr, acc, pid_k, M, N, offs_m, offs_n, m_ok, n_ok, SPLIT_K: tl.constexpr):
+    """Write a program's (rows, columns) tile of sums: into the output in its dtype, or, split
+    over K, into its K range's float32 slice of the partial sums (``int8_linear`` adds them)."""
+    out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def int8_gemv_kernel(
     x_ptr,  # (M, K) activations, contiguous, M <= M_PAD
     w_ptr,  # (N, K) int8 codes, contiguous
@@ -261,11 +272,7 @@ def int8_gemv_kernel(
         scale = tl.load(s_ptr + offs_n * GROUPS + k0 // GROUP_SIZE, mask=n_ok, other=0.0)  # (BLOCK_N,)
         w = w.to(tl.float32) * scale[:, None]  # dequantised in registers
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # (M_PAD, BLOCK_N)
-    out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    store_partial(out_ptr, acc, pid_k, M, N, offs_m, offs_n, m_ok, n_ok, SPLIT_K)
 
 
 @triton.jit
@@ -305,11 +312,7 @@ def int8_matmul_splitk_kernel(
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    store_partial(out_ptr, acc, pid_k, M, N, offs_m, offs_n, m_ok, n_ok, SPLIT_K)
 
 
 def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, *, plan: LaunchPlan | None = None,
