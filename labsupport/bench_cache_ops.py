@@ -244,8 +244,17 @@ def _span(values: list[float], fmt: str, unit: str = "") -> str:
     return f"{lo}{unit}" if lo == hi else f"{lo}{unit} to {hi}{unit}"
 
 
-def gpu_figures(results: dict | None) -> dict:
-    """The figures chapter 10 quotes from a run, as text (each "not yet measured" without one):
+EARLIER = "results/gpu_logs/cache_ops_before_issue21.json"  # the run before the clean harness and split-KV
+
+
+def load_earlier(path=None) -> dict | None:
+    """The run this module's results replaced (kept under ``results/gpu_logs/``), or None."""
+    return H.load_results("cache_ops", Path(path) if path is not None else H.REPO / EARLIER)
+
+
+def gpu_figures(results: dict | None, earlier: dict | None = None) -> dict:
+    """The figures chapter 10 quotes from a run, as text (each "not yet measured" without one;
+    ``earlier``: :func:`load_earlier`, for the same shape under both harnesses):
     lab 10's kernel (shuffled tables) over SDPA and over in-order tables, as time ratios, and the
     bytes per second of the formula over the median time, across the run's shapes; with the clean
     harness also the split-KV kernel's (``split_*``), the best split count at 16 x 4,096
@@ -254,7 +263,8 @@ def gpu_figures(results: dict | None) -> dict:
     keys = ("status", "when", "paged_over_sdpa", "paged_over_in_order", "paged_gbps", "sdpa_tbps", "programs",
             "worst_name", "worst_ratio", "worst_programs", "worst_blocks", "pad_name", "pad_ratio", "pad_speed",
             "split_over_sdpa", "split_over_sdpa_16x4096", "split_over_sdpa_mixed", "split_over_in_order",
-            "split_tbps", "paged_over_split", "best_splits", "best_splits_speedup", "harness", "harness_note")
+            "split_tbps", "paged_over_split", "best_splits", "best_splits_speedup", "harness", "harness_note",
+            "paged_clean_us", "paged_earlier_us", "sdpa_clean_us", "sdpa_earlier_us")
     out = dict.fromkeys(keys, NOT_MEASURED)
     out["status"] = ("No GPU has run it for this build of the book, so every "
                      "GPU figure below reads \"not yet measured\"")
@@ -300,6 +310,11 @@ def gpu_figures(results: dict | None) -> dict:
         out["best_splits"] = f"{best['num_splits']}"
         if one is not None:
             out["best_splits_speedup"] = f"{one['median_s'] / best['median_s']:.1f}x"
+    old = {r["name"]: r for r in (earlier or {}).get("rows", [])}
+    if "16 x 4,096" in by_name and "16 x 4,096" in old:  # the same shape under both harnesses
+        for key in ("paged", "sdpa"):
+            out[f"{key}_clean_us"] = f"{by_name['16 x 4,096'][key]['median_s'] * 1e6:,.0f} us"
+            out[f"{key}_earlier_us"] = f"{old['16 x 4,096'][key]['median_s'] * 1e6:,.0f} us"
     check = results.get("harness_check")
     if check:
         out["harness"] = (f"a 100 MB copy ran at {check['clean_Bps'] / 1e12:.2f} TB/s, "

@@ -9,7 +9,7 @@ Run on a machine with an NVIDIA GPU, from the repository root::
 For each model shape (Qwen3-0.6B, Llama-3.2-1B, Llama-3.1-8B; random, seeded weights in bf16:
 timing does not depend on their values) it records:
 
-* **the trace**: ``requests`` requests arriving as a Poisson process at ``rate`` per second, prompt
+* **the trace** (the course model with its q/k/v and gate/up projections fused): ``requests`` requests arriving as a Poisson process at ``rate`` per second, prompt
   lengths drawn uniformly from :data:`PROMPT_LENS` and output lengths from :data:`OUTPUT_LENS`,
   every request generating exactly its output length (end-of-text ignored). The course engine
   (:class:`labsupport.engine.Engine`: continuous batching, chunked prefill, CUDA graphs for decode)
@@ -231,7 +231,7 @@ def measure_model(name: str, rec: H.Recorder, copy_Bps: float, matmul_flops: flo
     device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)
     n, rate, max_running, budget = TRACES[name]
     trace = make_trace(cfg, n, rate, dry_run)
-    model = Transformer(cfg, device=device, dtype=dtype, seed=0)
+    model = Transformer(cfg, device=device, dtype=dtype, seed=0).fuse_projections()  # q/k/v and gate/up: one matmul each
     run = engine_run(model, trace, max_running, budget)
     row = {"model": name, "params": model.param_count(), "requests": n, "rate_per_s": rate,
            "max_running": max_running, "token_budget": budget, "engine": summary_row(run["summary"]),

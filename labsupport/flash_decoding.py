@@ -174,15 +174,18 @@ def combine_splits_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+MAX_SPLITS = 16  # as vLLM's Triton backend fixes its decode segments: more is mostly empty programs
+
+
 def num_kv_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = BLOCK_N) -> int:
     """How many splits per sequence: enough programs to give every multiprocessor about four
-    (``4 * num_sms`` over the ``batch * kv_heads`` programs of one split), a power of two, and
-    never more than the longest sequence's tiles. Depends on the batch and the longest length
-    the step may hold, not on the lengths themselves, so a CUDA graph captured for a batch size
-    keeps its grid."""
+    (``4 * num_sms`` over the ``batch * kv_heads`` programs of one split), a power of two, at most
+    :data:`MAX_SPLITS` and never more than the longest sequence's tiles. Depends on the batch and
+    the longest length the step may hold, not on the lengths themselves, so a CUDA graph captured
+    for a batch size keeps its grid."""
     tiles = max(1, -(-max_seq_len // block_n))
     want = max(1, -(-4 * num_sms // max(1, batch * kv_heads)))
-    return min(triton.next_power_of_2(want), triton.next_power_of_2(tiles))
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(tiles), MAX_SPLITS)
 
 
 def split_kv_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, num_splits: int | None = None,

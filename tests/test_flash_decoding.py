@@ -104,6 +104,7 @@ def test_the_split_count_fills_the_gpu_and_follows_only_the_batch():
     assert FD.num_kv_splits(batch=256, kv_heads=8, max_seq_len=4096, num_sms=132) == 1  # already enough
     assert FD.num_kv_splits(batch=1, kv_heads=8, max_seq_len=100, num_sms=132) == 2  # two tiles at most
     assert FD.num_kv_splits(batch=3, kv_heads=2, max_seq_len=64, num_sms=1) == 1
+    assert FD.num_kv_splits(batch=1, kv_heads=8, max_seq_len=131072, num_sms=132) == FD.MAX_SPLITS
 
 
 def test_the_kernel_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
