@@ -14,6 +14,16 @@ and the engine's own reserve); on some cards it is a little less than the name (
 reports 81,559 MiB, 79.6 GiB, of its 80 GiB; an H200 143,771 MiB, 140.4 GiB, of its 141).
 Capacity planning uses it; ``memory_bytes`` serves the worked examples that use the name.
 
+``fp8_peak_flops`` is the dense FP8 tensor-core peak, 0 on a card without FP8 tensor cores (A100,
+T4). The datasheets give it "with sparsity", twice the dense figure, as they do bf16's; dense, it
+is twice the dense bf16 peak on Hopper (H100 SXM5: 3,958 TFLOPS with sparsity against 1,979 for
+bf16) and on Ada (L4: 485 against 242).
+
+``host_link_bandwidth`` is the link to the host's memory, one direction, in bytes/s: the
+datasheets give PCIe's rate with both directions added (H100 and H200: "PCIe Gen5: 128 GB/s"; A100
+and L4: Gen4, 64 GB/s; T4: Gen3, 32 GB/s), so half of it flows each way. A copy of the KV cache to
+CPU memory and back (chapter 10's swap) is bounded by it.
+
 ``compute_capability`` and ``shared_memory_per_block`` (the opt-in maximum one thread block may
 use) come from the CUDA C++ Programming Guide's table of technical specifications per compute
 capability: 64 KiB on 7.5, 163 KiB on 8.0, 99 KiB on 8.6 and 8.9, 227 KiB on 9.0. The attention
@@ -44,6 +54,8 @@ class GPU:
     reported_bytes: float = 0.0  # nvidia-smi memory.total; 0 when unknown
     compute_capability: tuple[int, int] = (0, 0)  # (major, minor); (0, 0) when unknown
     shared_memory_per_block: int = 0  # bytes one thread block (Triton program) may use, opt-in limit
+    fp8_peak_flops: float = 0.0  # dense FP8 tensor-core peak in FLOP/s; 0 without FP8 tensor cores
+    host_link_bandwidth: float = 0.0  # PCIe to the host, bytes/s in one direction; 0 when unknown
 
     @property
     def usable_bytes(self) -> float:
@@ -68,6 +80,8 @@ class GPU:
             reported_bytes=self.reported_bytes * count,
             compute_capability=self.compute_capability,
             shared_memory_per_block=self.shared_memory_per_block,
+            fp8_peak_flops=self.fp8_peak_flops * count,
+            host_link_bandwidth=self.host_link_bandwidth * count,
         )
 
 
@@ -75,15 +89,20 @@ GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
         GPU("H100 SXM", 989.4 * TERA, 3.35e12, 80 * GIB, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
-            reported_bytes=81_559 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB),
+            reported_bytes=81_559 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB,
+            fp8_peak_flops=3958 / 2 * TERA, host_link_bandwidth=128e9 / 2),
         GPU("H200", 989.4 * TERA, 4.8e12, 141 * GIB, "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
-            reported_bytes=143_771 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB),
+            reported_bytes=143_771 * MIB, compute_capability=(9, 0), shared_memory_per_block=227 * KIB,
+            fp8_peak_flops=3958 / 2 * TERA, host_link_bandwidth=128e9 / 2),
         GPU("A100 40GB", 312 * TERA, 1.555e12, 40 * GIB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
-            reported_bytes=40_960 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB),
+            reported_bytes=40_960 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB,
+            host_link_bandwidth=64e9 / 2),
         GPU("A100 80GB", 312 * TERA, 2.039e12, 80 * GIB, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
-            reported_bytes=81_920 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB),
+            reported_bytes=81_920 * MIB, compute_capability=(8, 0), shared_memory_per_block=163 * KIB,
+            host_link_bandwidth=64e9 / 2),
         GPU("L4", 121 * TERA, 300e9, 24 * GIB, "NVIDIA L4 Tensor Core GPU datasheet (242 TFLOP/s is with sparsity)",
-            reported_bytes=23_034 * MIB, compute_capability=(8, 9), shared_memory_per_block=99 * KIB),
+            reported_bytes=23_034 * MIB, compute_capability=(8, 9), shared_memory_per_block=99 * KIB,
+            fp8_peak_flops=485 / 2 * TERA, host_link_bandwidth=64e9 / 2),
         GPU(
             "T4",
             65 * TERA,
@@ -94,6 +113,7 @@ GPUS: dict[str, GPU] = {
             reported_bytes=15_360 * MIB,
             compute_capability=(7, 5),
             shared_memory_per_block=64 * KIB,
+            host_link_bandwidth=32e9 / 2,
         ),
     )
 }

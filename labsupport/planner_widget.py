@@ -62,15 +62,20 @@ PRECISIONS: dict[str, tuple[float, float]] = {
     "fp8 weights and cache": (1, 1),
     "int4 weights (group 128), bf16 cache": (4 / 8 + 2 / 128, 2),
 }
+#: The precisions whose weights are FP8: on a GPU with FP8 tensor cores (Hopper, Ada) the planner
+#: runs their matmuls at the FP8 peak (W8A8, as vLLM's fp8 quantisation does there); elsewhere the
+#: weights are dequantised to 16 bits and the bf16 peak applies.
+FP8_WEIGHTS = ("fp8 weights, bf16 cache", "fp8 weights and cache")
 TENSOR_PARALLEL = [1, 2, 4, 8]
 
 #: Efficiencies measured in chapter 05's H200 run (results/gpu_phases.json, 2026-11-30), as
-#: planning.measured_h200_calibration reads them, rounded: decode bandwidth over the datasheet's,
-#: the median prefill rate over the dense bf16 peak, and the fixed cost of a decode step replayed
-#: from a CUDA graph. tests/test_planner_widget.py checks them against the file.
-MEASURED_BANDWIDTH_PCT = 72
+#: planning.measured_h200_calibration fits them, rounded: decode bandwidth over the datasheet's and
+#: the fixed cost per step (one line through the batch-1 CUDA-graph step and the largest batch, in
+#: the bytes a step reads), and the median prefill rate over the dense bf16 peak.
+#: tests/test_planner_widget.py checks them against the file.
+MEASURED_BANDWIDTH_PCT = 83
 MEASURED_COMPUTE_PCT = 58
-MEASURED_OVERHEAD_MS = 2.74
+MEASURED_OVERHEAD_MS = 3.34
 MEASURED_DEVICE = "NVIDIA H200"  # the run they come from, as its results file names it
 MEASURED_DATE = "2026-11-30"
 
@@ -179,6 +184,16 @@ def display_values(p: planning.Plan, settings: dict) -> dict[str, str]:
         "device": (
             f"{model_label(s['model'])}, {s['precision']}, on {tp} x {gpu} per replica: "
             f"{format_gib(p.weight_bytes)} of weights, {_count(p.kv_bytes_per_token)} bytes of KV cache a token."
+            + (
+                f" Matmuls in FP8, at its {_group(_fixed(p.matmul_peak_flops / 1e12, 0))} TFLOP/s dense FP8 peak."
+                if p.matmul_peak_flops != as_gpu(gpu).peak_flops
+                else ""
+            )
+            + (
+                f" The all-reduces between the {tp} GPUs are not modelled: each step is a lower bound."
+                if tp > 1
+                else ""
+            )
         ),
     }
     if p.batch_in_memory == 0:
@@ -206,15 +221,21 @@ def display_values(p: planning.Plan, settings: dict) -> dict[str, str]:
         out["utilisation"] = format_percent(p.utilisation)
         out["utilisation-note"] = "of the batch slots, on average"
         out["tpot"] = format_seconds(p.tpot_s)
-        out["tpot-note"] = f"step {format_seconds(p.step_s)}, prefill turns included"
+        out["tpot-note"] = f"the mean: step {format_seconds(p.step_s)}, prefill turns included"
         out["ttft"] = format_seconds(p.ttft_s)
         verdict = "meets" if p.meets_ttft else "misses"
         out["ttft-note"] = f"{verdict} the {format_seconds(p.ttft_target_s)} target"
         if p.cost_per_million_tokens is None:
             out["cost"], out["cost-note"] = "no price", "enter a GPU-hour price"
+            out["cost-saturation"], out["cost-saturation-note"] = "no price", "enter a GPU-hour price"
         else:
             out["cost"] = format_cost(p.cost_per_million_tokens)
             out["cost-note"] = f"{format_cost(p.cost_per_million_output_tokens)} per million output tokens"
+            out["cost-saturation"] = format_cost(p.cost_per_million_tokens_at_saturation)
+            out["cost-saturation-note"] = (
+                f"{format_cost(p.cost_per_million_output_tokens_at_saturation)} per million output tokens, "
+                "every batch slot busy"
+            )
         out["plot-batch"] = f"batch {_count(p.batch)}"
         what = f"{_plural(p.replicas, 'replica')} of {tp} x {gpu} ({_plural(p.gpus, 'GPU')}) "
         what += f"{'carries' if p.replicas == 1 else 'carry'} {rate} requests/s"
@@ -224,7 +245,7 @@ def display_values(p: planning.Plan, settings: dict) -> dict[str, str]:
             else f"{what} within the TPOT target, but the predicted TTFT misses its target: more GPUs per replica."
         )
     else:
-        for key in ("replicas", "batch", "utilisation", "tpot", "ttft", "cost"):
+        for key in ("replicas", "batch", "utilisation", "tpot", "ttft", "cost", "cost-saturation"):
             out[key] = "none"
         out["replicas-note"] = "no replica meets the targets"
         out["batch-note"] = f"TPOT allows {_count(p.batch_for_tpot)}, memory {_count(p.batch_in_memory)}"
@@ -232,6 +253,7 @@ def display_values(p: planning.Plan, settings: dict) -> dict[str, str]:
         out["tpot-note"] = f"target {format_seconds(p.tpot_target_s)}"
         out["ttft-note"] = f"target {format_seconds(p.ttft_target_s)}"
         out["cost-note"] = "no plan, no price"
+        out["cost-saturation-note"] = "no plan, no price"
         out["plot-batch"] = "no batch meets both"
         out["verdict"] = "No replica can meet these targets: " + (
             "the weights and one sequence do not fit."
@@ -277,13 +299,14 @@ def _settings(settings: dict) -> dict:
     return s
 
 
-def compute(**settings) -> tuple[planning.Plan, dict[str, str]]:
-    """The plan and the display strings for one setting of the controls (keys as :data:`DEFAULTS`)."""
+def plan_settings(**settings) -> planning.PlanSettings:
+    """The planner's settings for one setting of the controls (keys as :data:`DEFAULTS`)."""
     s = _settings(settings)
     weight_dtype_bytes, kv_dtype_bytes = PRECISIONS[s["precision"]]
-    p = planning.plan(
+    gpu = as_gpu(s["gpu"])
+    return planning.PlanSettings.create(
         get_model(s["model"]),
-        as_gpu(s["gpu"]),
+        gpu,
         arrival_rate=s["rate"],
         prompt_tokens=s["prompt"],
         output_tokens=s["output"],
@@ -298,35 +321,21 @@ def compute(**settings) -> tuple[planning.Plan, dict[str, str]]:
         tensor_parallel=s["tp"],
         burst_percentile=BURST_PERCENTILE,
         gpu_hour_price=s["price"] if s["price"] > 0 else None,
+        fp8_compute=s["precision"] in FP8_WEIGHTS and gpu.fp8_peak_flops > 0,
     )
-    return p, display_values(p, s)
+
+
+def compute(**settings) -> tuple[planning.Plan, dict[str, str]]:
+    """The plan and the display strings for one setting of the controls (keys as :data:`DEFAULTS`)."""
+    p = planning.plan_from(plan_settings(**settings))
+    return p, display_values(p, _settings(settings))
 
 
 def step_curve(p: planning.Plan, settings: dict) -> list[tuple[int, float]]:
-    """``(batch, decode step seconds)`` at powers of two for the plot, at the plan's step context."""
-    s = _settings(settings)
-    weight_dtype_bytes, kv_dtype_bytes = PRECISIONS[s["precision"]]
-    gpu = as_gpu(s["gpu"])
-    top = plot_batches(p)
-    return [
-        (
-            b,
-            planning.decode_step_time(
-                get_model(s["model"]),
-                b,
-                p.step_context_tokens,
-                bandwidth_gb_s=gpu.hbm_bandwidth / planning.GB,
-                peak_tflops=gpu.peak_flops / 1e12,
-                bandwidth_efficiency=s["bandwidth_pct"] / 100,
-                compute_efficiency=s["compute_pct"] / 100,
-                step_overhead_s=s["overhead_ms"] / 1000,
-                weight_dtype_bytes=weight_dtype_bytes,
-                kv_dtype_bytes=kv_dtype_bytes,
-                tensor_parallel=s["tp"],
-            ),
-        )
-        for b in top
-    ]
+    """``(batch, decode step seconds)`` at powers of two for the plot, at the plan's step context:
+    the step the plan prices (:meth:`labsupport.planning.PlanSettings.step_time`)."""
+    planned = plan_settings(**settings)
+    return [(b, planned.step_time(b, p.step_context_tokens)) for b in plot_batches(p)]
 
 
 def plot_batches(p: planning.Plan) -> list[int]:
@@ -347,9 +356,18 @@ def planner_data() -> dict:
             "n_layers": cfg.n_layers,
             "q_width": cfg.q_width,
             "kv_values_per_token": kv_bytes_per_token(cfg, 1),
+            # the input embedding rows a step never reads (planning's read_exact): untied tables only
+            "vocab_size": cfg.vocab_size,
+            "d_model": cfg.d_model,
+            "tied": cfg.tied_embeddings,
         }
     cards = {
-        name: {"peak_flops": gpu.peak_flops, "bandwidth": gpu.hbm_bandwidth, "usable_bytes": gpu.usable_bytes}
+        name: {
+            "peak_flops": gpu.peak_flops,
+            "fp8_peak_flops": gpu.fp8_peak_flops,
+            "bandwidth": gpu.hbm_bandwidth,
+            "usable_bytes": gpu.usable_bytes,
+        }
         for name, gpu in GPUS.items()
     }
     p = BURST_PERCENTILE / 100
@@ -357,6 +375,7 @@ def planner_data() -> dict:
         "models": models,
         "cards": cards,
         "precisions": {k: list(v) for k, v in PRECISIONS.items()},
+        "fp8_weights": list(FP8_WEIGHTS),
         "tp": TENSOR_PARALLEL,
         "gb": planning.GB,
         "gib": planning.GIB,
@@ -438,6 +457,7 @@ METRICS = [
     ("ttft", "Predicted TTFT"),
     ("throughput", "Throughput"),
     ("cost", "Cost per million tokens"),
+    ("cost-saturation", "Cost at saturation"),
 ]
 
 

@@ -5,7 +5,9 @@ The public API. Every function takes plain numbers, a model (a name or
 or :class:`~labsupport.hardware.GPU`, through :func:`labsupport.hardware.as_gpu`), validates its
 arguments with :mod:`labsupport._validate`, and returns a number or a frozen dataclass.
 
-* :func:`plan` (the whole planner) -> :class:`Plan`.
+* :func:`plan` (the whole planner) -> :class:`Plan`. It checks its arguments once into a frozen
+  :class:`PlanSettings` and hands that to :func:`plan_from`, whose pieces (:func:`_contexts`,
+  :func:`_fewest_replicas`, :func:`_notes`) each read it whole.
 * The four exercises of lab 14 (course answers, ``@answer``): :func:`concurrency` (Little's law),
   :func:`max_batch` (the largest batch meeting the TPOT target that fits in memory),
   :func:`replicas_for_rate` and :func:`cost_per_million_tokens`.
@@ -50,8 +52,18 @@ Units and conventions (each in the parameter's name where it can be):
 
   ``bandwidth_efficiency`` and ``compute_efficiency`` are fractions of the datasheet figures that
   were **measured** (:func:`fit_decode_steps`, :func:`measured_h200_calibration`), never assumed.
+  Lab 14's formula (:func:`decode_step_time`, :func:`max_batch`) charges every weight to every step,
+  the runbook's count; :func:`plan` prices the bytes a step really reads (``read_exact``: of an
+  untied input embedding table, one row per sequence), the count its calibration is fitted in, so
+  that the planner reproduces the steps it was calibrated on.
   With tensor parallelism (``tensor_parallel``, ``tp``) the bytes and FLOPs are split evenly over
-  ``tp`` GPUs; the all-reduces between them are not counted (they go into the overhead).
+  ``tp`` GPUs. The all-reduces between them are **not modelled** (two per layer per step, chapter
+  11): the overhead was measured on one GPU, so a plan with ``tp > 1`` is optimistic by their
+  time, and its notes say so.
+* **Compute peak.** The dense bf16 peak, or with ``fp8_compute`` the GPU's dense FP8 peak (twice
+  bf16's on Hopper and Ada; :attr:`labsupport.hardware.GPU.fp8_peak_flops`), for plans whose
+  matmuls run in FP8. ``compute_efficiency`` is then a fraction of that peak, assumed to be the
+  bf16 fraction measured (FP8 kernels often reach a smaller share: measure yours).
 * **KV cache** (chapter 06): ``2 * n_layers * n_kv_heads * head_dim * kv_dtype_bytes`` bytes per
   token, **KV heads, not query heads** (:func:`labsupport.costs.kv_bytes_per_token`). (With a
   tensor-parallel degree above the number of KV heads, vLLM replicates KV heads across the GPUs,
@@ -72,12 +84,21 @@ Units and conventions (each in the parameter's name where it can be):
   a conservative bound, since a paged cache only holds what each sequence has reached (on average
   about the step's context) and an engine that runs out preempts a request rather than failing.
   It inflates the decode step by the share of GPU time spent prefilling
-  (``step / (1 - prefill_share)``: prefill and decode take turns on the same GPU; this is the mean
-  TPOT, and the steps that carry a prefill chunk are longer than the rest). The share is the
+  (``step / (1 - prefill_share)``: prefill and decode take turns on the same GPU). That adds the two
+  costs, an **upper bound** on the interference: an engine that folds prefill chunks into decode
+  steps that are bound by memory, not compute (Sarathi-Serve's piggybacking), hides part of the
+  prefill's arithmetic under the step's weight reads. A load test decides. The share is the
   arrival rate per replica times a prompt's prefill FLOPs over the achieved compute rate
   (:func:`prefill_compute_time`: batched with decode steps, a prefill adds its arithmetic, not
-  another read of the weights). TTFT is predicted as a prompt's prefill on its own
-  (:func:`prefill_time`) plus one decode step; queueing is not modelled.
+  another read of the weights), averaged over the sampled prompts when samples are given (the cost
+  grows faster than the prompt, so the cost of the mean prompt would underprice it). TTFT is
+  predicted as a prompt's prefill on its own (:func:`prefill_time`) plus one decode step;
+  queueing is not modelled.
+* **The planned TPOT is a mean.** The batch is the largest whose *mean* TPOT (prefill turns
+  included) meets ``tpot_target_s``. Single gaps are longer where a step carries a prefill chunk,
+  and the batch itself varies with the arrivals, so a target stated at a percentile (p90, p99) is
+  met on the mean only: the margin a percentile needs is what a load test measures (lab 14 checks
+  the rate at the target's percentile). The plan's notes say so.
 * **Little's law in the plan** counts the requests holding a batch slot and a cache, so its time
   is the time in the running batch, ``prefill + (mean output - 1) * TPOT target``: a request
   waiting in the engine's queue holds neither (vLLM allocates its cache blocks when it is
@@ -94,7 +115,10 @@ Units and conventions (each in the parameter's name where it can be):
   mean ``concurrency / replicas``, whose spread is relatively larger and needs more headroom.
 * **Cost** is given per million output tokens and per million tokens counting prompts too
   (``Plan.cost_per_million_output_tokens``, ``Plan.cost_per_million_tokens``): the same fleet and
-  price over two token counts, so the second is always the smaller; say which one you quote.
+  price over two token counts, so the second is always the smaller; say which one you quote. The
+  ``..._at_saturation`` figures price the same fleet with every batch slot busy (the tokens per
+  second over the utilisation): the least a token can cost on it, and what a per-token price list
+  implicitly assumes.
 """
 
 from __future__ import annotations
@@ -109,10 +133,10 @@ import numpy as np
 from . import costs
 from ._answers import answer
 from ._validate import non_negative_number, positive_int, positive_number
-from .hardware import as_gpu, match_device_name
+from .hardware import GPU, as_gpu, match_device_name
 from .latency import percentile as nearest_rank
-from .models import as_model
-from .phases import GPU_RESULTS, load_gpu_results
+from .models import ModelConfig, as_model
+from .phases import GPU_RESULTS, load_gpu_results, unread_embedding_bytes
 
 __all__ = [
     "DEFAULT_MEMORY_UTILIZATION",
@@ -121,6 +145,7 @@ __all__ = [
     "SECONDS_PER_HOUR",
     "Calibration",
     "Plan",
+    "PlanSettings",
     "burst_headroom",
     "concurrency",
     "cost_per_million_tokens",
@@ -131,6 +156,7 @@ __all__ = [
     "max_batch_in_memory",
     "measured_h200_calibration",
     "plan",
+    "plan_from",
     "poisson_quantile",
     "prefill_compute_time",
     "prefill_time",
@@ -201,12 +227,21 @@ def _hardware(bandwidth_gb_s, peak_tflops, bandwidth_efficiency, compute_efficie
 @answer
 def decode_step_time(model, batch: int, context_tokens: int, *, bandwidth_gb_s: float, peak_tflops: float,
                      bandwidth_efficiency: float, compute_efficiency: float, step_overhead_s: float = 0.0,
-                     weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, tensor_parallel: int = 1) -> float:
-    """Seconds of one decode step of ``batch`` sequences with ``context_tokens`` each (module docstring)."""
+                     weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, tensor_parallel: int = 1,
+                     read_exact: bool = False) -> float:
+    """Seconds of one decode step of ``batch`` sequences with ``context_tokens`` each (module docstring).
+
+    The bytes are :func:`labsupport.costs.decode_step_bytes` (every weight, the runbook's count and
+    lab 14's formula); with ``read_exact`` the rows of an untied input embedding table the step
+    never reads are left out (:func:`labsupport.phases.unread_embedding_bytes`): the bytes a step
+    really streams, which is what :func:`measured_h200_calibration`'s efficiency is a fraction of
+    and what :func:`plan` prices."""
     cfg = as_model(model)
     bw, peak, b_eff, c_eff, overhead, tp = _hardware(bandwidth_gb_s, peak_tflops, bandwidth_efficiency,
                                                      compute_efficiency, step_overhead_s, tensor_parallel)
     read = costs.decode_step_bytes(cfg, batch, context_tokens, weight_dtype_bytes, kv_dtype_bytes).total
+    if read_exact:
+        read -= unread_embedding_bytes(cfg, batch, weight_dtype_bytes)
     flops = costs.decode_step_flops(cfg, batch, context_tokens)
     return max(read / (tp * bw * b_eff), flops / (tp * peak * c_eff)) + overhead
 
@@ -214,11 +249,13 @@ def decode_step_time(model, batch: int, context_tokens: int, *, bandwidth_gb_s: 
 @answer
 def max_batch_for_tpot(model, context_tokens: int, tpot_s: float, *, bandwidth_gb_s: float, peak_tflops: float,
                        bandwidth_efficiency: float, compute_efficiency: float, step_overhead_s: float = 0.0,
-                       weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, tensor_parallel: int = 1) -> int:
+                       weight_dtype_bytes: float = 2, kv_dtype_bytes: float = 2, tensor_parallel: int = 1,
+                       read_exact: bool = False) -> int:
     """The largest batch whose :func:`decode_step_time` at ``context_tokens`` is at most ``tpot_s``.
 
     0 when even one sequence misses the target. The step time grows with the batch, so the
-    answer is found by bisection (capped at :data:`MAX_BATCH_SEARCH`).
+    answer is found by bisection (capped at :data:`MAX_BATCH_SEARCH`). ``read_exact`` as in
+    :func:`decode_step_time`.
     """
     tpot_s = positive_number("tpot_s", tpot_s)
     positive_int("context_tokens", context_tokens, allow_zero=True)
@@ -227,8 +264,14 @@ def max_batch_for_tpot(model, context_tokens: int, tpot_s: float, *, bandwidth_g
         return decode_step_time(model, b, context_tokens, bandwidth_gb_s=bandwidth_gb_s, peak_tflops=peak_tflops,
                                 bandwidth_efficiency=bandwidth_efficiency, compute_efficiency=compute_efficiency,
                                 step_overhead_s=step_overhead_s, weight_dtype_bytes=weight_dtype_bytes,
-                                kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel)
+                                kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel,
+                                read_exact=read_exact)
 
+    return _largest_batch(step, tpot_s)
+
+
+def _largest_batch(step, tpot_s: float) -> int:
+    """The largest ``b`` with ``step(b) <= tpot_s`` for a step time that grows with ``b`` (0 if none)."""
     if step(1) > tpot_s:
         return 0
     low, high = 1, MAX_BATCH_SEARCH  # step(low) meets the target
@@ -414,12 +457,19 @@ def measured_h200_calibration(results: dict | None = None) -> Calibration | None
     """The book's worked example of efficiency from measurement: chapter 05's decode sweep.
 
     Reads ``results/gpu_phases.json`` (:data:`labsupport.phases.GPU_RESULTS`; pass ``results`` to
-    use another run of :mod:`labsupport.bench_phases`). The **efficiency** is the achieved
-    bandwidth of the largest decode batch measured, over the datasheet bandwidth of the GPU it ran
-    on (:func:`labsupport.hardware.match_device_name`); the **overhead** is what the batch-1 step
-    replayed from a CUDA graph took beyond streaming its bytes at that bandwidth. Eager steps are
-    launch-bound (chapter 05) and are not used. The **compute efficiency** is the median prefill
-    rate of the sweep, under the runbook's FLOP count with the causal halving (what
+    use another run of :mod:`labsupport.bench_phases`). The planner's step is ``bytes / achieved
+    bandwidth + overhead`` (:func:`decode_step_time` with ``read_exact``), so the calibration fits
+    exactly that line, by :func:`fit_decode_steps`, through two measured steps: the batch-1 step
+    replayed from a CUDA graph and the largest decode batch (eager, but long enough that its
+    launches hide behind the GPU's work). Both are counted in the bytes a step really reads, the
+    run's ``bytes_read``: every weight once except the untied input embedding table, of which a
+    step reads one row per sequence. The line passes through both points, so the planner
+    reproduces the steps it was fitted on (``tests/test_planning.py`` checks it). The other eager
+    steps are launch-bound (chapter 05) and are not used. The **efficiency** is the fitted
+    bandwidth over the datasheet bandwidth of the GPU the run names
+    (:func:`labsupport.hardware.match_device_name`). Without a CUDA-graph step the efficiency is the
+    largest batch's bytes over its time and the overhead 0. The **compute efficiency** is the median
+    prefill rate of the sweep, under the runbook's FLOP count with the causal halving (what
     :func:`labsupport.costs.prefill_flops` counts, so the planner's prefill times use the same
     count), over the datasheet's dense bf16 peak. None when there is no real run, or when the
     device has no datasheet row.
@@ -429,38 +479,55 @@ def measured_h200_calibration(results: dict | None = None) -> Calibration | None
         return None
     gpu = match_device_name(results.get("device", ""))
     steps = [r for r in results.get("decode_by_batch", []) if r.get("seconds")]
-    graph = results.get("decode_batch1_short_cuda_graph") or {}
-    b1 = next((r for r in results.get("decode_by_context", []) if r.get("seconds") and r.get("batch") == 1), None)
     if gpu is None or not steps:
         return None
     largest = max(steps, key=lambda r: r["batch"])
-    achieved = largest["bytes_read"] / largest["seconds"]
-    overhead = 0.0
-    if graph.get("seconds") and b1:
-        overhead = max(0.0, graph["seconds"] - b1["bytes_read"] / achieved)
+    graph = _graph_step(results)
+    reference_gb_s = gpu.hbm_bandwidth / GB
+    where = f"decode batch {largest['batch']} at {largest['context']:,} tokens"
+    if graph is not None and graph[0] != largest["bytes_read"]:
+        line = fit_decode_steps([graph[0], largest["bytes_read"]], [graph[1], largest["seconds"]], reference_gb_s)
+        efficiency, overhead = line.bandwidth_efficiency, line.step_overhead_s
+        where = f"a line through the batch-1 CUDA-graph step and {where}, in the bytes a step reads"
+    else:
+        efficiency, overhead = largest["bytes_read"] / largest["seconds"] / gpu.hbm_bandwidth, 0.0
+        where += ", no overhead (no CUDA-graph step in the run)"
     rates = sorted(r["tflops_runbook_causal"] for r in results.get("prefill", []) if r.get("tflops_runbook_causal"))
     compute = float(np.median(rates)) * 1e12 / gpu.peak_flops if rates else None
     return Calibration(
         compute_efficiency=compute, reference_peak_tflops=gpu.peak_flops / 1e12 if rates else None,
-        bandwidth_efficiency=achieved / gpu.hbm_bandwidth, step_overhead_s=overhead,
-        reference_bandwidth_gb_s=gpu.hbm_bandwidth / GB, device=results["device"],
-        date=results.get("date", "undated"),
-        source=(f"{GPU_RESULTS}: decode batch {largest['batch']} at {largest['context']:,} tokens over the "
-                f"{gpu.name} datasheet bandwidth; overhead from the batch-1 CUDA-graph step"
+        bandwidth_efficiency=efficiency, step_overhead_s=overhead, reference_bandwidth_gb_s=reference_gb_s,
+        device=results["device"], date=results.get("date", "undated"),
+        source=(f"{GPU_RESULTS}: {where}, over the {gpu.name} datasheet bandwidth"
                 + ("; compute from the median prefill rate of the sweep" if rates else "")))
+
+
+def _graph_step(results: dict) -> tuple[float, float] | None:
+    """(bytes read, seconds) of the run's batch-1 step replayed from a CUDA graph, or None.
+
+    The bytes are what the benchmark divided by (its ``achieved_Bps`` times the time); a run that
+    recorded only the time takes the bytes of its first batch-1 eager step, the same short context."""
+    graph = results.get("decode_batch1_short_cuda_graph") or {}
+    seconds = graph.get("seconds")
+    if not seconds:
+        return None
+    if graph.get("achieved_Bps"):
+        return graph["achieved_Bps"] * seconds, seconds
+    b1 = next((r for r in results.get("decode_by_context", []) if r.get("seconds") and r.get("batch") == 1), None)
+    return (b1["bytes_read"], seconds) if b1 else None
 
 
 # --- the planner --------------------------------------------------------------------------------
 
 
-def _lengths(name: str, value) -> tuple[float, float]:
+def _lengths(name: str, value) -> tuple[float, tuple[int, ...] | None]:
     """(mean, samples-or-None) of a length given as a number or a list of samples."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return positive_number(name, value), None
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
         raise ValueError(f"{name} must be a mean length in tokens (a number) or a non-empty list of lengths, "
                          f"got {value!r}")
-    samples = [positive_int(f"each of {name}", v) for v in value]
+    samples = tuple(positive_int(f"each of {name}", v) for v in value)
     return sum(samples) / len(samples), samples
 
 
@@ -487,6 +554,111 @@ def _running_context(mean_prompt: float, prompt_samples, output_samples, mean_ou
 
 
 @dataclass(frozen=True)
+class PlanSettings:
+    """Everything :func:`plan` takes, validated and normalised once (module docstring: units).
+
+    Build it with :meth:`create` (plan's own keyword arguments); the planner's pieces read it whole.
+    Lengths are kept as their mean and, when samples were given, the samples."""
+
+    cfg: ModelConfig
+    card: GPU
+    arrival_rate: float
+    mean_prompt: float
+    prompt_samples: tuple[int, ...] | None
+    mean_output: float
+    output_samples: tuple[int, ...] | None
+    ttft_target_s: float
+    tpot_target_s: float
+    percentile: float
+    burst_percentile: float
+    headroom: float | None  # None: from the spread of Poisson concurrency
+    gpu_hour_price: float | None
+    tensor_parallel: int
+    weight_dtype_bytes: float
+    kv_dtype_bytes: float
+    memory_utilization: float
+    bandwidth_efficiency: float
+    compute_efficiency: float
+    step_overhead_s: float
+    fp8_compute: bool
+
+    @classmethod
+    def create(cls, model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_target_s: float,
+               tpot_target_s: float, bandwidth_efficiency: float, compute_efficiency: float,
+               step_overhead_s: float = 0.0, percentile: float = 99.0, weight_dtype_bytes: float = 2,
+               kv_dtype_bytes: float = 2, tensor_parallel: int = 1,
+               memory_utilization: float = DEFAULT_MEMORY_UTILIZATION, headroom: float | None = None,
+               burst_percentile: float = 99.0, gpu_hour_price: float | None = None,
+               fp8_compute: bool = False) -> "PlanSettings":
+        """Check every argument of :func:`plan` (same names) and return them normalised."""
+        card = as_gpu(gpu)
+        mean_prompt, prompt_samples = _lengths("prompt_tokens", prompt_tokens)
+        mean_output, output_samples = _lengths("output_tokens", output_tokens)
+        if mean_output < 1:
+            raise ValueError(f"output_tokens must be at least 1 on average, got {mean_output}")
+        if not isinstance(fp8_compute, bool):
+            raise ValueError(f"fp8_compute must be True or False, got {fp8_compute!r}")
+        if fp8_compute and not card.fp8_peak_flops:
+            raise ValueError(f"fp8_compute=True needs FP8 tensor cores, which the {card.name} does not have: "
+                             f"plan its FP8 weights with fp8_compute=False (dequantised to 16 bits, as on Ampere)")
+        _hardware(card.hbm_bandwidth / GB, card.peak_flops / 1e12, bandwidth_efficiency, compute_efficiency,
+                  step_overhead_s, tensor_parallel)  # the same checks as every step-time function
+        return cls(
+            cfg=as_model(model), card=card, arrival_rate=positive_number("arrival_rate", arrival_rate),
+            mean_prompt=mean_prompt, prompt_samples=prompt_samples, mean_output=mean_output,
+            output_samples=output_samples, ttft_target_s=positive_number("ttft_target_s", ttft_target_s),
+            tpot_target_s=positive_number("tpot_target_s", tpot_target_s),
+            percentile=_percent("percentile", percentile),
+            burst_percentile=_percent("burst_percentile", burst_percentile),
+            headroom=None if headroom is None else non_negative_number("headroom", headroom),
+            gpu_hour_price=None if gpu_hour_price is None else positive_number("gpu_hour_price", gpu_hour_price),
+            tensor_parallel=positive_int("tensor_parallel", tensor_parallel),
+            weight_dtype_bytes=positive_number("weight_dtype_bytes", weight_dtype_bytes),
+            kv_dtype_bytes=positive_number("kv_dtype_bytes", kv_dtype_bytes),
+            memory_utilization=_fraction("memory_utilization", memory_utilization),
+            bandwidth_efficiency=bandwidth_efficiency, compute_efficiency=compute_efficiency,
+            step_overhead_s=step_overhead_s, fp8_compute=fp8_compute)
+
+    @property
+    def peak_flops(self) -> float:
+        """The matmuls' datasheet peak, FLOP/s: FP8's with ``fp8_compute``, else the dense bf16 one."""
+        return self.card.fp8_peak_flops if self.fp8_compute else self.card.peak_flops
+
+    @property
+    def memory_gib(self) -> float:
+        return self.card.usable_bytes / GIB
+
+    def hardware(self) -> dict:
+        """The keyword arguments the step- and prefill-time functions take for this deployment."""
+        return dict(bandwidth_gb_s=self.card.hbm_bandwidth / GB, peak_tflops=self.peak_flops / 1e12,
+                    bandwidth_efficiency=self.bandwidth_efficiency, compute_efficiency=self.compute_efficiency,
+                    step_overhead_s=self.step_overhead_s, tensor_parallel=self.tensor_parallel)
+
+    def step_time(self, batch: int, context_tokens: int) -> float:
+        """The plan's decode step: :func:`decode_step_time` in the bytes a step reads (``read_exact``),
+        the way :func:`measured_h200_calibration` fits its efficiency."""
+        return decode_step_time(self.cfg, batch, context_tokens, weight_dtype_bytes=self.weight_dtype_bytes,
+                                kv_dtype_bytes=self.kv_dtype_bytes, read_exact=True, **self.hardware())
+
+    def batch_for_tpot(self, context_tokens: int, tpot_s: float) -> int:
+        """The largest batch whose :meth:`step_time` meets ``tpot_s`` (0 if none does)."""
+        return _largest_batch(lambda b: self.step_time(b, context_tokens), tpot_s)
+
+    def batch_in_memory(self, context_tokens: int) -> int:
+        return max_batch_in_memory(self.cfg, context_tokens, memory_gib=self.memory_gib,
+                                   weight_dtype_bytes=self.weight_dtype_bytes, kv_dtype_bytes=self.kv_dtype_bytes,
+                                   memory_utilization=self.memory_utilization, tensor_parallel=self.tensor_parallel)
+
+    def mean_prefill(self, seconds_for) -> float:
+        """``seconds_for(prompt_tokens)`` averaged over the prompts: over the samples when there are
+        some (prefill's cost grows faster than linearly with the prompt, so the cost of the mean prompt
+        would underprice it), else at the mean prompt."""
+        if self.prompt_samples is None:
+            return seconds_for(math.ceil(self.mean_prompt))
+        return sum(seconds_for(p) for p in self.prompt_samples) / len(self.prompt_samples)
+
+
+@dataclass(frozen=True)
 class Plan:
     """What :func:`plan` returns. Times in seconds, memory in bytes, rates per second."""
 
@@ -500,19 +672,19 @@ class Plan:
     gpus_per_replica: int  # the tensor-parallel degree
     weight_bytes: float  # per replica, all its GPUs together
     kv_bytes_per_token: float
-    prefill_s: float  # prefill of the mean prompt on its own (weights read, FLOPs done, overhead)
-    prefill_compute_s: float  # GPU time it adds batched with decode steps (its FLOPs only)
+    prefill_s: float  # a prompt's prefill on its own (weights read, FLOPs done, overhead), mean over the prompts
+    prefill_compute_s: float  # GPU time a prefill adds batched with decode steps (its FLOPs only), mean over the prompts
     ttft_s: float  # predicted TTFT at the percentile: its prompt's prefill plus one decode step
     prefill_share: float  # fraction of a replica's time spent prefilling: rate per replica x prefill_compute_s
     batch_for_tpot: int  # largest batch meeting the TPOT target (prefill interference included)
     batch_in_memory: int  # largest batch whose cache fits
     batch: int  # the smaller: what one replica runs at most
     step_s: float  # decode step at that batch (before interference)
-    tpot_s: float  # predicted TPOT at that batch, prefill interference included
+    tpot_s: float  # predicted MEAN TPOT at that batch, prefill interference included (not a percentile)
     kv_cache_bytes: float  # cache of `batch` sequences at memory_context_tokens
     memory_budget_bytes: float  # memory_utilization x the replica's memory
     # the fleet
-    time_in_system_s: float  # prefill of the mean prompt + (mean output - 1) x TPOT target
+    time_in_system_s: float  # mean prefill + (mean output - 1) x TPOT target
     concurrency: float  # Little's law: mean requests in the system
     headroom: float  # extra capacity as a fraction of the mean concurrency
     replicas: int
@@ -529,6 +701,11 @@ class Plan:
     meets_ttft: bool
     feasible: bool  # a replica can run at least one sequence within the TPOT target and its memory
     notes: tuple[str, ...] = ()  # why something is infeasible, and the assumptions taken
+    # the same fleet at saturation: every batch slot busy, so the tokens per second divided by the
+    # utilisation; the floor of what a token can cost on this fleet (None without a price)
+    cost_per_million_output_tokens_at_saturation: float | None = None
+    cost_per_million_tokens_at_saturation: float | None = None
+    matmul_peak_flops: float = 0.0  # the datasheet peak the compute efficiency is a fraction of (bf16, or FP8)
 
 
 def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_target_s: float,
@@ -536,126 +713,149 @@ def plan(model, gpu, *, arrival_rate: float, prompt_tokens, output_tokens, ttft_
          step_overhead_s: float = 0.0, percentile: float = 99.0, weight_dtype_bytes: float = 2,
          kv_dtype_bytes: float = 2, tensor_parallel: int = 1,
          memory_utilization: float = DEFAULT_MEMORY_UTILIZATION, headroom: float | None = None,
-         burst_percentile: float = 99.0, gpu_hour_price: float | None = None) -> Plan:
+         burst_percentile: float = 99.0, gpu_hour_price: float | None = None, fp8_compute: bool = False) -> Plan:
     """Plan a deployment of ``model`` on ``gpu`` for a workload (module docstring: conventions).
 
     ``prompt_tokens`` and ``output_tokens`` are mean lengths, or lists of sampled lengths (then the
     mean drives Little's law and the decode step, the ``percentile``-th percentile drives memory
-    and TTFT). ``bandwidth_efficiency`` and ``compute_efficiency`` are measured fractions of the
-    GPU's datasheet bandwidth and compute (:func:`measured_h200_calibration`, :func:`fit_decode_steps`).
-    ``headroom`` None sizes for the ``burst_percentile``-th percentile of Poisson concurrency
-    (:func:`burst_headroom`). ``gpu_hour_price`` is the caller's price of one GPU for one hour.
+    and TTFT, and a prefill's cost is averaged over the sampled prompts). ``bandwidth_efficiency``
+    and ``compute_efficiency`` are measured fractions of the GPU's datasheet bandwidth and compute
+    (:func:`measured_h200_calibration`, :func:`fit_decode_steps`). ``headroom`` None sizes for the
+    ``burst_percentile``-th percentile of Poisson concurrency (:func:`burst_headroom`).
+    ``gpu_hour_price`` is the caller's price of one GPU for one hour. ``fp8_compute`` runs the
+    matmuls at the GPU's FP8 peak (weights and activations in FP8, W8A8, as vLLM's fp8
+    quantisation runs on Hopper), twice the bf16 peak on Hopper; refused on a GPU without FP8
+    tensor cores. The arguments are checked once, into a :class:`PlanSettings`.
     """
-    cfg = as_model(model)
-    card = as_gpu(gpu)
-    arrival_rate = positive_number("arrival_rate", arrival_rate)
-    mean_prompt, prompt_samples = _lengths("prompt_tokens", prompt_tokens)
-    mean_output, output_samples = _lengths("output_tokens", output_tokens)
-    if mean_output < 1:
-        raise ValueError(f"output_tokens must be at least 1 on average, got {mean_output}")
-    ttft_target_s = positive_number("ttft_target_s", ttft_target_s)
-    tpot_target_s = positive_number("tpot_target_s", tpot_target_s)
-    percentile = _percent("percentile", percentile)
-    burst_percentile = _percent("burst_percentile", burst_percentile)
-    tp = positive_int("tensor_parallel", tensor_parallel)
-    if gpu_hour_price is not None:
-        gpu_hour_price = positive_number("gpu_hour_price", gpu_hour_price)
-    if headroom is not None:
-        headroom = non_negative_number("headroom", headroom)
-    hardware = dict(bandwidth_gb_s=card.hbm_bandwidth / GB, peak_tflops=card.peak_flops / 1e12,
-                    bandwidth_efficiency=bandwidth_efficiency, compute_efficiency=compute_efficiency,
-                    step_overhead_s=step_overhead_s, tensor_parallel=tp)
-    memory_gib = card.usable_bytes / GIB
-    notes = []
+    return plan_from(PlanSettings.create(
+        model, gpu, arrival_rate=arrival_rate, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+        ttft_target_s=ttft_target_s, tpot_target_s=tpot_target_s, bandwidth_efficiency=bandwidth_efficiency,
+        compute_efficiency=compute_efficiency, step_overhead_s=step_overhead_s, percentile=percentile,
+        weight_dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, tensor_parallel=tensor_parallel,
+        memory_utilization=memory_utilization, headroom=headroom, burst_percentile=burst_percentile,
+        gpu_hour_price=gpu_hour_price, fp8_compute=fp8_compute))
 
-    prompt_p = nearest_rank(prompt_samples, percentile) if prompt_samples else mean_prompt
-    if prompt_samples and output_samples and len(prompt_samples) == len(output_samples):
-        full = [p + o for p, o in zip(prompt_samples, output_samples)]
-        memory_context = math.ceil(nearest_rank(full, percentile))
-    else:
-        memory_context = math.ceil(prompt_p + (nearest_rank(output_samples, percentile)
-                                               if output_samples else mean_output))
-    step_context = math.ceil(_running_context(mean_prompt, prompt_samples, output_samples, mean_output))
 
-    prefill_mean = prefill_time(cfg, math.ceil(mean_prompt), weight_dtype_bytes=weight_dtype_bytes, **hardware)
-    prefill_p = prefill_time(cfg, math.ceil(prompt_p), weight_dtype_bytes=weight_dtype_bytes, **hardware)
-    prefill_work = prefill_compute_time(cfg, math.ceil(mean_prompt), peak_tflops=hardware["peak_tflops"],
-                                        compute_efficiency=compute_efficiency, tensor_parallel=tp)
-    in_memory = max_batch_in_memory(cfg, memory_context, memory_gib=memory_gib, weight_dtype_bytes=weight_dtype_bytes,
-                                    kv_dtype_bytes=kv_dtype_bytes, memory_utilization=memory_utilization,
-                                    tensor_parallel=tp)
-    step_kw = dict(weight_dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, **hardware)
-
-    # Prefill share and batch depend on each other through the replica count: more replicas, less
-    # prefill each, a longer decode budget, a larger batch. Find the fewest replicas r that carry the
-    # load with their own batch (the condition only gets easier as r grows: search by doubling,
-    # then bisection).
-    time_in_sys = prefill_mean + (mean_output - 1) * tpot_target_s
-    mean_concurrency = arrival_rate * time_in_sys
-    room = headroom if headroom is not None else burst_headroom(mean_concurrency, burst_percentile)
-
-    def batch_with(r: int) -> tuple[float, int]:
-        share = arrival_rate / r * prefill_work
-        if share >= 1:
-            return share, 0
-        return share, min(max_batch_for_tpot(cfg, step_context, tpot_target_s * (1 - share), **step_kw), in_memory)
-
-    def enough(r: int) -> bool:
-        _, b = batch_with(r)
-        return b >= 1 and replicas_for_rate(arrival_rate, time_in_sys, b, room) <= r
-
-    ceiling_batch = min(max_batch_for_tpot(cfg, step_context, tpot_target_s, **step_kw), in_memory)
-    replicas = 0
-    if ceiling_batch >= 1:
-        low, high = 0, 1  # enough(high) is unknown until checked; enough(low) is False
-        while not enough(high):
-            low, high = high, high * 2
-            if high > 1 << 40:
-                raise ValueError("the planner found no replica count that carries this load; check the inputs")
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (low, mid) if enough(mid) else (mid, high)
-        replicas = high
-    share, batch = batch_with(replicas) if replicas else (0.0, 0)
-    by_time = max_batch_for_tpot(cfg, step_context, tpot_target_s * (1 - share), **step_kw)
+def plan_from(s: PlanSettings) -> Plan:
+    """:func:`plan` for settings already checked: size memory, prefill, the fleet, then price it."""
+    step_context, memory_context, prompt_p = _contexts(s)
+    prefill_mean = s.mean_prefill(lambda p: prefill_time(s.cfg, p, weight_dtype_bytes=s.weight_dtype_bytes,
+                                                         **s.hardware()))
+    prefill_work = s.mean_prefill(lambda p: prefill_compute_time(
+        s.cfg, p, peak_tflops=s.peak_flops / 1e12, compute_efficiency=s.compute_efficiency,
+        tensor_parallel=s.tensor_parallel))
+    in_memory = s.batch_in_memory(memory_context)
+    # Little's law over the running batch (module docstring): the TPOT target, not the prediction
+    time_in_sys = prefill_mean + (s.mean_output - 1) * s.tpot_target_s
+    mean_concurrency = s.arrival_rate * time_in_sys
+    room = s.headroom if s.headroom is not None else burst_headroom(mean_concurrency, s.burst_percentile)
+    replicas = _fewest_replicas(s, step_context, in_memory, prefill_work, time_in_sys, room)
+    share = s.arrival_rate / replicas * prefill_work if replicas else 0.0
+    by_time = s.batch_for_tpot(step_context, s.tpot_target_s * (1 - share)) if share < 1 else 0
     batch = min(by_time, in_memory)
     feasible = batch >= 1
-    if not feasible:
-        replicas = 0
-        if in_memory == 0:
-            notes.append(f"the weights and one sequence of {memory_context:,} tokens do not fit in "
-                         f"{memory_utilization:.0%} of {tp} x {memory_gib:.1f} GiB: use more GPUs per replica "
-                         f"(tensor_parallel) or fewer bytes per element")
-        if by_time == 0:
-            notes.append("even one sequence misses the TPOT target: a decode step reads every weight, so use more "
-                         "GPUs per replica (tensor_parallel), fewer bytes per weight, or a looser target")
-    step = (decode_step_time(cfg, batch, step_context, **step_kw) if feasible else math.inf)
+    replicas = replicas if feasible else 0
+    step = s.step_time(batch, step_context) if feasible else math.inf
     tpot = step / (1 - share) if feasible else math.inf
+    prefill_p = prefill_time(s.cfg, math.ceil(prompt_p), weight_dtype_bytes=s.weight_dtype_bytes, **s.hardware())
     ttft = prefill_p + (step if feasible else 0.0)
-    if ttft > ttft_target_s:
-        notes.append(f"the predicted TTFT at the {percentile:g}th percentile prompt ({ttft:.3f} s) misses the "
-                     f"{ttft_target_s:.3f} s target: prefill needs more compute per replica (tensor_parallel)")
-    if headroom is None:
-        notes.append(f"headroom {room:.0%} covers the {burst_percentile:g}th percentile of Poisson concurrency; "
-                     f"bursts beyond Poisson need more")
-    gpus = replicas * tp
-    out_rate = arrival_rate * mean_output
-    all_rate = arrival_rate * (mean_output + mean_prompt)
-    price = (lambda tokens: cost_per_million_tokens(gpu_hour_price, gpus, tokens)
-             if gpu_hour_price is not None and feasible else None)
+    gpus = replicas * s.tensor_parallel
+    out_rate = s.arrival_rate * s.mean_output
+    all_rate = s.arrival_rate * (s.mean_output + s.mean_prompt)
+    utilisation = mean_concurrency / (replicas * batch) if feasible else 0.0
+
+    def price(tokens: float) -> float | None:
+        if s.gpu_hour_price is None or not feasible:
+            return None
+        return cost_per_million_tokens(s.gpu_hour_price, gpus, tokens)
+
+    kv_token = costs.kv_bytes_per_token(s.cfg, s.kv_dtype_bytes)
     return Plan(
-        arrival_rate=arrival_rate, mean_prompt_tokens=mean_prompt, mean_output_tokens=mean_output,
-        step_context_tokens=step_context, memory_context_tokens=memory_context, gpus_per_replica=tp,
-        weight_bytes=float(costs.param_count(cfg) * weight_dtype_bytes),
-        kv_bytes_per_token=float(costs.kv_bytes_per_token(cfg, kv_dtype_bytes)),
+        arrival_rate=s.arrival_rate, mean_prompt_tokens=s.mean_prompt, mean_output_tokens=s.mean_output,
+        step_context_tokens=step_context, memory_context_tokens=memory_context, gpus_per_replica=s.tensor_parallel,
+        weight_bytes=float(costs.param_count(s.cfg) * s.weight_dtype_bytes), kv_bytes_per_token=float(kv_token),
         prefill_s=prefill_mean, prefill_compute_s=prefill_work, ttft_s=ttft, prefill_share=share if feasible else 0.0,
         batch_for_tpot=by_time, batch_in_memory=in_memory, batch=batch, step_s=step, tpot_s=tpot,
-        kv_cache_bytes=float(batch * memory_context * costs.kv_bytes_per_token(cfg, kv_dtype_bytes)),
-        memory_budget_bytes=memory_utilization * tp * memory_gib * GIB,
+        kv_cache_bytes=float(batch * memory_context * kv_token),
+        memory_budget_bytes=s.memory_utilization * s.tensor_parallel * s.memory_gib * GIB,
         time_in_system_s=time_in_sys, concurrency=mean_concurrency, headroom=room, replicas=replicas, gpus=gpus,
-        utilisation=mean_concurrency / (replicas * batch) if feasible else 0.0,
-        output_tokens_per_s=out_rate, total_tokens_per_s=all_rate,
+        utilisation=utilisation, output_tokens_per_s=out_rate, total_tokens_per_s=all_rate,
         cost_per_million_output_tokens=price(out_rate), cost_per_million_tokens=price(all_rate),
-        ttft_target_s=ttft_target_s, tpot_target_s=tpot_target_s, percentile=percentile,
-        meets_ttft=ttft <= ttft_target_s, feasible=feasible, notes=tuple(notes),
+        ttft_target_s=s.ttft_target_s, tpot_target_s=s.tpot_target_s, percentile=s.percentile,
+        meets_ttft=ttft <= s.ttft_target_s, feasible=feasible,
+        notes=_notes(s, memory_context, in_memory, by_time, feasible, ttft, room),
+        cost_per_million_output_tokens_at_saturation=price(out_rate / utilisation) if feasible else None,
+        cost_per_million_tokens_at_saturation=price(all_rate / utilisation) if feasible else None,
+        matmul_peak_flops=s.peak_flops,
     )
+
+
+def _contexts(s: PlanSettings) -> tuple[int, int, float]:
+    """(the context the decode step is priced at, the context memory is sized for, the prompt at the
+    percentile): the step at a running sequence's mean context, memory for every slot holding a
+    sequence at full length at the ``percentile``-th percentile, TTFT at the percentile prompt."""
+    prompt_p = nearest_rank(s.prompt_samples, s.percentile) if s.prompt_samples else s.mean_prompt
+    if s.prompt_samples and s.output_samples and len(s.prompt_samples) == len(s.output_samples):
+        full = [p + o for p, o in zip(s.prompt_samples, s.output_samples)]
+        memory_context = math.ceil(nearest_rank(full, s.percentile))
+    else:
+        output_p = nearest_rank(s.output_samples, s.percentile) if s.output_samples else s.mean_output
+        memory_context = math.ceil(prompt_p + output_p)
+    step_context = math.ceil(_running_context(s.mean_prompt, s.prompt_samples, s.output_samples, s.mean_output))
+    return step_context, memory_context, prompt_p
+
+
+def _fewest_replicas(s: PlanSettings, step_context: int, in_memory: int, prefill_work: float,
+                     time_in_sys: float, room: float) -> int:
+    """The fewest replicas that carry the load each with its own batch, or 0 when no batch of one fits.
+
+    Prefill share and batch depend on each other through the replica count: more replicas, less
+    prefill each, a longer decode budget, a larger batch. The condition only gets easier as the
+    count grows, so search by doubling, then bisection."""
+
+    def enough(r: int) -> bool:
+        share = s.arrival_rate / r * prefill_work
+        if share >= 1:
+            return False
+        b = min(s.batch_for_tpot(step_context, s.tpot_target_s * (1 - share)), in_memory)
+        return b >= 1 and replicas_for_rate(s.arrival_rate, time_in_sys, b, room) <= r
+
+    if min(s.batch_for_tpot(step_context, s.tpot_target_s), in_memory) < 1:
+        return 0
+    low, high = 0, 1  # enough(high) is unknown until checked; enough(low) is False
+    while not enough(high):
+        low, high = high, high * 2
+        if high > 1 << 40:
+            raise ValueError("the planner found no replica count that carries this load; check the inputs")
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid, high)
+    return high
+
+
+def _notes(s: PlanSettings, memory_context: int, in_memory: int, by_time: int, feasible: bool, ttft: float,
+           room: float) -> tuple[str, ...]:
+    """Why a plan is infeasible, which target it misses, and the assumptions it took."""
+    notes = []
+    if not feasible and in_memory == 0:
+        notes.append(f"the weights and one sequence of {memory_context:,} tokens do not fit in "
+                     f"{s.memory_utilization:.0%} of {s.tensor_parallel} x {s.memory_gib:.1f} GiB: use more GPUs per "
+                     f"replica (tensor_parallel) or fewer bytes per element")
+    if not feasible and by_time == 0:
+        notes.append("even one sequence misses the TPOT target: a decode step reads every weight, so use more "
+                     "GPUs per replica (tensor_parallel), fewer bytes per weight, or a looser target")
+    if ttft > s.ttft_target_s:
+        notes.append(f"the predicted TTFT at the {s.percentile:g}th percentile prompt ({ttft:.3f} s) misses the "
+                     f"{s.ttft_target_s:.3f} s target: prefill needs more compute per replica (tensor_parallel)")
+    if s.headroom is None:
+        notes.append(f"headroom {room:.0%} covers the {s.burst_percentile:g}th percentile of Poisson concurrency; "
+                     f"bursts beyond Poisson need more")
+    if feasible:
+        notes.append("the TPOT target is met by the mean TPOT (steps carrying a prefill chunk are longer than the "
+                     "rest, and the batch varies): a target at a percentile needs the margin a load test measures")
+        notes.append("prefill interference is added to the decode steps (an upper bound: an engine that folds "
+                     "prefill chunks into memory-bound decode steps hides part of it); a load test decides")
+    if s.tensor_parallel > 1:
+        notes.append(f"the all-reduces between the {s.tensor_parallel} GPUs of a replica (two per layer per step) "
+                     f"are not modelled: the step time is a lower bound by their cost")
+    return tuple(notes)

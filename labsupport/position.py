@@ -189,7 +189,8 @@ def _unpairs(a: torch.Tensor, b: torch.Tensor, layout: str) -> torch.Tensor:
 
 @answer
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "halves") -> torch.Tensor:
-    """Rotate every pair of ``x`` (..., S, D) by the angles whose cos and sin are (S, D/2); in float32,
+    """Rotate every pair of ``x`` (..., S, D) by the angles whose cos and sin are (S, D/2) (or any shape
+    that broadcasts against (..., S, D/2), such as (B, 1, S, D/2) for positions per sequence); in float32,
     returned in ``x.dtype``. The core of the course's answer to lab 08's exercises 1 and 3 (banned
     inside those checks)."""
     layout = _layout(layout)
@@ -287,7 +288,7 @@ def rope_kernel_bytes(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, h
                       dtype_bytes: int, programs: int = 0, position_dtype_bytes: int = 8,
                       inv_freq_dtype_bytes: int = 4) -> int:
     """Bytes a fused RoPE kernel for q (B, H, S, D) and k (B, Hkv, S, D) moves: every element of q
-    and k read once and written once, the (S,) positions read once per sequence (B * S reads of
+    and k read once and written once, the (B * S,) positions (one per token) read once each (of
     ``position_dtype_bytes``; 0 leaves them out), and the D/2 inverse frequencies read once by each
     of ``programs`` programs (0 leaves them out: a kernel that computes them from theta reads none).
     A kernel that loads anything twice moves more. Chapter 08 compares it with the bytes counted in

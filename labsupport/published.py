@@ -83,6 +83,20 @@ LLAMA3_BPE_TOKENS = Figure(
     "meta-llama/llama3, llama/tokenizer.py (num_base_tokens = len(mergeable_ranks))",
 )
 
+#: Llama 3.1's first special tokens, in id order from ``LLAMA3_BPE_TOKENS`` (id 128,000) on; the
+#: rest of its 256 are reserved. An id is 128,000 plus the position here.
+LLAMA31_SPECIAL_TOKEN_ORDER = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+    "<|eot_id|>", "<|python_tag|>", "<|image|>",
+)
+LLAMA31_SPECIAL_TOKEN_SOURCE = "meta-llama/llama-models at a9c89c4, models/llama3/tokenizer.py (special_tokens)"
+#: The tokens at which each model's reference code stops generating (``Tokenizer.stop_tokens``).
+LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>")
+LLAMA3_STOP_TOKENS_SOURCE = "meta-llama/llama3 at 0053e6b, llama/tokenizer.py (stop_tokens)"
+LLAMA31_STOP_TOKENS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+LLAMA31_STOP_TOKENS_SOURCE = LLAMA31_SPECIAL_TOKEN_SOURCE.replace("special_tokens", "stop_tokens")
+
 #: Where they come from, in the report's round numbers: tokens of OpenAI's tiktoken tokenizer, and
 #: tokens added for languages other than English.
 LLAMA3_TIKTOKEN_TOKENS = Figure(
@@ -112,6 +126,15 @@ MIXTRAL_TOTAL_PARAMS = Figure(
 MIXTRAL_ACTIVE_PARAMS = Figure(
     12.9e9, "parameters", "Mixtral 8x7B, parameters used per token",
     "Mistral AI, 'Mixtral of experts' (announcement), 11 December 2023",
+)
+
+#: Mixtral 8x7B's RoPE base: a hundred times Mistral 7B v0.1's (whose 10,000 is in labsupport.models).
+#: Its attention has no sliding window: ``sliding_window`` is null in the same file, and the paper
+#: describes "a fully dense context length of 32k tokens".
+MIXTRAL_ROPE_THETA = Figure(
+    1e6, "", "Mixtral 8x7B's RoPE base (rope_theta)",
+    "config.json of mistralai/Mixtral-8x7B-v0.1 (rope_theta, sliding_window: null); transformers' MixtralConfig "
+    "defaults to the same; Jiang et al., 'Mixtral of Experts', arXiv:2401.04088, 2024, section 2",
 )
 
 #: DeepSeek-V3: a mixture of experts far sparser than Mixtral.

@@ -31,6 +31,7 @@ import labsupport
 settings = labsupport.setup()
 
 # %%
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -308,6 +309,9 @@ fig.tight_layout()
 # has; if it is missing here, `pip install tokenizers` and rerun.
 
 # %%
+# Hugging Face's trainer runs on every core by default (through Rayon); ours runs on one. The
+# library reads this variable at each call, so from here on both sides use one thread.
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
 try:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 except ModuleNotFoundError:
@@ -343,8 +347,10 @@ if Tokenizer is not None:
 # the same counts; the small differences come from the two pre-tokenisers (GPT-2's pattern does not
 # cut numbers into groups of three, for one).
 #
-# Speed is measured below in one run, on the same machine, in one thread: interpreted Python
-# (ours) against Rust (Hugging Face). Both encoders keep a cache of words they have already seen,
+# Speed is measured below in one run, on the same machine, each side on one thread (the cell above
+# set `TOKENIZERS_PARALLELISM=false`: without it Hugging Face's trainer uses every core, and the
+# training row would compare one core against all of them): interpreted Python (ours) against Rust
+# (Hugging Face). Both encoders keep a cache of words they have already seen,
 # so each timed call builds a fresh tokenizer (ours from its merges, Hugging Face's from its JSON).
 # Two ways of encoding: the whole corpus in one call, and line by line (one call per line, closer to
 # a server encoding many short requests, where the cost of each call counts); and training.

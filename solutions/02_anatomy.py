@@ -19,7 +19,9 @@
 # 6. see where the parameters of real models are, and what a mixture of experts changes.
 #
 # Everything runs on a CPU in well under a minute. The model's weights are random: the time a
-# forward pass takes does not depend on their values.
+# forward pass of a dense model takes does not depend on their values. (The time a *request* takes
+# does: when it emits its end token, which experts a mixture of experts routes each token to, and
+# how many draft tokens a speculative decoder accepts all depend on the weights.)
 #
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
 # raises an error. Until you have written the exercise, its check cell raises and nothing below it

@@ -322,22 +322,27 @@ fig.tight_layout()
 # ### Exercise 3: the fused kernel
 #
 # Complete `fused_rope_kernel` and `fused_rope(q, k, positions, inv_freq)`: `q` is `(B, H, S, D)`,
-# `k` is `(B, Hkv, S, D)` (grouped-query attention: fewer key heads), `positions` `(S,)` int64,
-# `inv_freq` `(D/2,)` float32 (so the same kernel serves plain and scaled frequencies); halves
-# layout; return `(q_rot, k_rot)` in the inputs' dtype. The design used by the solution:
+# `k` is `(B, Hkv, S, D)` (grouped-query attention: fewer key heads), `inv_freq` `(D/2,)` float32
+# (so the same kernel serves plain and scaled frequencies); halves layout; return `(q_rot, k_rot)`
+# in the inputs' dtype. `positions` is `(B * S,)` int64, **one per token**, sequence after
+# sequence: token `s` of sequence `b` sits at `positions[b * S + s]`. The requests of a batch are at
+# different points of their lives (one starts its prompt, another resumes after 500 cached tokens,
+# a third decodes its 4,000th token), so each sequence has positions of its own; vLLM's rotary
+# kernel likewise takes one position per token (`positions` of shape `(num_tokens,)`). The design
+# used by the solution:
 #
-# * **Grid** `(cdiv(S, BLOCK_S), B)`: each program owns `BLOCK_S` positions of one sequence. It
-#   loads their positions (masked: the last block is usually partial) and the frequencies,
-#   computes the `(BLOCK_S, D/2)` angles, their cos and sin once, then loops over the `H` query
-#   heads and the `Hkv` key heads, loading each head's two halves as `(BLOCK_S, D/2)` tiles,
-#   rotating in float32 and storing.
+# * **Grid** `(cdiv(S, BLOCK_S), B)`: each program owns `BLOCK_S` tokens of one sequence. It
+#   loads their positions (sequence `b`'s start at `b * S`; masked: the last block is usually
+#   partial) and the frequencies, computes the `(BLOCK_S, D/2)` angles, their cos and sin once,
+#   then loops over the `H` query heads and the `Hkv` key heads, loading each head's two halves as
+#   `(BLOCK_S, D/2)` tiles, rotating in float32 and storing.
 # * **Offsets**: with contiguous inputs, element `(b, h, s, j)` of q sits at
 #   `((b * H + h) * S + s) * D + j`; make the head's base offset 64-bit (`.to(tl.int64)`).
 # * **Masks**: rows at or past `S` must be neither loaded nor stored.
 #
-# The check runs S of 1, 17, 37 and 100 with `BLOCK_S` of your choice, head counts 1 to 6, and
-# Llama 3.1's scaled frequencies at positions past 8,192, in float32 and float16 (bfloat16 too
-# on a GPU). In the interpreter it also counts launches: exactly one. You may rotate in place
+# The check runs S of 1, 17, 37 and 100 with `BLOCK_S` of your choice, head counts 1 to 6, batches
+# whose sequences each have their own positions, and Llama 3.1's scaled frequencies at positions
+# past 8,192, in float32 and float16 (bfloat16 too on a GPU). In the interpreter it also counts launches: exactly one. You may rotate in place
 # (as vLLM does) or into new tensors. Write the kernel body first, then the wrapper: on a GPU a
 # kernel that still contains its `raise NotImplementedError` line fails to compile with
 # `unsupported AST node type: Raise`, which only means the body is not written yet.
@@ -352,7 +357,7 @@ def fused_rope_kernel(
     k_ptr,  # (B, Hkv, S, D) keys, contiguous
     q_out_ptr,  # (B, H, S, D) rotated queries
     k_out_ptr,  # (B, Hkv, S, D) rotated keys
-    positions_ptr,  # (S,) int64
+    positions_ptr,  # (B * S,) int64: one per token, token s of sequence b at b * S + s
     inv_freq_ptr,  # (D/2,) float32
     seq_len,  # S
     n_heads,  # H
@@ -360,13 +365,13 @@ def fused_rope_kernel(
     HALF: tl.constexpr,  # D / 2, a power of two
     BLOCK_S: tl.constexpr,  # positions per program
 ):
-    # BEGIN SOLUTION: angles for this block of positions once, then rotate every q head and every k head
-    pid_s = tl.program_id(0)  # which block of positions
+    # BEGIN SOLUTION: this block's own positions and their angles once, then rotate every q head and every k head
+    pid_s = tl.program_id(0)  # which block of tokens
     b = tl.program_id(1)  # which sequence
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
     row_ok = offs_s < seq_len  # the last block may be partial
     offs_f = tl.arange(0, HALF)  # (D/2,)
-    pos = tl.load(positions_ptr + offs_s, mask=row_ok, other=0).to(tl.float32)
+    pos = tl.load(positions_ptr + b.to(tl.int64) * seq_len + offs_s, mask=row_ok, other=0).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + offs_f)
     angle = pos[:, None] * inv_freq[None, :]  # (BLOCK_S, D/2)
     cos, sin = tl.cos(angle), tl.sin(angle)
@@ -393,7 +398,8 @@ def fused_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     b, h, s, d = q.shape
     assert k.dim() == 4 and k.shape[0] == b and k.shape[2] == s and k.shape[3] == d, "k must be (B, Hkv, S, D)"
     assert d in (4, 8, 16, 32, 64, 128, 256), "head dim must be a power of two"
-    assert positions.shape == (s,) and inv_freq.shape == (d // 2,)
+    assert positions.shape == (b * s,), "positions must be (B * S,): one per token, sequence after sequence"
+    assert inv_freq.shape == (d // 2,)
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     grid = (triton.cdiv(s, BLOCK_S), b)
@@ -422,7 +428,8 @@ bytes_b, bytes_h, bytes_hkv, bytes_s, bytes_d = 2, 8, 2, 100, 64
 gen = torch.Generator().manual_seed(3)
 q = torch.randn(bytes_b, bytes_h, bytes_s, bytes_d, generator=gen, dtype=torch.float16).to(DEVICE)
 k = torch.randn(bytes_b, bytes_hkv, bytes_s, bytes_d, generator=gen, dtype=torch.float16).to(DEVICE)
-positions = torch.arange(bytes_s, device=DEVICE)
+# one position per token: the second sequence resumes after 500 cached tokens
+positions = torch.cat([torch.arange(bytes_s), 500 + torch.arange(bytes_s)]).to(DEVICE)
 inv_freq = rope_inv_freq(bytes_d, LLAMA3_THETA, LLAMA31_ROPE_SCALING).to(DEVICE)
 qk_bytes = 2 * bytes_b * (bytes_h + bytes_hkv) * bytes_s * bytes_d * 2  # q and k, read and written, fp16
 programs = triton.cdiv(bytes_s, BLOCK_S) * bytes_b  # the solution's grid; yours may differ

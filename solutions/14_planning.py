@@ -360,14 +360,21 @@ if measured:
 
 # %% [markdown]
 # **Prediction.** The TPOT target is set from this machine's own speed (three batch-1 steps), so
-# the lab asks the same of a fast and a slow machine. A rate $\lambda$ is sustainable when the
-# requests in flight fit the batch the target allows. Admitting requests takes the server's time
+# the lab asks the same of a fast and a slow machine, and it is stated, as an SLO is, at a
+# percentile: the 90th, so that at least 90% of the requests' TPOTs must be within it. (Each load
+# test below sends a few dozen requests, and with fewer than 100 samples the nearest-rank p99 is
+# simply the slowest request, chapter 03: p90 is the percentile runs this short can estimate.)
+# The planner predicts the *mean* TPOT, so it sizes the batch for the mean to meet the target; the
+# 90th percentile sits above the mean, and the measured knee is expected at or below the
+# prediction. A rate $\lambda$ is predicted sustainable when the requests in flight fit the batch
+# the target allows. Admitting requests takes the server's time
 # (the prefill interference of chapter 14): a share $\lambda \cdot t_\text{admission}$ of it, which
 # leaves the decode steps a budget of $\mathrm{TPOT} \cdot (1 - \text{share})$. Your functions do
 # the rest.
 
 # %%
 target = 3 * (overhead + per_sequence)  # three batch-1 steps (from the fit: steadier than one point)
+TARGET_PERCENTILE = 90  # the TPOT target holds for at least 90% of the requests
 memory_gib = (costs.param_count(cfg) * 4 + 1100 * 16 * costs.kv_bytes_per_token(cfg, 4)) / GiB  # weights + the server's cache
 rates = [r / 2 for r in range(1, 801)]  # 0.5 to 400 requests per second
 
@@ -388,13 +395,15 @@ def predicted_rate_from(fixed, compute_efficiency):
 
 predicted_rate = predicted_rate_from(overhead, compute_eff)
 bare_rate = predicted_rate_from(bare_overhead, bare_compute_eff)
-print(f"TPOT target {target * 1e3:.2f} ms (median). Predicted sustainable rate: {predicted_rate:.1f} requests/s "
+print(f"TPOT target {target * 1e3:.2f} ms at p{TARGET_PERCENTILE}. Predicted sustainable rate (mean TPOT within it): "
+      f"{predicted_rate:.1f} requests/s "
       f"calibrated on the server, {bare_rate:.1f} calibrated on the model alone ({WHERE})")
 
 # %% [markdown]
 # **Measurement.** An open-loop load (Poisson arrivals at a fixed rate, as chapter 12's client
-# sends them) at rates around the prediction. A rate is sustained when the median TPOT meets the
-# target. Each run is short (a few seconds), so the numbers are noisy: a run that lands on a busy
+# sends them) at rates around the prediction. A rate is sustained when the TPOT target holds at its
+# percentile: the run's p90 TPOT is within the target (a median within it would leave almost half
+# the requests slower than promised). Each run is short (a few seconds), so the numbers are noisy: a run that lands on a busy
 # moment of a shared machine shows it. A few dozen random gaps also average well away from
 # 1/rate, so the cell prints, and the plot uses, the rate each schedule really offered (its
 # requests over the time it took to send them) next to the rate asked for.
@@ -414,12 +423,13 @@ while factors:
     measured_points.append((rate, s["tpot_s"]["p50"], s["tpot_s"]["p90"]))
     print(f"rate {rate:6.1f}/s offered ({nominal:.1f}/s asked): TPOT p50 {s['tpot_s']['p50'] * 1e3:6.2f} ms, "
           f"p90 {s['tpot_s']['p90'] * 1e3:6.2f} ms, served {s['request_throughput']:.1f} requests/s")
-    if not factors and further and s["tpot_s"]["p50"] <= target:  # the target still holds: look further
+    if not factors and further and s["tpot_s"][f"p{TARGET_PERCENTILE}"] <= target:  # it still holds: look further
         factors.append(further.pop(0))
-met = [rate for rate, p50, _ in measured_points if p50 <= target]
+met = [rate for rate, _, p90 in measured_points if p90 <= target]  # the target holds at its percentile
 measured_rate = max(met) if met else 0.0
 highest_tried = max(rate for rate, *_ in measured_points)
-print(f"highest rate measured to meet the target: {measured_rate:.1f}/s; predicted {predicted_rate:.1f}/s ({WHERE})")
+print(f"highest rate measured to meet the target at p{TARGET_PERCENTILE}: {measured_rate:.1f}/s; "
+      f"predicted {predicted_rate:.1f}/s ({WHERE})")
 if measured_rate == highest_tried:
     print("every rate up to the highest tried met the target: the knee lies above it, and the ratio below is "
           "a lower bound")
@@ -456,7 +466,7 @@ ax.plot(curve, [predicted_tpot(r, bare_overhead, bare_per_sequence) * 1e3 for r 
         label="predicted, calibrated on the model alone")
 ax.plot([p[0] for p in measured_points], [p[1] * 1e3 for p in measured_points], "o", label="measured, median")
 ax.plot([p[0] for p in measured_points], [p[2] * 1e3 for p in measured_points], "x", label="measured, p90")
-ax.axhline(target * 1e3, color="grey", linestyle=":", label="TPOT target")
+ax.axhline(target * 1e3, color="grey", linestyle=":", label=f"TPOT target (at p{TARGET_PERCENTILE})")
 ax.set(xlabel="arrival rate (requests/s)", ylabel="TPOT (ms)", ylim=(0, 6 * target * 1e3),
        title=f"course server, continuous engine ({WHERE})")
 ax.legend(fontsize="small")
@@ -468,7 +478,8 @@ server.stop()
 # %% [markdown]
 # Read the plot before the numbers. At low rates the measured TPOT stays near the batch-1 step and
 # the prediction should too; past a knee the queue builds within seconds and the TPOT leaves the
-# target. The prediction calibrated on the model alone (chapter 05's method) is the optimistic
+# target. The crosses (p90) decide whether a rate is sustained; the curves predict the mean, which
+# runs below them. The prediction calibrated on the model alone (chapter 05's method) is the optimistic
 # one: the server's step is several times the model's, because scheduling, sampling and streaming
 # every token to its client cost time the model's step does not include. Calibrate on the stack you
 # will serve with, not on its kernels.
@@ -489,7 +500,8 @@ server.stop()
 #
 # * The planner's core: Little's law, the batch a TPOT target and the memory allow, replicas, cost.
 # * A calibration of the planner on your own machine, from the engine itself rather than a datasheet.
-# * A prediction of a server's sustainable rate, and a load test that checks it.
+# * A prediction of a server's sustainable rate, and a load test that checks it at the target's
+#   percentile.
 #
 # ### Questions
 #

@@ -419,7 +419,8 @@ check_slo_report(slo_report)
 # its knee. Chapter 14's planner (`labsupport.planning`) sizes batched GPU replicas from the cost
 # of a decode step and a TPOT target, fitting the requests in flight (Little's law) into batches
 # with headroom for bursts; it has no queue in it, so for this server, which serves one request at
-# a time and makes the others wait, it says nothing about the wait. So we plan with a utilisation
+# a time and makes the others wait, it says nothing about the wait. (It also predicts a mean TPOT,
+# where an SLO like the one below is judged at a percentile.) So we plan with a utilisation
 # target instead, 60 % of the measured capacity, and set the SLO from this
 # machine's unloaded speed so that it means the same on a fast and a slow CPU: TTFT at most two
 # unloaded service times, TPOT at most 1.5 times the unloaded p50, judged at p90. Then 24 requests

@@ -120,3 +120,17 @@ def test_memory_capacities_are_binary():
     # an A100 80GB reports exactly its 80 GiB; an H100 a little less than its label
     assert GPUS["A100 80GB"].reported_bytes == GPUS["A100 80GB"].memory_bytes
     assert GPUS["H100 SXM"].reported_bytes < GPUS["H100 SXM"].memory_bytes
+
+
+def test_fp8_peaks_and_host_links_agree_with_the_datasheets():
+    from labsupport.published import H100_FP8_DENSE_FLOPS, PCIE_GEN5_X16_BYTES_PER_S
+
+    for name in ("H100 SXM", "H200"):  # Hopper: dense FP8 twice dense bf16
+        gpu = get_gpu(name)
+        assert gpu.fp8_peak_flops == H100_FP8_DENSE_FLOPS.value
+        assert gpu.fp8_peak_flops == pytest.approx(2 * gpu.peak_flops, rel=1e-3)
+        assert gpu.host_link_bandwidth == PCIE_GEN5_X16_BYTES_PER_S.value / 2  # one direction
+    assert get_gpu("L4").fp8_peak_flops == pytest.approx(2 * get_gpu("L4").peak_flops, rel=1e-2)
+    assert get_gpu("A100 80GB").fp8_peak_flops == get_gpu("T4").fp8_peak_flops == 0  # no FP8 tensor cores
+    assert all(g.host_link_bandwidth > 0 for g in GPUS.values())
+    assert get_gpu("H200").times(2).fp8_peak_flops == 2 * get_gpu("H200").fp8_peak_flops

@@ -164,6 +164,30 @@ def test_embedded_tables_come_from_labsupport():
     assert data["memory_utilization"] == planning.DEFAULT_MEMORY_UTILIZATION
     assert data["max_batch_search"] == planning.MAX_BATCH_SEARCH and data["gib"] == 2**30
     assert {k: tuple(v) for k, v in data["precisions"].items()} == pw.PRECISIONS
+    assert set(data["fp8_weights"]) <= set(pw.PRECISIONS)
+    for name, gpu in GPUS.items():
+        assert data["cards"][name]["fp8_peak_flops"] == gpu.fp8_peak_flops
+    for name in pw.MODELS:
+        cfg, m = get_model(name), data["models"][name]
+        assert (m["vocab_size"], m["d_model"], m["tied"]) == (cfg.vocab_size, cfg.d_model, cfg.tied_embeddings)
+
+
+def test_the_cost_at_saturation_is_shown():
+    p, v = pw.compute()
+    assert v["cost-saturation"] == pw.format_cost(p.cost_per_million_tokens * p.utilisation)
+    assert v["cost-saturation-note"].startswith(pw.format_cost(p.cost_per_million_output_tokens_at_saturation))
+    assert v["tpot-note"].startswith("the mean: ")
+    assert "all-reduces between the 2 GPUs are not modelled" in v["device"]
+    assert pw.compute(price=0)[1]["cost-saturation"] == "no price"
+    assert pw.compute(tp=1)[1]["cost-saturation"] == "none"
+
+
+def test_fp8_weights_run_fp8_matmuls_where_the_gpu_has_them():
+    hopper, _ = pw.compute(precision="fp8 weights, bf16 cache", tp=1)
+    ampere, _ = pw.compute(precision="fp8 weights, bf16 cache", tp=1, gpu="A100 80GB")
+    assert hopper.matmul_peak_flops == get_gpu("H200").fp8_peak_flops
+    assert ampere.matmul_peak_flops == get_gpu("A100 80GB").peak_flops  # no FP8 tensor cores: dequantised
+    assert "Matmuls in FP8, at its 1,979 TFLOP/s" in pw.compute(precision="fp8 weights, bf16 cache", tp=1)[1]["device"]
 
 
 def test_the_burst_quantile_constant_reproduces_the_planners():
@@ -238,10 +262,11 @@ def test_the_plots_curve_is_the_planners_decode_step():
         p.step_context_tokens,
         bandwidth_gb_s=h200.hbm_bandwidth / 1e9,
         peak_tflops=h200.peak_flops / 1e12,
-        bandwidth_efficiency=0.72,
+        bandwidth_efficiency=0.83,
         compute_efficiency=0.58,
-        step_overhead_s=0.00274,
+        step_overhead_s=0.00334,
         tensor_parallel=2,
+        read_exact=True,  # the bytes a step reads, as the plan prices them
     )
     assert all(a[1] < c[1] for a, c in zip(curve, curve[1:]))  # a larger batch takes longer
 

@@ -256,8 +256,13 @@ def test_h200_calibration_reads_chapter_05():
                                                                                    (2048, 550.0))],
     }
     cal = planning.measured_h200_calibration(results)
-    assert cal.bandwidth_efficiency == pytest.approx(80e9 / 0.025 / 4.8e12)
-    assert cal.step_overhead_s == pytest.approx(0.007 - 16e9 / (80e9 / 0.025))
+    # one line through the CUDA-graph step (16 GB in 7 ms) and the largest batch (80 GB in 25 ms):
+    # its slope is the achieved bandwidth, its intercept the overhead; nothing is counted twice
+    achieved = (80e9 - 16e9) / (0.025 - 0.007)
+    assert cal.bandwidth_efficiency == pytest.approx(achieved / 4.8e12)
+    assert cal.step_overhead_s == pytest.approx(0.007 - 16e9 / achieved)
+    assert 16e9 / achieved + cal.step_overhead_s == pytest.approx(0.007)
+    assert 80e9 / achieved + cal.step_overhead_s == pytest.approx(0.025)
     assert cal.compute_efficiency == pytest.approx(500 / 989.4)  # the median prefill rate over the peak
     assert cal.device == "NVIDIA H200" and cal.date == "2026-11-30"
     assert "500.0" not in str(cal) and "51% of 989.4 TFLOP/s" in str(cal)
@@ -266,6 +271,87 @@ def test_h200_calibration_reads_chapter_05():
     if real is not None:
         assert 0 < real.bandwidth_efficiency < 1 and real.step_overhead_s >= 0
         assert 0 < real.compute_efficiency < 1
+
+
+def test_the_planner_reproduces_the_h200_steps_it_was_calibrated_on():
+    """The committed H200 run: the plan's step (decode_step_time in the bytes a step reads, read_exact)
+    at the calibration's efficiency and overhead gives back both measured steps the line was fitted
+    through, within 1% (the fit is exact; 1% leaves room for rounding in the results file). The
+    runbook's count, which charges the whole embedding table, would not."""
+    results = planning.load_gpu_results()
+    cal = planning.measured_h200_calibration(results)
+    if cal is None:
+        pytest.skip("no measured run in results/gpu_phases.json")
+    hw = dict(bandwidth_gb_s=H200.hbm_bandwidth / 1e9, peak_tflops=H200.peak_flops / 1e12,
+              bandwidth_efficiency=cal.bandwidth_efficiency, compute_efficiency=cal.compute_efficiency,
+              step_overhead_s=cal.step_overhead_s)
+    largest = max((r for r in results["decode_by_batch"] if r.get("seconds")), key=lambda r: r["batch"])
+    graph = results["decode_batch1_short_cuda_graph"]
+    short = next(r for r in results["decode_by_context"] if r["batch"] == 1)
+    # the run's bytes are the planner's read_exact bytes: the two conventions are one
+    for row in (largest, short):
+        assert planning.decode_step_time(M8, row["batch"], row["context"], **{**hw, "bandwidth_efficiency": 1.0,
+                                         "step_overhead_s": 0.0, "bandwidth_gb_s": 1e-9}, read_exact=True) \
+            == pytest.approx(row["bytes_read"], rel=1e-12)
+    assert graph["achieved_Bps"] * graph["seconds"] == pytest.approx(short["bytes_read"], rel=1e-9)
+    settings = planning.PlanSettings.create(M8, H200, arrival_rate=1, prompt_tokens=100, output_tokens=10,
+                                            ttft_target_s=1, tpot_target_s=0.05,
+                                            bandwidth_efficiency=cal.bandwidth_efficiency,
+                                            compute_efficiency=cal.compute_efficiency,
+                                            step_overhead_s=cal.step_overhead_s)
+    for row, measured in ((largest, largest["seconds"]), (short, graph["seconds"])):
+        planned = planning.decode_step_time(M8, row["batch"], row["context"], **hw, read_exact=True)
+        assert planned == pytest.approx(measured, rel=0.01)
+        assert settings.step_time(row["batch"], row["context"]) == planned  # the step plan() prices
+    assert planning.decode_step_time(M8, largest["batch"], largest["context"], **hw) > 1.005 * largest["seconds"]
+
+
+def test_plan_averages_a_convex_prefill_over_sampled_prompts():
+    prompts = [100] * 9 + [20_000]
+    p = _plan(prompt_tokens=prompts, output_tokens=100)
+    at_mean = _plan(prompt_tokens=sum(prompts) / len(prompts), output_tokens=100)
+    each = [planning.prefill_compute_time(M8, n, peak_tflops=989.4, compute_efficiency=0.5) for n in prompts]
+    assert p.prefill_compute_s == pytest.approx(sum(each) / len(each))
+    assert p.prefill_compute_s > at_mean.prefill_compute_s  # attention's quadratic term: mean cost > cost of mean
+
+
+def test_plan_notes_what_it_does_not_model():
+    p = _plan()
+    assert any("mean TPOT" in n for n in p.notes) and any("upper bound" in n for n in p.notes)
+    assert not any("all-reduce" in n for n in p.notes)
+    assert any("all-reduces between the 2 GPUs" in n for n in _plan(tensor_parallel=2).notes)
+
+
+def test_plan_prices_the_fleet_at_saturation():
+    p = _plan()
+    assert p.cost_per_million_tokens_at_saturation == pytest.approx(p.cost_per_million_tokens * p.utilisation)
+    assert p.cost_per_million_output_tokens_at_saturation == pytest.approx(
+        p.cost_per_million_output_tokens * p.utilisation)
+    assert p.cost_per_million_tokens_at_saturation < p.cost_per_million_tokens
+    assert _plan(gpu_hour_price=None).cost_per_million_tokens_at_saturation is None
+
+
+def test_fp8_matmuls_run_at_twice_the_bf16_peak_on_hopper():
+    assert H200.fp8_peak_flops == pytest.approx(2 * H200.peak_flops, rel=1e-3)
+    bf16 = _plan(weight_dtype_bytes=1)
+    fp8 = _plan(weight_dtype_bytes=1, fp8_compute=True)
+    assert fp8.matmul_peak_flops == H200.fp8_peak_flops and bf16.matmul_peak_flops == H200.peak_flops
+    assert fp8.prefill_compute_s == pytest.approx(bf16.prefill_compute_s * H200.peak_flops / H200.fp8_peak_flops)
+    with pytest.raises(ValueError, match="FP8 tensor cores"):
+        planning.plan(M8, "A100 80GB", arrival_rate=1, prompt_tokens=100, output_tokens=10, ttft_target_s=1,
+                      tpot_target_s=0.05, bandwidth_efficiency=0.5, compute_efficiency=0.5, fp8_compute=True)
+
+
+def test_plan_settings_are_checked_once_and_frozen():
+    s = planning.PlanSettings.create(M8, "h200", arrival_rate=20, prompt_tokens=[100, 300], output_tokens=250,
+                                     ttft_target_s=1, tpot_target_s=0.05, bandwidth_efficiency=0.7,
+                                     compute_efficiency=0.5)
+    assert s.card is H200 and s.prompt_samples == (100, 300) and s.mean_prompt == 200
+    with pytest.raises(AttributeError):
+        s.arrival_rate = 5  # frozen
+    assert planning.plan_from(s) == planning.plan(M8, H200, arrival_rate=20, prompt_tokens=[100, 300],
+                                                  output_tokens=250, ttft_target_s=1, tpot_target_s=0.05,
+                                                  bandwidth_efficiency=0.7, compute_efficiency=0.5)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -285,6 +371,7 @@ def test_h200_calibration_reads_chapter_05():
     (lambda: _plan(headroom=-1), "headroom"),
     (lambda: _plan(gpu_hour_price=0), "gpu_hour_price"),
     (lambda: _plan(output_tokens=[]), "output_tokens must be a mean length"),
+    (lambda: _plan(fp8_compute="yes"), "fp8_compute must be True or False"),
     (lambda: planning.poisson_quantile(0, 50), "mean"),
     (lambda: planning.fit_decode_steps([1e9, 2e9], [0.1], 1000), "as many times"),
     (lambda: planning.plan(M8, "H900", arrival_rate=1, prompt_tokens=1, output_tokens=1, ttft_target_s=1,

@@ -222,10 +222,30 @@ def _kernel_dtypes():
     return dtypes
 
 
+def _token_positions(kind: str, b: int, s: int, gen) -> torch.Tensor:
+    """(B * S,) int64, one position per token, sequence after sequence (token ``s`` of sequence ``b``
+    at ``b * S + s``). Every sequence of a batch has positions of its own, as the requests of a real
+    batch do, so a kernel that rotates every sequence at the first one's positions fails whenever
+    B > 1."""
+    rows = []
+    for i in range(b):
+        if kind == "from 0":
+            rows.append(torch.arange(s))
+        elif kind == "resumed":  # chunks of prompts, each resuming where its own cache ends
+            rows.append(5 + 35 * i + torch.arange(s))
+        elif kind == "decode":  # continuing sequences of 1000, 1500, ... tokens
+            rows.append(1000 + 500 * i + torch.arange(s))
+        elif kind == "past 8192":  # odd, so a position rounded through float16 (spacing 8 there) shows
+            rows.append(9001 + 1000 * i + torch.arange(s))
+        else:  # "shuffled": any positions, in any order, different in each sequence
+            rows.append(torch.randperm(4 * s, generator=gen)[:s])
+    return torch.cat(rows)
+
+
 def _kernel_cases() -> list[dict]:
     plan = [
         dict(B=1, H=1, Hkv=1, S=1, D=16, positions="from 0", freq="default"),
-        dict(B=2, H=4, Hkv=2, S=17, D=32, positions="from 0", freq="default"),
+        dict(B=2, H=4, Hkv=2, S=17, D=32, positions="resumed", freq="default"),
         dict(B=1, H=6, Hkv=2, S=100, D=64, positions="decode", freq="default"),
         dict(B=2, H=3, Hkv=3, S=37, D=128, positions="shuffled", freq="llama3.1"),
         dict(B=3, H=5, Hkv=1, S=1, D=64, positions="past 8192", freq="llama3.1"),
@@ -251,6 +271,12 @@ def _diagnose_kernel(got_q, got_k, want_q, want_k, q_in, k_in, atol, rtol) -> st
         bad = ~torch.isclose(got.double().cpu(), want.double().cpu(), atol=atol, rtol=rtol)  # (B, H, S, D)
         if not bool(bad.any()):
             continue
+        by_sequence = bad.any(dim=(1, 2, 3))  # (B,)
+        if len(by_sequence) > 1 and not bool(by_sequence[0]):
+            hints.append(f"{name} is right for sequence 0 and wrong for sequences "
+                         f"{by_sequence.nonzero().flatten().tolist()}: each sequence has its own positions; read "
+                         f"sequence b's from positions[b * S:(b + 1) * S], not the first S for every sequence.")
+            continue
         by_position = bad.any(dim=(0, 1, 3))  # (S,)
         by_head = bad.any(dim=(0, 2, 3))  # (H,)
         first = int(by_position.nonzero()[0])
@@ -266,16 +292,29 @@ def _diagnose_kernel(got_q, got_k, want_q, want_k, q_in, k_in, atol, rtol) -> st
     return " ".join(hints)
 
 
+def _per_token_cos_sin(positions, inv_freq, b, s):
+    """cos and sin of per-token positions (B * S,), shaped (B, 1, S, D/2) to broadcast over heads."""
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    return cos.view(b, 1, s, -1), sin.view(b, 1, s, -1)
+
+
 def _kernel_mistakes(q, k, positions, inv_freq):
+    b, s = q.shape[0], q.shape[2]
     mistakes = {}
     for description, kwargs in (
         ("the pairs are taken interleaved instead of in halves", dict(layout="interleaved")),
         ("the positions are shifted by one (position + 1)", dict(shift=1)),
         ("the index within the sequence is used instead of the positions tensor", dict(index=True)),
+        ("every sequence is rotated at the first sequence's positions (positions shared by the batch): each "
+         "sequence has its own, token s of sequence b at positions[b * S + s]", dict(shared=True)),
     ):
-        pos = torch.arange(len(positions), device=positions.device) if kwargs.get("index") else \
-            positions + kwargs.get("shift", 0)
-        cos, sin = rope_cos_sin(pos, inv_freq)
+        if kwargs.get("index"):
+            pos = torch.arange(s, device=positions.device).repeat(b)
+        elif kwargs.get("shared"):
+            pos = positions[:s].repeat(b)
+        else:
+            pos = positions + kwargs.get("shift", 0)
+        cos, sin = _per_token_cos_sin(pos, inv_freq, b, s)
         layout = kwargs.get("layout", "halves")
         mistakes[description] = (rotate(q, cos, sin, layout), rotate(k, cos, sin, layout))
     return mistakes
@@ -284,19 +323,21 @@ def _kernel_mistakes(q, k, positions, inv_freq):
 @graded(points=5, bans=ROPE_ANSWERS)
 def check_fused_rope(fn, checker):
     """``fn(q, k, positions, inv_freq)`` must return (q, k) rotated (halves layout), written by one
-    Triton launch."""
+    Triton launch; ``positions`` is (B * S,), one per token, sequence after sequence, and differs
+    from one sequence of the batch to the next."""
     dev = device()
     for fields in _kernel_cases():
         gen = torch.Generator().manual_seed(fields["seed"])
         b, h, hkv, s, d, dtype = (fields[k] for k in ("B", "H", "Hkv", "S", "D", "dtype"))
         q = torch.randn(b, h, s, d, generator=gen).to(dtype=dtype, device=dev)
         k = torch.randn(b, hkv, s, d, generator=gen).to(dtype=dtype, device=dev)
-        positions = _positions(fields["positions"], s, gen).to(dev)
+        positions = _token_positions(fields["positions"], b, s, gen).to(dev)
         scaling = LLAMA31_ROPE_SCALING if fields["freq"] == "llama3.1" else None
         inv_freq = rope_inv_freq(d, LLAMA3_THETA, scaling).to(dev)
+        starts = ", ".join(f"sequence {i}: {positions[i * s:i * s + min(s, 3)].tolist()}" for i in range(b))
         case = Case(B=b, H=h, Hkv=hkv, S=s, D=d, dtype=dtype, inv_freq=fields["freq"],
-                    positions=f"{fields['positions']} ({positions[:4].tolist()}...)")
-        cos, sin = rope_cos_sin(positions, inv_freq)
+                    positions=f"{fields['positions']} ({starts}...)")
+        cos, sin = _per_token_cos_sin(positions, inv_freq, b, s)
         want_q, want_k = rotate(q, cos, sin), rotate(k, cos, sin)
         q_in, k_in = q.clone(), k.clone()
         launched = None

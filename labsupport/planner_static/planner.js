@@ -58,8 +58,13 @@ function labsupportPlanner(root) {
     const attention = exact(4, m.n_layers, p, p, m.q_width) / 2;
     return linear + attention;
   }
-  function decodeStepTime(m, b, c, hw) {  // planning.decode_step_time
-    const read = m.params * hw.wdb + kvTimes(kvPerToken(m, hw.kvb), c, b);
+  function unreadEmbedding(m, b, wdb) {  // phases.unread_embedding_bytes
+    if (m.tied) return 0;
+    const rows = Math.max(m.vocab_size - b, 0);
+    return Number.isInteger(wdb) ? exact(rows, m.d_model, wdb) : exact(rows, m.d_model) * wdb;
+  }
+  function decodeStepTime(m, b, c, hw) {  // PlanSettings.step_time: decode_step_time(read_exact=True)
+    const read = m.params * hw.wdb + kvTimes(kvPerToken(m, hw.kvb), c, b) - unreadEmbedding(m, b, hw.wdb);
     const flops = decodeStepFlops(m, b, c);
     return Math.max(read / (hw.tp * hw.bw * hw.beff), flops / (hw.tp * hw.peak * hw.ceff)) + hw.overhead;
   }
@@ -108,8 +113,10 @@ function labsupportPlanner(root) {
   function plan(s) {  // planning.plan with mean lengths, at the widget's fixed percentiles
     const m = DATA.models[s.model], card = DATA.cards[s.gpu];
     const [wdb, kvb] = DATA.precisions[s.precision];
+    const fp8 = DATA.fp8_weights.includes(s.precision) && card.fp8_peak_flops > 0;  // FP8 matmuls (W8A8)
+    const matmulPeak = fp8 ? card.fp8_peak_flops : card.peak_flops;
     const hw = { wdb, kvb, tp: s.tp, bw: (card.bandwidth / DATA.gb) * DATA.gb,
-                 peak: (card.peak_flops / 1e12) * 1e12, beff: s.bandwidth_pct / 100, ceff: s.compute_pct / 100,
+                 peak: (matmulPeak / 1e12) * 1e12, beff: s.bandwidth_pct / 100, ceff: s.compute_pct / 100,
                  overhead: s.overhead_ms / 1000, memGib: card.usable_bytes / DATA.gib };
     const rate = s.rate, meanPrompt = s.prompt, meanOutput = s.output;
     const ttftTarget = s.ttft_ms / 1000, tpotTarget = s.tpot_ms / 1000;
@@ -156,6 +163,7 @@ function labsupportPlanner(root) {
     const gpus = replicas * s.tp;
     const outRate = rate * meanOutput, allRate = rate * (meanOutput + meanPrompt);
     const price = (tokens) => (s.price > 0 && feasible ? costPerMillion(s.price, gpus, tokens) : null);
+    const utilisation = feasible ? meanConcurrency / (replicas * batch) : 0;
     const kv = kvPerToken(m, kvb);
     return {
       s, m, hw, arrivalRate: rate, stepContext, memoryContext, tp: s.tp, weightBytes: m.params * wdb, kvPerToken: kv,
@@ -163,9 +171,11 @@ function labsupportPlanner(root) {
       batchInMemory: inMemory, batch, step, tpot,
       kvCache: Number.isInteger(kv) ? exact(batch, memoryContext, kv) : batch * memoryContext * kv,
       budget: DATA.memory_utilization * s.tp * hw.memGib * DATA.gib, timeInSystem, concurrency: meanConcurrency,
-      headroom: room, replicas, gpus, utilisation: feasible ? meanConcurrency / (replicas * batch) : 0,
+      headroom: room, replicas, gpus, utilisation,
       outRate, allRate, costOutput: price(outRate), costAll: price(allRate), ttftTarget, tpotTarget,
-      meetsTtft: ttft <= ttftTarget, feasible,
+      costOutputSaturated: feasible ? price(outRate / utilisation) : null,
+      costAllSaturated: feasible ? price(allRate / utilisation) : null,
+      fp8, matmulPeak, meetsTtft: ttft <= ttftTarget, feasible,
     };
   }
 
@@ -188,7 +198,9 @@ function labsupportPlanner(root) {
       "plot-target": "TPOT target " + seconds(p.tpotTarget),
       "plot-memory": "memory holds " + count(p.batchInMemory),
       "device": p.m.label + ", " + s.precision + ", on " + tp + " x " + gpu + " per replica: " + gib(p.weightBytes) +
-        " of weights, " + count(p.kvPerToken) + " bytes of KV cache a token.",
+        " of weights, " + count(p.kvPerToken) + " bytes of KV cache a token." +
+        (p.fp8 ? " Matmuls in FP8, at its " + group(fixed(p.matmulPeak / 1e12, 0)) + " TFLOP/s dense FP8 peak." : "") +
+        (tp > 1 ? " The all-reduces between the " + tp + " GPUs are not modelled: each step is a lower bound." : ""),
     };
     if (p.batchInMemory === 0) {
       out["memory"] = "The weights (" + gib(p.weightBytes) + ") and one sequence of " + count(p.memoryContext) +
@@ -209,14 +221,17 @@ function labsupportPlanner(root) {
       out["utilisation"] = percent(p.utilisation);
       out["utilisation-note"] = "of the batch slots, on average";
       out["tpot"] = seconds(p.tpot);
-      out["tpot-note"] = "step " + seconds(p.step) + ", prefill turns included";
+      out["tpot-note"] = "the mean: step " + seconds(p.step) + ", prefill turns included";
       out["ttft"] = seconds(p.ttft);
       out["ttft-note"] = (p.meetsTtft ? "meets" : "misses") + " the " + seconds(p.ttftTarget) + " target";
       if (p.costAll === null) {
         out["cost"] = "no price"; out["cost-note"] = "enter a GPU-hour price";
+        out["cost-saturation"] = "no price"; out["cost-saturation-note"] = "enter a GPU-hour price";
       } else {
         out["cost"] = cost(p.costAll);
         out["cost-note"] = cost(p.costOutput) + " per million output tokens";
+        out["cost-saturation"] = cost(p.costAllSaturated);
+        out["cost-saturation-note"] = cost(p.costOutputSaturated) + " per million output tokens, every batch slot busy";
       }
       out["plot-batch"] = "batch " + count(p.batch);
       const what = plural(p.replicas, "replica") + " of " + tp + " x " + gpu + " (" + plural(p.gpus, "GPU") + ") " +
@@ -224,13 +239,14 @@ function labsupportPlanner(root) {
       out["verdict"] = p.meetsTtft ? what + " within both targets." :
         what + " within the TPOT target, but the predicted TTFT misses its target: more GPUs per replica.";
     } else {
-      for (const key of ["replicas", "batch", "utilisation", "tpot", "ttft", "cost"]) out[key] = "none";
+      for (const key of ["replicas", "batch", "utilisation", "tpot", "ttft", "cost", "cost-saturation"]) out[key] = "none";
       out["replicas-note"] = "no replica meets the targets";
       out["batch-note"] = "TPOT allows " + count(p.batchForTpot) + ", memory " + count(p.batchInMemory);
       out["utilisation-note"] = "nothing runs";
       out["tpot-note"] = "target " + seconds(p.tpotTarget);
       out["ttft-note"] = "target " + seconds(p.ttftTarget);
       out["cost-note"] = "no plan, no price";
+      out["cost-saturation-note"] = "no plan, no price";
       out["plot-batch"] = "no batch meets both";
       out["verdict"] = "No replica can meet these targets: " +
         (p.batchInMemory === 0 ? "the weights and one sequence do not fit." : "the TPOT target is too tight.");

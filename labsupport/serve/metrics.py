@@ -9,19 +9,24 @@ course metric                                       the vLLM metric it mirrors
 ==================================================  ==================================================
 ``course:num_requests_running`` (gauge)             ``vllm:num_requests_running``
 ``course:num_requests_waiting`` (gauge)             ``vllm:num_requests_waiting``
-``course:kv_cache_usage_perc`` (gauge, 0 to 1;      ``vllm:kv_cache_usage_perc`` (v1; v0 called it
-continuous engine only)                             ``vllm:gpu_cache_usage_perc``)
+``course:kv_cache_usage_perc`` (gauge, 0 to 1;      ``vllm:kv_cache_usage_perc`` (named
+continuous engine only)                             ``vllm:gpu_cache_usage_perc`` before vLLM 0.9,
+                                                    deprecated since)
 ``course:slots_used``, ``course:slots_total``       none: the server's admission limit (``--max-requests``)
 ``course:draining`` (gauge, 0 or 1)                 none: 1 once a graceful drain has begun
 ``course:time_to_first_token_seconds`` (histogram)  ``vllm:time_to_first_token_seconds``
-``course:inter_token_latency_seconds`` (histogram)  ``vllm:inter_token_latency_seconds`` (v0:
-                                                    ``vllm:time_per_output_token_seconds``)
+``course:inter_token_latency_seconds`` (histogram)  ``vllm:inter_token_latency_seconds`` (named
+                                                    ``vllm:time_per_output_token_seconds`` before
+                                                    vLLM 0.11; the old name since removed,
+                                                    vllm-project/vllm#32661)
 ``course:e2e_request_latency_seconds`` (histogram)  ``vllm:e2e_request_latency_seconds``
 ``course:prompt_tokens_total`` (counter)            ``vllm:prompt_tokens_total``
 ``course:generation_tokens_total`` (counter)        ``vllm:generation_tokens_total``
 ``course:request_success_total{finished_reason}``   ``vllm:request_success_total{finished_reason}``
 ``course:request_aborted_total{reason}``            none (vLLM counts aborts as ``finished_reason="abort"``)
-``course:request_rejected_total{reason}``           none (closest: ``vllm:admission_rejections``)
+``course:request_rejected_total{reason}``           none: vLLM's opt-in admission caps (#49445) answer
+                                                    503 and no release counts the refusals (a
+                                                    counter is proposed in #55812)
 ==================================================  ==================================================
 
 Conventions: latencies are measured in the HTTP layer from a request's arrival (its headers are in)

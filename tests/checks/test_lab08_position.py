@@ -180,7 +180,7 @@ BLOCK = 16
 def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_len, n_heads, n_kv_heads,
                 HALF: tl.constexpr, BLOCK_S: tl.constexpr, ROTATE_K: tl.constexpr, INTERLEAVED: tl.constexpr,
                 SHIFT: tl.constexpr, USE_INDEX: tl.constexpr, MASK_LEN: tl.constexpr, K_HEADS_FROM_Q: tl.constexpr,
-                POS_FP16: tl.constexpr):
+                POS_FP16: tl.constexpr, SHARED_POS: tl.constexpr):
     """The reference design with switches that plant one mistake each (all default to correct)."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1)
@@ -190,7 +190,9 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_l
     if USE_INDEX:
         pos = offs_s.to(tl.float32)
     else:
-        pos = tl.load(pos_ptr + offs_s, mask=row_ok, other=0)
+        # positions are (B * S,), one per token; SHARED_POS reads sequence 0's for every sequence
+        pos_base = 0 if SHARED_POS else b.to(tl.int64) * seq_len
+        pos = tl.load(pos_ptr + pos_base + offs_s, mask=row_ok, other=0)
         if POS_FP16:  # the positions pass through the inputs' 16-bit type: 9001 becomes 9000
             pos = pos.to(tl.float16)
         pos = pos.to(tl.float32) + SHIFT
@@ -223,14 +225,15 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_l
 
 
 def fused(q, k, positions, inv_freq, *, rotate_k=True, interleaved=False, shift=0, use_index=False,
-          mask_len=0, k_heads_from_q=False, floor_grid=False, two_launches=False, pos_fp16=False):
+          mask_len=0, k_heads_from_q=False, floor_grid=False, two_launches=False, pos_fp16=False,
+          shared_positions=False):
     b, h, s, d = q.shape
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.zeros_like(q), torch.zeros_like(k)
     blocks = s // BLOCK if floor_grid else triton.cdiv(s, BLOCK)
     switches = dict(HALF=d // 2, BLOCK_S=BLOCK, ROTATE_K=rotate_k, INTERLEAVED=interleaved, SHIFT=shift,
                     USE_INDEX=use_index, MASK_LEN=mask_len, K_HEADS_FROM_Q=k_heads_from_q,
-                    POS_FP16=pos_fp16)
+                    POS_FP16=pos_fp16, SHARED_POS=shared_positions)
     if blocks == 0:
         return q_out, k_out
     if two_launches:
@@ -274,6 +277,12 @@ def test_fused_rejects_the_index_instead_of_the_positions():
         check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, use_index=True))
 
 
+def test_fused_rejects_positions_shared_by_the_batch():
+    # the kernel reads positions[s] for every sequence: right for sequence 0, wrong for the others
+    with pytest.raises(CheckFailed, match=r"(?s)positions shared by the batch.*right for sequence 0 and wrong"):
+        check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, shared_positions=True))
+
+
 def test_fused_rejects_a_mask_that_drops_the_last_position():
     with pytest.raises(CheckFailed, match="wrong at every position from index 0 on .*grid or the mask drops the last"):
         check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, mask_len=1))
@@ -291,7 +300,7 @@ def test_fused_rejects_a_wrong_head_count_for_k():
 
 def test_fused_rejects_positions_rounded_to_float16():
     # float16 holds every integer only up to 2,048; past 8,192 its spacing is 8
-    with pytest.raises(CheckFailed, match=r"positions=past 8192 \(\[9001\]"):
+    with pytest.raises(CheckFailed, match=r"positions=past 8192 \(sequence 0: \[9001\]"):
         check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, pos_fp16=True))
 
 
