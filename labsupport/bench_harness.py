@@ -104,11 +104,11 @@ def load_results(topic: str, path=None, *, required: Sequence[str] = ("rows",)) 
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path} is not a results file from python -m labsupport.bench_{topic}: {exc}; {fix}") from exc
+    if isinstance(data, dict) and data.get("dry_run", True) is True:
+        return None  # a dry run (or a file that does not say it is not one) is never a measurement
     if not isinstance(data, dict) or not {"device", "date"} <= data.keys():
         raise ValueError(f"{path} is not a results file from python -m labsupport.bench_{topic} (no device and "
                          f"date); {fix}")
-    if data.get("dry_run", True):
-        return None
     missing = [key for key in required if not data.get(key)]
     if missing:
         raise ValueError(f"{path} has no {', '.join(missing)}: the run stopped before it measured anything; {fix}")

@@ -293,7 +293,9 @@ def collect(folder: str | os.PathLike) -> tuple[list[Run], list[str]]:
     """Every results file under ``folder`` (recursively), and one message per file skipped."""
     root = Path(folder)
     runs, problems = [], []
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*.json") if p.is_file())
+    # a bench's logs folder (results/gpu_logs/) holds logs and the runs the current results replaced
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*.json")
+                                                 if p.is_file() and "gpu_logs" not in p.relative_to(root).parts)
     for path in files:
         try:
             runs.append(load(path))
