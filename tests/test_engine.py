@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from labsupport.engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
+from labsupport.engine.model_runner import graph_batch_sizes, padded_batch_size
+from labsupport.engine.sampler import BatchedSampler
 from labsupport.models import get_model
 from labsupport.phases import cpu_threads
-from labsupport.sampling import SamplingParams
+from labsupport.sampling import SamplingParams, request_generator, sample
 from labsupport.scheduler import static_batch_step
 from labsupport.transformer import Transformer
 
@@ -213,9 +215,6 @@ def test_release_forgets_a_request_and_frees_a_running_ones_blocks(model):
 
 
 def test_the_batched_sampler_gives_each_request_the_tokens_of_sample_with_its_own_generator():
-    from labsupport.engine.sampler import BatchedSampler
-    from labsupport.sampling import request_generator, sample
-
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(40, 97, generator=gen) * 3
     logits[5, :10] = logits[5, 0]  # ties, broken by token id
@@ -245,8 +244,6 @@ def test_decode_graph_padding_on_the_cpu(model):
     """What a captured decode graph records, run eagerly: a batch of 3 decodes copied into the
     static buffers of size 4 (the padded row writes nothing and reads nothing) gives the eager
     step's hidden states."""
-    from labsupport.engine.model_runner import graph_batch_sizes, padded_batch_size
-
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 48] and graph_batch_sizes(3) == [1, 2, 3]
     assert padded_batch_size(3, [1, 2, 4, 8]) == 4 and padded_batch_size(9, [1, 2, 4, 8]) is None
     engine = Engine(model, num_blocks=32, block_size=4, clock="steps")
