@@ -2,7 +2,8 @@
 
 The architecture follows Llama 3 (Grattafiori et al., 2024, "The Llama 3 Herd of Models"):
 RMSNorm before each block, rotary position embeddings, grouped-query attention and a SwiGLU
-feed-forward. The details in which real models differ follow the config: an explicit head width
+feed-forward. The details in which real models differ follow the config: the RMSNorm epsilon
+(``rms_norm_eps``), an explicit head width
 (``H * D`` need not be ``d``), biases on the q/k/v (and output) projections (Qwen2), q/k norms
 (Qwen3), the rotary base ``rope_theta`` and the rotary frequency scaling ``rope_scaling`` (Llama
 3.1's ``"llama3"`` rule, through :func:`labsupport.position.rope_inv_freq`, chapter 08), so a Llama
@@ -56,11 +57,11 @@ from torch import nn
 
 from ._answers import answer
 from ._validate import positive_int
-from .models import LLAMA3_ROPE_THETA, ModelConfig, as_model
+from .models import DEFAULT_RMS_NORM_EPS, LLAMA3_ROPE_THETA, ModelConfig, as_model
 from .position import rope_inv_freq
 
 ROPE_THETA = LLAMA3_ROPE_THETA  # the default base; the model uses its config's rope_theta
-NORM_EPS = 1e-5
+NORM_EPS = DEFAULT_RMS_NORM_EPS  # the default; the model uses its config's rms_norm_eps
 INIT_STD = 0.02  # nanoGPT/GPT-2 style initialisation; values do not matter for timing
 ATTENTION_CHOICES = ("sdpa", "naive")
 
@@ -272,8 +273,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, cfg.n_kv_heads * D, bias=cfg.qkv_bias, **factory)
         self.wo = nn.Linear(cfg.n_heads * D, d, bias=cfg.o_bias, **factory)
         # Qwen3: an RMSNorm over each head's D elements of the queries and keys, before the rotation
-        self.q_norm = RMSNorm(D, **factory) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, **factory) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.wqkv = None  # fuse() stacks wq, wk, wv into one projection
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
@@ -343,9 +344,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, **factory):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.d_model, **factory)
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **factory)
         self.attention = Attention(cfg, **factory)
-        self.ffn_norm = RMSNorm(cfg.d_model, **factory)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **factory)
         self.feed_forward = FeedForward(cfg, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
@@ -392,7 +393,7 @@ class Transformer(nn.Module):
         factory = {"device": "meta", "dtype": dtype}
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, **factory)
         self.layers = nn.ModuleList(Block(cfg, **factory) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, **factory)
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **factory)
         self.output = (
             None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **factory)
         )
