@@ -276,3 +276,4 @@ def test_fused_projections_change_nothing_but_rounding(model):
     requests = run_trace(Engine(fused, num_blocks=32, block_size=4, token_budget=8, clock="steps"), trace)
     for t, r in zip(trace, requests):
         assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens)
+
