@@ -67,8 +67,7 @@ test-matrix: $(STAMP) $(STAMP_LATEST)  ## checks' tests + solution notebooks und
 	$(call matrix_run,$(VENV_LATEST))
 
 lab: $(STAMP)  ## JupyterLab on my-labs/, your own copy of labs/ (made once; never overwritten)
-	$(PY) scripts/my_labs.py labs my-labs
-	$(VENV)/bin/jupyter lab my-labs/
+	$(PY) scripts/my_labs.py labs my-labs --open $(VENV)/bin/jupyter
 
 release: $(STAMP)  ## regenerate labs/*.ipynb and solutions/*.ipynb from solutions/*.py
 	$(PY) -m labsupport release

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _run_all
+
 INTERPRET_VAR = "TRITON_INTERPRET"
 PRESET_VAR = "LABSUPPORT_PRESET"
 
@@ -167,6 +169,7 @@ def setup(verbose: bool = True) -> LabSettings:
     if verbose:
         print(banner(s))
     _install_error_explainer()
+    _run_all.install()  # a cell that fails comes back into view after Run All
     return s
 
 

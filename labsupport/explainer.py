@@ -215,6 +215,11 @@ def display_values(report: serving.PhaseReport) -> dict[str, str]:
         out[f"{key}-point"] = (
             f"{format_intensity(point.intensity)}, {format_percent(point.fraction_of_peak)} of peak"
         )
+    if report.weight_bytes > report.memory_bytes:
+        # a setting that cannot run has no latency or throughput (as the planner says "none"); one
+        # whose cache outgrows the memory keeps its times, which the memory line says do not fit
+        for key in ("ttft", "itl", "latency", "throughput"):
+            out[key], out[f"{key}-note"] = "none", "the weights do not fit"
     # the labels of points not drawn (attention with no FLOPs counted) are not shown either
     for key in ("prefill-attention", "decode-attention"):
         if f"{key}-point" not in out:

@@ -138,8 +138,8 @@ def _sampling_mistakes(logits, temperature, top_k=0, top_p=1.0) -> dict[str, tor
     z = logits[None].float()
     wrong = {}
     if temperature not in (0, 1):
-        wrong["the temperature is applied after the softmax (probabilities divided by T and "
-              "renormalised: the temperature has no effect)"] = sampling_probs(z, 1.0, top_k, top_p)[0]
+        wrong["the temperature has no effect: it is not applied, or applied after the softmax (probabilities "
+              "divided by T and renormalised, which undoes it)"] = sampling_probs(z, 1.0, top_k, top_p)[0]
     if top_p < 1.0:
         probs = torch.softmax(z[0] / temperature, -1)
         order = torch.argsort(probs, descending=True)

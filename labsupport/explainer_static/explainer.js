@@ -152,6 +152,11 @@ function labsupportExplainer(root) {
       out["decode-split"] = split(r.dec, "one decode step");
     }
     for (const [key, k] of points(r)) out[key + "-point"] = intensity(k.intensity) + ", " + percent(k.fraction) + " of peak";
+    if (r.weights > r.mem) {
+      // a setting that cannot run has no latency or throughput (as the planner says "none"); one
+      // whose cache outgrows the memory keeps its times, which the memory line says do not fit
+      for (const key of ["ttft", "itl", "latency", "throughput"]) { out[key] = "none"; out[key + "-note"] = "the weights do not fit"; }
+    }
     return out;
   }
 
@@ -207,9 +212,11 @@ function labsupportExplainer(root) {
       '" stroke="#8c959f" stroke-dasharray="4 4"/>';
     svg += '<text data-out="ridge" x="' + f(X(r.ridge) + 5) + '" y="' + (H - B - 8) + '" font-size="11" fill="#57606a" ' + HALO + ">" +
       esc(t["ridge"]) + "</text>";
-    svg += '<text x="' + f(X(r.ridge) - 8) + '" y="' + f(Y(r.peak) - 8) + '" font-size="11" text-anchor="end" fill="#57606a">memory-bound</text>';
-    svg += '<text x="' + f(X(r.ridge) + 8) + '" y="' + f(Y(r.peak) - 8) + '" font-size="11" fill="#57606a">compute-bound, ' +
-      esc(si(r.peak, "FLOP/s")) + " peak</text>";
+    // the regions' names at the foot of the ridge, under the roof, where no point or point label goes
+    svg += '<text x="' + f(X(r.ridge) - 8) + '" y="' + (H - B - 24) + '" font-size="11" text-anchor="end" fill="#57606a" ' +
+      HALO + ">\u2190 memory-bound</text>";
+    svg += '<text x="' + f(X(r.ridge) + 5) + '" y="' + (H - B - 24) + '" font-size="11" fill="#57606a" ' + HALO +
+      ">compute-bound \u2192 (peak " + esc(si(r.peak, "FLOP/s")) + ")</text>";
     for (const [key, p, ph] of points(r)) {
       const colour = DATA.colours[ph];
       const hollow = key.endsWith("-attention");

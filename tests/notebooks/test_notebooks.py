@@ -40,15 +40,16 @@ def test_make_test_runs_the_notebooks_under_nbval():
 
 
 @pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
-def test_learner_notebook_is_tagged_to_stop_at_its_first_exercise(path):
+def test_learner_notebook_names_where_it_stops_and_carries_no_nbval_tags(path):
+    """nbval learns where a fresh learner notebook stops from its metadata; the cells carry no
+    ``raises-exception`` tag, which JupyterLab's Run All would run past (see tests/notebooks/test_run_all.py)."""
     nb = nbformat.read(str(path), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     first_stub = next(i for i, c in enumerate(code) if "raise NotImplementedError" in c.source)
     first_check = next(i for i, c in enumerate(code) if i >= first_stub and check_calls(c.source))
-    raises = [i for i, c in enumerate(code) if stored_outputs.RAISES in _tags(c)]
-    assert raises == [first_check], f"{path.name}: raises-exception on code cells {raises}, expected [{first_check}]"
-    skipped = [i for i, c in enumerate(code) if stored_outputs.SKIP in _tags(c)]
-    assert skipped == list(range(first_check + 1, len(code))), f"{path.name}: nbval-skip on {skipped}"
+    assert nb.metadata["labsupport"][stored_outputs.STOPS_AT] == code[first_check].id, path.name
+    tagged = [i for i, c in enumerate(code) if {stored_outputs.RAISES, stored_outputs.SKIP} & set(_tags(c))]
+    assert not tagged, f"{path.name}: nbval tags on code cells {tagged}"
     assert not any(c.get("outputs") for c in code), f"{path.name}: a learner notebook carries outputs"
     assert not any(stored_outputs.CHECK_OUTPUT in _tags(c) for c in code)
 
@@ -71,10 +72,12 @@ def test_solution_notebook_compares_every_check_against_a_stored_pass_line(path)
 
 # --- the plugin, on small notebooks run by nbval in a pytest of their own ----------------------
 
-def _notebook(path: Path, cells: list[tuple[str, list[str], list[dict] | None]], student=False) -> None:
+def _notebook(path: Path, cells: list[tuple[str, list[str], list[dict] | None]], student=False,
+              stops_at: int | None = None) -> None:
     nb = nbformat.v4.new_notebook()
     for number, (source, tags, outputs) in enumerate(cells, start=1):
         cell = nbformat.v4.new_code_cell(source)
+        cell.id = f"cell-{number - 1}"
         if tags:
             cell.metadata["tags"] = tags
         if outputs is not None:
@@ -84,6 +87,8 @@ def _notebook(path: Path, cells: list[tuple[str, list[str], list[dict] | None]],
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     if student:
         nb.metadata["labsupport"] = {"version": "student"}
+        if stops_at is not None:
+            nb.metadata["labsupport"][stored_outputs.STOPS_AT] = f"cell-{stops_at}"
     nbformat.write(nb, str(path))
 
 
@@ -126,6 +131,13 @@ def plugin_cases(tmp_path_factory):
         ("f()", ["raises-exception"], None),  # not done: the expected failure
         ("print('after')", ["nbval-skip"], None),
     ], student=True)
+    _notebook(folder / "learner_stops.ipynb", [
+        ("def f():\n    raise NotImplementedError('Exercise')", [], None),
+        ("f()", [], None),  # not done: the expected failure, named by the metadata
+        ("print('after')", [], None),
+    ], student=True, stops_at=1)
+    _notebook(folder / "learner_stops_no_error.ipynb", [("x = 1", [], None), ("y = 2", [], None)],
+              student=True, stops_at=0)
     _notebook(folder / "learner_other_error.ipynb", [("1 / 0", ["raises-exception"], None)], student=True)
     _notebook(folder / "learner_no_error.ipynb", [("x = 1", ["raises-exception"], None)], student=True)
     return folder
@@ -189,10 +201,22 @@ def test_learner_notebook_must_stop_because_the_exercise_is_not_done(with_plugin
 
 
 @pytest.mark.notebook
+def test_learner_notebook_stops_where_its_metadata_says(with_plugin):
+    assert _outcome(with_plugin, "learner_stops.ipynb") == {
+        "learner_stops.ipynb::Cell 0": "passed", "learner_stops.ipynb::Cell 1": "passed",
+        "learner_stops.ipynb::Cell 2": "skipped"}
+    assert _outcome(with_plugin, "learner_stops_no_error") == {
+        "learner_stops_no_error.ipynb::Cell 0": "failure", "learner_stops_no_error.ipynb::Cell 1": "skipped"}
+
+
+@pytest.mark.notebook
 def test_all_cells_switch_runs_past_the_first_exercise(plugin_cases):
     results = _run_nbval(plugin_cases, "--nbval-all-cells", "-k", "learner and not other and not no_error")
     assert _outcome(results, "learner.ipynb") == {
         "learner.ipynb::Cell 0": "passed", "learner.ipynb::Cell 1": "failure", "learner.ipynb::Cell 2": "passed"}
+    assert _outcome(results, "learner_stops.ipynb") == {
+        "learner_stops.ipynb::Cell 0": "passed", "learner_stops.ipynb::Cell 1": "failure",
+        "learner_stops.ipynb::Cell 2": "passed"}
 
 
 def test_recorded_outputs_file_matches_the_solution_notebooks():
