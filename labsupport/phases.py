@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import gc
 import itertools
-import json
 import math
 import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import costs
+from . import bench_harness, costs
 from ._validate import int_list, positive_int, positive_number, renamed_parameters
 from .hardware import match_device_name
 from .models import as_model
@@ -389,19 +387,10 @@ NOT_MEASURED = "not yet measured"
 def load_gpu_results(path=None) -> dict | None:
     """The results ``python -m labsupport.bench_phases`` wrote, or None when there are none (or a dry run).
 
-    ``path`` defaults to :data:`GPU_RESULTS` under the repository root.
+    ``path`` defaults to :data:`GPU_RESULTS` under the repository root (the bench harness's reader,
+    :func:`labsupport.bench_harness.load_results`).
     """
-
-    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
-    if not path.is_file():
-        return None
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a readable results file from python -m labsupport.bench_phases: {exc}") from exc
-    if not isinstance(results, dict) or results.get("dry_run", True):
-        return None
-    return results
+    return bench_harness.load_results("phases", path, required=())
 
 
 def gpu_summary(results: dict | None) -> dict[str, str]:

@@ -27,6 +27,7 @@ from statistics import NormalDist
 
 import torch
 
+from ..engine.sampler import batched_sampling_probs
 from ..sampling import sample, sampling_probs
 from ..scheduler import SimStep, TraceItem, blocks_for, schedule_step, simulate
 from ..speculative import speculative_accept
@@ -156,7 +157,7 @@ def _sampling_mistakes(logits, temperature, top_k=0, top_p=1.0) -> dict[str, tor
     return wrong
 
 
-@graded(points=10, bans=(sample, sampling_probs))
+@graded(points=10, bans=(sample, sampling_probs, batched_sampling_probs))
 def check_sample(fn, checker):
     """``fn(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None)`` must return one token id
     per row of ``logits`` (B, V), ``(B,)`` int64, drawn from the distribution temperature, top-k and
