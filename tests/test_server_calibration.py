@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from labsupport import costs
-from labsupport.server_calibration import ServerCalibration, calibrate, predicted_rate
 from labsupport.serve.engine import course_model_config
+from labsupport.server_calibration import ServerCalibration, calibrate, predicted_rate
 from labsupport.tokenizer import course_tokenizer
 
 CFG = course_model_config(course_tokenizer().vocab_size)
