@@ -309,27 +309,10 @@ class Checker:
             message += f"\nHint: {hint}"
         raise CheckFailed(message)
 
-    def expect_tensor(
-        self,
-        actual,
-        expected,
-        *,
-        case: Case,
-        atol: float,
-        rtol: float,
-        what: str = "output",
-        hint: str = "",
-        mistakes: dict[str, object] | None = None,
-        check_dtype: bool = True,
-    ) -> None:
-        """Fail unless ``actual`` is a tensor like ``expected`` and close to it.
-
-        ``mistakes`` maps a description of a common mistake to the tensor that mistake produces;
-        when the learner's output matches one, the message names it.
-        """
+    def _expect_like(self, actual, expected, case: Case, what: str, hint: str, check_dtype: bool) -> None:
+        """Fail unless ``actual`` is a tensor of ``expected``'s shape, dtype (when checked) and device."""
         import torch
 
-        _intact(self.name)
         if not isinstance(actual, torch.Tensor):
             self.fail(
                 case,
@@ -354,6 +337,29 @@ class Checker:
         if actual.device != expected.device:
             self.fail(case, f"the {what} is on {actual.device}, expected {expected.device}.",
                       "allocate outputs on the inputs' device (`device=x.device`).")
+
+    def expect_tensor(
+        self,
+        actual,
+        expected,
+        *,
+        case: Case,
+        atol: float,
+        rtol: float,
+        what: str = "output",
+        hint: str = "",
+        mistakes: dict[str, object] | None = None,
+        check_dtype: bool = True,
+    ) -> None:
+        """Fail unless ``actual`` is a tensor like ``expected`` and close to it.
+
+        ``mistakes`` maps a description of a common mistake to the tensor that mistake produces;
+        when the learner's output matches one, the message names it.
+        """
+        import torch
+
+        _intact(self.name)
+        self._expect_like(actual, expected, case, what, hint, check_dtype)
         got = actual.detach().to(torch.float64)
         want = expected.detach().to(torch.float64)
         # where the reference itself is inf or NaN, the output must be the same inf or NaN
