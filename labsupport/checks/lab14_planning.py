@@ -22,6 +22,7 @@ from ..planning import (
     replicas_for_rate,
     time_in_system,
 )
+from ._mistakes import merge_alike
 from .framework import Case, graded
 
 CONCURRENCY_RULE = (
@@ -51,7 +52,12 @@ COST_RULE = (
 
 
 def _concurrency_mistakes(rate, ttft, tpot, out) -> dict[str, float]:
+    mean = rate * (ttft + (out - 1) * tpot)
     return {
+        "the mean number in the system is rounded up to a whole number (Little's L is a mean: 24.8 requests "
+        "in flight on average is not 25)": math.ceil(mean),
+        "the mean number in the system is rounded to a whole number (Little's L is a mean, not a count)":
+            round(mean),
         "the output tokens are left out of the time in system (only the TTFT counted)": rate * ttft,
         "the TTFT is left out of the time in system": rate * (out - 1) * tpot,
         "output_tokens decode steps are counted instead of output_tokens - 1 (the prefill yields the first token)":
@@ -83,8 +89,8 @@ def check_concurrency(fn, checker):
         case = Case(arrival_rate=rate, ttft_s=ttft, tpot_s=tpot, output_tokens=out)
         got = checker.call(fn, rate, ttft, tpot, out, case=case)
         expected = concurrency(rate, ttft, tpot, out)
-        mistakes = {d: v for d, v in _concurrency_mistakes(rate, ttft, tpot, out).items()
-                    if not math.isclose(v, expected, rel_tol=1e-9)}
+        mistakes = merge_alike({d: v for d, v in _concurrency_mistakes(rate, ttft, tpot, out).items()
+                                if not math.isclose(v, expected, rel_tol=1e-9)}, rel=1e-9)
         checker.expect_number(got, expected, case=case, rel=1e-9, what="concurrency", hint=CONCURRENCY_RULE,
                               mistakes=mistakes)
 

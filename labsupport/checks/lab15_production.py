@@ -10,6 +10,7 @@ import time
 from ..bench_serving import arrival_times
 from ..latency import percentile
 from ..load_testing import SlowService, _nearest_rank, open_loop, poisson_arrivals, slo_report
+from ._mistakes import merge_alike as _merge_alike
 from .framework import Case, graded
 
 POISSON_RULE = (
@@ -280,20 +281,6 @@ def _attainment_mistakes(requests, slo) -> dict[str, float]:
         "a request counts when it meets any one target; attainment counts requests that meet every target":
             sum(_met(r, slo, any_target=True) for r in requests) / len(requests),
     }
-
-
-def _merge_alike(mistakes: dict[str, float]) -> dict[str, float]:
-    """Mistakes that give the same value on this case, named together: on a small case a rank
-    mistake and a wrong set of values can agree, and the message should not pick one at random."""
-    groups: list[tuple[float, list[str]]] = []
-    for description, value in mistakes.items():
-        for v, names in groups:
-            if math.isclose(v, value, rel_tol=1e-12):
-                names.append(description)
-                break
-        else:
-            groups.append((value, [description]))
-    return {"; or when ".join(names): v for v, names in groups}
 
 
 @graded(points=4, bans=(slo_report, percentile))

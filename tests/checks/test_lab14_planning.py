@@ -32,11 +32,12 @@ def stub(*args, **kwargs):
 
 
 def planted_concurrency(*, drop_output=False, drop_ttft=False, all_steps=False, tpot_scale=1.0, scale=1.0,
-                        divide=False):
+                        divide=False, whole=None):
     def concurrency(arrival_rate, ttft_s, tpot_s, output_tokens):
         steps = output_tokens if all_steps else output_tokens - 1
         t = (0 if drop_ttft else ttft_s) + (0 if drop_output else steps * tpot_s * tpot_scale)
-        return (t / arrival_rate if divide else arrival_rate * t) * scale
+        value = (t / arrival_rate if divide else arrival_rate * t) * scale
+        return whole(value) if whole else value
 
     return concurrency
 
@@ -52,6 +53,10 @@ def test_concurrency_passes():
     (dict(tpot_scale=1e-3), "read as milliseconds"),
     (dict(scale=1e3), "converted to milliseconds"),
     (dict(divide=True), "divided by the arrival rate"),
+    # a mean rounded to a whole number of requests (the red team's concurrency_wrong_ceil): its 25 for 24.8 is
+    # also what counting every output token as a step gives, so the message names both
+    (dict(whole=math.ceil), "rounded up to a whole number (Little's L is a mean"),
+    (dict(whole=round), "rounded to a whole number"),
 ])
 def test_concurrency_mistakes(flags, needle):
     fails(check_concurrency, planted_concurrency(**flags), needle)
