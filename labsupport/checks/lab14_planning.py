@@ -116,12 +116,12 @@ def batch_variant(cfg, context, tpot, *, memory_gib, bandwidth_gb_s, peak_tflops
                   memory_utilization=0.9, tensor_parallel=1, heads=None, memory_unit=GIB, bandwidth_unit=GB,
                   fixed_kv_bytes=None, fixed_weight_bytes=None, kv_factor=2, overhead_scale=1.0, efficiency=True,
                   compute=True, memory_limit=True, time_limit=True, utilization=True, tp_time=True, tp_memory=True,
-                  first_miss=False) -> int:
+                  first_miss=False, head_dim=None) -> int:
     """:func:`labsupport.planning.max_batch` written out, with one step optionally done wrong (the
     defaults give the right answer)."""
     kvb = fixed_kv_bytes or kv_dtype_bytes
     wb = fixed_weight_bytes or weight_dtype_bytes
-    per_token = kv_factor * cfg.n_layers * (heads or cfg.n_kv_heads) * cfg.head_dim * kvb
+    per_token = kv_factor * cfg.n_layers * (heads or cfg.n_kv_heads) * (head_dim or cfg.head_dim) * kvb
     weights = param_count(cfg) * wb
     tp_t = tensor_parallel if tp_time else 1
     bw = tp_t * bandwidth_gb_s * bandwidth_unit * (bandwidth_efficiency if efficiency else 1)
@@ -146,6 +146,9 @@ def _batch_mistakes(cfg, context, tpot, kw) -> dict[str, int]:
     wrong = {
         "the KV cache is sized from the query heads (n_heads) instead of the KV heads (n_kv_heads)":
             dict(heads=cfg.n_heads),
+        f"the head width is derived as d_model // n_heads = {cfg.d_model // cfg.n_heads} instead of read from "
+        f"cfg.head_dim = {cfg.head_dim} (this model's heads are wider than d_model / n_heads)":
+            dict(head_dim=cfg.d_model // cfg.n_heads),
         "memory_gib is read as gigabytes (10**9 bytes) instead of GiB (2**30 bytes)": dict(memory_unit=GB),
         "bandwidth_gb_s is read as GiB/s (2**30 bytes) instead of GB/s (10**9 bytes)": dict(bandwidth_unit=GIB),
         "kv_dtype_bytes is ignored (2 bytes per cached element assumed)": dict(fixed_kv_bytes=2),
@@ -172,7 +175,8 @@ def batch_cases() -> list[tuple]:
     """(label, cfg, context_tokens, tpot_s, keyword arguments): numbers as a planner would take them
     from :mod:`labsupport.hardware` (memory in GiB as reported, bandwidth in GB/s, TFLOP/s)."""
     m8, m70, qwen, tiny = (get_model(n) for n in ("llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "tiny-20m"))
-    h200, h100 = get_gpu("H200"), get_gpu("H100 SXM")
+    small_qwen = get_model("qwen3-0.6b")
+    h200, h100, l4 = get_gpu("H200"), get_gpu("H100 SXM"), get_gpu("L4")
 
     def card(gpu):
         return dict(memory_gib=gpu.usable_bytes / GIB, bandwidth_gb_s=gpu.hbm_bandwidth / GB,
@@ -183,7 +187,7 @@ def batch_cases() -> list[tuple]:
          dict(**card(h200), bandwidth_efficiency=0.72, compute_efficiency=0.5, step_overhead_s=0.0027)),
         ("8B on an H100, long context, memory-bound", m8, 32768, 0.2,
          dict(**card(h100), bandwidth_efficiency=0.7, compute_efficiency=0.5, step_overhead_s=0.003)),
-        ("Qwen3 8B (explicit head width), fp8 cache, 95% of memory", qwen, 8192, 0.05,
+        ("Qwen3 8B, fp8 cache, 95% of memory", qwen, 8192, 0.05,
          dict(**card(h200), bandwidth_efficiency=0.65, compute_efficiency=0.45, step_overhead_s=0.002,
               kv_dtype_bytes=1, memory_utilization=0.95)),
         ("70B, fp8 weights, tensor-parallel over 4 H100s", m70, 4096, 0.04,
@@ -198,6 +202,9 @@ def batch_cases() -> list[tuple]:
          dict(**card(h100), bandwidth_efficiency=0.7, compute_efficiency=0.5)),
         ("8B, a TPOT target no batch meets", m8, 1024, 0.004,
          dict(**card(h200), bandwidth_efficiency=0.72, compute_efficiency=0.5, step_overhead_s=0.0027)),
+        # head_dim 128 where d_model / n_heads is 64: a derived head width halves the cache per token
+        ("Qwen3-0.6B (head width 128, not d_model / n_heads) on an L4, long context", small_qwen, 16384, 0.05,
+         dict(**card(l4), bandwidth_efficiency=0.7, compute_efficiency=0.5, step_overhead_s=0.002)),
     ]
 
 
@@ -214,7 +221,7 @@ def check_max_batch(fn, checker):
         expected = max_batch(cfg, context, tpot, **kw)
         if batch_variant(cfg, context, tpot, **kw) != expected:  # the check's own arithmetic must agree
             raise AssertionError(f"check_max_batch: its written-out reference disagrees on [{case}]")
-        mistakes = {d: v for d, v in _batch_mistakes(cfg, context, tpot, kw).items() if v != expected}
+        mistakes = merge_alike({d: v for d, v in _batch_mistakes(cfg, context, tpot, kw).items() if v != expected})
         checker.expect_number(got, expected, case=case, rel=1e-12, what="batch", hint=BATCH_RULE,
                               mistakes=mistakes)
         if not isinstance(got, int):

@@ -80,7 +80,7 @@ def test_concurrency_stub_and_answer():
 
 def planted_batch(*, heads=False, memory_unit=2**30, bandwidth_unit=1e9, kv_bytes=None, weight_bytes=None, bits=False,
                   kv_factor=2, overhead_scale=1.0, efficiency=True, compute=True, memory_limit=True, time_limit=True,
-                  utilization=True, tp_time=True, tp_memory=True, first_miss=False):
+                  utilization=True, tp_time=True, tp_memory=True, first_miss=False, derived_head_dim=False):
     """max_batch written in closed form (the check's reference searches), one step optionally wrong."""
 
     def max_batch(cfg, context_tokens, tpot_s, *, memory_gib, bandwidth_gb_s, peak_tflops, bandwidth_efficiency,
@@ -88,7 +88,8 @@ def planted_batch(*, heads=False, memory_unit=2**30, bandwidth_unit=1e9, kv_byte
                   memory_utilization=0.9, tensor_parallel=1):
         kvb = kv_bytes or kv_dtype_bytes * (8 if bits else 1)
         wb = weight_bytes or weight_dtype_bytes * (8 if bits else 1)
-        per_token = kv_factor * cfg.n_layers * (cfg.n_heads if heads else cfg.n_kv_heads) * cfg.head_dim * kvb
+        head_dim = cfg.d_model // cfg.n_heads if derived_head_dim else cfg.head_dim
+        per_token = kv_factor * cfg.n_layers * (cfg.n_heads if heads else cfg.n_kv_heads) * head_dim * kvb
         weights = param_count(cfg) * wb
         tp = tensor_parallel if tp_time else 1
         bw = tp * bandwidth_gb_s * bandwidth_unit * (bandwidth_efficiency if efficiency else 1)
