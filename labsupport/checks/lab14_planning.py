@@ -235,6 +235,8 @@ def check_max_batch(fn, checker):
 def _replica_mistakes(rate, t, batch, headroom) -> dict[str, float]:
     load = rate * t
     return {
+        "the floor of one replica is missing (max(1, ...)): with no traffic the service still keeps one replica up":
+            math.ceil(load * (1 + headroom) / batch),
         "the count is rounded down (or to the nearest whole number) instead of up: some requests would have no "
         "replica": math.floor(load * (1 + headroom) / batch),
         "the headroom is ignored": max(1, math.ceil(load / batch)),
@@ -255,6 +257,7 @@ def replica_cases() -> list[tuple[float, float, int, float | None]]:
         (50.0, 12.6, 256, 0.25),
         (2.0, 3.0, 2, 0.0),  # exactly 3 replicas' worth: 3, not 4
         (0.05, 4.0, 64, 0.1),  # a trickle still needs one replica
+        (0.0, 4.0, 64, 0.1),  # and so does a quiet hour: ceil(0) is 0
         (400.0, 7.5, 96, 0.6),
     ]
 
@@ -272,7 +275,7 @@ def check_replicas(fn, checker):
             got = checker.call(fn, rate, t, batch, headroom, case=case)
         room = headroom or 0.0
         expected = replicas_for_rate(rate, t, batch, room)
-        mistakes = {d: v for d, v in _replica_mistakes(rate, t, batch, room).items() if v != expected}
+        mistakes = merge_alike({d: v for d, v in _replica_mistakes(rate, t, batch, room).items() if v != expected})
         hint = REPLICAS_RULE + (" With no headroom given, use 0." if headroom is None else "")
         checker.expect_number(got, expected, case=case, rel=1e-12, what="replica count", hint=hint, mistakes=mistakes)
         if not isinstance(got, int):

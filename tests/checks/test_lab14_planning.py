@@ -134,6 +134,8 @@ def test_max_batch_passes_and_agrees_with_the_closed_form():
     (dict(tp_time=False), "tensor_parallel is ignored in the step time"),
     (dict(tp_memory=False), "tensor_parallel is ignored in the memory"),
     (dict(first_miss=True), "first batch that misses the target"),
+    # right for Llama (4096 / 32 = 128), half the cache per token for Qwen3-0.6B (1024 / 16 = 64, head_dim 128)
+    (dict(derived_head_dim=True), "the head width is derived as d_model // n_heads = 64"),
 ])
 def test_max_batch_mistakes(flags, needle):
     fails(check_max_batch, planted_batch(**flags), needle)
@@ -245,6 +247,7 @@ def test_replicas_passes():
     (dict(little=False), "time in system is missing"),
     (dict(rounding=lambda x: int(x) + 1), "int(x) + 1"),
     (dict(per_batch=False), "not divided by the batch"),
+    (dict(floor_min=False), "the floor of one replica is missing"),  # right for every positive rate
 ])
 def test_replicas_mistakes(kwargs, needle):
     fails(check_replicas, planted_replicas(**kwargs), needle)
