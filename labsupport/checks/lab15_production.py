@@ -220,6 +220,11 @@ def _slo_cases():
         {"ttft": 0.1, "tpot": 0.02},
         {"ttft": 0.25, "tpot": 0.04},
     ]
+    # 100 completed requests at p = 7: the rank is ceil(7 * 100 / 100) = 7, but p / 100 * n is
+    # 7.000000000000001 in floats, so dividing first (or numpy's inverted_cdf) takes the 8th
+    hundred = [{"ttft": round(0.05 + 0.004 * i + 0.001 * rng.random(), 5), "tpot": round(0.01 + 0.0002 * (i * 37 % 100), 5)}
+               for i in range(100)]
+    rng.shuffle(hundred)
     return [
         ("nine requests, two on a target, one refused", small, {"ttft_s": 0.5, "tpot_s": 0.05, "p": 90}, 2.0),
         ("same, median", small, {"ttft_s": 0.5, "tpot_s": 0.05, "p": 50}, 4.0),
@@ -227,6 +232,7 @@ def _slo_cases():
         ("57 requests, p90", run, {"ttft_s": 0.25, "tpot_s": 0.03, "p": 90}, 9.5),
         ("four requests, p75 lands on a whole rank", [{"ttft": t, "tpot": 0.01} for t in (0.4, 0.1, 0.3, 0.2)],
          {"ttft_s": 0.35, "tpot_s": 0.05, "p": 75}, 1.0),
+        ("100 requests, p7: the rank is exactly 7", hundred, {"ttft_s": 0.3, "tpot_s": 0.02, "p": 7}, 20.0),
     ]
 
 
@@ -236,10 +242,15 @@ def _percentile_mistakes(values: list[float], p: float) -> dict[str, float]:
     pos = p / 100 * (n - 1)
     lo = math.floor(pos)
     return {
+        f"the rank is computed as ceil(p / 100 * n): p / 100 is rounded in floats first ({p:g} / 100 * {n} = "
+        f"{p / 100 * n!r}, rank {math.ceil(p / 100 * n)}; numpy's percentile with method='inverted_cdf' does the "
+        f"same). Multiply first: ceil(p * n / 100)": data[min(n, max(1, math.ceil(p / 100 * n))) - 1],
         "the percentile is interpolated between two ranks (numpy's default, np.percentile), not taken at the nearest rank":
             data[lo] + (data[min(lo + 1, n - 1)] - data[lo]) * (pos - lo),
         "the rank ceil(p * n / 100) is used as a 0-based index (one rank too high)": data[min(n - 1, rank)],
         "the rank is rounded down (floor(p * n / 100)) instead of up": data[max(0, math.floor(p * n / 100) - 1)],
+        "the rank is rounded to the nearest whole number (round(p * n / 100)) instead of up":
+            data[min(n, max(1, round(p * n / 100))) - 1],
         "the values are not sorted before the rank is taken": values[rank - 1],
     }
 
