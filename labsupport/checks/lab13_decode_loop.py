@@ -120,6 +120,9 @@ def _sampling_cases():
     base = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.2, -0.5, -1.0, -3.0])  # distinct, no ties
     gaps = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))  # top-p 0.6 crosses at the 2nd token
     flat = torch.linspace(1.0, -1.0, 40)
+    # top-k 4 then top-p 0.6 keeps 2 tokens; the other order, or top-p measured on the whole
+    # distribution, keeps 3. Temperature 0.5 before top-p 0.6 keeps 2; top-p at T = 1 keeps 3.
+    order = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1]))
     return [
         ("plain softmax", base, dict(temperature=1.0)),
         ("temperature 0.5", base, dict(temperature=0.5)),
@@ -129,13 +132,48 @@ def _sampling_cases():
         ("top-p 0.75", gaps, dict(temperature=1.0, top_p=0.75)),
         ("top-p 1.0 keeps every token", flat, dict(temperature=1.0, top_p=1.0)),
         ("top-k 5, top-p 0.8, temperature 0.7", base, dict(temperature=0.7, top_k=5, top_p=0.8)),
+        ("top-k 4 first, then top-p 0.6 on what is left", order, dict(temperature=1.0, top_k=4, top_p=0.6)),
+        ("temperature 0.5 first, then top-p 0.6", order, dict(temperature=0.5, top_p=0.6)),
     ]
+
+
+def _filtered(z, temperature, top_k, top_p, *, top_p_first=False, temperature_last=False):
+    """One row's distribution with the steps in another order: top-p before top-k (or, the same thing,
+    top-p measured on the distribution before top-k), or the temperature applied only after the
+    filters chose the tokens."""
+    V = z.numel()
+    scaled = z / (1.0 if temperature_last else temperature)
+    full = torch.softmax(scaled, -1)
+    top_k_keep = torch.ones(V, dtype=torch.bool)
+    if 0 < top_k < V:
+        top_k_keep = scaled >= torch.topk(scaled, top_k).values[-1]
+
+    def top_p_keep(probs):
+        order = torch.argsort(probs, descending=True)
+        sorted_p = probs[order]
+        keep = (torch.cumsum(sorted_p, 0) - sorted_p) < top_p
+        return torch.zeros(V, dtype=torch.bool).scatter(0, order, keep)
+
+    if top_p_first:
+        keep = top_p_keep(full) & top_k_keep
+    else:
+        keep = top_k_keep & top_p_keep(torch.softmax(scaled.masked_fill(~top_k_keep, float("-inf")), -1))
+    final = (z / temperature).masked_fill(~keep, float("-inf"))
+    return torch.softmax(final, -1)
 
 
 def _sampling_mistakes(logits, temperature, top_k=0, top_p=1.0) -> dict[str, torch.Tensor]:
     """The distributions the planted mistakes produce (one row)."""
     z = logits[None].float()
     wrong = {}
+    if top_p < 1.0 and 0 < top_k < logits.numel():
+        wrong["top-p is applied before top-k, or measured on the whole distribution: top-k comes first and "
+              "top-p measures the mass of the tokens top-k kept (renormalised)"] = _filtered(
+            z[0], temperature, top_k, top_p, top_p_first=True)
+    if top_p < 1.0 and temperature not in (0, 1):
+        wrong["the temperature is applied after top-p chose its tokens (top-p measured on the T = 1 "
+              "distribution): divide the logits by T first, then filter"] = _filtered(
+            z[0], temperature, top_k, top_p, temperature_last=True)
     if temperature not in (0, 1):
         wrong["the temperature is applied after the softmax (probabilities divided by T and "
               "renormalised: the temperature has no effect)"] = sampling_probs(z, 1.0, top_k, top_p)[0]
@@ -218,8 +256,15 @@ def check_sample(fn, checker):
     for kw in (dict(temperature=1.0, top_k=1), dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5),
                dict(temperature=1e-4)):
         case = Case(case="the argmax, row by row", rows=64, vocab=50, **kw)
-        got = checker.call(fn, rows.clone(), generator=torch.Generator().manual_seed(3), case=case, **kw)
+        gen = torch.Generator().manual_seed(3)
+        state = gen.get_state()
+        got = checker.call(fn, rows.clone(), generator=gen, case=case, **kw)
         _expect_ids(checker, got, 64, 50, case)
+        if kw["temperature"] == 0 and not torch.equal(gen.get_state(), state):
+            checker.fail(case, "with temperature 0 your function drew from `generator` (its state changed): "
+                               "temperature 0 is greedy, the argmax with no draw at all. A tiny temperature "
+                               "instead of 0 still draws, and two logits that nearly tie come out either way.",
+                         "if temperature == 0: return logits.argmax(-1), before any division or draw.")
         if not torch.equal(got, argmax):
             wrong = int((got != argmax).sum())
             checker.fail(case, f"{wrong} of 64 rows did not return their argmax; with these settings every "

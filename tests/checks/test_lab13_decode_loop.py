@@ -121,26 +121,58 @@ def test_sample_ignores_the_generator():
     fails(check_sample, fn, "do not come from `generator`")
 
 
-def _sample_with(keep_rule=None, temperature_after_softmax=False):
+def _sample_with(keep_rule=None, temperature_after_softmax=False, top_p_first=False, temperature_last=False,
+                 greedy_as=None):
     def fn(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
         if temperature == 0:
-            return logits.argmax(-1)
-        z = logits if temperature_after_softmax else logits / temperature
-        if 0 < top_k < z.shape[-1]:
-            kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
-            z = z.masked_fill(z < kth, float("-inf"))
+            if greedy_as is None:
+                return logits.argmax(-1)
+            temperature = greedy_as  # a tiny temperature still draws
+        scale = 1.0 if temperature_after_softmax or temperature_last else temperature
+        z = logits / scale
         probs = torch.softmax(z, -1)
+
+        def top_k_filter(probs):
+            if 0 < top_k < z.shape[-1]:
+                kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+                probs = probs.masked_fill(z < kth, 0.0)
+            return probs / probs.sum(-1, keepdim=True)
+
+        def top_p_filter(probs):
+            if top_p < 1.0:
+                sp, order = torch.sort(probs, -1, descending=True)
+                cum = torch.cumsum(sp, -1)
+                keep = keep_rule(cum, sp, top_p)
+                sp = torch.where(keep, sp, torch.zeros_like(sp))
+                probs = torch.zeros_like(probs).scatter(-1, order, sp)
+            return probs
+
+        probs = top_k_filter(top_p_filter(probs)) if top_p_first else top_p_filter(top_k_filter(probs))
         if temperature_after_softmax:
             probs = probs / temperature
-        if top_p < 1.0:
-            sp, order = torch.sort(probs, -1, descending=True)
-            cum = torch.cumsum(sp, -1)
-            keep = keep_rule(cum, sp, top_p)
-            sp = torch.where(keep, sp, torch.zeros_like(sp))
-            probs = torch.zeros_like(probs).scatter(-1, order, sp)
+        if temperature_last:  # the kept tokens, reweighted by the temperature only now
+            probs = torch.softmax((logits / temperature).masked_fill(probs == 0, float("-inf")), -1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
     return fn
+
+
+SPEC_KEEP = lambda cum, sp, p: cum - sp < p  # noqa: E731 - the spec's rule: the crossing token is kept
+
+
+def test_sample_top_p_before_top_k():
+    # the red team's sample_wrong_topp_before_topk and sample_wrong_topp_full_mass (the same distribution)
+    fails(check_sample, _sample_with(SPEC_KEEP, top_p_first=True), "top-k 4 first", "top-p is applied before top-k")
+
+
+def test_sample_temperature_after_the_filters():
+    fails(check_sample, _sample_with(SPEC_KEEP, temperature_last=True), "temperature 0.5 first",
+          "the temperature is applied after top-p chose its tokens")
+
+
+def test_sample_greedy_as_a_tiny_temperature():
+    # right on every frequency case and every argmax row; but it draws, and a near-tie comes out either way
+    fails(check_sample, _sample_with(SPEC_KEEP, greedy_as=1e-6), "temperature=0.0", "drew from `generator`")
 
 
 def test_sample_written_independently_passes():
