@@ -10,6 +10,7 @@ import torch
 
 from labsupport._answers import unguarded
 from labsupport.checks import CheckFailed, check_sample, check_schedule_step, check_speculative_accept
+from labsupport.checks import lab13_decode_loop as lab
 from labsupport.checks.lab13_decode_loop import (
     FALSE_FAIL,
     _sampling_cases,
@@ -305,20 +306,41 @@ def test_accept_stub():
     fails(check_speculative_accept, stub, "NotImplementedError", reason="not done")
 
 
-def _accept_with(ratio_test=True, residual=True, bonus=True, row=None, bonus_row=None):
+def _accept_with(ratio_test=True, residual=True, bonus=True, row=None, bonus_row=None, ratio="p/q",
+                 one_uniform=False, stop=True, own_generator=False):
     """A rule written apart from the course's; ``row`` fixes the row of draft_probs/target_probs every
     position reads (a rule that is right only when all positions share one distribution), ``bonus_row``
-    the row the bonus token is drawn from."""
+    the row the bonus token is drawn from; ``ratio`` "q/p" turns the test upside down, "threshold"
+    accepts exactly when p >= q; ``residual`` "abs" takes |p - q|, "position0" position 0's residual;
+    ``one_uniform`` reuses one r for the step; ``stop=False`` goes on after a rejection;
+    ``own_generator`` draws from the global random state."""
     def fn(draft_tokens, draft_probs, target_probs, generator=None):
+        generator = None if own_generator else generator
         out = []
+        r_step = float(torch.rand((), generator=generator))
         for i, x in enumerate(draft_tokens.tolist()):
             i = i if row is None else row
-            ratio = float(target_probs[i, x] / draft_probs[i, x]) if ratio_test else 1.0
-            if float(torch.rand((), generator=generator)) < min(1.0, ratio):
+            p, q = float(target_probs[i, x]), float(draft_probs[i, x])
+            if ratio == "threshold":
+                r, limit = 0.0, 1.0 if p >= q else 0.0
+            else:
+                r = r_step if one_uniform else float(torch.rand((), generator=generator))
+                limit = min(1.0, (q / p if p > 0 else 1.0) if ratio == "q/p" else p / q) if ratio_test else 1.0
+            if r < limit:
                 out.append(x)
                 continue
-            dist = residual_distribution(target_probs[i], draft_probs[i]) if residual else target_probs[i]
-            out.append(int(torch.multinomial(dist, 1, generator=generator)))
+            j = 0 if residual == "position0" else i
+            if residual == "abs":
+                dist = (target_probs[j] - draft_probs[j]).abs()
+            elif residual:
+                dist = residual_distribution(target_probs[j], draft_probs[j])
+            else:
+                dist = target_probs[j]
+            out.append(int(torch.multinomial(dist / dist.sum(), 1, generator=generator)))
+            if stop:
+                return torch.tensor(out)
+        if not stop and len(out) == draft_tokens.numel():
+            out.append(int(torch.multinomial(target_probs[len(out)], 1, generator=generator)))
             return torch.tensor(out)
         if bonus:
             out.append(int(torch.multinomial(target_probs[len(out) if bonus_row is None else bonus_row], 1,
@@ -349,7 +371,36 @@ def test_accept_reads_the_first_row_at_every_position():
 
 
 def test_accept_draws_the_bonus_from_the_wrong_row():
-    fails(check_speculative_accept, _accept_with(bonus_row=0), "bonus token", "another row of target_probs")
+    fails(check_speculative_accept, _accept_with(bonus_row=0), "bonus token", "row 0 of target_probs")
+
+
+@pytest.mark.parametrize("flags, needles", [
+    # the red team's spec_wrong_ignores_generator: right in distribution, but a seed does not repeat a step
+    (dict(own_generator=True), ("two runs with equally seeded generators", "not drawn from `generator`")),
+    (dict(stop=False), ("yet 1 more token(s) follow it", "stops at its first rejection")),
+    (dict(one_uniform=True), ("one uniform is drawn for the whole step",)),
+    (dict(ratio="q/p"), ("the ratio test is upside down",)),
+])
+def test_accept_mistakes_named(flags, needles):
+    fails(check_speculative_accept, _accept_with(**flags), *needles)
+
+
+@pytest.mark.parametrize("case, position, flags, needle", [
+    (0, 0, dict(ratio="threshold"), "accepted exactly when p(x) >= q(x)"),
+    (0, 0, dict(residual="abs"), "the residual is |p - q|"),
+    (2, 1, dict(residual="position0"), "built from position 0's distributions"),
+    (1, 1, dict(one_uniform=True), "one uniform is drawn"),
+    (0, 0, dict(ratio="inverted"), "upside down"),
+])
+def test_accept_diagnoses(case, position, flags, needle):
+    """The message's diagnosis, from frequencies like a learner's 4,000 steps (a simulation of the
+    mistake with other random numbers than the check's own), without running 4,000 steps."""
+    _, k, p, q = lab._accept_cases()[case]
+    freq = lab._emitted(k, p, q, n=4000, seed=1, **flags)[position]
+    trials = 4000 if position == 0 else 2000
+    assert needle in lab._accept_mistake(freq, trials, position, k, p, q)
+    right = lab._emitted(k, p, q, n=4000, seed=1)[position]  # and a right rule's frequencies name nothing
+    assert lab._accept_mistake(right, trials, position, k, p, q) is None
 
 
 def test_residual_distribution():
