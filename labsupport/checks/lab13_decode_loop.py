@@ -31,7 +31,7 @@ from statistics import NormalDist
 import torch
 
 from ..sampling import sample, sampling_probs
-from ..scheduler import SimStep, TraceItem, blocks_for, schedule_step, simulate
+from ..scheduler import SeqView, SimStep, TraceItem, blocks_for, schedule_step, simulate
 from ..speculative import speculative_accept
 from .framework import Case, graded
 
@@ -338,6 +338,117 @@ def _invariants(step: SimStep, settings: dict) -> str | None:
     return None
 
 
+def _rule_variant(running, waiting, token_budget, free_blocks, block_size, max_running, *, victim="newest",
+                  credit=True, order="oldest", shrink=False, skip_ahead=False):
+    """The rule of :func:`schedule_step`, or (with a flag) one of the usual mistakes, to name what a
+    learner's different decision matches."""
+    scheduled, preempted = {}, []
+    budget, free = token_budget, free_blocks
+    queue = list(running)
+    if order == "newest":
+        queue.reverse()
+    elif order == "decodes":
+        queue.sort(key=lambda q: q.left != 1)  # stable: decodes first, each group oldest first
+    while queue and budget > 0:
+        seq = queue.pop(0)
+        n = min(seq.left, budget)
+        need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+        fits = (seq.num_blocks + free) * block_size - seq.num_computed  # tokens the free blocks hold
+        if shrink and need > free and fits >= 1:
+            n = min(n, fits)
+            need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+        while need > free and queue:
+            out = queue.pop(0 if victim == "oldest" else -1)
+            free += out.num_blocks if credit else 0
+            preempted.append(out.request_id)
+        if need > free:
+            free += seq.num_blocks if credit else 0
+            preempted.append(seq.request_id)
+            break
+        scheduled[seq.request_id] = n
+        budget -= n
+        free -= need
+    if preempted:
+        return scheduled, preempted
+    n_running = len(running)
+    for seq in waiting:
+        if budget <= 0 or n_running >= max_running:
+            break
+        n = min(seq.left, budget)
+        need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+        if need > free:
+            if skip_ahead:
+                continue
+            break
+        scheduled[seq.request_id] = n
+        budget -= n
+        free -= need
+        n_running += 1
+    return scheduled, preempted
+
+
+SCHEDULE_MISTAKES = {  # what the decision matches -> the flags of _rule_variant
+    "the victim taken from the wrong end: the oldest running sequence not yet given tokens was preempted; "
+    "preempt the newest (the last of running)": dict(victim="oldest"),
+    "a preempted sequence's blocks were not counted as free again, so more sequences were preempted than "
+    "needed: add the victim's num_blocks to the free blocks before deciding whether to preempt another":
+        dict(credit=False),
+    "the running sequences served newest first; serve them oldest first (running[0] first)": dict(order="newest"),
+    "decodes served before older unfinished prefills; the rule serves running sequences oldest first, "
+    "whatever their phase": dict(order="decodes"),
+    "a chunk shrunk to what the free blocks hold instead of preempting; a running sequence gets "
+    "min(left, budget left) tokens, and when its blocks do not fit, the newest sequence is preempted":
+        dict(shrink=True),
+    "admission going on past a waiting sequence that did not fit, so a stream of short requests can starve a "
+    "long prompt; the first one that does not fit stops admission (first come, first served: nobody "
+    "overtakes it)": dict(skip_ahead=True),
+}
+
+
+def _decision_problem(got, running, waiting, settings, free_blocks) -> str | None:
+    """How the learner's decision differs from the rule's on this state, naming the mistake it
+    matches; None when it is the rule's."""
+    args = (running, waiting, settings["token_budget"], free_blocks, settings["block_size"], settings["max_running"])
+    scheduled, preempted = dict(got[0]), list(got[1])
+    want = _rule_variant(*args)
+    if (scheduled, preempted) == (want[0], want[1]):
+        return None
+    state = (f"running {[(q.request_id, q.num_tokens, q.num_computed, q.num_blocks) for q in running]}, waiting "
+             f"{[(q.request_id, q.num_tokens, q.num_computed, q.num_blocks) for q in waiting]} (id, tokens, computed, "
+             f"blocks), token_budget {args[2]}, free_blocks {free_blocks}, block_size {args[4]}, "
+             f"max_running {args[5]}")
+    problem = (f"on {state}, your decision was ({scheduled}, {preempted}); the rule gives ({want[0]}, {want[1]}).")
+    if scheduled == want[0] and sorted(map(repr, preempted)) == sorted(map(repr, want[1])):
+        return problem + " The same sequences, preempted in another order: list them in the order they were preempted."
+    named = [desc for desc, flags in SCHEDULE_MISTAKES.items()
+             if _rule_variant(*args, **flags) == (scheduled, preempted)]
+    if named:
+        problem += " It matches what we get with " + "; or with ".join(named) + "."
+    elif want[1] and not preempted:
+        problem += (" Nothing was preempted, but too few blocks are free for the running sequences' tokens: "
+                    "preempt the newest running sequence (it gives back all its blocks) until they suffice.")
+    return problem
+
+
+def _decision_states():
+    """Small hand-made states (``(what it tests, running, waiting, settings, free_blocks)``) on which
+    each usual mistake decides differently from the rule."""
+    v = SeqView
+    return [
+        ("running served oldest first, newest preempted, its blocks freed",
+         [v("r0", 13, 4, 2), v("r1", 9, 5, 3), v("r2", 13, 12, 6)], [],
+         dict(token_budget=11, block_size=2, max_running=4), 0),
+        ("a decode and an older prefill, blocks short",
+         [v("r0", 16, 12, 6), v("r1", 8, 7, 4)], [], dict(token_budget=1, block_size=2, max_running=4), 0),
+        ("two prefills, the budget shared oldest first",
+         [v("r0", 13, 8, 2), v("r1", 14, 9, 3)], [], dict(token_budget=6, block_size=4, max_running=4), 2),
+        ("one prefill whose chunk needs a block", [v("r0", 14, 6, 2)], [],
+         dict(token_budget=4, block_size=4, max_running=4), 0),
+        ("a long prompt waits before a short one", [], [v("w0", 7), v("w1", 3)],
+         dict(token_budget=11, block_size=2, max_running=4), 3),
+    ]
+
+
 @graded(points=10, bans=(schedule_step,))
 def check_schedule_step(fn, checker):
     """``fn(running, waiting, token_budget, free_blocks, block_size, max_running)`` must return
@@ -345,7 +456,18 @@ def check_schedule_step(fn, checker):
     rule of ``labsupport.scheduler``. Checked on traces, step by step, against invariants: the
     decision is possible (budget, blocks, slots, 1 to ``left`` tokens each), no running sequence or
     waiting request is left idle while budget, a slot and blocks remain, admission is first come first
-    served, and every request finishes."""
+    served, and every request finishes; and each decision, on hand-made states and at every step of
+    the traces, must be the rule's."""
+    for what, running, waiting, settings, free in _decision_states():
+        case = Case(state=what, running=len(running), waiting=len(waiting), free_blocks=free, **settings)
+        got = checker.call(fn, list(running), list(waiting), settings["token_budget"], free, settings["block_size"],
+                           settings["max_running"], case=case)
+        if not (isinstance(got, tuple | list) and len(got) == 2 and isinstance(got[0], dict)):
+            checker.fail(case, f"your function returned {got!r:.200}; return (scheduled, preempted): a dict "
+                               f"{{request_id: tokens}} and a list of ids.", SCHEDULER_RULE)
+        problem = _decision_problem(got, running, waiting, settings, free)
+        if problem:
+            checker.fail(case, problem, SCHEDULER_RULE)
     for name, trace, settings in scheduler_traces():
         case = Case(trace=name, requests=len(trace), **settings)
         state = {"step": None}
@@ -355,7 +477,8 @@ def check_schedule_step(fn, checker):
 
         def observe(step, _settings=settings, _case=case, _state=state):
             _state["step"] = step.step
-            problem = _invariants(step, _settings)
+            problem = _invariants(step, _settings) or _decision_problem(
+                (step.scheduled, step.preempted), list(step.running), list(step.waiting), _settings, step.free_blocks)
             if problem:
                 checker.fail(_case, f"at step {step.step}: {problem}", SCHEDULER_RULE)
 

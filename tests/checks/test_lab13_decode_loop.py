@@ -291,6 +291,71 @@ def test_schedule_never_preempts():
     fails(check_schedule_step, no_preemption, "too few blocks")
 
 
+def planted_scheduler(mistake):
+    """A learner's scheduler with one of results_b's mistakes, each of which kept every invariant."""
+    def step(running, waiting, token_budget, free_blocks, block_size, max_running):
+        scheduled, preempted, budget, free = {}, [], token_budget, free_blocks
+        order = list(running)
+        if mistake == "newest first":
+            order = order[::-1]
+        if mistake == "decodes first":
+            order = [s for s in order if s.left == 1] + [s for s in order if s.left != 1]
+        while order and budget > 0:
+            seq = order.pop(0)
+            n = min(seq.left, budget)
+            need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+            room = (seq.num_blocks + free) * block_size - seq.num_computed
+            if mistake == "shrink the chunk" and need > free and room > 0:
+                n, need = min(n, room), blocks_for(seq.num_computed + min(n, room), block_size) - seq.num_blocks
+            while need > free and order:
+                victim = order.pop(0) if mistake == "victim from the front" else order.pop()
+                if mistake != "freed blocks not credited":
+                    free += victim.num_blocks
+                preempted.append(victim.request_id)
+            if need > free:
+                preempted.append(seq.request_id)
+                free += seq.num_blocks
+                break
+            scheduled[seq.request_id] = n
+            budget, free = budget - n, free - need
+        if preempted:
+            return scheduled, preempted
+        count = len(running)
+        for seq in waiting:
+            if budget <= 0 or count >= max_running:
+                break
+            n = min(seq.left, budget)
+            need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+            if need > free:
+                if mistake == "skip a prompt that does not fit":
+                    continue
+                break
+            scheduled[seq.request_id] = n
+            budget, free, count = budget - n, free - need, count + 1
+        return scheduled, preempted
+    return step
+
+
+SCHEDULER_MISTAKES = {  # results_b's fooled schedulers -> what the message must say
+    "victim from the front": "victim taken from the wrong end",
+    "freed blocks not credited": "blocks were not counted as free again",
+    "newest first": "served newest first",
+    "decodes first": "decodes served before older unfinished prefills",
+    "shrink the chunk": "chunk shrunk to what the free blocks hold",
+    "skip a prompt that does not fit": "starve a long prompt",
+}
+
+
+def test_schedule_planted_scheduler_without_mistakes_passes(capsys):
+    check_schedule_step(planted_scheduler(None))
+    assert "PASSED check_schedule_step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", list(SCHEDULER_MISTAKES))
+def test_schedule_decision_mistakes_are_named(mistake):
+    fails(check_schedule_step, planted_scheduler(mistake), SCHEDULER_MISTAKES[mistake], "the rule gives")
+
+
 # --- exercise 4: speculative acceptance ------------------------------------------------------------
 
 
