@@ -150,6 +150,7 @@ class _Driver:
                       f"{self._expected_free()} are free, and it did not raise MemoryError.",
                       "check that enough blocks are free before taking any, and raise MemoryError otherwise "
                       "(leaving the allocator unchanged).")
+        self.returned = table  # what allocate handed back, as it was (the check edits it later)
         table = _ints(self.checker, table, self.case(), f"allocate({seq}, {n})")
         m.tokens[seq] = m.fresh(n)
         self._write_prompt(seq, table)
@@ -362,6 +363,55 @@ def _directed(checker, cls) -> None:
     d.verify("append")
 
 
+def _copies_and_forgetting(checker, cls) -> None:
+    """The lists handed out are copies, and free forgets the sequence (so a second free(0), or a
+    lookup of it, cannot touch blocks that now belong to others)."""
+    d = _Driver(checker, cls, 8, 4, "tables handed out are copies; free forgets the sequence")
+    d.allocate(0, 6)
+    d.verify("allocate")
+    before = d.table(0)
+    for what, handed in (("allocate", d.returned), ("block_table", checker.call(d.alloc.block_table, 0, case=d.case()))):
+        if isinstance(handed, list):
+            handed.append(handed[0])  # the caller edits the list it was given
+            if d.table(0) != before:
+                d.fail(f"{what} returned the allocator's own list: when the caller appended to it, block_table(0) "
+                       f"changed too ({before} became {d.table(0)}).",
+                       "return a copy of the table (`list(table)`), as the interface says, so no caller can edit "
+                       "the allocator's state.")
+    d.fork(0, 1)
+    d.free(0)
+    d.verify("free")
+
+    def lookup(seq_id):  # raising is an answer here: the id is unknown
+        try:
+            return d.alloc.block_table(seq_id)
+        except Exception:  # noqa: BLE001 - any error means the id is gone
+            return None
+
+    stale = d.call(lookup, 0, op="block_table(0)")
+    if stale is not None and (not hasattr(stale, "__len__") or len(stale)):
+        d.fail(f"after free(0), block_table(0) still returns {stale!r}: free kept the sequence's table.",
+               "free must forget the sequence (drop its table and length): a later free(0) or fork(0, ...) "
+               "would otherwise act on blocks that now belong to other sequences.")
+    counts = [checker.call(d.alloc.ref_count, b, case=d.case()) for b in range(d.model.num_blocks)]
+
+    def free_again(seq_id):  # raising is an answer here too
+        try:
+            d.alloc.free(seq_id)
+        except Exception:  # noqa: BLE001
+            pass
+
+    d.call(free_again, 0, op="free(0) again")
+    after = [checker.call(d.alloc.ref_count, b, case=d.case()) for b in range(d.model.num_blocks)]
+    changed = [b for b in range(d.model.num_blocks) if after[b] != counts[b]]
+    if changed:
+        d.fail(f"a second free(0), of a sequence already freed, changed the reference counts of block(s) "
+               f"{changed}, which sequence 1 holds ({counts} became {after}).",
+               "free must forget the sequence, so that freeing it again changes nothing (raising KeyError is "
+               "fine).")
+    d.verify("free")
+
+
 def _random(checker, cls, seed: int, steps: int) -> None:
     rng = random.Random(seed)
     num_blocks, block_size = rng.choice([(24, 4), (20, 3), (32, 2)])
@@ -411,9 +461,10 @@ def check_block_allocator(cls, checker):
                      "your class is, or derives from, labsupport.paged_cache.BlockAllocator, the course's answer.",
                      "write your own class; the check compares its behaviour with what the interface promises.")
     _directed(checker, cls)
+    _copies_and_forgetting(checker, cls)
     for seed in range(3):
         _random(checker, cls, seed, steps=120)
-    checker.cases = 5 + 3  # scenarios, not the thousands of calls they make
+    checker.cases = 6 + 3  # scenarios, not the thousands of calls they make
 
 
 # --- paged decode attention ----------------------------------------------------------------------

@@ -39,6 +39,8 @@ class Allocator:
     copy_only_shared = True
     fork_shares = True
     atomic_copy_on_write = True
+    free_forgets = True
+    hands_out_copies = True
 
     def __init__(self, num_blocks, block_size):
         self.block_size = block_size
@@ -63,7 +65,7 @@ class Allocator:
             table.append(self._take())  # the non-atomic mutant raises halfway, keeping what it took
         self.tables[seq_id] = table
         self.lengths[seq_id] = num_tokens
-        return list(table)
+        return list(table) if self.hands_out_copies else table
 
     def append_token(self, seq_id):
         table, n = self.tables[seq_id], self.lengths[seq_id]
@@ -94,15 +96,16 @@ class Allocator:
                 self.refs[b] += 1
 
     def free(self, seq_id):
-        for b in self.tables.pop(seq_id):
+        for b in self.tables.pop(seq_id) if self.free_forgets else self.tables[seq_id]:
             self.refs[b] = max(0, self.refs[b] - 1)
             if self.free_returns_blocks and (self.refs[b] == 0 or not self.free_checks_refcount):
                 if b not in self.free_list:
                     self.free_list.append(b)
-        del self.lengths[seq_id]
+        if self.free_forgets:
+            del self.lengths[seq_id]
 
     def block_table(self, seq_id):
-        return list(self.tables[seq_id])
+        return list(self.tables[seq_id]) if self.hands_out_copies else self.tables[seq_id]
 
     def ref_count(self, block):
         return self.refs[block]
@@ -129,6 +132,8 @@ ALLOCATOR_MUTANTS = {
     "copy_on_every_write": (mutant(copy_only_shared=False), "copies a block nobody else holds"),
     "fork_copies_instead_of_sharing": (mutant(fork_shares=False), "the child shares the parent's blocks"),
     "copy_on_write_not_atomic": (mutant(atomic_copy_on_write=False), "append_token raised MemoryError but had"),
+    "free_keeps_the_table": (mutant(free_forgets=False), "block_table(0) still returns"),
+    "tables_handed_out_are_the_internal_list": (mutant(hands_out_copies=False), "returned the allocator's own list"),
 }
 
 
