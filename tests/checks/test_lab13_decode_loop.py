@@ -123,13 +123,13 @@ def test_sample_ignores_the_generator():
 
 
 def _sample_with(keep_rule=None, temperature_after_softmax=False, top_p_first=False, temperature_last=False,
-                 greedy_as=None):
+                 greedy_as=None, no_temperature=False):
     def fn(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
         if temperature == 0:
             if greedy_as is None:
                 return logits.argmax(-1)
             temperature = greedy_as  # a tiny temperature still draws
-        scale = 1.0 if temperature_after_softmax or temperature_last else temperature
+        scale = 1.0 if temperature_after_softmax or temperature_last or no_temperature else temperature
         z = logits / scale
         probs = torch.softmax(z, -1)
 
@@ -195,7 +195,12 @@ def test_sample_top_p_keeps_one_too_many():
 
 def test_sample_temperature_after_softmax():
     fails(check_sample, _sample_with(lambda cum, sp, p: cum - sp < p, temperature_after_softmax=True),
-          "temperature 0.5", "temperature is applied after the softmax")
+          "temperature 0.5", "the temperature has no effect: it is not applied, or applied after the softmax")
+
+
+def test_sample_without_temperature_is_told_the_temperature_has_no_effect():
+    fails(check_sample, _sample_with(lambda cum, sp, p: cum - sp < p, no_temperature=True),
+          "temperature 0.5", "the temperature has no effect: it is not applied")
 
 
 def test_sample_temperature_zero_divides():
