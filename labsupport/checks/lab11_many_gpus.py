@@ -21,7 +21,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup
+from torch.distributed import ProcessGroup
 
 from .._answers import banning, course_checks_its_answers, course_is_checking
 from ..collectives import ring_all_reduce, ring_chunk_bounds
