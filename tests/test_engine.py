@@ -198,6 +198,43 @@ def test_prefix_caching_reuses_blocks_keeps_the_tokens_and_counts_hits(model):
     engine.allocator.check_invariants()
 
 
+def test_preempting_a_request_whose_prefix_blocks_are_shared_frees_only_its_own(model):
+    """A decision counts a preempted request's blocks as given back; with prefix caching, the ones
+    it shares with a request that keeps running free nothing. The decision below is valid by those
+    counts (check_decision accepts it), but the blocks it spends are not there: the engine must
+    notice, decide again on the real counts, and still give every request its tokens."""
+    shared = list(range(40, 48))  # two full blocks of 4
+    engine = Engine(model, num_blocks=6, block_size=4, token_budget=32, max_running=4, clock="steps")
+    a = engine.add_request(shared + [1], SamplingParams(temperature=0, max_tokens=6))
+    engine.step()  # a's prompt: blocks 0 and 1 are hashed
+    d = engine.add_request(shared + [2], SamplingParams(temperature=0, max_tokens=3))
+    engine.step()  # d finds the two blocks cached and holds one block of its own
+    assert engine.requests[d].cached_tokens == 8 and engine.allocator.num_free_blocks == 2
+    b = engine.add_request(list(range(60, 76)), SamplingParams(temperature=0, max_tokens=2))  # 16 tokens: 4 blocks
+    rounds, decide = [], engine.scheduler.decide
+
+    def greedy_for_b(running, waiting, budget, free, block_size, max_running):
+        rounds.append((sorted(s.request_id for s in running), free))
+        ids = {s.request_id for s in running}
+        if d in ids and any(s.request_id == b for s in waiting):  # d's 3 blocks "back": 2 + 3 >= 4
+            return {a: 1, b: 16}, [d]
+        return decide(running, waiting, budget, free, block_size, max_running)
+
+    engine.scheduler.decide = greedy_for_b
+    record = engine.step()  # d gave back one block, not three: decided again, without admitting b
+    assert rounds[-2:] == [([a, d], 2), ([a], 3)]
+    assert engine.steps[-1].preempted == 1 and b not in {r.request_id for r in engine.running}
+    engine.allocator.check_invariants()
+    assert {ev.request_id for ev in record} == {a}
+    for _ in engine.stream():
+        pass
+    assert engine.requests[a].output_ids == alone(model, shared + [1], 6)
+    assert engine.requests[d].output_ids == alone(model, shared + [2], 3)
+    assert engine.requests[b].output_ids == alone(model, list(range(60, 76)), 2)
+    assert engine.allocator.num_free_blocks == 6
+    engine.allocator.check_invariants()
+
+
 def test_release_forgets_a_request_and_frees_a_running_ones_blocks(model):
     engine = Engine(model, num_blocks=16, block_size=4, clock="steps")
     done = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1))
