@@ -235,6 +235,35 @@ def test_preempting_a_request_whose_prefix_blocks_are_shared_frees_only_its_own(
     engine.allocator.check_invariants()
 
 
+def test_a_step_that_raises_fails_its_requests_and_leaves_no_unwritten_block_findable(model):
+    """A forward pass that raises before writing the cache: the step's request ends with "error"
+    and gives its blocks back, the request that did not run carries on, and a retry of the same
+    prompt computes it again (the two blocks hashed when the failed step got its slots hold no
+    keys) and gets the tokens it gets alone."""
+    prompt = list(range(30, 39))  # two full blocks of 4, and one more token
+    engine = Engine(model, num_blocks=16, block_size=4, token_budget=9, clock="steps")
+    failed = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3))
+    other = engine.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=3))  # over the budget: waits
+    forward = engine.runner.forward
+
+    def broken(meta):
+        raise torch.cuda.OutOfMemoryError("no memory for the activations")
+
+    engine.runner.forward = broken
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        engine.step()
+    engine.runner.forward = forward
+    assert engine.requests[failed].finish_reason == "error" and not engine.requests[other].finished
+    assert engine.allocator.num_free_blocks == 16
+    engine.allocator.check_invariants()
+    retry = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3))
+    for _ in engine.stream():
+        pass
+    assert engine.requests[retry].cached_tokens == 0
+    assert engine.requests[retry].output_ids == alone(model, prompt, 3)
+    assert engine.requests[other].output_ids == alone(model, [3, 4, 5], 3)
+
+
 def test_release_forgets_a_request_and_frees_a_running_ones_blocks(model):
     engine = Engine(model, num_blocks=16, block_size=4, clock="steps")
     done = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1))

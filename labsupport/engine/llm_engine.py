@@ -207,10 +207,16 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One iteration: schedule, run (one forward pass and the sampler), postprocess. Returns the
-        tokens made."""
+        tokens made. If the forward pass or the sampler raises, the step's requests finish with
+        reason ``"error"``, the prefix cache is cleared, and the exception propagates; the other
+        requests carry on at the next step."""
         started = time.perf_counter()
         batch = self.scheduler.schedule()
-        tokens = self.runner.run(batch.seqs, self.sampler, batch.copies) if batch.seqs else []
+        try:
+            tokens = self.runner.run(batch.seqs, self.sampler, batch.copies) if batch.seqs else []
+        except BaseException:
+            self._fail_step(batch)
+            raise
         return self._postprocess(batch, tokens, started)
 
     def stream(self) -> Iterator[TokenEvent]:
@@ -255,6 +261,18 @@ class Engine:
         self.steps.append(StepRecord(len(self.steps), now, duration, len(batch.seqs), prefill, decode,
                                      batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs))
         return events
+
+    def _fail_step(self, batch: ScheduledBatch) -> None:
+        """The forward pass or the sampler raised. The step's requests end with finish reason
+        ``"error"`` (their blocks go back; the cache slots the step gave them were never filled
+        for sure, so they cannot simply run again), and the prefix cache forgets every hash: a block
+        that filled in this step was made findable when its slots were handed out, before any
+        layer wrote its keys and values, and a later request with the same prefix (a client's
+        retry) would otherwise read whatever the block held."""
+        for req, _ in batch.seqs:
+            if not req.finished:
+                self._retire(req, "error")
+        self.allocator.reset_prefix_cache()
 
     def _stop_reason(self, req: Request) -> str | None:
         p = req.params
