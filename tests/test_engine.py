@@ -70,6 +70,7 @@ def test_greedy_tokens_equal_generate_alone_under_chunking_and_preemption(model)
     assert max(generated_when_preempted) > 0  # a victim had output tokens: the recompute covers them too
     assert any(s.prefill_tokens and s.decode_tokens for s in engine.steps)  # prefill chunks beside decodes
     assert max(s.prefill_tokens + s.decode_tokens for s in engine.steps) == 8  # the budget was used, not exceeded
+    assert sum(s.sampled for s in engine.steps) == sum(len(r.output_ids) for r in requests)  # one row per token
     assert engine.allocator.num_free_blocks == 14  # every block came back
     engine.allocator.check_invariants()
 

@@ -49,6 +49,7 @@ class StepRecord:
     waiting: int
     kv_tokens: int = 0  # tokens of cache the step's attention read (each sequence's length after it)
     attention_pairs: int = 0  # query-key pairs its attention scored (causal: a token sees itself and earlier)
+    sampled: int = 0  # sequences that sampled a token: the rows the output head ran on
 
 
 class _Clock:
@@ -259,7 +260,8 @@ class Engine:
         kv = sum(r.num_computed for r, _ in batch.seqs)  # after the step: each sequence's cached length
         pairs = sum(n * (r.num_computed - n) + n * (n + 1) // 2 for r, n in batch.seqs)
         self.steps.append(StepRecord(len(self.steps), now, duration, len(batch.seqs), prefill, decode,
-                                     batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs))
+                                     batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs,
+                                     len(sampled)))
         return events
 
     def _fail_step(self, batch: ScheduledBatch) -> None:
