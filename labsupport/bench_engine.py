@@ -139,6 +139,8 @@ def engine_run(model: Transformer, trace: list[TraceRequest], max_running: int, 
     warm = engine.add_request(list(trace[0].prompt_ids), SamplingParams(temperature=0, max_tokens=4))
     list(engine.stream())  # warm-up: compile the kernels for a prefill and a decode
     engine.release(warm)
+    engine.allocator.reset_prefix_cache()  # else the trace's first request finds the warm-up's blocks cached
+    engine.block_manager.query_tokens = engine.block_manager.hit_tokens = 0
     engine.steps.clear()
     start = engine.clock.now()  # the trace's clock starts after the warm-up
     requests = run_trace(engine, [TraceRequest(t.arrival_s + start, t.prompt_ids, t.params) for t in trace])

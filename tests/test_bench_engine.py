@@ -25,6 +25,8 @@ def test_dry_run_runs_the_engine_static_batching_and_the_sweep(tmp_path):
     assert m["engine"]["output_tokens"] == m["static"]["output_tokens"]  # the same trace, every token generated
     assert m["engine_over_static"] > 0 and 0 < m["roofline"]["all"]["fraction_of_bound"]
     assert m["engine_stats"]["free_blocks"] == m["engine_stats"]["num_blocks"]  # every block came back
+    # random prompts share no prefix: the warm-up request (the trace's first prompt) left nothing cached
+    assert m["engine_stats"]["prefix_cache_hits"] == 0 and m["engine_stats"]["prefix_cache_queries"] > 0
     assert [r["batch"] for r in data["decode_sweep"]] == list(BE.SWEEP_BATCHES["tiny-2m"])
     assert all(r["step_s"] > 0 and not r["cuda_graphs"] for r in data["decode_sweep"])
     assert BE.load_results(out) is None  # a dry run never reaches the book
