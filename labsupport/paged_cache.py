@@ -33,6 +33,7 @@ every operation).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
@@ -55,10 +56,21 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 def block_hash(parent: int | None, tokens: Sequence[int], salt: Hashable = None) -> int:
     """The identity of a full block: its tokens and its parent's hash (``None`` for the first
-    block, which takes the request's ``salt`` instead). Python's ``hash`` of a tuple of ints is
-    deterministic within a process, which is all an in-memory cache needs; an engine sharing
-    hashes between processes uses a cryptographic hash (vLLM offers SHA-256)."""
-    return hash(("block", parent if parent is not None else ("salt", salt), tuple(int(t) for t in tokens)))
+    block, which takes the request's ``salt`` instead), as SHA-256 (an int of 256 bits).
+
+    Not Python's ``hash``: its 64 bits for a tuple of ints are the same in every process and not
+    built to resist collisions (``hash(-1) == hash(-2)``), so one can search offline for a prompt
+    whose block collides with another user's, and the colliding request would be served the
+    other user's keys and values (vLLM's advisory
+    GHSA-rm76-4mrf-v9r8 was this case; its prefix cache has hashed with SHA-256 by default since
+    v0.10.2). The salt enters through its ``repr``: give plain values (a tenant's id as a str)."""
+    h = hashlib.sha256()
+    if parent is None:
+        h.update(b"first" + repr(salt).encode())
+    else:
+        h.update(b"after" + parent.to_bytes(32, "big"))
+    h.update(b"".join(int(t).to_bytes(8, "big", signed=True) for t in tokens))
+    return int.from_bytes(h.digest(), "big")
 
 
 @answer

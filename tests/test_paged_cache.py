@@ -93,6 +93,11 @@ def test_prefix_caching_reuses_full_blocks_only():
 def test_the_hash_covers_the_parent():
     """Equal blocks after different prefixes are different blocks."""
     assert block_hash(None, [1, 2]) != block_hash(block_hash(None, [9, 9]), [1, 2])
+    # SHA-256, not Python's hash, under which these two blocks collide (hash(-1) == hash(-2))
+    assert hash(("block", None, (-1,))) == hash(("block", None, (-2,)))
+    assert block_hash(None, [-1]) != block_hash(None, [-2]) and block_hash(None, [1, 2]).bit_length() > 64
+    assert block_hash(None, [1, 2], salt="tenant-a") != block_hash(None, [1, 2], salt="tenant-b")
+    assert block_hash(None, [1, 2]) == block_hash(None, (1, 2))  # the same in every process and call
     a = BlockAllocator(16, 2, prefix_caching=True)
     a.allocate("a", [1, 2, 3, 4])
     a.allocate("b", [5, 6, 3, 4])
