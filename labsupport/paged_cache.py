@@ -34,6 +34,7 @@ every operation).
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
@@ -64,12 +65,8 @@ def block_hash(parent: int | None, tokens: Sequence[int], salt: Hashable = None)
     other user's keys and values (vLLM's advisory
     GHSA-rm76-4mrf-v9r8 was this case; its prefix cache has hashed with SHA-256 by default since
     v0.10.2). The salt enters through its ``repr``: give plain values (a tenant's id as a str)."""
-    h = hashlib.sha256()
-    if parent is None:
-        h.update(b"first" + repr(salt).encode())
-    else:
-        h.update(b"after" + parent.to_bytes(32, "big"))
-    h.update(b"".join(int(t).to_bytes(8, "big", signed=True) for t in tokens))
+    h = hashlib.sha256(b"first" + repr(salt).encode() if parent is None else b"after" + parent.to_bytes(32, "big"))
+    h.update(struct.pack(f">{len(tokens)}q", *tokens))  # the ids as signed 64-bit ints, one call
     return int.from_bytes(h.digest(), "big")
 
 
