@@ -361,12 +361,10 @@ class BlockAllocator:
         logits). 0 without prefix caching."""
         if not self.prefix_caching:
             return 0
-        ids = [int(t) for t in tokens]
-        usable = len(ids) if limit is None else min(len(ids), limit)
-        parent, hit = None, 0
-        for i in range(usable // self.block_size):
-            parent = block_hash(parent, ids[i * self.block_size:(i + 1) * self.block_size],
-                                cache_salt if i == 0 else None)
+        usable = len(tokens) if limit is None else min(len(tokens), limit)
+        parent, hit, bs = None, 0, self.block_size
+        for i in range(usable // bs):  # block by block: a miss stops it before the rest is read
+            parent = block_hash(parent, [int(t) for t in tokens[i * bs:(i + 1) * bs]], cache_salt if i == 0 else None)
             if parent not in self._by_hash:
                 break
             hit += self.block_size

@@ -221,3 +221,13 @@ def test_prefix_cached_prefill_gives_the_same_logits():
         allocator.free(i)
     assert hits == [0, 16, 16]  # two full blocks of the shared prompt; the third prompt is all cached
     allocator.check_invariants()
+
+
+def test_the_cached_prefix_lookup_stops_at_the_first_miss():
+    """An engine asks for every waiting request every step, so the look-up reads a prompt only up
+    to its first uncached block (here, what follows the miss is not even a token id)."""
+    a = BlockAllocator(8, 4, prefix_caching=True)
+    a.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert a.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert a.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 7, 8], limit=7) == 4  # the last token is computed
+    assert a.cached_prefix_tokens([1, 2, 3, 4, 0, 0, 0, 0] + [object()] * 1000) == 4
