@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from labsupport.engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
+from labsupport.engine import Engine, Request, TraceRequest, poisson_trace, run_trace, trace_summary
 from labsupport.engine.model_runner import graph_batch_sizes, padded_batch_size
 from labsupport.engine.sampler import BatchedSampler
 from labsupport.models import get_model
@@ -344,3 +344,11 @@ def test_fused_projections_change_nothing_but_rounding(model):
     for t, r in zip(trace, requests):
         assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens)
 
+
+
+def test_a_requests_token_ids_are_slices_of_all_its_ids():
+    req = Request(0, [1, 2, 3], SamplingParams(), 0.0, torch.Generator())
+    req.output_ids += [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert req.token_ids(start, end) == req.all_ids[start:end], (start, end)

@@ -139,7 +139,7 @@ class ModelRunner:
             start = req.num_computed
             table = np.asarray(self.block_manager.block_table(req.request_id), dtype=np.int64)
             p = np.arange(start, start + n)
-            ids[row:row + n] = req.all_ids[start:start + n]
+            ids[row:row + n] = req.token_ids(start, start + n)
             pos[row:row + n] = p
             slots[row:row + n] = table[p // bs] * bs + p % bs
             tables[b, :len(table)] = table

@@ -39,6 +39,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids`` (a step needs a few tokens of a long
+        sequence: copying all of it for every request every step costs milliseconds at batch 128)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
