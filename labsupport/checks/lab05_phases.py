@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import inspect
-import re
 
 from ..costs import decode_step_bytes, param_count, prefill_flops
 from ..models import ModelConfig, get_model
+from ._mistakes import RuledOut
 from .framework import Case, graded
 
 PREFILL_CONVENTION = (
@@ -52,17 +52,6 @@ def _param_count(cfg, mha: bool = False, embeddings: bool = True) -> int:
     if not embeddings:
         n -= cfg.vocab_size * cfg.d_model * (1 if cfg.tied_embeddings else 2)
     return n
-
-
-def _distinct(mistakes: dict[str, float], expected: float) -> dict[str, float]:
-    """Drop mistakes that give the right answer for this case; merge ones that give the same value."""
-    merged: dict[float, list[str]] = {}
-    for what, value in mistakes.items():
-        if abs(value - expected) <= 1e-9 * abs(expected):
-            continue
-        key = next((v for v in merged if abs(v - value) <= 1e-9 * abs(value)), value)
-        merged.setdefault(key, []).append(what)
-    return {", or ".join(whats): value for value, whats in merged.items()}
 
 
 # --- prefill FLOPs -------------------------------------------------------------------------------
@@ -122,31 +111,10 @@ def _prefill_mistakes(cfg, p: int, causal: bool) -> dict[str, float]:
     return mistakes
 
 
-class _RuledOut:
-    """Mistakes an earlier case has already ruled out: the learner's function gave the right answer there,
-    where the mistake would not have. What is left is what a failure can be blamed on. A mistake is known
-    by its description with the numbers taken out (they change from case to case)."""
-
-    def __init__(self):
-        self.keys: set[str] = set()
-
-    @staticmethod
-    def _key(description: str) -> str:
-        return re.sub(r"\d[\d,.]*", "#", description)
-
-    def candidates(self, mistakes: dict[str, float], expected: float) -> dict[str, float]:
-        return _distinct({what: value for what, value in mistakes.items() if self._key(what) not in self.keys},
-                         expected)
-
-    def passed(self, mistakes: dict[str, float], expected: float) -> None:
-        self.keys |= {self._key(what) for what, value in mistakes.items()
-                      if abs(value - expected) > 1e-9 * abs(expected)}
-
-
 @graded(points=5, bans=(prefill_flops,))
 def check_prefill_flops(fn, checker):
     """``fn(cfg, prompt_tokens, causal=False)`` must return the FLOPs of prefilling the prompt."""
-    ruled_out = _RuledOut()
+    ruled_out = RuledOut()
     for cfg in _configs():
         for p in _PREFILL_LENGTHS[cfg.name]:
             for causal in (False, True):
@@ -232,7 +200,7 @@ def check_decode_bytes(fn, checker):
     """
     byte_params = _bytes_parameters(fn)
     element_sizes = (2, 4) if byte_params else (2,)
-    ruled_out = _RuledOut()
+    ruled_out = RuledOut()
     for cfg in _configs():
         for batch, context in _DECODE_POINTS[cfg.name]:
             for b in element_sizes:
