@@ -34,6 +34,7 @@ ALLOCATORS = frozenset({
     "full", "clone", "new_empty", "new_zeros", "new_ones", "new_full", "empty_strided", "contiguous", "to",
     "float", "half", "bfloat16", "double",
 })
+EMPTY = frozenset({"empty_like", "empty", "new_empty", "empty_strided"})  # uninitialised: NaN with nan_empty=True
 
 
 @dataclass
@@ -60,30 +61,36 @@ def _pad_elements(numel: int) -> int:
 
 
 def padded_copy(t: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """A contiguous copy of ``t`` in the middle of a buffer whose guard bytes are ``fill``:
-    ``(copy, buffer as uint8, first byte, one past the last byte)``."""
+    """A copy of ``t`` in the middle of a buffer whose guard bytes are ``fill``, laid out as ``t`` is (a
+    transposed view stays a transposed view): ``(copy, buffer as uint8, first byte, one past the last)``."""
     pad = _pad_elements(t.numel())
     item = t.element_size()
     raw = torch.full(((t.numel() + 2 * pad) * item,), fill, dtype=torch.uint8, device=t.device)
-    view = raw.view(t.dtype)[pad: pad + t.numel()]
-    view.copy_(t.reshape(-1))
-    return view.view(t.shape), raw, pad * item, (pad + t.numel()) * item
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))  # outermost dimension in memory first
+    dense = t.permute(order)  # the same elements, in the order they are laid out in memory
+    flat = raw.view(t.dtype)[pad: pad + t.numel()]
+    flat.copy_(dense.reshape(-1))
+    copy = flat.view(dense.shape).permute([order.index(i) for i in range(t.dim())])
+    return copy, raw, pad * item, (pad + t.numel()) * item
 
 
 class guarded_memory:
     """Context manager: while active, what the learner's function allocates is padded (see the module
     docstring). ``guard(t, label)`` pads an input; ``touched()`` lists the guarded tensors written
-    outside their bounds."""
+    outside their bounds. With ``nan_empty=True`` a float tensor from ``torch.empty``-like calls starts
+    as NaN, so elements a kernel never writes show as NaN instead of whatever memory held before."""
 
-    def __init__(self):
+    def __init__(self, *, nan_empty: bool = False):
         self.guarded: list[Guarded] = []
+        self.nan_empty = nan_empty
         guard = self
 
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 result = func(*args, **(kwargs or {}))
-                if getattr(func, "__name__", "") in ALLOCATORS:
-                    return guard._allocated(result, args)
+                name = getattr(func, "__name__", "")
+                if name in ALLOCATORS:
+                    return guard._allocated(result, args, empty=name in EMPTY)
                 return result
 
         self.mode = Mode()
@@ -94,7 +101,7 @@ class guarded_memory:
         self.guarded.append(Guarded(raw, start, stop, INPUT_FILL, label, tuple(t.shape), t.dtype))
         return view
 
-    def _allocated(self, t, args):
+    def _allocated(self, t, args, empty=False):
         if not isinstance(t, torch.Tensor) or t.numel() == 0 or not t.is_contiguous() or t.is_sparse:
             return t  # Triton's interpreter itself makes empty placeholders
         if t.device.type == "meta" or t.dtype == torch.bool or t.is_complex():
@@ -106,6 +113,8 @@ class guarded_memory:
                for a in args):
             return t  # x.contiguous() or x.to(x.dtype) returned x itself
         view, raw, start, stop = padded_copy(t, ALLOCATION_FILL)
+        if empty and self.nan_empty and t.is_floating_point():
+            raw[start:stop] = INPUT_FILL  # uninitialised memory reads as NaN, as torch's fill_uninitialized_memory
         label = f"the {'x'.join(map(str, t.shape)) or 'scalar'} {str(t.dtype).replace('torch.', '')} tensor your function allocated"
         self.guarded.append(Guarded(raw, start, stop, ALLOCATION_FILL, label, tuple(t.shape), t.dtype))
         return view
