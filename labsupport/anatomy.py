@@ -30,10 +30,9 @@ import torch
 from ._answers import answer
 from ._validate import positive_int
 from .costs import param_count
+from .families import COMPONENTS, component_of
 from .models import ModelConfig, as_model
 from .transformer import Attention, FeedForward, RMSNorm, Transformer
-
-COMPONENTS = ("embedding", "attention", "feed_forward", "norms", "output")
 
 # The parts of a forward step that the profile separates (:func:`profile_step`), in order.
 STEP_PARTS = (
@@ -74,25 +73,11 @@ def param_count_by_component(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
-def _component_of(name: str) -> str:
-    """The component of a parameter, from its name in the course model or in transformers."""
-    if "norm" in name:
-        return "norms"
-    if "embed" in name:
-        return "embedding"
-    if name.startswith(("output", "lm_head")):
-        return "output"
-    if ".attention." in name or ".self_attn." in name:
-        return "attention"
-    if ".feed_forward." in name or ".mlp." in name:
-        return "feed_forward"
-    raise ValueError(f"parameter {name!r} belongs to no component this course counts")
-
-
 def _counts_by_component(module: torch.nn.Module) -> dict[str, int]:
     counts = dict.fromkeys(COMPONENTS, 0)
     for name, p in module.named_parameters():  # a tied table is listed once
-        counts[_component_of(name)] += p.numel()
+        # the component of each name, the course model's or transformers', from the one table of weights
+        counts[component_of(name)] += p.numel()
     return counts
 
 

@@ -25,9 +25,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import families
+
 # Llama 3's rotary base (Grattafiori et al., 2024): the default for ModelConfig.rope_theta, so the
 # course presets rotate as Llama 3 does.
 LLAMA3_ROPE_THETA = 500_000.0
+# Llama 3's RMSNorm epsilon (its config.json's rms_norm_eps): the default for ModelConfig.rms_norm_eps,
+# the value the course model always used.
+DEFAULT_RMS_NORM_EPS = 1e-5
 
 
 def _frozen(value):
@@ -73,6 +78,10 @@ class ModelConfig:
     * ``rope_scaling``: Hugging Face's ``rope_scaling`` dict (Llama 3.1's ``"llama3"`` frequency
       scaling) or ``None``. Pass a dict; it is stored frozen (sorted items) so the config stays
       hashable, and ``cfg.rope_scaling`` gives a fresh dict back.
+    * ``rms_norm_eps``: the epsilon inside every RMSNorm, ``x / sqrt(mean(x**2) + eps)`` (Llama 3
+      and SmolLM2: 1e-5, the default; Qwen2 and Qwen3: 1e-6). It changes no shape or cost, but a
+      trained model's logits move with it (a tiny Llama with 1e-6 computed with 1e-5 is off by
+      about 4e-3).
     """
 
     name: str
@@ -90,6 +99,7 @@ class ModelConfig:
     qk_norm: bool = False
     rope_theta: float = LLAMA3_ROPE_THETA
     rope_scaling_items: tuple | None = None
+    rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
 
     def __init__(
         self,
@@ -109,6 +119,7 @@ class ModelConfig:
         rope_theta: float = LLAMA3_ROPE_THETA,
         rope_scaling: Mapping | None = None,
         rope_scaling_items: tuple | None = None,
+        rms_norm_eps: float = DEFAULT_RMS_NORM_EPS,
     ) -> None:
         if rope_scaling is not None and rope_scaling_items is not None:
             raise ValueError("ModelConfig: give rope_scaling (a dict) or rope_scaling_items, not both")
@@ -123,7 +134,7 @@ class ModelConfig:
             name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
             d_ff=d_ff, vocab_size=vocab_size, tied_embeddings=tied_embeddings, source=source,
             head_dim=head_dim, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, rope_theta=rope_theta,
-            rope_scaling_items=rope_scaling_items,
+            rope_scaling_items=rope_scaling_items, rms_norm_eps=rms_norm_eps,
         )
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -161,6 +172,10 @@ class ModelConfig:
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 1:
             raise ValueError(f"ModelConfig.rope_theta must be a number above 1, got {theta!r}")
         object.__setattr__(self, "rope_theta", float(theta))
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 0 < eps < 1:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be a number between 0 and 1 (1e-5, 1e-6), got {eps!r}")
+        object.__setattr__(self, "rms_norm_eps", float(eps))
         items = self.rope_scaling_items
         if isinstance(items, Mapping):
             object.__setattr__(self, "rope_scaling_items", _frozen(items))
@@ -217,18 +232,13 @@ MODELS: dict[str, ModelConfig] = {
 # --- Hugging Face config.json -------------------------------------------------------------------
 
 # The families :func:`from_hf_config` reads, by ``model_type``, with the ``architectures`` entry each
-# one writes. All four are Llama-style decoders; they differ in the fields read below.
-HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# Defaults of transformers' configuration classes for a field the file leaves out (transformers
-# 4.51 to 5.x: MistralConfig.num_key_value_heads = 8, Qwen2Config and Qwen3Config 32, Qwen3Config.head_dim
-# = 128; LlamaConfig derives both, as the families not listed here do).
-HF_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
-HF_DEFAULT_HEAD_DIM = {"qwen3": 128}
+# one writes, and the defaults of transformers' configuration classes for a field the file leaves
+# out: views of the one table, labsupport.families.FAMILIES, kept under their old names.
+HF_ARCHITECTURES = {name: spec.architecture for name, spec in families.FAMILIES.items()}
+HF_DEFAULT_KV_HEADS = {name: spec.default_kv_heads for name, spec in families.FAMILIES.items()
+                       if spec.default_kv_heads is not None}
+HF_DEFAULT_HEAD_DIM = {name: spec.default_head_dim for name, spec in families.FAMILIES.items()
+                       if spec.default_head_dim is not None}
 _HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
@@ -248,84 +258,28 @@ def _hf_bool(config: Mapping, field: str, default: bool) -> bool:
     return value
 
 
-def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face ``config.json`` (parsed into a dict).
-
-    Reads the Llama, Mistral, Qwen2 and Qwen3 spellings: ``num_hidden_layers``, ``hidden_size``,
-    ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
-    ``tie_word_embeddings`` (absent: false, as all four families default), ``head_dim``,
-    ``rope_theta`` and ``rope_scaling`` (or transformers 5's ``rope_parameters``, which holds
-    both), and the biases: ``attention_bias`` in Llama and Qwen3 puts a bias on the q, k, v *and*
-    output projections; Qwen2 always has q/k/v biases and no output bias; Mistral has none. Qwen3
-    adds a per-head RMSNorm on queries and keys (``qk_norm``). ``sliding_window`` (Mistral 7B
-    v0.1, some Qwen2) changes neither the parameters nor the per-token cache, and is not carried.
-
-    A field the file leaves out takes the default of the family's configuration class in
-    ``transformers``, which is what transformers and vLLM build: ``num_key_value_heads`` is then as
-    many as the query heads for Llama but 8 for Mistral and 32 for Qwen2 and Qwen3, and ``head_dim``
-    is ``hidden_size / num_attention_heads`` except for Qwen3 (128). An explicit null means as many
-    as the query heads and ``hidden_size / num_attention_heads``.
-
-    The family is ``model_type`` (or, when that is absent, the ``architectures`` entry). An unknown
-    family, a missing or malformed field, ``mlp_bias`` true or an activation other than ``silu``
-    (neither is a SwiGLU decoder this course models) is a ``ValueError`` naming the field.
-    """
-    if not isinstance(config, Mapping):
-        raise ValueError(
-            f"from_hf_config takes the config.json as a dict (json.load(open('config.json'))), "
-            f"got {type(config).__name__}"
-        )
+def _hf_family(config: Mapping) -> str:
+    """The config's family: ``model_type``, or the family of an ``architectures`` entry."""
     family = config.get("model_type")
     if family is None:
         architectures = config.get("architectures") or []
-        by_architecture = {arch: fam for fam, arch in HF_ARCHITECTURES.items()}
-        family = next((by_architecture[a] for a in architectures if a in by_architecture), None)
+        found = [families.family_of_architecture(a) for a in architectures]
+        family = next((spec.model_type for spec in found if spec is not None), None)
         if family is None:
             raise ValueError(
                 f"from_hf_config: the config has no model_type (and its architectures {architectures!r} "
                 f"are not among {', '.join(HF_ARCHITECTURES.values())}); add model_type, one of "
                 f"{', '.join(HF_ARCHITECTURES)}"
             )
-    if family not in HF_ARCHITECTURES:
+    if family not in families.FAMILIES:
         raise ValueError(
-            f"from_hf_config: model_type {family!r} is not supported; accepted: {', '.join(HF_ARCHITECTURES)}"
+            f"from_hf_config: model_type {family!r} is not supported; accepted: {', '.join(families.FAMILIES)}"
         )
-    for field in _HF_REQUIRED:
-        if config.get(field) is None:
-            raise ValueError(f"from_hf_config: the {family} config has no {field}, which is required")
-    n_layers = _hf_int(config, "num_hidden_layers", "")
-    d_model = _hf_int(config, "hidden_size", "")
-    n_heads = _hf_int(config, "num_attention_heads", "")
-    d_ff = _hf_int(config, "intermediate_size", "")
-    vocab = _hf_int(config, "vocab_size", "")
-    # An absent field takes the default of the family's configuration class in transformers (what
-    # transformers and vLLM build from the file); an explicit null means "as many as the query heads"
-    # and "hidden_size / num_attention_heads".
-    if "num_key_value_heads" not in config:
-        n_kv = HF_DEFAULT_KV_HEADS.get(family, n_heads)
-    elif config["num_key_value_heads"] is None:
-        n_kv = n_heads
-    else:
-        n_kv = _hf_int(config, "num_key_value_heads", "")
-    if "head_dim" not in config:
-        head_dim = HF_DEFAULT_HEAD_DIM.get(family)
-    else:
-        head_dim = None if config["head_dim"] is None else _hf_int(config, "head_dim", " or null")
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"from_hf_config: hidden_act is {act!r}; only 'silu' (a SwiGLU feed-forward) is modelled")
-    if _hf_bool(config, "mlp_bias", False):
-        raise ValueError("from_hf_config: mlp_bias is true; feed-forward biases are not modelled")
-    attention_bias = _hf_bool(config, "attention_bias", False)
-    if family == "mistral":
-        if attention_bias:
-            raise ValueError("from_hf_config: attention_bias is true, but Mistral's projections have no bias")
-        qkv_bias = o_bias = False
-    elif family == "qwen2":  # q/k/v biases always, no output bias; attention_bias is not read
-        qkv_bias, o_bias = True, False
-    else:  # llama, qwen3: one switch for q, k, v and o
-        qkv_bias = o_bias = attention_bias
+    return family
 
+
+def _hf_rope(config: Mapping, family: str) -> tuple[float, Mapping | None]:
+    """``rope_theta`` and ``rope_scaling`` (None for plain RoPE), from either spelling."""
     theta, scaling = config.get("rope_theta"), config.get("rope_scaling")
     parameters = config.get("rope_parameters")
     if parameters is not None:  # transformers 5 writes theta and the scaling in one dict
@@ -343,14 +297,85 @@ def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -
         raise ValueError(f"from_hf_config: rope_scaling must be a dict or null, got {scaling!r}")
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
+    return theta, scaling
+
+
+def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face ``config.json`` (parsed into a dict).
+
+    Reads the Llama, Mistral, Qwen2 and Qwen3 spellings: ``num_hidden_layers``, ``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
+    ``tie_word_embeddings`` (absent: false, as all four families default), ``head_dim``,
+    ``rms_norm_eps`` (absent: the family's default, 1e-6), ``rope_theta`` and ``rope_scaling`` (or transformers 5's ``rope_parameters``, which holds
+    both), and the biases: ``attention_bias`` in Llama and Qwen3 puts a bias on the q, k, v *and*
+    output projections; Qwen2 always has q/k/v biases and no output bias; Mistral has none. Qwen3
+    adds a per-head RMSNorm on queries and keys (``qk_norm``). ``sliding_window`` (Mistral 7B
+    v0.1, some Qwen2) changes neither the parameters nor the per-token cache, and is not carried.
+
+    A field the file leaves out takes the default of the family's configuration class in
+    ``transformers``, which is what transformers and vLLM build: ``num_key_value_heads`` is then as
+    many as the query heads for Llama but 8 for Mistral and 32 for Qwen2 and Qwen3, and ``head_dim``
+    is ``hidden_size / num_attention_heads`` except for Qwen3 (128). An explicit null means as many
+    as the query heads and ``hidden_size / num_attention_heads``.
+
+    The family is ``model_type`` (or, when that is absent, the ``architectures`` entry), looked up
+    in :data:`labsupport.families.FAMILIES`, which holds every per-family rule above. An unknown
+    family, a missing or malformed field, ``mlp_bias`` true or an activation other than ``silu``
+    (neither is a SwiGLU decoder this course models) is a ``ValueError`` naming the field.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"from_hf_config takes the config.json as a dict (json.load(open('config.json'))), "
+            f"got {type(config).__name__}"
+        )
+    family = _hf_family(config)
+    spec = families.FAMILIES[family]
+    for field in _HF_REQUIRED:
+        if config.get(field) is None:
+            raise ValueError(f"from_hf_config: the {family} config has no {field}, which is required")
+    n_layers = _hf_int(config, "num_hidden_layers", "")
+    d_model = _hf_int(config, "hidden_size", "")
+    n_heads = _hf_int(config, "num_attention_heads", "")
+    d_ff = _hf_int(config, "intermediate_size", "")
+    vocab = _hf_int(config, "vocab_size", "")
+    # An absent field takes the default of the family's configuration class in transformers (what
+    # transformers and vLLM build from the file); an explicit null means "as many as the query heads"
+    # and "hidden_size / num_attention_heads".
+    if "num_key_value_heads" not in config:
+        n_kv = spec.default_kv_heads or n_heads
+    elif config["num_key_value_heads"] is None:
+        n_kv = n_heads
+    else:
+        n_kv = _hf_int(config, "num_key_value_heads", "")
+    if "head_dim" not in config:
+        head_dim = spec.default_head_dim
+    else:
+        head_dim = None if config["head_dim"] is None else _hf_int(config, "head_dim", " or null")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"from_hf_config: hidden_act is {act!r}; only 'silu' (a SwiGLU feed-forward) is modelled")
+    if _hf_bool(config, "mlp_bias", False):
+        raise ValueError("from_hf_config: mlp_bias is true; feed-forward biases are not modelled")
+    # Llama, Qwen3: one switch for q, k, v and o; Qwen2: q/k/v biases always (attention_bias is not
+    # read); Mistral: none (the spec's bias rule)
+    try:
+        qkv_bias, o_bias = families.biases(spec, _hf_bool(config, "attention_bias", False))
+    except ValueError as exc:
+        raise ValueError(f"from_hf_config: {exc}") from None
+    eps = config.get("rms_norm_eps")
+    eps = spec.default_rms_norm_eps if eps is None else eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"from_hf_config: rms_norm_eps must be a number between 0 and 1, got {eps!r}")
+
+    theta, scaling = _hf_rope(config, family)
     if name is None:
         name = str(config.get("_name_or_path") or family)
     return ModelConfig(
         name, n_layers, d_model, n_heads, n_kv, d_ff, vocab,
         tied_embeddings=_hf_bool(config, "tie_word_embeddings", False),
         source=source or "a Hugging Face config.json",
-        head_dim=head_dim, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=family == "qwen3",
-        rope_theta=float(theta), rope_scaling=scaling,
+        head_dim=head_dim, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=spec.qk_norm,
+        rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=float(eps),
     )
 
 
@@ -363,21 +388,10 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     every projection has a bias). A config with an output bias but no q/k/v biases has no family.
     """
     cfg = as_model(cfg)
-    if cfg.qk_norm:
-        if cfg.qkv_bias != cfg.o_bias:
-            raise ValueError(f"{cfg.name}: Qwen3 biases q, k, v and o together; this config has "
-                             f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}")
-        family = "qwen3"
-    elif cfg.qkv_bias and not cfg.o_bias:
-        family = "qwen2"
-    elif cfg.qkv_bias == cfg.o_bias:
-        family = "llama"
-    else:
-        raise ValueError(f"{cfg.name}: an output bias without q/k/v biases is in none of "
-                         f"{', '.join(HF_ARCHITECTURES)}")
+    spec = families.family_for(cfg)  # ValueError for biases no family has
     out = {
-        "architectures": [HF_ARCHITECTURES[family]],
-        "model_type": family,
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
         "hidden_act": "silu",
         "num_hidden_layers": cfg.n_layers,
         "hidden_size": cfg.d_model,
@@ -389,8 +403,9 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tied_embeddings,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling,
+        "rms_norm_eps": cfg.rms_norm_eps,
     }
-    if family != "qwen2":
+    if spec.bias == "attention_bias":
         out["attention_bias"] = cfg.qkv_bias
     return out
 
@@ -405,18 +420,18 @@ HF_CONFIGS: dict[str, dict] = {
         "attention_bias": False, "mlp_bias": False, "rope_theta": 500000.0,
         "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "max_position_embeddings": 131072,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
     },
     "mistral-7b-v0.1": {
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
         "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
         "intermediate_size": 14336, "vocab_size": 32000, "tie_word_embeddings": False,
-        "rope_theta": 10000.0, "sliding_window": 4096, "max_position_embeddings": 32768,
+        "rope_theta": 10000.0, "sliding_window": 4096, "rms_norm_eps": 1e-05, "max_position_embeddings": 32768,
     },
     "qwen2-7b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
         "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
+        "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False, "rms_norm_eps": 1e-06,
         "rope_theta": 1000000.0,
     },
     "qwen3-8b": {
@@ -424,12 +439,14 @@ HF_CONFIGS: dict[str, dict] = {
         "num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
         "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False,
         "attention_bias": False, "rope_theta": 1000000, "rope_scaling": None, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
     },
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
         "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
         "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
         "attention_bias": False, "rope_theta": 1000000, "rope_scaling": None, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
     },
 }
 HF_SOURCES: dict[str, str] = {

@@ -35,12 +35,14 @@ import torch.nn.functional as F
 
 from ._answers import answer
 from ._validate import positive_int
+from .families import split_keys
 from .models import ModelConfig, as_model
 from .transformer import NORM_EPS, Block, KVCache, Transformer, apply_rope, rope_cos_sin
 
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")  # rows split: each rank computes some output features
-ROW_PARALLEL = ("wo", "w2")  # columns split: each rank's product is a partial sum
-REPLICATED = ("attention_norm", "ffn_norm", "q_norm", "k_norm", "bo")
+# How each weight of a layer is split, read from the one table of weights (labsupport.families.WEIGHTS)
+COLUMN_PARALLEL = split_keys("column", biases=False)  # wq wk wv w1 w3: rows split, each rank some output features
+ROW_PARALLEL = split_keys("row")  # wo w2: columns split, each rank's product is a partial sum
+REPLICATED = split_keys("replicated")  # the norms, q/k norms and the output bias (added once, after the sum)
 
 
 def check_divisible(cfg: ModelConfig, world_size: int) -> None:
@@ -132,12 +134,13 @@ def tp_layer_forward(shards: dict, x: torch.Tensor, cos: torch.Tensor, sin: torc
     D = cfg.head_dim
     hq, hkv = cfg.n_heads // n, cfg.n_kv_heads // n  # this rank's heads
 
-    h = rms_norm(x, shards["attention_norm"])  # (B, S, d), replicated
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, shards["attention_norm"], eps)  # (B, S, d), replicated
     q = F.linear(h, shards["wq"], shards.get("bq")).view(B, S, hq, D).transpose(1, 2)  # (B, hq, S, D)
     k = F.linear(h, shards["wk"], shards.get("bk")).view(B, S, hkv, D).transpose(1, 2)  # (B, hkv, S, D)
     v = F.linear(h, shards["wv"], shards.get("bv")).view(B, S, hkv, D).transpose(1, 2)  # (B, hkv, S, D)
     if "q_norm" in shards:
-        q, k = rms_norm(q, shards["q_norm"]), rms_norm(k, shards["k_norm"])
+        q, k = rms_norm(q, shards["q_norm"], eps), rms_norm(k, shards["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None:
         k, v = cache.update(layer, start, k, v)  # (B, hkv, T, D)
@@ -148,7 +151,7 @@ def tp_layer_forward(shards: dict, x: torch.Tensor, cos: torch.Tensor, sin: torc
         partial = partial + shards["bo"]  # added once, after the sum
     x = x + partial
 
-    h = rms_norm(x, shards["ffn_norm"])
+    h = rms_norm(x, shards["ffn_norm"], eps)
     hidden = F.silu(F.linear(h, shards["w1"])) * F.linear(h, shards["w3"])  # (B, S, d_ff/n)
     partial = F.linear(hidden, shards["w2"])  # (B, S, d), partial sum
     dist.all_reduce(partial)  # all-reduce 2
@@ -195,7 +198,7 @@ class TensorParallelModel:
         for i, shards in enumerate(self.layers):
             x = self.layer_fn(shards, x, cos, sin, self.cfg, cache, i, start) if cache is not None else \
                 self.layer_fn(shards, x, cos, sin, self.cfg)
-        x = rms_norm(x[:, -1], self.norm)  # (B, d)
+        x = rms_norm(x[:, -1], self.norm, self.cfg.rms_norm_eps)  # (B, d)
         local = (x @ self.head.T).float().contiguous()  # (B, V/n): this rank's slice of the vocabulary
         pieces = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(pieces, local)

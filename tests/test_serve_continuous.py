@@ -15,7 +15,7 @@ import torch
 
 from labsupport.serve import ServerProcess
 from labsupport.serve.cli import parse_args
-from labsupport.serve.engine import _end_of_text_id, course_model_config
+from labsupport.serve.served_model import course_model_config
 from labsupport.tokenizer import course_tokenizer
 from labsupport.transformer import Transformer
 
@@ -85,7 +85,7 @@ def test_concurrent_requests_share_steps_and_keep_their_greedy_tokens(server):
     shared = [(i, j) for i in range(len(steps)) for j in range(i + 1, len(steps)) if steps[i] & steps[j]]
     assert shared, f"no two requests ever ran in the same step: {steps}"
     tok = course_tokenizer()
-    eot = _end_of_text_id(tok)
+    eot = tok.end_of_text_id
     lengths = [len(_sampled(tl)) for tl in timelines]
     assert max(lengths) > 5, f"too few tokens to compare: {lengths}"
     for (prompt, max_tokens), tl, (_, text) in zip(zip(PROMPTS, MAX_TOKENS), timelines, out):

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from labsupport.serve.engine import FifoEngine, InvalidRequest
+from labsupport.serve.backend import InvalidRequest
+from labsupport.serve.fifo import FifoEngine
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_streamed_pieces_join_to_the_decoded_ids(engine):
         return await _collect(engine.submit(request))
 
     outs = _run(engine, body)
-    ids = [o.token_id for o in outs if o.token_id != engine.eot_id]
+    ids = [o.token_id for o in outs if o.token_id not in engine.eos_ids]
     assert "".join(o.text for o in outs) == engine.tokenizer.decode(ids)
     assert [o.index for o in outs] == list(range(len(outs)))
     assert outs[-1].finish_reason in ("stop", "length") and all(o.finish_reason is None for o in outs[:-1])

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from labsupport.serve import ServerProcess
-from labsupport.serve.engine import MODEL_NAME
+from labsupport.serve.served_model import MODEL_NAME
 
 SLOTS, DELAY = 2, 0.02  # seconds added per forward pass: a long request stays long on any machine
 ENGINES = {"fifo": [], "continuous": ["--engine", "continuous", "--num-blocks", "64", "--block-size", "16"]}
@@ -104,10 +104,11 @@ def test_a_full_server_answers_429_with_retry_after_and_cancel_frees_the_slots(s
             rid = response.headers["x-request-id"]
             cancelled = httpx.post(f"{server.url}/v1/requests/{rid}/cancel", timeout=30)
             assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
-        for _, response in streams:  # each stream still ends properly, early and without a finish reason
+        for _, response in streams:  # each stream still ends properly, early, with vLLM's "abort"
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]" and len(events) - 1 < 400
-            assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-1])
+            assert events[-1] == "[DONE]" and len(events) - 2 < 400
+            reasons = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+            assert reasons[-1] == "abort" and reasons[:-1] == [None] * (len(reasons) - 1)
         wait_for(lambda: server.health()["slots_used"] == 0)
     finally:
         for client, response in streams:
@@ -179,8 +180,9 @@ def test_a_drain_timeout_aborts_what_is_left_and_the_server_still_exits_0():
         assert r.status_code == 200 and r.json()["status"] == "draining" and r.json()["in_flight"] == 1
         assert httpx.get(srv.url + "/ready", timeout=30).status_code == 503
         events = [first[6:]] + [line[6:] for line in lines if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and len(events) - 1 < 250  # aborted, yet the stream ends properly
-        assert json.loads(events[-2])["choices"][0]["finish_reason"] is None
+        assert events[-1] == "[DONE]" and len(events) - 2 < 250  # aborted, yet the stream ends properly
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"  # and says so, as vLLM does
+        assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
         response.close()
         client.close()
         assert srv.process.wait(30) == 0

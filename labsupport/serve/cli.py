@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import uvicorn
 
 from ..models import get_model, list_models
-from .app import create_app
+from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
 from .continuous import ContinuousEngine
-from .engine import BASE_PRESET, FifoEngine
+from .fifo import FifoEngine
 from .process import LISTENING
+from .served_model import BASE_PRESET, cache_dir, checkpoint_model, course_model
+from .timeouts import HEADER_TIMEOUT_S, timed_protocol
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m labsupport.serve",
         description="The course's OpenAI-compatible server: the course model (random weights, meaningless "
-        "text) and the course tokenizer behind /v1/completions, /v1/models and /health.",
+        "text) and the course tokenizer, or a real checkpoint (--model), behind /v1/completions, "
+        "/v1/chat/completions, /v1/models and /health.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
@@ -31,7 +36,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens-limit", type=int, default=256, help="largest max_tokens a request may ask (256)")
     p.add_argument("--max-requests", type=int, default=64,
                    help="slots: requests queued or running at once; more get HTTP 429 (64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights, and of sampling without a seed (0)")
+    p.add_argument("--model", default=None, metavar="NAME_OR_PATH",
+                   help="serve a real checkpoint (a name the course registers, such as smollm2-135m-instruct, a .gguf "
+                   "file or a Hugging Face folder) through labsupport.checkpoints.load; default: the course model")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="folder to write the served tokenizer into, in Hugging Face format, for benchmark clients "
+                   "(default: <cache>/tokenizers/<model name>; the cache is $LABSUPPORT_CACHE or ~/.cache/labsupport)")
     p.add_argument("--base-model", default=BASE_PRESET, help=f"labsupport.models preset for the shape ({BASE_PRESET})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--engine", choices=("fifo", "continuous"), default="fifo",
@@ -46,11 +57,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to pause after each forward pass: a slower model, for demos and tests (0)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds a graceful drain (SIGTERM) lets admitted requests finish before aborting them (30)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help=f"largest request body taken; more gets HTTP 413 ({MAX_BODY_BYTES})")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                   help=f"seconds a request's headers may take to arrive; later gets HTTP 408 ({HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help=f"seconds a request's body may take to arrive; later gets HTTP 408 ({BODY_TIMEOUT_S:g})")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the process that started the server exits (used by ServerProcess)")
     args = p.parse_args(argv)
     for name in ("context", "max_tokens_limit", "max_requests", "threads", "block_size", "num_blocks",
-                 "token_budget", "max_running"):
+                 "token_budget", "max_running", "max_body_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -65,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"{args.num_blocks * args.block_size} tokens, fewer than one request at --context {args.context}")
     if not args.step_delay >= 0:
         p.error(f"--step-delay must be 0 or more seconds, got {args.step_delay}")
-    if not args.drain_timeout >= 0:
-        p.error(f"--drain-timeout must be 0 or more seconds, got {args.drain_timeout}")
+    for name in ("drain_timeout", "header_timeout", "body_timeout"):
+        if not getattr(args, name) >= 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more seconds, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be from 0 to 65535, got {args.port}")
     return args
@@ -98,10 +116,39 @@ async def _watch_parent(server: uvicorn.Server, parent: int) -> None:
     server.should_exit = True  # the notebook or test that started us is gone
 
 
+def _backend(args: argparse.Namespace):
+    """The back end the options ask for, with the model they name (a ValueError if it cannot load)."""
+    served = checkpoint_model(args.model) if args.model else course_model(args.seed, args.base_model)
+    common = dict(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
+                  max_requests=args.max_requests, seed=args.seed)
+    if args.engine == "continuous":
+        backend = ContinuousEngine(served, **common, block_size=args.block_size, num_blocks=args.num_blocks,
+                                   token_budget=args.token_budget, max_running=args.max_running)
+    else:
+        backend = FifoEngine(served, **common)
+    backend.step_delay_s = args.step_delay
+    return backend
+
+
+def _write_tokenizer(backend, folder: str | None) -> None:
+    """Write the served tokenizer in Hugging Face format, for benchmark clients; say where."""
+    target = folder or str(cache_dir() / "tokenizers" / backend.model_name)
+    try:
+        backend.tokenizer.save_pretrained(target)  # interface A: writes tokenizer.json and tokenizer_config.json
+        backend.tokenizer_dir = str(Path(target).expanduser().resolve())
+    except (OSError, ImportError, ValueError) as exc:
+        print(f"labsupport.serve: could not write the tokenizer's files to {target} ({exc}); benchmark clients "
+              f"that need a tokenizer will not find one", flush=True)
+        return
+    print(f"labsupport.serve: tokenizer (Hugging Face format) in {backend.tokenizer_dir}: give it to guidellm "
+          f"(--processor) or vllm bench serve (--tokenizer)", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s")
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -110,19 +157,17 @@ def main(argv=None) -> int:
         print(f"labsupport.serve: cannot listen on {args.host}:{args.port} ({exc.strerror}); "
               f"choose another port with --port, or --port 0 for a free one", file=sys.stderr)
         return 2
-    port = sock.getsockname()[1]
-    # the port first, so a busy one is reported before the model is built
-    common = dict(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
-                  max_requests=args.max_requests, seed=args.seed, base=args.base_model)
-    if args.engine == "continuous":
-        engine = ContinuousEngine(**common, block_size=args.block_size, num_blocks=args.num_blocks,
-                                  token_budget=args.token_budget, max_running=args.max_running)
-    else:
-        engine = FifoEngine(**common)
-    engine.step_delay_s = args.step_delay
-    app = create_app(engine, drain_timeout_s=args.drain_timeout)
-    server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=2))  # open streams do not hold up a stop
+    port = sock.getsockname()[1]  # the port first, so a busy one is reported before the model is built
+    try:
+        backend = _backend(args)
+    except ValueError as exc:  # a checkpoint that cannot load, blocks too few for the context
+        print(f"labsupport.serve: {exc}", file=sys.stderr)
+        return 2
+    _write_tokenizer(backend, args.tokenizer_dir)
+    app = create_app(backend, drain_timeout_s=args.drain_timeout, max_body_bytes=args.max_body_bytes,
+                     body_timeout_s=args.body_timeout)
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False, http=timed_protocol(
+        args.header_timeout), timeout_graceful_shutdown=2))  # open streams do not hold up a stop
     parent = os.getppid()
 
     async def serve() -> None:
@@ -130,8 +175,8 @@ def main(argv=None) -> int:
             asyncio.get_running_loop().create_task(_watch_parent(server, parent))
         await server.serve(sockets=[sock])
 
-    print(f"labsupport.serve: model {engine.model_name} ({engine.cfg.n_layers} layers, d_model "
-          f"{engine.cfg.d_model}, vocabulary {engine.cfg.vocab_size}): {engine.description}", flush=True)
+    print(f"labsupport.serve: model {backend.model_name} ({backend.cfg.n_layers} layers, d_model "
+          f"{backend.cfg.d_model}, vocabulary {backend.cfg.vocab_size}): {backend.description}", flush=True)
     print(f"{LISTENING} http://{args.host}:{port} (OpenAI base_url http://{args.host}:{port}/v1)", flush=True)
     asyncio.run(serve())
     return 0
