@@ -129,3 +129,13 @@ class guarded_memory:
 
     def __exit__(self, *exc):
         return self.mode.__exit__(*exc)
+
+
+def touched_names(touched: list[Guarded]) -> str:
+    """The guarded tensors written outside their bounds, in words, each named once ("the input q, the
+    1x4 float32 tensor your function allocated (2 of them)")."""
+    counts: dict[str, int] = {}
+    for g in touched:
+        name = g.label if " " in g.label else f"the input {g.label}"
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(name if n == 1 else f"{name} ({n} of them)" for name, n in counts.items())

@@ -48,7 +48,7 @@ from ..attention import (
 )
 from ..device import cuda_available, device, gpu_has_bf16, interpreter_mode
 from ..interpreter_bytes import OTHER, BytesNotCountable, count_bytes
-from ._guard import guarded_memory
+from ._guard import guarded_memory, touched_names
 from .framework import Case, graded, torch_calls, triton_launches
 
 FORBID = ["scaled_dot_product_attention"]
@@ -491,7 +491,7 @@ def _expect_within_bounds(checker, case, guard, counted) -> None:
     loaded or stored outside every tensor it was given."""
     touched = guard.touched()
     if touched:
-        names = ", ".join(g.label if len(g.label) > 1 else f"the input {g.label}" for g in touched)
+        names = touched_names(touched)
         checker.fail(case, f"your kernel wrote outside {names}: some lanes of a partial block stored past the end "
                            f"(or before the start) of the tensor. On a GPU that silently corrupts other tensors; in "
                            f"the interpreter it can crash Python.", BOUNDS_HINT)
