@@ -380,7 +380,8 @@ def _where_wrong(got, want, atol, rtol) -> str:
         return ""  # all wrong, none, or a few elements here and there (rounding, not an offset)
     b, h = pairs.shape
     if b > 1 and not bool(pairs[0].any()) and bool(pairs[1:].all()):
-        return (f"every head of batch item 0 is right and every head of batch items 1 to {b - 1} is wrong: the "
+        others = "batch item 1" if b == 2 else f"batch items 1 to {b - 1}"
+        return (f"every head of batch item 0 is right and every head of {others} is wrong: the "
                 f"(batch, head) offset covers the heads but not the batch. The grid's second axis must be B * H "
                 f"(tl.program_id(1) = b * H + h), and each program's data starts at pid_bh * S * D.")
     wrong = [(int(i), int(j)) for i, j in pairs.nonzero()]

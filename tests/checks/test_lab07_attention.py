@@ -345,7 +345,7 @@ FLASH_MUTANTS = {
                                          "as many as for the same shape with causal=False"),
     "triton_store_unmasked": (lambda: triton_flash(row_mask=False), "your kernel wrote outside"),
     "triton_grid_heads_only": (lambda: triton_flash(grid_heads_only=True),
-                               "every head of batch item 0 is right and every head of batch items 1"),
+                               "every head of batch item 0 is right and every head of batch item 1 is wrong"),
     # the same interface in torch, for mistakes that do not need a kernel to show
     "torch_not_triton": (lambda: lambda q, k, v, causal=False: online_softmax_reference(q, k, v, causal),
                          "no Triton kernel was launched"),
