@@ -1,8 +1,24 @@
-"""Choosing which named mistakes a failing number may be blamed on (the counting checks of labs 05, 06)."""
+"""Helpers the check modules share for naming a learner's mistake: which named mistakes a failing
+number may be blamed on (the counting checks of labs 05 and 06, and later labs)."""
 
 from __future__ import annotations
 
+import math
 import re
+
+
+def merge_alike(mistakes: dict[str, float], rel: float = 1e-12) -> dict[str, float]:
+    """Mistakes that give the same value on a case, named together: on a small case two different
+    mistakes can agree, and the message should name both rather than pick one of them."""
+    groups: list[tuple[float, list[str]]] = []
+    for description, value in mistakes.items():
+        for v, names in groups:
+            if math.isclose(v, value, rel_tol=rel):
+                names.append(description)
+                break
+        else:
+            groups.append((value, [description]))
+    return {"; or when ".join(names): v for v, names in groups}
 
 
 def distinct(mistakes: dict[str, float], expected: float) -> dict[str, float]:
