@@ -38,7 +38,7 @@ def check_vector_add(fn, checker):
             y = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
             x_before, y_before = x.clone(), y.clone()
             case = Case(n=n, dtype=dtype, seed=seed)
-            with triton_launches() as launches, torch_calls(ADDS) as calls, guarded_memory() as guard:
+            with triton_launches() as launches, torch_calls(ADDS) as calls, guarded_memory(nan_empty=True) as guard:
                 out = checker.call(fn, x, y, case=case)
             if guard.touched():
                 checker.fail(case, f"your kernel wrote past the end of the output (n={n}): the last block's "
@@ -123,7 +123,8 @@ def _block_hint(out, expected, mistakes, atol) -> str:
         return ""
     if any(torch.allclose(out.double(), m.double(), atol=atol, rtol=1e-3) for m in mistakes.values()):
         return ""  # the message already names the mistake
-    wrong = ((out.double() - expected.double()).abs() > atol + 1e-3 * expected.double().abs()).cpu()
+    diff = (out.double() - expected.double()).abs()
+    wrong = (diff.isnan() | (diff > atol + 1e-3 * expected.double().abs())).cpu()  # NaN: never written
     if not bool(wrong.any()):
         return ""
     first, n = int(wrong.nonzero()[0]), wrong.numel()
