@@ -269,8 +269,8 @@ print(f"a 16 GiB GPU, 4096-token requests: {cap['tokens']:,} tokens, {cap['max_r
 # The padding is -1, as in nano-vllm, a value that names no block: attention reads only the blocks
 # a sequence's length covers, so a real id there would hide a bug that reads too far.
 #
-# **A worked example** (block size 4): a decode with 6 cached tokens and table `(7, 2)`, then a
-# prompt of 10 tokens whose first 4 are cached, table `(5, 0, 9)`, running its last 6. The decode's
+# **A worked example** (block size 4): a decode with 6 cached tokens and table `[7, 2]`, then a
+# prompt of 10 tokens whose first 4 are cached, table `[5, 0, 9]`, running its last 6. The decode's
 # token sits at position 6, in block 2 at offset 2, slot `2 * 4 + 2 = 10`. The prompt's tokens are
 # positions 4 to 9: block 0 (slots 0 to 3) and block 9 (slots 36, 37). So `positions = [6, 4, 5, 6,
 # 7, 8, 9]`, `slot_mapping = [10, 0, 1, 2, 3, 36, 37]`, `block_tables = [[7, 2, -1], [5, 0, 9]]`,
@@ -282,8 +282,8 @@ print(f"a 16 GiB GPU, 4096-token requests: {cap['tokens']:,} tokens, {cap['max_r
 
 # %%
 example = [
-    ScheduledSeq(token_ids=(11, 12, 13, 14, 15, 16, 17), block_table=(7, 2), num_cached=6, num_new=1),
-    ScheduledSeq(token_ids=tuple(range(30, 40)), block_table=(5, 0, 9), num_cached=4, num_new=6),
+    ScheduledSeq(token_ids=[11, 12, 13, 14, 15, 16, 17], block_table=[7, 2], num_cached=6, num_new=1),
+    ScheduledSeq(token_ids=list(range(30, 40)), block_table=[5, 0, 9], num_cached=4, num_new=6),
 ]
 
 

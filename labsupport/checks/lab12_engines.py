@@ -137,7 +137,7 @@ ASSEMBLY_RULE = {
 def _assemble(seqs, bs, *, slot_from_prev=False, logical_slots=False, unscaled_block=False, restart=False,
               whole_context=False, every_left=False, cu_as_lengths=False, cu_no_zero=False, first_row=False,
               every_row=False, row_in_seq=False, pad=-1, flat_tables=False, lens_before=False,
-              lens_known=False, max_q_total=False) -> dict:
+              lens_known=False, max_q_total=False, tail_tokens=False) -> dict:
     """The step's metadata as plain lists, with the named mistakes (the defaults give the right one)."""
     ids, pos, slots, tables, lens, cu, rows = [], [], [], [], [], [0], []
     width = max(len(s.block_table) for s in seqs)
@@ -152,7 +152,7 @@ def _assemble(seqs, bs, *, slot_from_prev=False, logical_slots=False, unscaled_b
         if restart and s.num_new > 1:
             p = list(range(n))
         t = s.block_table
-        ids += s.token_ids[start:start + n]
+        ids += s.token_ids[len(s.token_ids) - n:] if tail_tokens else s.token_ids[start:start + n]
         pos += p
         for q in p:
             j = (q - 1) // bs if slot_from_prev else q // bs
@@ -191,6 +191,8 @@ ASSEMBLY_MISTAKES = {
         dict(restart=True),
     "a decode sequence runs its whole context (every token it knows) as new tokens instead of its one new token":
         dict(whole_context=True),
+    "the tokens are the last num_new of token_ids instead of those after the num_cached cached ones (a chunk "
+    "that does not finish its prompt runs the prompt's end)": dict(tail_tokens=True),
     "a sequence runs every token it has not computed instead of num_new of them (a prompt chunk is the whole "
     "rest of the prompt)": dict(every_left=True),
     "cu_seqlens_q holds each sequence's query length, not the running total (cumulative) of them":
@@ -215,8 +217,7 @@ def _seq(gen, pool, bs, cached, new, known, shared=()) -> ScheduledSeq:
     a prefix another sequence's blocks hold)."""
     need = -(-(cached + new) // bs)
     table = list(shared[:need]) + [pool.pop() for _ in range(need - min(need, len(shared)))]
-    tokens = tuple(torch.randint(0, 1000, (known,), generator=gen).tolist())
-    return ScheduledSeq(tokens, tuple(table), cached, new)
+    return ScheduledSeq(torch.randint(0, 1000, (known,), generator=gen).tolist(), table, cached, new)
 
 
 def _random_batch(gen, bs) -> list[ScheduledSeq]:
@@ -333,7 +334,7 @@ def _expect_host_value(checker, case, name, got, want, mistakes) -> None:
 
 def _compare_assembly(checker, fn, label, bs, seqs) -> None:
     case = Case(batch=label, block_size=bs, sequences=_describe(seqs))
-    given = [dataclasses.replace(s) for s in seqs]  # the learner's copies (tuples: nothing to mutate)
+    given = [ScheduledSeq(list(s.token_ids), list(s.block_table), s.num_cached, s.num_new) for s in seqs]
     got = checker.call(fn, given, bs, case=case)
     if not isinstance(got, StepMetadata):
         checker.fail(case, f"your function returned a {type(got).__name__}, expected a StepMetadata.",

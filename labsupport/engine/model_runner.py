@@ -80,13 +80,14 @@ def padded_batch_size(batch: int, sizes: Sequence[int]) -> int | None:
     return next((s for s in sizes if s >= batch), None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScheduledSeq:
     """One sequence of a step, as :func:`prepare_step` reads it (the runner builds these from the
-    scheduler's batch; lab 12's exercise takes the same)."""
+    scheduler's batch, with fresh lists each step: changing them changes nothing in the engine; lab
+    12's exercise takes the same)."""
 
-    token_ids: tuple[int, ...]  # every token it knows: its prompt, then what it has generated
-    block_table: tuple[int, ...]  # its cache blocks, logical block 0 first (enough for the step's tokens)
+    token_ids: list[int]  # every token it knows: its prompt, then what it has generated
+    block_table: list[int]  # its cache blocks, logical block 0 first (enough for the step's tokens)
     num_cached: int  # leading tokens whose keys and values are already in the cache
     num_new: int  # tokens it computes this step: a prompt chunk, or 1 for a decode
 
@@ -244,8 +245,8 @@ class ModelRunner:
     def scheduled(self, batch: Sequence[tuple[Request, int]]) -> list[ScheduledSeq]:
         """The step as :func:`prepare_step` reads it: each request's tokens, block table, cached and
         new token counts (the block tables already cover the step's tokens)."""
-        return [ScheduledSeq(tuple(req.all_ids), tuple(self.block_manager.block_table(req.request_id)),
-                             req.num_computed, n) for req, n in batch]
+        return [ScheduledSeq(req.all_ids, self.block_manager.block_table(req.request_id), req.num_computed, n)
+                for req, n in batch]  # all_ids and block_table are new lists: nothing of the engine's is shared
 
     def prepare(self, batch: Sequence[tuple[Request, int]]) -> StepMetadata:
         """Build the step's metadata and copy it to the device: the engine's own

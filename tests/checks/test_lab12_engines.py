@@ -153,7 +153,8 @@ def test_the_unguarded_answer_is_refused_too():
 # --- check_prepare_step: the engine's step assembly -------------------------------------------------
 
 def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=False, whole_context=False,
-          pad=-1, unpadded=False, lens_before=False, every_row=False, max_total=False, int64_tables=False):
+          pad=-1, unpadded=False, lens_before=False, every_row=False, max_total=False, int64_tables=False,
+          tail=False):
     """prepare_step written as a learner would, with one step optionally done wrong."""
 
     def prepare_step(seqs, block_size):
@@ -166,7 +167,7 @@ def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=Fa
             first = 0 if restart and n > 1 else start
             for i in range(n):
                 p = first + i
-                ids.append(s.token_ids[start + i])
+                ids.append(s.token_ids[len(s.token_ids) - n + i] if tail else s.token_ids[start + i])
                 pos.append(p)
                 if slot_from_prev:  # 1-based thinking: the k-th token is in block (k - 1) // bs
                     slots.append(s.block_table[(p - 1) // block_size] * block_size + (p - 1) % block_size + 1)
@@ -208,8 +209,8 @@ def test_a_correct_step_assembly_passes(capsys):
 def test_the_engines_own_assembly_is_what_the_rule_says():
     """prepare_step into reused buffers pads with -1 every step (a shorter table after a longer one)."""
     buffers = StepBuffers(torch.device("cpu"), max_blocks=8, tokens=4, seqs=1)
-    long = [ScheduledSeq(tuple(range(20)), (3, 1, 4, 0, 5), 19, 1), ScheduledSeq(tuple(range(9)), (6, 2, 7), 0, 9)]
-    short = [ScheduledSeq(tuple(range(6)), (2, 7), 5, 1), ScheduledSeq(tuple(range(21)), (3, 1, 4, 0, 5, 9), 20, 1)]
+    long = [ScheduledSeq(list(range(20)), [3, 1, 4, 0, 5], 19, 1), ScheduledSeq(list(range(9)), [6, 2, 7], 0, 9)]
+    short = [ScheduledSeq(list(range(6)), [2, 7], 5, 1), ScheduledSeq(list(range(21)), [3, 1, 4, 0, 5, 9], 20, 1)]
     first = unguarded(prepare_step_answer)(long, 4, buffers)
     assert first.slot_mapping.tolist() == [5 * 4 + 3, *range(24, 28), *range(8, 12), 28]
     assert first.logits_indices.tolist() == [0, 9] and first.cu_seqlens_q.tolist() == [0, 1, 10]
@@ -230,6 +231,7 @@ def test_the_engines_own_assembly_is_what_the_rule_says():
     (dict(every_row=True), ("logits_indices", "also for prompt chunks that do not finish")),
     (dict(max_total=True), ("max_q_len", "total number of tokens")),
     (dict(int64_tables=True), ("block_tables", "dtype int64, expected int32")),
+    (dict(tail=True), ("input_ids", "the last num_new of token_ids")),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_step_assembly_mistakes_are_named(flags, needles):
     step_fails(_step(**flags), *needles)
