@@ -135,7 +135,7 @@ ASSEMBLY_RULE = {
 
 
 def _assemble(seqs, bs, *, slot_from_prev=False, logical_slots=False, unscaled_block=False, restart=False,
-              whole_context=False, every_left=False, cu_as_lengths=False, cu_no_zero=False, first_row=False,
+              whole_context=False, cu_as_lengths=False, cu_no_zero=False, first_row=False,
               every_row=False, row_in_seq=False, pad=-1, flat_tables=False, lens_before=False,
               lens_known=False, max_q_total=False, tail_tokens=False) -> dict:
     """The step's metadata as plain lists, with the named mistakes (the defaults give the right one)."""
@@ -146,8 +146,6 @@ def _assemble(seqs, bs, *, slot_from_prev=False, logical_slots=False, unscaled_b
         start, n = s.num_cached, s.num_new
         if whole_context and n == 1 and start > 0:
             start, n = 0, start + 1  # a decode runs every token it knows again
-        if every_left:
-            n = len(s.token_ids) - start
         p = list(range(start, start + n))
         if restart and s.num_new > 1:
             p = list(range(n))
@@ -193,8 +191,6 @@ ASSEMBLY_MISTAKES = {
         dict(whole_context=True),
     "the tokens are the last num_new of token_ids instead of those after the num_cached cached ones (a chunk "
     "that does not finish its prompt runs the prompt's end)": dict(tail_tokens=True),
-    "a sequence runs every token it has not computed instead of num_new of them (a prompt chunk is the whole "
-    "rest of the prompt)": dict(every_left=True),
     "cu_seqlens_q holds each sequence's query length, not the running total (cumulative) of them":
         dict(cu_as_lengths=True),
     "cu_seqlens_q has no leading 0 (B entries instead of B + 1)": dict(cu_no_zero=True),

@@ -154,7 +154,8 @@ def test_the_unguarded_answer_is_refused_too():
 
 def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=False, whole_context=False,
           pad=-1, unpadded=False, lens_before=False, every_row=False, max_total=False, int64_tables=False,
-          tail=False):
+          tail=False, logical=False, unscaled=False, every_left=False, no_zero=False, row_in_seq=False,
+          lens_known=False):
     """prepare_step written as a learner would, with one step optionally done wrong."""
 
     def prepare_step(seqs, block_size):
@@ -164,6 +165,8 @@ def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=Fa
             start, n = s.num_cached, s.num_new
             if whole_context and n == 1:
                 start, n = 0, len(s.token_ids)
+            if every_left:
+                n = len(s.token_ids) - start
             first = 0 if restart and n > 1 else start
             for i in range(n):
                 p = first + i
@@ -171,12 +174,16 @@ def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=Fa
                 pos.append(p)
                 if slot_from_prev:  # 1-based thinking: the k-th token is in block (k - 1) // bs
                     slots.append(s.block_table[(p - 1) // block_size] * block_size + (p - 1) % block_size + 1)
+                elif logical:
+                    slots.append(p)
+                elif unscaled:
+                    slots.append(s.block_table[p // block_size] + p % block_size)
                 else:
                     slots.append(s.block_table[p // block_size] * block_size + p % block_size)
             cu.append(n if cu_lengths else cu[-1] + n)
-            lens.append(s.num_cached if lens_before else start + n)
+            lens.append(s.num_cached if lens_before else len(s.token_ids) if lens_known else start + n)
             if every_row or s.num_cached + s.num_new == len(s.token_ids):
-                rows.append((sum(cu) - n if cu_lengths else cu[-2]) if first_row else
+                rows.append(n - 1 if row_in_seq else (sum(cu) - n if cu_lengths else cu[-2]) if first_row else
                             (sum(cu) - 1 if cu_lengths else cu[-1] - 1))
         if unpadded:
             tables = torch.tensor([b for s in seqs for b in s.block_table], dtype=torch.int32)
@@ -184,6 +191,7 @@ def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=Fa
             tables = torch.tensor([list(s.block_table) + [pad] * (width - len(s.block_table)) for s in seqs],
                                   dtype=torch.int64 if int64_tables else torch.int32)
         q = [s.num_new for s in seqs]
+        cu = cu[1:] if no_zero else cu
         return StepMetadata(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), tables,
                             torch.tensor(lens, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32),
                             torch.tensor(rows, dtype=torch.long), sum(q) if max_total else max(q), max(q) == 1)
@@ -226,6 +234,13 @@ def test_the_engines_own_assembly_is_what_the_rule_says():
     (dict(max_total=True), ("max_q_len", "total number of tokens")),
     (dict(int64_tables=True), ("block_tables", "dtype int64, expected int32")),
     (dict(tail=True), ("input_ids", "the last num_new of token_ids")),
+    (dict(logical=True), ("slot_mapping", "not read through the block table")),
+    (dict(unscaled=True), ("slot_mapping", "not multiplied by the block size")),
+    # the rest of the prompt in one chunk: its slots run past the block table, the learner's IndexError is shown
+    (dict(every_left=True), ("raised IndexError", "test_lab12_engines.py", "first chunk alone")),
+    (dict(no_zero=True), ("cu_seqlens_q", "no leading 0")),
+    (dict(row_in_seq=True), ("logits_indices", "counts within the sequence")),
+    (dict(lens_known=True), ("seq_lens", "counts every token the sequence knows")),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_step_assembly_mistakes_are_named(flags, needles):
     step_fails(_step(**flags), *needles)
