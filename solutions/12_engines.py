@@ -39,6 +39,7 @@ from labsupport.serve import install_missing
 installed = install_missing()  # the course server's packages, only where missing (a fresh Colab runtime)
 
 # %%
+import dataclasses
 import os
 import platform
 import threading
@@ -331,12 +332,13 @@ print(f"{'max_q_len':>15}: {mine.max_q_len}, decode_only: {mine.decode_only}")
 
 # %% [markdown]
 # Your function now runs the engine. `engine.runner.assemble` is the model runner's hook for a step
-# assembly of your own: three requests, the second arriving while the first decodes, all greedy.
+# assembly of your own: three requests, two of them arriving while the first decodes, all greedy.
 # With the course model's random weights the tokens mean nothing, but they are exactly those
 # `generate` gives each prompt alone.
 
 # %%
-tiny = Transformer(get_model("tiny-2m"), seed=0)
+# the tiny shape with its own output head: with a tied one, a random model repeats its last token
+tiny = Transformer(dataclasses.replace(get_model("tiny-2m"), tied_embeddings=False), seed=0)
 engine = Engine(tiny, num_blocks=32, block_size=4, token_budget=8, clock="steps")
 engine.runner.assemble = prepare_step
 first = engine.add_request(list(range(1, 15)), SamplingParams(temperature=0, max_tokens=5))
@@ -349,6 +351,7 @@ for rid in (first, *later):
     prompt = engine.requests[rid].prompt_ids
     same = engine.requests[rid].output_ids == tiny.generate(torch.tensor([prompt]), 5)[0, len(prompt):].tolist()
     print(f"request {rid}: {len(prompt)} prompt tokens -> {engine.requests[rid].output_ids}, as generate alone: {same}")
+    assert same, f"request {rid}: the engine with your prepare_step gave other tokens than generate alone"
 print("steps:", [(s.prefill_tokens, s.decode_tokens) for s in engine.steps], "(prefill, decode tokens)")
 
 # %% [markdown]
