@@ -213,9 +213,9 @@ for util in (0.9, 0.95):
         print(f"{util:<12} {name:<9} {cap['num_blocks']:<8} {cap['tokens']:<10,} {cap['max_requests']}")
 
 # %% [markdown]
-# The head width is a field of its own. Qwen3-0.6B's heads are twice as wide as `d_model / n_heads`:
-# a cache sized from the quotient would be half the size the model needs, and the engine would
-# promise twice the tokens it can hold.
+# The head width is a field of its own. Qwen3-0.6B's heads are wider than `d_model / n_heads` (the
+# cell prints both): a cache sized from the quotient would be smaller than the model needs, and the
+# engine would promise more tokens than it can hold.
 
 # %% tags=["nbval-check-output"]
 q06 = get_model("qwen3-0.6b")
