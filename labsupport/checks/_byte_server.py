@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 class Script:
     pieces: list[tuple[float, bytes]]  # (delay before sending, bytes sent as one chunk)
     ending: str = "end"  # "end", "cut" or "hold"
-    status: int = 200
     hold_s: float = 3.0
     sent_at: list[float] = field(default_factory=list)  # monotonic time each piece was sent
     request: dict = field(default_factory=dict)  # method, path, headers, body of the request received
@@ -84,9 +83,8 @@ class ByteServer:
                 break
             body += more
         script.request = {"method": method, "path": path, "headers": headers, "body": body}
-        reason = {200: "OK", 400: "Bad Request"}.get(script.status, "Error")
-        conn.sendall(f"HTTP/1.1 {script.status} {reason}\r\ncontent-type: text/event-stream\r\n"
-                     f"transfer-encoding: chunked\r\nconnection: close\r\n\r\n".encode())
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
         for delay, piece in script.pieces:
             if delay:
                 time.sleep(delay)

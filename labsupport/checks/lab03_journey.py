@@ -193,7 +193,7 @@ HANG_S = 2.0  # how long after data: [DONE] was sent a client may keep reading (
 CALL_S = 8.0  # how long one streamed request may take in all
 
 
-def _chunk(i: int, text: str, finish: str | None = None) -> dict:
+def _chunk(text: str, finish: str | None = None) -> dict:
     return {"id": "cmpl-raw", "object": "text_completion", "created": 1700000000, "model": "raw",
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}], "usage": None}
 
@@ -216,9 +216,9 @@ class _Raw:
     """One raw stream: its script, the chunks a client must yield, and how it must end."""
 
     def __init__(self, label: str, pieces, chunks: list[dict], ending: str = "end", outcome: str = "done",
-                 trap: str = "", hold_s: float = HANG_S + 1.5, status: int = 200):
+                 trap: str = "", hold_s: float = HANG_S + 1.5):
         self.label, self.chunks, self.outcome, self.trap = label, chunks, outcome, trap
-        self.script = Script(pieces=pieces, ending=ending, hold_s=hold_s, status=status)
+        self.script = Script(pieces=pieces, ending=ending, hold_s=hold_s)
 
 
 # What each raw stream tests, named in the message when a client fails on it: the mistake it catches
@@ -250,7 +250,7 @@ def _trap(key: str) -> str:
     return next(sentence for sentence, k in _PITFALLS.items() if k == key)
 
 def _raw_cases() -> list[_Raw]:
-    three = [_chunk(0, "The"), _chunk(1, " journey"), _chunk(2, " ends", "length")]
+    three = [_chunk("The"), _chunk(" journey"), _chunk(" ends", "length")]
     body = b"".join(_event(c) for c in three) + DONE_EVENT
     crlf = b"".join(_event(c, "\r\n") for c in three) + b"data: [DONE]\r\n\r\n"
     held = b": keep-alive\n\n" + _event(three[0]) + b"event: completion\nid: 7\n" + _event(three[1])[:-1] + \
@@ -258,7 +258,7 @@ def _raw_cases() -> list[_Raw]:
     two_lines = json.dumps(three[1], indent=1).split("\n")
     spaced = _event(three[0], space="") + "".join(f"data: {line}\n" for line in two_lines).encode() + b"\n" + \
         _event(three[2], space="") + b"data:[DONE]\n\n"
-    unicode_chunks = [_chunk(0, "caf\u00e9 "), _chunk(1, ""), _chunk(2, "\u2615", "stop")]
+    unicode_chunks = [_chunk("caf\u00e9 "), _chunk(""), _chunk("\u2615", "stop")]
     unicode_body = b"".join(_event(c) for c in unicode_chunks) + DONE_EVENT
     cup = unicode_body.index("\u2615".encode())
     failure = _event({"error": {"message": SERVER_FAILED, "type": "server_error", "param": None, "code": None}})
@@ -299,7 +299,7 @@ TIMED = 0.2  # seconds between the events of the timing case
 
 
 def _timed_case() -> _Raw:
-    three = [_chunk(0, "one"), _chunk(1, " two"), _chunk(2, " three", "length")]
+    three = [_chunk("one"), _chunk(" two"), _chunk(" three", "length")]
     return _Raw(f"three events {TIMED:g} s apart", [(TIMED if i else 0.0, _event(c)) for i, c in enumerate(three)]
                 + [(0.0, DONE_EVENT)], three,
                 trap=_trap("timing"))
@@ -472,7 +472,7 @@ def _check_real(checker, fn, client: httpx.Client, base_url: str) -> None:
     run = _drive(checker, fn, client, url, payload, case, 60.0)
     if run.hung:
         checker.fail(case, "your client did not return within 60 s.", SSE_RULE)
-    times, chunks = _chunks_of(checker, run, case)
+    _, chunks = _chunks_of(checker, run, case)
     if run.error is not None:
         checker.fail(case, f"your client raised {type(run.error).__name__}: {run.error}", SSE_RULE)
 
@@ -494,7 +494,6 @@ def _check_real(checker, fn, client: httpx.Client, base_url: str) -> None:
         checker.fail(case, f"your client {got}; for a status other than 200 it must raise RuntimeError with the "
                            f"server's message ({refused!r}), read from the JSON body (call response.read() "
                            f"first inside client.stream).", SSE_RULE)
-    del times
 
 
 @graded(points=6, bans=(stream_events,))
