@@ -21,12 +21,12 @@ CAPACITY_RULE = (
 
 
 def _variant(cfg, gib, max_len, util, block, kvb, wb, reserve, *, heads=None, unit=GIB, floor_blocks=True,
-             util_on_free=False, whole_request_blocks=True, subtract_weights=True) -> dict:
+             util_on_free=False, whole_request_blocks=True, subtract_weights=True, head_dim=None) -> dict:
     """The result with one step done wrong (the defaults give the right one)."""
     weights = param_count(cfg) * wb if subtract_weights else 0
     total, res = gib * unit, reserve * unit
     kv_bytes = (total - weights - res) * util if util_on_free else util * total - weights - res
-    per_token = 2 * cfg.n_layers * (heads or cfg.n_kv_heads) * cfg.head_dim * kvb
+    per_token = 2 * cfg.n_layers * (heads or cfg.n_kv_heads) * (head_dim or cfg.head_dim) * kvb
     if floor_blocks:
         blocks = max(0, math.floor(kv_bytes / (block * per_token)))
         tokens = blocks * block
@@ -49,13 +49,16 @@ def _mistakes(cfg, *args) -> dict[str, dict]:
         "a request's blocks are not rounded up (max_model_len / block_size instead of its ceiling)":
             _variant(cfg, *args, whole_request_blocks=False),
         "the weights are not subtracted": _variant(cfg, *args, subtract_weights=False),
+        f"the head width is derived as d_model // n_heads = {cfg.d_model // cfg.n_heads} instead of read from "
+        f"cfg.head_dim = {cfg.head_dim} (this model's heads are wider than d_model / n_heads)":
+            _variant(cfg, *args, head_dim=cfg.d_model // cfg.n_heads),
     }
 
 
 def capacity_cases() -> list[tuple]:
     """(cfg, label, gpu_memory_gib, max_model_len, utilization, block_size, kv_dtype_bytes,
     weight_dtype_bytes, reserve_gib); None means the default."""
-    m8, qwen = get_model("llama-3.1-8b"), get_model("qwen3-8b")
+    m8, qwen, small_qwen = get_model("llama-3.1-8b"), get_model("qwen3-8b"), get_model("qwen3-0.6b")
     mha = ModelConfig("mha-test", n_layers=6, d_model=512, n_heads=8, n_kv_heads=8, d_ff=1024, vocab_size=1000)
     return [
         (m8, "H100 80 GiB, defaults", 80, 8192, None, None, None, None, None),
@@ -64,6 +67,8 @@ def capacity_cases() -> list[tuple]:
         (m8, "24 GiB, 4100-token requests", 23.58, 4100, 0.85, 16, 2, 2, 0.5),
         (mha, "small model, block 7", 1.0, 100, 0.5, 7, 4, 4, 0.0),  # MHA: query and KV heads agree
         (m8, "weights do not fit", 16, 4096, 0.9, 16, 2, 2, 0.0),
+        # head_dim 128 where d_model / n_heads is 64: deriving the head width halves the cache per token
+        (small_qwen, "T4 16 GiB, explicit head width", 15.0, 4096, 0.9, 16, 2, 2, 0.5),
     ]
 
 

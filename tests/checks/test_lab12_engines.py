@@ -27,7 +27,7 @@ def fails(fn, *needles, reason="failed"):
     return message
 
 
-def _planted(*, heads=False, unit=GIB, floor_blocks=True, util_on_free=False):
+def _planted(*, heads=False, unit=GIB, floor_blocks=True, util_on_free=False, derived_head_dim=False):
     """kv_capacity written out, with one step optionally done wrong."""
 
     def capacity(cfg, gpu_memory_gib, max_model_len, gpu_memory_utilization=0.9, block_size=16,
@@ -38,7 +38,8 @@ def _planted(*, heads=False, unit=GIB, floor_blocks=True, util_on_free=False):
             kv = (total - weights - reserve) * gpu_memory_utilization
         else:
             kv = gpu_memory_utilization * total - weights - reserve
-        per_token = 2 * cfg.n_layers * (cfg.n_heads if heads else cfg.n_kv_heads) * cfg.head_dim * kv_dtype_bytes
+        head_dim = cfg.d_model // cfg.n_heads if derived_head_dim else cfg.head_dim
+        per_token = 2 * cfg.n_layers * (cfg.n_heads if heads else cfg.n_kv_heads) * head_dim * kv_dtype_bytes
         if floor_blocks:
             blocks = max(0, math.floor(kv / (per_token * block_size)))
             tokens = blocks * block_size
@@ -70,6 +71,11 @@ def test_the_answer_follows_its_convention():
 
 def test_kv_sized_from_query_heads():
     fails(_planted(heads=True), "query heads")
+
+
+def test_head_width_derived_from_d_model():
+    """d_model // n_heads instead of cfg.head_dim: the same for Llama, half of it for Qwen3-0.6B."""
+    fails(_planted(derived_head_dim=True), "qwen3-0.6b", "d_model // n_heads = 64", "cfg.head_dim = 128")
 
 
 def test_gigabytes_instead_of_gib():
