@@ -11,9 +11,12 @@
 #
 # 1. start the course server in the background, send it one streamed request with a client that
 #    timestamps every chunk, and draw the request's waterfall from the server's own timestamps;
-# 2. write the latency metrics (TTFT, TPOT, the inter-token latencies and E2E) from those
+# 2. write that client yourself, on raw HTTP (`httpx`): read the server-sent events off the wire,
+#    with the cases real streams bring (lines split across network reads, keep-alive comments, the
+#    server's error event, a dropped connection), and use it for the rest of the lab;
+# 3. write the latency metrics (TTFT, TPOT, the inter-token latencies and E2E) from those
 #    timestamps, and the nearest-rank percentile, and have both checked;
-# 3. send N requests at once and watch the time to first token grow with the queue, at p50 and
+# 4. send N requests at once and watch the time to first token grow with the queue, at p50 and
 #    p99.
 #
 # The server is `python -m labsupport.serve`, an OpenAI-compatible server you can also start
@@ -21,7 +24,7 @@
 # meaningless, and that is fine, since every cost measured here depends on the number of tokens,
 # not on what they say. It runs on the CPU even on a GPU machine (the model is tiny), so the
 # numbers are this machine's, not a production server's. The server and this lab need `fastapi`,
-# `uvicorn` and `openai`: `make lab` installs them, and on Colab the cell after the setup installs
+# `uvicorn`, `openai` and `httpx`: `make lab` installs them, and on Colab the cell after the setup installs
 # whichever are missing (never torch or triton, which it holds at the versions already there).
 #
 # **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
@@ -39,16 +42,18 @@ settings = labsupport.setup()
 # %%
 from labsupport.serve import install_missing
 
-installed = install_missing()  # fastapi, uvicorn and openai, only where missing (a fresh Colab runtime)
+installed = install_missing()  # fastapi, uvicorn, openai and httpx, only where missing (a fresh Colab runtime)
 
 # %%
+import json
 import threading
 import time
 
+import httpx
 import matplotlib.pyplot as plt
 import openai
 
-from labsupport.checks import check_latency_metrics, check_percentile
+from labsupport.checks import check_latency_metrics, check_percentile, check_sse_client
 from labsupport.latency import fifo_ttfts, plot_waterfall, timeline_stages
 from labsupport.serve import start_server
 
@@ -68,7 +73,8 @@ print("health:", server.health())
 print(f"model {MODEL}:", client.models.list().data[0].model_extra["description"])
 
 # %% [markdown]
-# A client that timestamps every chunk. `time.monotonic()` is read when the request is sent and
+# A client that timestamps every chunk, on the `openai` package for now (section 2 has you write
+# your own). `time.monotonic()` is read when the request is sent and
 # each time a chunk arrives; the server stamps its stages with the same clock, so on one machine
 # the two sets of times line up. The course server sends one chunk per token (its text can be
 # empty while the detokenizer holds back part of a character), so chunk times are token times.
@@ -122,7 +128,148 @@ ax.set_xlim(0, (record["times"][1] - record["sent"]) * 1e3 * 1.1)
 fig.tight_layout()
 
 # %% [markdown]
-# ## 2. The latency metrics
+# ## 2. A streaming client of your own
+#
+# The `openai` client hid what came over the wire. Here it is: a streamed completion is one HTTP
+# response of type `text/event-stream`, **server-sent events**, read here with `httpx` and shown
+# raw, as the bytes arrived.
+
+# %%
+http = httpx.Client(timeout=httpx.Timeout(30.0))  # one client, one pool of connections, for the rest of the lab
+URL = f"{server.base_url}/completions"
+with http.stream("POST", URL, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}) as response:
+    print(response.status_code, response.headers["content-type"])
+    for piece in response.iter_bytes():
+        print(repr(piece[:150]) + ("..." if len(piece) > 150 else ""))
+
+# %% [markdown]
+# Each event is one or more lines followed by a blank line. A `data:` line carries the payload,
+# here one chunk of the answer as JSON; the payload `[DONE]` says the stream is over. The rules
+# (the WHATWG HTML standard's section on server-sent events, which OpenAI-style servers follow)
+# have more cases than this quiet loopback shows, and real networks and servers bring all of them:
+#
+# * **The network cuts bytes anywhere.** One read can end inside a line, inside `data:`, inside the
+#   JSON or in the middle of a UTF-8 character, and one read can hold several events. Keep the
+#   incomplete end of each read until the rest arrives, and decode whole lines, not reads.
+# * **Lines end in `\n` or `\r\n`.** Drop the `\r`.
+# * **Not every line is data.** A line starting with `:` is a comment: servers and proxies send
+#   `: keep-alive` to hold an idle connection open. Other fields (`event:`, `id:`, `retry:`) do not
+#   carry the payload. A blank line ends the event; with no `data:` line before it, it is just a
+#   keep-alive.
+# * **The space after `data:` is optional** (drop one if it is there), and an event may spread its
+#   data over several `data:` lines, which join with `\n`.
+# * **A failure can come after the status line.** Once the server has answered 200 and started
+#   streaming, it cannot change the status: the course server (like vLLM) sends an event
+#   `data: {"error": {"message": ...}}` before `[DONE]`. A request refused before streaming starts
+#   gets an ordinary status (400, 429, 503) with OpenAI's error body.
+# * **A stream can break.** If the server dies or a proxy drops the connection, `httpx` raises
+#   (`httpx.RemoteProtocolError`, a `httpx.TransportError`) or the body just ends: without
+#   `[DONE]`, the answer is incomplete, and the caller must be told, not handed half an answer.
+# * **`[DONE]` is the end**, even when the server holds the connection open after it.
+#
+# ### Exercise 1: `stream_events`
+#
+# Complete `stream_events(client, url, payload)`, a generator: POST `payload` as JSON to `url`
+# with `client.stream("POST", url, json=payload)` (an `httpx.Client`), then read
+# `response.iter_bytes()` and yield `(arrival_s, chunk)` for each event, in order:
+#
+# * `arrival_s` is `time.monotonic()` read when the network read that completed the event arrived
+#   (the server stamps its timeline with the same clock); events completed by one read share it;
+# * `chunk` is the event's data parsed with `json.loads`, a dict.
+#
+# It returns at `data: [DONE]` (closing the response: leave the `with` block). It raises
+# `RuntimeError`, with the server's message in it, for an error event or a status other than 200
+# (call `response.read()` first, then `response.json()["error"]["message"]`), and
+# `ConnectionError`, saying what happened, when the body breaks (catch `httpx.TransportError`) or
+# ends before `[DONE]`. When the body ends, a last line or event that lacks its newline still
+# counts. (`response.iter_lines()` would split the lines for you, and the check accepts it; write the
+# splitting yourself once, to see what it has to handle.)
+#
+# The check runs your client on raw byte streams from a small server of its own (lines split
+# across reads, CRLF, comments, a split character, the error event, a cut connection, a body
+# without `[DONE]`, three events 0.2 s apart to check the timestamps), then against the course
+# server, where its chunks must equal the course's client's.
+
+# %%
+def stream_events(client, url, payload):
+    # BEGIN SOLUTION: POST, check the status, split the bytes into lines, events at blank lines; yield (time, chunk) until [DONE]
+    with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.json()['error']['message']}")
+        pending, data, count = b"", [], 0
+
+        def end_of_event():  # a blank line: the event's chunk, "done" or None
+            if not data:
+                return None  # a blank line on its own: a keep-alive
+            text = "\n".join(data)
+            data.clear()
+            if text == "[DONE]":
+                return "done"
+            chunk = json.loads(text)
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed mid-stream: {chunk['error']['message']}")
+            return chunk
+
+        def read_line(raw):  # one complete line: the event it ends, if it is blank
+            line = raw.decode("utf-8").removesuffix("\r")
+            if not line:
+                return end_of_event()
+            field, _, value = line.partition(":")  # a comment has the empty field name
+            if field == "data":
+                data.append(value.removeprefix(" "))
+            return None
+
+        try:
+            for piece in response.iter_bytes():
+                arrived = time.monotonic()
+                *lines, pending = (pending + piece).split(b"\n")
+                for raw in lines:
+                    chunk = read_line(raw)
+                    if chunk == "done":
+                        return
+                    if chunk is not None:
+                        count += 1
+                        yield arrived, chunk
+        except httpx.TransportError as exc:
+            raise ConnectionError(f"the stream broke after {count} events: {exc!r}") from exc
+        arrived = time.monotonic()
+        for chunk in (read_line(pending) if pending else None, end_of_event()):  # the body ended
+            if chunk == "done":
+                return
+            if chunk is not None:
+                count += 1
+                yield arrived, chunk
+    raise ConnectionError(f"the stream ended after {count} events without [DONE]")
+    # END SOLUTION
+
+# %%
+check_sse_client(stream_events, server=server)
+
+# %% [markdown]
+# From here on the lab's requests go through your client: `my_timed_stream` does what
+# `timed_stream` did, and its chunk times are the ones your client stamped.
+
+# %%
+def my_timed_stream(prompt: str, max_tokens: int) -> dict:
+    """Send one streamed completion with your client; return its id, send time, chunk arrival times and text."""
+    sent = time.monotonic()
+    times, pieces, request_id = [], [], None
+    for arrived, chunk in stream_events(http, URL, {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                    "stream": True}):
+        times.append(arrived)
+        pieces.append(chunk["choices"][0]["text"])
+        request_id = chunk["id"]
+    return {"id": request_id, "sent": sent, "times": times, "text": "".join(pieces)}
+
+
+my_timed_stream("warm-up", 4)
+record = my_timed_stream(PROMPT, max_tokens=24)
+timeline = server.timeline(record["id"])
+print(f"your client: {len(record['times'])} chunks, first after {(record['times'][0] - record['sent']) * 1e3:.2f} ms")
+
+# %% [markdown]
+# ## 3. The latency metrics
 #
 # From the client's timestamps, with $s$ the time the request was sent and $t_0, \dots, t_{n-1}$
 # the arrival times of its $n$ tokens:
@@ -135,7 +282,7 @@ fig.tight_layout()
 #   With one token there is no gap to average: TPOT is `None` (not 0, which would claim an
 #   infinitely fast decode).
 #
-# ### Exercise 1: latency metrics
+# ### Exercise 2: latency metrics
 #
 # Complete `latency_metrics(sent_s, token_times_s)`: return a dict with keys `"ttft"`, `"tpot"`,
 # `"itl"` (a list) and `"e2e"`, all in seconds. `sent_s` is one number, `token_times_s` a list of
@@ -158,7 +305,7 @@ def latency_metrics(sent_s, token_times_s):
 check_latency_metrics(latency_metrics)
 
 # %% [markdown]
-# Your metrics on the request of section 1, and where its TTFT went. The server's timeline covers
+# Your metrics on the request your client just timed, and where its TTFT went. The server's timeline covers
 # the time from the request's arrival to the first chunk leaving; the rest is the network and the
 # HTTP stacks on both sides (here the loopback interface and two Python programs). Between the
 # stages, the server also hands work between its event loop and its model thread.
@@ -183,7 +330,7 @@ for part, seconds in parts.items():
 # what the client sees, not what the server's steps took.
 
 # %% [markdown]
-# ### Exercise 2: percentiles by nearest rank
+# ### Exercise 3: percentiles by nearest rank
 #
 # One request tells you little; a server is judged on many, by percentiles. This course uses the
 # **nearest-rank** convention: sort the $n$ values; the $p$-th percentile is the
@@ -210,7 +357,7 @@ def percentile(values, p):
 check_percentile(percentile)
 
 # %% [markdown]
-# ## 3. Many requests at once: the queue
+# ## 4. Many requests at once: the queue
 #
 # The course server has one model worker and a first-in, first-out queue: it serves one request
 # at a time (chapter 12 replaces it with continuous batching). Send $N$ requests at the same
@@ -219,13 +366,13 @@ check_percentile(percentile)
 
 # %%
 def concurrent_round(n: int, max_tokens: int) -> list[dict]:
-    """Send n streamed requests at once (one thread each); return their timed records."""
+    """Send n streamed requests at once (one thread each, sharing your client's connection pool); return their timed records."""
     records = [None] * n
     start = threading.Barrier(n)
 
     def one(i):
         start.wait()  # every thread sends at the same moment
-        records[i] = timed_stream(f"request {i}: {PROMPT}", max_tokens)
+        records[i] = my_timed_stream(f"request {i}: {PROMPT}", max_tokens)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -254,7 +401,7 @@ print("health after the rounds:", server.health())
 # We take $S$ and $F$ from lone requests (N = 1).
 
 # %%
-solo = [timed_stream(PROMPT, OUT_TOKENS) for _ in range(5)]
+solo = [my_timed_stream(PROMPT, OUT_TOKENS) for _ in range(5)]
 service_s = sorted(r["times"][-1] - r["sent"] for r in solo)[2]  # median E2E of five lone requests
 first_s = sorted(r["times"][0] - r["sent"] for r in solo)[2]  # median TTFT
 predicted = {n: fifo_ttfts(n, service_s, first_s) for n in LEVELS}
@@ -291,6 +438,7 @@ fig.tight_layout()
 # ## Stop the server
 
 # %%
+http.close()
 server.stop()
 print(server)
 

@@ -12,7 +12,10 @@
 #    prefill time saved;
 # 3. write a block allocator with block tables, forking with copy-on-write, and freeing, and have
 #    it checked against a randomised sequence of operations;
-# 4. write paged decode attention as a Triton kernel that reads keys and values through a block
+# 4. write the prefix cache itself (block hashes chained with their prefix, lookup on admission,
+#    reference counts, least-recently-used eviction), checked against the course's on traces with
+#    shared system prompts and forks, and use it in section 2's place;
+# 5. write paged decode attention as a Triton kernel that reads keys and values through a block
 #    table, checked against contiguous attention.
 #
 # Chapter 10 of the book explains the ideas. Cells marked **Exercise** are yours; the check after
@@ -23,7 +26,7 @@
 # saying so, nothing below it runs, and JupyterLab scrolls back to that cell. Sections 1 and 2 need
 # none of your code and come before the first exercise, so a first Run All already simulates the
 # day and measures prefix caching on your device (section 2 uses the course's allocator, which you
-# then write yourself in section 3).
+# then write yourself: its blocks and tables in section 3, its prefix cache in section 4).
 
 # %% [setup]
 import labsupport
@@ -32,6 +35,7 @@ settings = labsupport.setup()
 
 # %%
 import math
+from collections import OrderedDict
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -41,7 +45,7 @@ import triton.language as tl
 
 from labsupport import ledger
 from labsupport.cache_waste import REQUEST_MIX, concurrent_usage, day_of_requests, waste_over_life
-from labsupport.checks import check_block_allocator, check_paged_attention
+from labsupport.checks import check_block_allocator, check_paged_attention, check_prefix_cache
 from labsupport.device import device
 from labsupport.interpreter_bytes import count_bytes
 from labsupport.models import get_model
@@ -128,7 +132,7 @@ print(f"peak slots: contiguous {usage['reserved'].max():,.0f}, paged {usage['pag
 # Many requests start the same way: a system prompt, a few-shot preamble, a shared document.
 # With prefix caching, each full block is known by a hash of its tokens and of its parent's hash,
 # so a new request whose first blocks hash the same reuses them: their keys and values are read
-# from the cache, and prefill runs only on the rest. Here the course's allocator
+# from the cache, and prefill runs only on the rest (section 4 has you write this cache). Here the course's allocator
 # (`labsupport.paged_cache.BlockAllocator(..., prefix_caching=True)`) keeps the block tables and
 # hashes, and `PagedKVStore` holds the keys and values of every layer in blocks.
 # `prefix_cached_prefill` does one request: allocate (finding the cached prefix), copy the cached
@@ -382,7 +386,188 @@ print(f"blocks in use: forked {used_shared}, separate {used_separate} "
       f"({1 - used_shared / used_separate:.0%} fewer with copy-on-write)")
 
 # %% [markdown]
-# ## 4. Paged decode attention in Triton
+# ## 4. A prefix cache of your own
+#
+# Section 2 used the course's allocator to cache a shared system prompt. Now you write that part.
+# The idea, as vLLM's automatic prefix caching and nano-vllm's block manager both have it:
+#
+# * **A full block is known by its prefix.** Its keys and values depend on every token before
+#   it, not only its own, so its identity is a hash of its tokens *and* of the previous block's
+#   hash: `h_i = hash((h_{i-1}, tuple(tokens of block i)))`, with `h_{-1} = None`. Equal hashes
+#   then mean equal prefixes (up to a collision of Python's hash; engines that share caches
+#   between processes use SHA-256). A partly filled last block has no hash: more tokens will be
+#   written into it.
+# * **Lookup on admission.** A new sequence's full blocks are hashed in order; the longest run of
+#   leading hashes already cached is reused (the first miss ends the run: a block after a miss has
+#   a prefix nobody computed), and only the rest gets new blocks and is computed.
+# * **Reference counts.** A reused block gains a reference, like a forked one. Freeing a sequence
+#   drops one reference from each of its blocks.
+# * **Cached, not freed.** A full block whose count falls to 0 keeps its contents and its hash:
+#   it is *evictable*, still findable, until a new block is needed and no plain free block is
+#   left. Then the **least recently released** evictable block is reused for new data and its
+#   hash forgotten. A sequence releases its blocks from the last to the first, so its tail is
+#   evicted before its head (the head is the prefix others are likelier to share). A hit on an
+#   evictable block takes it off the evictable list; its next release puts it at the recent end.
+#
+# (vLLM V1 keeps the evictable blocks in one doubly linked free queue, appended in that reverse
+# order on release; nano-vllm keeps freed blocks in a deque with their hashes until reused.)
+#
+# ### Exercise 2: `PrefixCachingAllocator`
+#
+# A standalone class (sequence ids are ints; blocks are ints in `[0, num_blocks)`):
+#
+# | method | does | returns |
+# | --- | --- | --- |
+# | `PrefixCachingAllocator(num_blocks, block_size)` | all blocks free, nothing cached | |
+# | `allocate(seq_id, token_ids)` | hashes the `len(token_ids) // block_size` full blocks as above; reuses the longest cached run (one more reference each); takes `ceil(len / block_size)` minus the hits new blocks, each with count 1, and caches each new full block's hash (unless that hash is already cached). If the plain free and evictable blocks (not counting the evictable ones this allocation reuses) are too few, raise `MemoryError` **and change nothing** | its block table |
+# | `cached_tokens(seq_id)` | | tokens found cached at `allocate`: `block_size` times the hits |
+# | `fork(parent_id, child_id)` | the child shares every block of the parent (one more reference each) | anything |
+# | `free(seq_id)` | one reference fewer on each block, last block first; a block at 0 becomes the most recently released evictable block if it has a hash, else a plain free block | anything |
+# | `block_table(seq_id)`, `ref_count(block)` | as in exercise 1 | |
+# | `free_blocks()` | | the set of blocks a new allocation may take: plain free and evictable |
+#
+# A new block comes from the plain free blocks first; only when there are none is the least
+# recently released evictable block taken (its hash forgotten).
+#
+# The check runs the same operations on your class and on the course's allocator
+# (`BlockAllocator(..., prefix_caching=True)`): short traces aimed at the classic mistakes (a
+# shared system prompt, the same block after a different prefix, forks, a cache where every block
+# is held, eviction order), then three seeded random traces. After every operation it compares the
+# cached tokens, each block's reference count, which sequences share which blocks and how many
+# blocks are free, and, as for exercise 1, reads every live sequence back through its table:
+# each slot holds a value that stands for the keys and values of its whole prefix, written when
+# that position was computed, so a block reused for the wrong prefix, or evicted while held,
+# reads back wrong.
+
+# %%
+class PrefixCachingAllocator:
+    def __init__(self, num_blocks: int, block_size: int):
+        # BEGIN SOLUTION: a free list, the evictable cached blocks in release order, hash <-> block maps, reference counts, tables, hits
+        self.block_size = block_size
+        self.free_list = list(range(num_blocks))  # blocks that hold nothing cached
+        self.evictable = OrderedDict()  # cached blocks nobody holds: block -> hash, least recently released first
+        self.by_hash = {}  # hash -> the block holding that prefix
+        self.hash_of = {}  # block -> its hash (full, cached blocks only)
+        self.refs = [0] * num_blocks
+        self.tables = {}
+        self.cached = {}  # seq -> tokens found in the cache when it was allocated
+        # END SOLUTION
+
+    def _take(self) -> int:
+        """A helper: a block for new data, reference count 1: a free one, else evict the least recently released."""
+        # BEGIN SOLUTION: pop a free block; else pop the oldest evictable one and forget its hash
+        if self.free_list:
+            block = self.free_list.pop()
+        else:
+            block, h = self.evictable.popitem(last=False)  # the least recently released
+            del self.by_hash[h], self.hash_of[block]
+        self.refs[block] = 1
+        return block
+        # END SOLUTION
+
+    def allocate(self, seq_id, token_ids) -> list[int]:
+        # BEGIN SOLUTION: chain the full blocks' hashes, reuse the longest cached run, MemoryError before changing anything, new blocks for the rest
+        bs = self.block_size
+        hashes, parent = [], None
+        for i in range(len(token_ids) // bs):  # full blocks only
+            parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(parent)
+        hits = []
+        for h in hashes:
+            if h not in self.by_hash:
+                break
+            hits.append(self.by_hash[h])
+        need = -(-len(token_ids) // bs) - len(hits)
+        revived = sum(1 for b in hits if self.refs[b] == 0)  # evictable now, held once reused
+        if need > len(self.free_list) + len(self.evictable) - revived:
+            raise MemoryError(f"sequence {seq_id} needs {need} new blocks")
+        table = []
+        for b in hits:
+            if self.refs[b] == 0:
+                del self.evictable[b]
+            self.refs[b] += 1
+            table.append(b)
+        for i in range(len(hits), len(hits) + need):
+            b = self._take()
+            table.append(b)
+            if i < len(hashes) and hashes[i] not in self.by_hash:  # a new full block: findable from now on
+                self.by_hash[hashes[i]] = b
+                self.hash_of[b] = hashes[i]
+        self.tables[seq_id] = table
+        self.cached[seq_id] = len(hits) * bs
+        return list(table)
+        # END SOLUTION
+
+    def cached_tokens(self, seq_id) -> int:
+        # BEGIN SOLUTION: the tokens found cached when the sequence was allocated
+        return self.cached[seq_id]
+        # END SOLUTION
+
+    def fork(self, parent_id, child_id) -> None:
+        # BEGIN SOLUTION: the child shares the parent's table; one more reference on each block
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.cached[child_id] = self.cached[parent_id]
+        for b in self.tables[child_id]:
+            self.refs[b] += 1
+        # END SOLUTION
+
+    def free(self, seq_id) -> None:
+        # BEGIN SOLUTION: last block first, one reference fewer; at 0 a hashed block becomes the most recent evictable, another one free
+        for b in reversed(self.tables.pop(seq_id)):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if b in self.hash_of:
+                    self.evictable[b] = self.hash_of[b]
+                else:
+                    self.free_list.append(b)
+        del self.cached[seq_id]
+        # END SOLUTION
+
+    def block_table(self, seq_id) -> list[int]:
+        # BEGIN SOLUTION: a copy of the table
+        return list(self.tables[seq_id])
+        # END SOLUTION
+
+    def ref_count(self, block: int) -> int:
+        # BEGIN SOLUTION: how many tables hold the block
+        return self.refs[block]
+        # END SOLUTION
+
+    def free_blocks(self) -> set[int]:
+        # BEGIN SOLUTION: free blocks and cached blocks nobody holds
+        return set(self.free_list) | set(self.evictable)
+        # END SOLUTION
+
+
+# %%
+check_prefix_cache(PrefixCachingAllocator)
+
+# %% [markdown]
+# Your allocator in section 2's place, on its first three requests (the first finds nothing, the
+# next two the system prompt): the course model's prefill reusing the keys and values your
+# allocator finds must give the logits of a prefill without any cache.
+
+# %%
+def serve_with(allocator_cls, count: int):
+    """Section 2's first ``count`` requests, prefilled in turn through ``allocator_cls``; (logits, cached tokens)."""
+    allocator = allocator_cls(blocks_total, block)
+    store = PagedKVStore(cfg, blocks_total, block, device=DEVICE, dtype=torch.float32)
+    logits, hits = [], []
+    for i, prompt in enumerate(prompts[:count]):
+        out, hit = prefix_cached_prefill(model, allocator, store, i, prompt)
+        logits.append(out)
+        hits.append(hit)
+        allocator.free(i)
+    return logits, hits
+
+
+my_logits, my_hits = serve_with(PrefixCachingAllocator, 3)
+print(f"cached tokens per request, your allocator: {my_hits} (of {[len(p) for p in prompts[:3]]} prompt tokens)")
+print(f"largest logit difference against no caching: "
+      f"{max((a - b).abs().max().item() for a, b in zip(cold_logits, my_logits)):.2e}")
+
+# %% [markdown]
+# ## 5. Paged decode attention in Triton
 #
 # In decode, each sequence brings one new query per head and attends to all the tokens in its
 # cache. With a paged cache those keys and values are scattered over physical blocks in any
@@ -415,7 +600,7 @@ print("same as contiguous attention:",
       torch.allclose(paged_out, contiguous_decode_attention(q_demo, k_flat, v_flat, lens_demo), atol=1e-6))
 
 # %% [markdown]
-# ### Exercise 2: the kernel and its wrapper
+# ### Exercise 3: the kernel and its wrapper
 #
 # Use one program per (sequence, KV head): grid `(B, Hkv)`. A program loads the `GROUP = H // Hkv`
 # queries that share its KV head as a `(GROUP_PAD, D)` tile (`GROUP_PAD`, a power of two, with
@@ -594,4 +779,5 @@ for lens in bench_lens:
 #   they have in common and never see each other's writes.
 # * A decode attention kernel that reads the cache through a block table: the same answer as a
 #   contiguous cache, for a few table reads more.
-# * Prefix caching: the keys and values of a shared prompt computed once and reused.
+# * Prefix caching: the keys and values of a shared prompt computed once and reused, found by
+#   hashes chained through the prefix, held by reference counts and evicted least recently used.

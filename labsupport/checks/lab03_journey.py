@@ -1,14 +1,26 @@
-"""Checks for the request-journey lab: the latency metrics of one streamed request, and the
-nearest-rank percentile used across many."""
+"""Checks for the request-journey lab: the learner's server-sent-events client (on a real course
+server and on raw byte streams), the latency metrics of one streamed request, and the nearest-rank
+percentile used across many."""
 
 from __future__ import annotations
 
+import contextvars
+import json
 import math
+import numbers
 import random
+import threading
+import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ..latency import latency_metrics, percentile
-from .framework import Case, graded
+from ..sse import stream_events
+from ._byte_server import ByteServer, Script
+from .framework import Case, ForbiddenCall, graded
+
+if TYPE_CHECKING:
+    import httpx
 
 METRICS_RULE = (
     "measure everything from the send time: TTFT ends at the first token, E2E at the last; ITL holds the "
@@ -164,3 +176,357 @@ def check_percentile(fn, checker):
         mistakes = {d: v for d, v in _percentile_mistakes(values, p).items() if not math.isclose(v, want)}
         checker.expect_number(_as_float(got), want, case=case, rel=1e-12, what=f"p{p}", hint=PERCENTILE_RULE,
                               mistakes=mistakes)
+
+
+# --- the server-sent-events client -------------------------------------------------------------------
+
+SSE_RULE = (
+    "read the body as bytes; keep the incomplete end of each network chunk until the rest arrives; a line "
+    "ends at \\n (drop a \\r before it); a `data:` line adds its value (one space after the colon dropped) "
+    "to the event, a line starting with `:` is a comment, other fields are ignored, and a blank line ends "
+    "the event. Yield (time.monotonic() when the chunk completing the event arrived, json.loads(data)); "
+    "stop at data: [DONE]; raise RuntimeError with the server's message for an error event or a status "
+    "other than 200, and ConnectionError when the body ends or breaks before [DONE]. When the body ends, "
+    "a last line or event without its newline still counts."
+)
+HANG_S = 2.0  # how long after data: [DONE] was sent a client may keep reading (the byte server holds it 3.5 s)
+CALL_S = 8.0  # how long one streamed request may take in all
+
+
+def _chunk(text: str, finish: str | None = None) -> dict:
+    return {"id": "cmpl-raw", "object": "text_completion", "created": 1700000000, "model": "raw",
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}], "usage": None}
+
+
+def _event(chunk: dict, newline: str = "\n", space: str = " ") -> bytes:
+    return f"data:{space}{json.dumps(chunk, ensure_ascii=False)}{newline}{newline}".encode()
+
+
+DONE_EVENT = b"data: [DONE]\n\n"
+SERVER_FAILED = "the server failed on this request: RuntimeError: the model worker died"
+
+
+def _split(body: bytes, cuts: list[int], delay: float = 0.02) -> list[tuple[float, bytes]]:
+    """``body`` sent in pieces cut at the byte offsets ``cuts``."""
+    bounds = [0, *cuts, len(body)]
+    return [(delay if i else 0.0, body[a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+class _Raw:
+    """One raw stream: its script, the chunks a client must yield, and how it must end."""
+
+    def __init__(self, label: str, pieces, chunks: list[dict], ending: str = "end", outcome: str = "done",
+                 trap: str = "", hold_s: float = HANG_S + 1.5):
+        self.label, self.chunks, self.outcome, self.trap = label, chunks, outcome, trap
+        self.script = Script(pieces=pieces, ending=ending, hold_s=hold_s)
+
+
+# What each raw stream tests, named in the message when a client fails on it: the mistake it catches
+_PITFALLS = {
+    "after data: [DONE] nothing more comes, but the server may keep the connection open: stop there and close "
+    "the response": "hold",
+    "a network chunk can end anywhere, inside `data:`, inside the JSON or between the two newlines: keep the "
+    "incomplete end of each chunk until the next one arrives": "split",
+    "lines may end in \\r\\n: drop the \\r, or `[DONE]\\r` is not [DONE] and `\\r` is not a blank line": "crlf",
+    "only `data:` lines carry the payload: a line starting with `:` is a comment and `event:`, `id:`, `retry:` "
+    "are other fields, none of them data": "fields",
+    "the space after `data:` is optional (drop one if it is there), and an event's data lines join with \\n "
+    "before json.loads": "space",
+    "decode complete lines, not each network chunk: a UTF-8 character can be cut in two; and an event whose "
+    "text is empty is still an event (a token whose text the detokenizer held back)": "utf8",
+    "a failure after the status line has gone arrives as an event {\"error\": {...}}: raise RuntimeError with "
+    "its message, never yield it as a chunk or skip it": "error",
+    "when the body ends, a last line (or event) that lacks its newline still counts": "last",
+    "a broken connection makes httpx raise (httpx.RemoteProtocolError, a TransportError): turn it into "
+    "ConnectionError, and never yield the half-received event": "cut",
+    "an OpenAI-style stream always ends with data: [DONE]; a body that ends without it was cut short (a proxy, "
+    "a restart): raise ConnectionError instead of returning as if complete": "nodone",
+    "stamp each event with time.monotonic() as its chunk arrives, inside the loop that reads the body, not once "
+    "the body has been read": "timing",
+}
+
+
+def _trap(key: str) -> str:
+    return next(sentence for sentence, k in _PITFALLS.items() if k == key)
+
+def _raw_cases() -> list[_Raw]:
+    three = [_chunk("The"), _chunk(" journey"), _chunk(" ends", "length")]
+    body = b"".join(_event(c) for c in three) + DONE_EVENT
+    crlf = b"".join(_event(c, "\r\n") for c in three) + b"data: [DONE]\r\n\r\n"
+    held = b": keep-alive\n\n" + _event(three[0]) + b"event: completion\nid: 7\n" + _event(three[1])[:-1] + \
+        b"retry: 3000\n\n" + b": ping\n\n\n" + _event(three[2]) + DONE_EVENT
+    two_lines = json.dumps(three[1], indent=1).split("\n")
+    spaced = _event(three[0], space="") + "".join(f"data: {line}\n" for line in two_lines).encode() + b"\n" + \
+        _event(three[2], space="") + b"data:[DONE]\n\n"
+    unicode_chunks = [_chunk("caf\u00e9 "), _chunk(""), _chunk("\u2615", "stop")]
+    unicode_body = b"".join(_event(c) for c in unicode_chunks) + DONE_EVENT
+    cup = unicode_body.index("\u2615".encode())
+    failure = _event({"error": {"message": SERVER_FAILED, "type": "server_error", "param": None, "code": None}})
+    mid = len(_event(three[0])) + 9
+    return [
+        _Raw("one event per chunk, the connection held open after [DONE]",
+             [(0.0, _event(c)) for c in three] + [(0.0, DONE_EVENT)], three, ending="hold",
+             trap=_trap("hold")),
+        _Raw("lines split across network chunks", _split(body, [3, 40, mid, len(_event(three[0])) * 2 - 1,
+                                                                len(body) - 5]), three,
+             trap=_trap("split")),
+        _Raw("CRLF line endings", _split(crlf, [len(crlf) // 2]), three,
+             trap=_trap("crlf")),
+        _Raw("keep-alive comments, blank lines and event:, id:, retry: fields", _split(held, [20]), three,
+             trap=_trap("fields")),
+        _Raw("`data:` without its space, and one event in two data lines", _split(spaced, [30]), three,
+             trap=_trap("space")),
+        _Raw("a character split between chunks, and an empty text", _split(unicode_body, [cup + 1, cup + 2]),
+             unicode_chunks,
+             trap=_trap("utf8")),
+        _Raw("the server's error event after two tokens",
+             [(0.0, _event(three[0])), (0.0, _event(three[1])), (0.02, failure), (0.0, DONE_EVENT)],
+             three[:2], outcome="error",
+             trap=_trap("error")),
+        _Raw("[DONE] as the last line, with no newline after it", _split(body[:-2], [len(body) - 14]), three,
+             trap=_trap("last")),
+        _Raw("the connection cut in the middle of the third event",
+             [(0.0, _event(three[0])), (0.0, _event(three[1])), (0.02, _event(three[2])[:17])], three[:2],
+             ending="cut", outcome="cut",
+             trap=_trap("cut")),
+        _Raw("a body that ends cleanly without [DONE]", [(0.0, _event(three[0])), (0.0, _event(three[1]))],
+             three[:2], outcome="cut",
+             trap=_trap("nodone")),
+    ]
+
+
+TIMED = 0.2  # seconds between the events of the timing case
+
+
+def _timed_case() -> _Raw:
+    three = [_chunk("one"), _chunk(" two"), _chunk(" three", "length")]
+    return _Raw(f"three events {TIMED:g} s apart", [(TIMED if i else 0.0, _event(c)) for i, c in enumerate(three)]
+                + [(0.0, DONE_EVENT)], three,
+                trap=_trap("timing"))
+
+
+class _Run:
+    """What one call of the learner's client gave: (time, chunk) items, the exception it raised
+    (RuntimeError or ConnectionError; None), and when the call began and ended."""
+
+    def __init__(self, items, error, began, ended, hung):
+        self.items, self.error, self.began, self.ended, self.hung = items, error, began, ended, hung
+
+
+def _drive(checker, fn, client: httpx.Client, url: str, payload: dict, case: Case, limit_s: float,
+           sent: Script | None = None) -> _Run:
+    """Run ``fn(client, url, payload)`` to its end in a thread (the checks' guards go with it), for at
+    most ``limit_s`` seconds; with ``sent``, ``limit_s`` counts from when that script's last piece
+    was sent (a loaded machine's slow start is not the client's fault)."""
+    items: list = []
+
+    def drain(client, url, payload):
+        try:
+            for item in fn(client, url, payload):
+                items.append(item)
+        except (RuntimeError, ConnectionError) as exc:  # what the spec asks for: the check inspects it
+            if isinstance(exc, (NotImplementedError, ForbiddenCall)):
+                raise
+            return exc
+        return None
+
+    drain.__name__ = getattr(fn, "__name__", "your function")
+    box: dict = {}
+    context = contextvars.copy_context()
+
+    def work():
+        try:
+            box["error"] = context.run(checker.call, drain, client, url, payload, case=case)
+        except BaseException as exc:  # handed to the check's own thread
+            box["raised"] = exc
+
+    began = time.monotonic()
+    thread = threading.Thread(target=work, daemon=True, name="labsupport sse check")
+    thread.start()
+    if sent is not None:
+        deadline = time.monotonic() + CALL_S
+        while len(sent.sent_at) < len(sent.pieces) and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    thread.join(limit_s)
+    ended = time.monotonic()
+    if "raised" in box:
+        raise box["raised"]
+    return _Run(list(items), box.get("error"), began, ended, thread.is_alive())
+
+
+def _chunks_of(checker, run: _Run, case: Case) -> tuple[list[float], list]:
+    times, chunks = [], []
+    for i, item in enumerate(run.items):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            checker.fail(case, f"item {i} your client yielded is {item!r:.120}; yield (arrival time, chunk) pairs.",
+                         SSE_RULE)
+        t, chunk = item
+        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+            checker.fail(case, f"the time of item {i} is {t!r:.80}, not a number: yield (time.monotonic(), chunk).",
+                         SSE_RULE)
+        if isinstance(chunk, (str, bytes)):
+            checker.fail(case, f"chunk {i} is a {type(chunk).__name__} ({chunk!r:.80}); yield the event's data "
+                               f"parsed as JSON (a dict).", SSE_RULE)
+        times.append(float(t))
+        chunks.append(chunk)
+    for i, t in enumerate(times):
+        if not run.began <= t <= run.ended:
+            checker.fail(case, f"chunk {i} is stamped {t:.3f}, outside the call ({run.began:.3f} to {run.ended:.3f} "
+                               f"on time.monotonic()): stamp arrivals with time.monotonic(), the clock the server "
+                               f"and the lab use (not time.time() or time.perf_counter()).", SSE_RULE)
+    if any(b < a for a, b in zip(times, times[1:])):
+        checker.fail(case, f"the arrival times go backwards: {[round(t - run.began, 4) for t in times]} s after "
+                           f"the call began.", SSE_RULE)
+    return times, chunks
+
+
+def _expect_outcome(checker, run: _Run, raw: _Raw, case: Case, chunks: list) -> None:
+    hint = f"{raw.trap}.\n{SSE_RULE}"
+    error = run.error
+    if raw.outcome == "done":
+        if isinstance(error, ConnectionError):
+            checker.fail(case, f"your client raised ConnectionError ({error}) but the stream ended with data: "
+                               f"[DONE] after {len(raw.chunks)} chunks (you yielded {len(chunks)}).", hint)
+        if error is not None:
+            checker.fail(case, f"your client raised {type(error).__name__}: {error}; this stream has no error.",
+                         hint)
+    elif raw.outcome == "error":
+        if error is None:
+            checker.fail(case, f"your client ended without raising, having yielded {len(chunks)} chunks: the "
+                               f"server's error event was swallowed (or yielded as a chunk).", hint)
+        if not isinstance(error, RuntimeError) or SERVER_FAILED not in str(error):
+            checker.fail(case, f"your client raised {type(error).__name__}: {error}; the error event must raise "
+                               f"RuntimeError with the server's message ({SERVER_FAILED!r}) in it.", hint)
+    else:
+        if error is None:
+            checker.fail(case, f"your client returned normally after {len(chunks)} chunks, but the stream never "
+                               f"sent data: [DONE]: it was cut, and the caller must be told (ConnectionError).",
+                         hint)
+        if not isinstance(error, ConnectionError) or not str(error).strip():
+            checker.fail(case, f"your client raised {type(error).__name__}: {error!r:.200}; a stream that breaks "
+                               f"or ends before [DONE] must raise ConnectionError with a message saying so.", hint)
+    want = raw.chunks
+    if raw.outcome == "done" and chunks != want or raw.outcome != "done" and chunks != want[:len(chunks)]:
+        extra = [c for c in chunks if c not in want]
+        where = f" (for example {extra[0]!r:.160})" if extra else ""
+        checker.fail(case, f"your client yielded {len(chunks)} chunks{where}; expected "
+                           f"{'these' if raw.outcome == 'done' else 'at most these'} {len(want)}: "
+                           f"{[c.get('choices', [{}])[0].get('text') for c in want]} (their texts).", hint)
+
+
+def _expect_request(checker, script: Script, payload: dict, case: Case) -> None:
+    request = script.request
+    if request.get("method") != "POST":
+        checker.fail(case, f"your client sent {request.get('method')!r}; a completion is a POST.", SSE_RULE)
+    try:
+        sent = json.loads(request.get("body") or b"null")
+    except ValueError:
+        sent = request.get("body")
+    if sent != payload:
+        checker.fail(case, f"your client sent the body {sent!r:.160}; expected the payload as JSON "
+                           f"(client.stream('POST', url, json=payload)).", SSE_RULE)
+
+
+def _check_raw(checker, fn, client, server: ByteServer, raw: _Raw, payload: dict) -> tuple[list[float], Script]:
+    case = Case(stream=raw.label)
+    script = server.play(raw.script)
+    limit = HANG_S if raw.script.ending == "hold" else CALL_S
+    run = _drive(checker, fn, client, server.url, payload, case, limit,
+                 sent=script if raw.script.ending == "hold" else None)
+    if run.hung:
+        if raw.script.ending == "hold":
+            checker.fail(case, f"your client was still reading {HANG_S:g} s after data: [DONE] arrived (the server "
+                               f"kept the connection open, sending `: keep-alive` comments, as servers may).",
+                         f"{raw.trap}.\n{SSE_RULE}")
+        checker.fail(case, f"your client did not return within {CALL_S:g} s.", SSE_RULE)
+    server.wait(1.0)
+    _expect_request(checker, script, payload, case)
+    times, chunks = _chunks_of(checker, run, case)
+    _expect_outcome(checker, run, raw, case, chunks)
+    return times, script
+
+
+def _check_timing(checker, times: list[float], script: Script, case: Case, hint: str) -> None:
+    sent = script.sent_at
+    for i, t in enumerate(times):
+        if t < sent[i]:
+            checker.fail(case, f"chunk {i} is stamped {(sent[i] - t) * 1e3:.0f} ms before the server sent it: read "
+                               f"the clock when the chunk arrives, not when the request was sent.", hint)
+    if times[0] >= sent[-1]:
+        checker.fail(case, f"the first chunk is stamped {(times[0] - sent[0]) * 1e3:.0f} ms after the server sent "
+                           f"it, once the last had been sent ({(sent[-1] - sent[0]) * 1e3:.0f} ms later): the "
+                           f"timestamps were taken at the end, not as each chunk arrived.", hint)
+
+
+def _real_payload(model: str, **extra) -> dict:
+    return {"model": model, "prompt": "Stream me a few tokens.", "max_tokens": 6, "temperature": 0.0,
+            "stream": True, **extra}
+
+
+def _check_real(checker, fn, client: httpx.Client, base_url: str) -> None:
+    model = client.get(f"{base_url}/models").json()["data"][0]["id"]
+    url = f"{base_url}/completions"
+    payload = _real_payload(model, stream_options={"include_usage": True})
+    case = Case(stream="the course server: a streamed completion of 6 tokens with its usage event")
+    want = [chunk for _, chunk in stream_events(client, url, payload)]
+    run = _drive(checker, fn, client, url, payload, case, 60.0)
+    if run.hung:
+        checker.fail(case, "your client did not return within 60 s.", SSE_RULE)
+    _, chunks = _chunks_of(checker, run, case)
+    if run.error is not None:
+        checker.fail(case, f"your client raised {type(run.error).__name__}: {run.error}", SSE_RULE)
+
+    def same(chunk):  # what two identical greedy requests share (ids and creation times differ)
+        return {k: v for k, v in chunk.items() if k not in ("id", "created")} if isinstance(chunk, dict) else chunk
+
+    if [same(c) for c in chunks] != [same(c) for c in want]:
+        checker.fail(case, f"your client yielded {len(chunks)} chunks, the course's {len(want)} (6 tokens and the "
+                           f"usage event); the first that differs: {next((c for c, w in zip(chunks, want) if same(c) != same(w)), None)!r:.200}.",
+                     SSE_RULE)
+    bad = _real_payload(model, max_tokens=0)
+    case = Case(stream="the course server: a request it refuses (max_tokens 0, HTTP 400)")
+    run = _drive(checker, fn, client, url, bad, case, 30.0)
+    if run.hung:
+        checker.fail(case, "your client did not return within 30 s.", SSE_RULE)
+    refused = client.post(url, json=bad).json()["error"]["message"]
+    if not isinstance(run.error, RuntimeError) or refused not in str(run.error):
+        got = "returned normally" if run.error is None else f"raised {type(run.error).__name__}: {run.error}"
+        checker.fail(case, f"your client {got}; for a status other than 200 it must raise RuntimeError with the "
+                           f"server's message ({refused!r}), read from the JSON body (call response.read() "
+                           f"first inside client.stream).", SSE_RULE)
+
+
+@graded(points=6, bans=(stream_events,))
+def check_sse_client(fn, checker, server=None):
+    """``fn(client, url, payload)`` must stream a completion over ``httpx`` and yield ``(arrival_s, chunk)``
+    per event (see the lab); checked on raw byte streams, then on the course server ``server`` (a running
+    :class:`labsupport.serve.ServerProcess`; when it is None, the check starts one, once per Python, and
+    keeps it for later calls: it stops when Python exits)."""
+    import httpx  # the serve extra's (like the server itself): only this check needs it
+
+    payload = {"model": "raw", "prompt": "hello", "max_tokens": 3, "stream": True}
+    with httpx.Client(timeout=httpx.Timeout(5.0)) as client, ByteServer() as raw_server:
+        for raw in _raw_cases():
+            _check_raw(checker, fn, client, raw_server, raw, payload)
+        timed = _timed_case()
+        times, script = _check_raw(checker, fn, client, raw_server, timed, payload)
+        _check_timing(checker, times, script, Case(stream=timed.label), f"{timed.trap}.\n{SSE_RULE}")
+    if server is not None and not server.running():
+        checker.fail(Case(stream="the course server"), f"the server passed to the check is not running ({server!r}).",
+                     "start it again (server = start_server(threads=1)), or call the check without server= to let it "
+                     "start its own.")
+    with httpx.Client(timeout=httpx.Timeout(30.0)) as client:
+        _check_real(checker, fn, client, (server or _shared_server()).base_url)
+
+
+_SERVER = None  # the course server this Python started for the check (kept for later calls)
+
+
+def _shared_server():
+    """A course server for checks called without one: started on first use, stopped when Python exits."""
+    global _SERVER
+    from ..serve.process import ServerProcess  # the server's stack, only when the check starts one
+
+    if _SERVER is None or not _SERVER.running():
+        _SERVER = ServerProcess(["--max-tokens-limit", "16"], threads=1).start()
+    return _SERVER

@@ -645,3 +645,328 @@ def check_paged_attention(fn, checker):
         case = Case(seq_lens=fields["lens"], H=fields["H"], Hkv=fields["Hkv"], D=fields["D"], block_size=fields["bs"],
                     dtype=fields["dtype"], inputs=what)
         _run_paged_case(fn, checker, case, inputs, {}, fields["dtype"], hint)
+
+
+# --- the prefix cache ------------------------------------------------------------------------------
+
+PREFIX_RULE = (
+    "a full block's hash is hash((the previous full block's hash, or None for the first, tuple(its tokens))); "
+    "allocate reuses the longest run of leading full blocks whose hashes are cached (each hit takes a "
+    "reference, and an unreferenced cached block leaves the evictable list), then takes new blocks, plain free "
+    "ones first, else evicting the least recently released cached block (its hash forgotten); free drops one "
+    "reference per block, last block first, and a block left with none stays cached (most recently released) "
+    "if it has a hash, else returns to the free list. Only full blocks are hashed."
+)
+# The prefix cache's named mistakes: (what went wrong, how to fix it)
+P_HASH_ALONE = (
+    "a block was found by its tokens alone: the same tokens after a different prefix hashed alike (the "
+    "hash does not chain the previous block's hash)",
+    "hash each full block together with the hash of the block before it, so equal hashes mean equal "
+    "prefixes, not merely equal blocks."
+)
+P_PARTIAL = (
+    "the last, partly filled block was cached and found (only full blocks have a hash)",
+    "hash only the len(token_ids) // block_size full blocks; the partial last block is never cached."
+)
+P_NO_REF_ON_HIT = (
+    "a hit did not take a reference (the reference count of a reused block was not incremented)",
+    "every block allocate reuses gains one reference, and an unreferenced cached block leaves the "
+    "evictable list when it is reused."
+)
+P_FREE_SHARED = (
+    "free released a block that another sequence still holds (freed on the first release of a shared "
+    "block)",
+    "decrement the reference count; a block becomes free or evictable only when it reaches 0."
+)
+P_EVICT_HELD = (
+    "a block still referenced was evicted and handed to a new sequence (evicting a referenced block)",
+    "only blocks with reference count 0 are evictable: keep them in their own list, and take a referenced"
+    " block off it when a hit reuses it."
+)
+P_FIFO = (
+    "a cached block was evicted first although another had been released longer ago (FIFO in the order of"
+    " caching, not least recently used)",
+    "when free releases a cached block, it becomes the most recently used: evict from the other end; a "
+    "hit takes it off the list, so its next release puts it at the recent end again."
+)
+P_FORGETS = (
+    "free forgot the hashes of released blocks (nothing stays cached after its sequence is freed)",
+    "a released full block keeps its hash and stays findable until it is evicted for new data."
+)
+P_EVICT_FIRST = (
+    "new blocks were taken by evicting cached ones while plain free blocks remained",
+    "take never-cached free blocks first; evict a cached block only when there are none."
+)
+
+
+def _kv_of(ids: list[int]) -> list[int]:
+    """What position p of a sequence holds in the simulated cache: a value that depends on the
+    whole prefix ids[:p + 1], as a real key or value vector does."""
+    out, h = [], 17
+    for t in ids:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class _PrefixDriver:
+    """Runs a trace on the learner's prefix-caching allocator and on the course's, comparing them
+    after every operation and reading every live sequence back through its table."""
+
+    def __init__(self, checker, cls, num_blocks: int, block_size: int, scenario: str):
+        self.checker, self.scenario, self.num_blocks, self.block_size = checker, scenario, num_blocks, block_size
+        self.history: list[str] = []
+        self.ref = CourseAllocator(num_blocks, block_size, prefix_caching=True)
+        self.ids: dict[int, list[int]] = {}  # live sequence -> its token ids
+        self.last = ""  # the last operation: allocate, fork or free
+        self.data: dict[int, list] = {}  # block -> the values written in its slots
+        self.alloc = self.call(cls, num_blocks, block_size, op=f"PrefixCachingAllocator({num_blocks}, {block_size})")
+
+    def case(self) -> Case:
+        ops = self.history[-6:]
+        return Case(scenario=self.scenario, num_blocks=self.num_blocks, block_size=self.block_size,
+                    operations=("..., " if len(self.history) > 6 else "") + "; ".join(ops))
+
+    def call(self, fn, *args, op: str | None = None):
+        if op is not None:
+            self.history.append(op)
+            self.last = op.partition("(")[0]
+        return self.checker.call(fn, *args, case=self.case())
+
+    def fail(self, problem: str, named: tuple[str, str] | None = None):
+        """Fail with ``problem``; ``named`` is the mistake it matches, (what went wrong, how to fix it)."""
+        if named is None:
+            self.checker.fail(self.case(), problem, PREFIX_RULE)
+        self.checker.fail(self.case(), f"{problem}\nThis matches: {named[0]}.", f"{named[1]}\n{PREFIX_RULE}")
+
+    def table(self, seq: int) -> list[int]:
+        got = self.call(self.alloc.block_table, seq)
+        try:
+            return [int(b) for b in got]
+        except (TypeError, ValueError):
+            self.fail(f"block_table({seq}) returned {got!r}, expected a list of block ids.")
+
+    # -- operations ------------------------------------------------------------------------------
+
+    def allocate(self, seq: int, ids: list[int], why: str | None = None) -> None:
+        short = f"[{', '.join(map(str, ids[:3]))}, ... {len(ids)} tokens]" if len(ids) > 4 else str(ids)
+        try:
+            self.ref.allocate(seq, ids)
+            want_hit, refused = self.ref.cached_tokens(seq), False
+        except MemoryError:
+            want_hit, refused = None, True
+
+        def allocate(seq_id, token_ids):  # MemoryError is an answer here, not a crash
+            try:
+                return self.alloc.allocate(seq_id, token_ids)
+            except MemoryError:
+                return None
+
+        got = self.call(allocate, seq, list(ids), op=f"allocate({seq}, {short})")
+        if refused:
+            if got is not None:
+                self.fail(f"allocate({seq}, ...) succeeded, but every block was held by a live sequence: it needed "
+                          f"{-(-len(ids) // self.block_size)} blocks and none was free or evictable; it should raise "
+                          f"MemoryError.", named=P_EVICT_HELD)
+            self.history[-1] += " -> MemoryError"
+            self.verify()
+            return
+        if got is None:
+            self.fail(f"allocate({seq}, ...) raised MemoryError, but the blocks free or evictable sufficed (the "
+                      f"course's allocator found {self.ref.cached_tokens(seq)} cached tokens and enough blocks for "
+                      f"the rest).", named=why)
+        self.ids[seq] = list(ids)
+        hit = self.call(self.alloc.cached_tokens, seq)
+        if hit != want_hit:
+            named = why if hit < want_hit else (
+                P_PARTIAL if hit > len(ids) // self.block_size * self.block_size else P_HASH_ALONE)
+            self.fail(f"cached_tokens({seq}) is {hit!r}; {want_hit} of its {len(ids)} tokens are in cached blocks.",
+                      named=named)
+        table = self.table(seq)
+        kv = _kv_of(ids)
+        for p in range(hit if isinstance(hit, int) else 0, len(ids)):  # the engine computes the uncached rest
+            if p // self.block_size < len(table):
+                self.data.setdefault(table[p // self.block_size], [None] * self.block_size)[p % self.block_size] = kv[p]
+        self.verify()
+
+    def fork(self, parent: int, child: int) -> None:
+        self.ref.fork(parent, child)
+        self.call(self.alloc.fork, parent, child, op=f"fork({parent}, {child})")
+        self.ids[child] = list(self.ids[parent])
+        self.verify()
+
+    def free(self, seq: int, why: str | None = None) -> None:
+        self.ref.free(seq)
+        self.call(self.alloc.free, seq, op=f"free({seq})")
+        del self.ids[seq]
+        self.verify(why)
+
+    # -- the comparison --------------------------------------------------------------------------
+
+    def verify(self, why: str | None = None) -> None:
+        tables, counts = {}, {}
+        for seq, ids in self.ids.items():
+            table = self.table(seq)
+            if len(table) != -(-len(ids) // self.block_size):
+                self.fail(f"sequence {seq} holds {len(ids)} tokens, so its table needs "
+                          f"{-(-len(ids) // self.block_size)} blocks; block_table({seq}) has {len(table)}: {table}.")
+            if any(not 0 <= b < self.num_blocks for b in table) or len(set(table)) != len(table):
+                self.fail(f"block_table({seq}) = {table}: block ids must be distinct ints in [0, {self.num_blocks}).")
+            tables[seq] = table
+            for b in table:
+                counts[b] = counts.get(b, 0) + 1
+        # who shares what, and each block's count, against the course's allocator
+        for seq, table in tables.items():
+            ref_table = self.ref.block_table(seq)
+            for i, (b, rb) in enumerate(zip(table, ref_table)):
+                got, want = self.call(self.alloc.ref_count, b), self.ref.ref_count(rb)
+                if got != want:
+                    named = None
+                    if isinstance(got, int) and got < want and self.last == "free":
+                        named = P_FREE_SHARED
+                    elif isinstance(got, int) and got < want and self.last == "allocate":
+                        named = P_NO_REF_ON_HIT
+                    self.fail(f"ref_count({b}) is {got!r} for block {i} of sequence {seq}; {want} live sequences hold "
+                              f"that block.", named=named)
+            for other, other_table in tables.items():
+                if other == seq:
+                    continue
+                ref_other = self.ref.block_table(other)
+                for i, (b, rb) in enumerate(zip(table, ref_table)):
+                    shared, ref_shared = b in other_table, rb in ref_other
+                    if shared != ref_shared:
+                        what = "shares" if shared else "does not share"
+                        self.fail(f"block {i} of sequence {seq} (block {b}) {what} its block with sequence {other}; "
+                                  f"in the course's allocator it {'does not' if shared else 'does'}.", named=why)
+        free = self.call(self.alloc.free_blocks)
+        try:
+            free = {int(b) for b in free}
+        except (TypeError, ValueError):
+            self.fail(f"free_blocks() returned {free!r}, expected a set of block ids.")
+        held = sorted(set(counts) & free)
+        if held:
+            self.fail(f"block {held[0]} is in free_blocks() (free or evictable) but sequence "
+                      f"{next(s for s, t in tables.items() if held[0] in t)} still holds it.",
+                      named=P_FREE_SHARED)
+        if len(free) != self.ref.num_free_blocks:
+            self.fail(f"free_blocks() holds {len(free)} blocks (free or cached and unreferenced); it should hold "
+                      f"{self.ref.num_free_blocks}.", named=why)
+        leaked = sorted(set(range(self.num_blocks)) - free - set(counts))
+        if leaked:
+            self.fail(f"block(s) {leaked} are neither held nor in free_blocks(): they leaked.")
+        for seq, ids in self.ids.items():  # every position reads back the KV of its own prefix
+            kv, table = _kv_of(ids), tables[seq]
+            for p in range(len(ids)):
+                b = table[p // self.block_size]
+                if self.data.get(b, [None] * self.block_size)[p % self.block_size] != kv[p]:
+                    self.fail(f"sequence {seq}'s position {p} (block {b}, slot {p % self.block_size}) reads back the "
+                              f"keys and values of another prefix: block {b} was handed to another sequence, or "
+                              f"reused for different tokens, while sequence {seq} held it.",
+                              named=why or P_EVICT_HELD)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def _prefix_directed(checker, cls) -> None:
+    rng = random.Random(10)
+    system = _tokens(rng, 8)  # two full blocks of 4
+    q0, q1 = _tokens(rng, 5), _tokens(rng, 6)
+
+    d = _PrefixDriver(checker, cls, 16, 4, "a shared system prompt")
+    d.allocate(0, system + q0)  # 13 tokens: three full blocks and one of 1
+    d.allocate(1, system + q1, why=P_FORGETS)
+    d.free(0)
+    d.allocate(2, system + q0, why=P_FORGETS)  # the same prompt again: 12 tokens cached, not 13
+    d.free(1)
+    d.free(2)
+
+    x, y, z = _tokens(rng, 4), _tokens(rng, 4), _tokens(rng, 4)
+    d = _PrefixDriver(checker, cls, 16, 4, "the same block after a different prefix")
+    d.allocate(0, x + y + z)
+    d.allocate(1, y + z + x)  # y and z at other positions, after another prefix: nothing is cached
+    d.allocate(2, x + y + x)  # x, y hit; the third block differs
+    d.free(0)
+    d.free(1)
+    d.free(2)
+
+    d = _PrefixDriver(checker, cls, 12, 4, "forks of one prompt")
+    d.allocate(0, system + q1)  # 14 tokens, 4 blocks
+    d.fork(0, 1)
+    d.fork(0, 2)
+    d.free(0, why=P_FREE_SHARED)
+    d.allocate(3, _tokens(rng, 30))  # needs 8 blocks: only never-used and truly free ones may be taken
+    d.free(1)
+    d.free(3)
+    d.free(2)
+
+    p, q, r = _tokens(rng, 8), _tokens(rng, 8), _tokens(rng, 16)
+    d = _PrefixDriver(checker, cls, 4, 4, "every block referenced")
+    d.allocate(0, p)
+    d.free(0)
+    d.allocate(1, p)  # a hit: p's blocks are referenced again
+    d.allocate(2, q)  # the two never-used blocks
+    d.allocate(3, _tokens(rng, 3))  # nothing free, nothing evictable: MemoryError
+    d.free(1)
+    d.allocate(4, _tokens(rng, 3))  # now p's blocks are evictable
+    d.free(2)
+    d.free(4)
+
+    d = _PrefixDriver(checker, cls, 6, 4, "least recently used first")
+    d.allocate(0, p)
+    d.free(0)  # p cached
+    d.allocate(1, q, why=P_EVICT_FIRST)
+    d.free(1)  # q cached after p
+    d.allocate(2, p, why=P_EVICT_FIRST)
+    # p used again: now more recent than q
+    d.free(2)
+    d.allocate(3, r)  # two free blocks and two evicted: q's, the least recently used
+    d.free(3)
+    d.allocate(4, p, why=P_FIFO)  # still cached
+    d.allocate(5, q)
+    d.free(4)
+    d.free(5)
+
+
+def _prefix_random(checker, cls, seed: int, steps: int = 70) -> None:
+    rng = random.Random(seed)
+    systems = [_tokens(rng, n) for n in (8, 12, 6)]
+    d = _PrefixDriver(checker, cls, 20, 4, f"random trace, seed {seed}")
+    next_id, seen = 0, []
+    for _ in range(steps):
+        live = list(d.ids)
+        roll = rng.random()
+        if roll < 0.45 or not live:
+            if seen and rng.random() < 0.2:
+                ids = list(rng.choice(seen))  # a repeat (a retry, a regenerated answer)
+            else:
+                ids = rng.choice(systems) + _tokens(rng, rng.randrange(1, 11))
+            seen.append(ids)
+            d.allocate(next_id, ids)
+            next_id += 1
+        elif roll < 0.6:
+            d.fork(rng.choice(live), next_id)
+            next_id += 1
+        else:
+            d.free(rng.choice(live))
+    for seq in list(d.ids):
+        d.free(seq)
+
+
+@graded(points=8, bans=(block_allocator_answer,))
+def check_prefix_cache(cls, checker):
+    """``cls(num_blocks, block_size)`` must give a prefix-caching allocator with ``allocate(seq_id,
+    token_ids) -> table``, ``cached_tokens(seq_id)``, ``fork``, ``free``, ``block_table``, ``ref_count``
+    and ``free_blocks`` (free or cached and unreferenced), compared with the course's
+    ``BlockAllocator(..., prefix_caching=True)`` after every operation of directed and seeded random
+    traces, with every live sequence read back through its table."""
+    if not isinstance(cls, type):
+        checker.fail(Case(argument=repr(cls)[:60]), "pass the class itself: check_prefix_cache(PrefixCachingAllocator).")
+    if issubclass(cls, CourseAllocator) and not course_is_checking():
+        checker.fail(Case(scenario="the class itself"),
+                     "your class is, or derives from, labsupport.paged_cache.BlockAllocator, the course's answer.",
+                     "write your own class; the check compares its behaviour with the course's.")
+    _prefix_directed(checker, cls)
+    for seed in (1, 2, 3):
+        _prefix_random(checker, cls, seed)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
+import time
 
+import httpx
 import numpy as np
 import pytest
 
 from labsupport._answers import course_checks_its_answers, unguarded
-from labsupport.checks import CheckFailed, check_latency_metrics, check_percentile
+from labsupport.checks import CheckFailed, check_latency_metrics, check_percentile, check_sse_client
 from labsupport.latency import latency_metrics, percentile
+from labsupport.sse import stream_events
 
 # --- check_latency_metrics -------------------------------------------------------------------------
 
@@ -156,3 +160,185 @@ def test_percentile_stub_says_not_implemented():
 
     with pytest.raises(CheckFailed, match="NotImplementedError"):
         check_percentile(stub)
+
+
+# --- check_sse_client --------------------------------------------------------------------------------
+
+
+def make_client(*, buffer=True, strip_cr=True, comments=True, space_optional=True, done=True, flush_eof=True,
+                need_done=True, errors=True, stamp="arrival", decode="line", wrap_cut=True, status=True,
+                parse=True):
+    """A learner's client written on response.iter_bytes(); each flag off plants one mistake."""
+
+    def client_fn(client, url, payload):
+        events = []
+        with client.stream("POST", url, json=payload) as response:
+            if status and response.status_code != 200:
+                response.read()
+                raise RuntimeError(f"HTTP {response.status_code}: {response.json()['error']['message']}")
+            if not status:
+                response.raise_for_status()
+            pending, data = b"", []
+
+            def line_of(raw):
+                return raw.decode("utf-8")
+
+            def handle(line, t):
+                if strip_cr:
+                    line = line.removesuffix("\r")
+                if line == "":
+                    if not data:
+                        return None
+                    text = "\n".join(data)
+                    data.clear()
+                    if text == "[DONE]" and done:
+                        return "done"
+                    if text == "[DONE]":
+                        return None
+                    chunk = json.loads(text) if parse else text
+                    if errors and isinstance(chunk, dict) and "error" in chunk:
+                        raise RuntimeError(chunk["error"]["message"])
+                    if not errors and isinstance(chunk, dict) and "error" in chunk:
+                        return None
+                    events.append((t, chunk))
+                    return None
+                if comments:
+                    field, _, value = line.partition(":")
+                    if field != "data":
+                        return None
+                else:
+                    value = line.partition(":")[2]
+                data.append(value[1:] if not space_optional or value.startswith(" ") else value)
+                return None
+
+            try:
+                for piece in response.iter_bytes():
+                    t = time.monotonic() if stamp == "arrival" else time.time()
+                    if decode == "chunk":  # each read decoded alone: a split character is lost
+                        piece = piece.decode("utf-8", errors="replace").encode()
+                    if buffer:
+                        *lines, pending = (pending + piece).split(b"\n")
+                    else:
+                        lines = piece.split(b"\n")
+                    for raw in lines:
+                        if handle(line_of(raw), t) == "done":
+                            yield from _emit(events, stamp)
+                            return
+                    yield from _emit(events, stamp, final=False)
+            except httpx.TransportError as exc:
+                if wrap_cut:
+                    raise ConnectionError(f"stream cut: {exc}") from exc
+                raise
+            t = time.monotonic()
+            if flush_eof:
+                for raw in (pending, b""):
+                    if handle(line_of(raw), t) == "done":
+                        yield from _emit(events, stamp)
+                        return
+            yield from _emit(events, stamp)
+        if need_done:
+            raise ConnectionError("the stream ended before [DONE]")
+
+    return client_fn
+
+
+def _emit(events, stamp, final=True):
+    """Hand over the events read so far (all at the end when the mutant stamps at the end)."""
+    if stamp == "end":
+        if final:
+            now = time.monotonic()
+            yield from ((now, c) for _, c in events)
+            events.clear()
+        return
+    yield from events
+    events.clear()
+
+
+def lines_client(client, url, payload):
+    """Another correct client: on httpx's iter_lines (which buffers, decodes and splits itself)."""
+    with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(response.json()["error"]["message"])
+        data = []
+        try:
+            for line in response.iter_lines():
+                t = time.monotonic()
+                if line.startswith(":"):
+                    continue
+                if line:
+                    if line.startswith("data:"):
+                        data.append(line[5:].removeprefix(" "))
+                    continue
+                if not data:
+                    continue
+                text, data = "\n".join(data), []
+                if text == "[DONE]":
+                    return
+                chunk = json.loads(text)
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                yield t, chunk
+        except httpx.TransportError as exc:
+            raise ConnectionError("cut") from exc
+        if data and "\n".join(data) == "[DONE]":
+            return
+    raise ConnectionError("no [DONE]")
+
+
+def test_sse_references_pass(capsys):
+    check_sse_client(make_client())  # the check's own course server, started once per Python
+    check_sse_client(lines_client)
+    check_sse_client(unguarded(stream_events))
+    assert capsys.readouterr().out.count("PASSED check_sse_client") == 3
+
+
+class NoServer:
+    """Stands for a server the mutants never reach (the check would fail on it if they did)."""
+
+    def running(self):
+        raise AssertionError("this mutant passed every raw stream and reached the server")
+
+
+NO_SERVER = NoServer()
+
+SSE_MUTANTS = {
+    "ignores [DONE] and keeps reading": (make_client(done=False), r"still reading 2 s after data: \[DONE\]"),
+    "treats every line as data": (make_client(comments=False), r"(?s)raised JSONDecodeError.*keep-alive comments"),
+    "drops a last line without newline": (
+        make_client(flush_eof=False), r"(?s)\[DONE\] as the last line.*raised ConnectionError"),
+    "timestamps at the end": (make_client(stamp="end"), "the timestamps were taken at the end"),
+    "swallows the error event": (make_client(errors=False), "the server's error event was swallowed"),
+    "no buffering across chunks": (make_client(buffer=False), r"(?s)lines split across network chunks"),
+    "keeps the \\r of CRLF": (make_client(strip_cr=False), r"(?s)CRLF line endings"),
+    "decodes each chunk": (make_client(decode="chunk"), r"(?s)a character split between chunks.*caf"),
+    "needs the space after data:": (make_client(space_optional=False), r"(?s)`data:` without its space"),
+    "lets httpx's error out": (make_client(wrap_cut=False), r"(?s)raised RemoteProtocolError.*connection cut"),
+    "no [DONE] is fine": (make_client(need_done=False), r"never sent data: \[DONE\]: it was cut"),
+    "wall-clock stamps": (make_client(stamp="wall"), r"outside the call .*time\.monotonic"),
+    "raw JSON text": (make_client(parse=False), "yield the event's data parsed as JSON"),
+}
+
+
+@pytest.mark.parametrize("name", list(SSE_MUTANTS))
+def test_sse_mutant_is_rejected(name):
+    fn, message = SSE_MUTANTS[name]
+    with pytest.raises(CheckFailed, match=message):
+        check_sse_client(fn, server=NO_SERVER)  # the raw streams reject it first
+
+
+def test_sse_status_ignored_is_rejected():
+    with pytest.raises(CheckFailed, match=r"(?s)raised HTTPStatusError.*refuses"):
+        check_sse_client(make_client(status=False))
+
+
+def test_sse_stub_and_answer():
+    def stub(client, url, payload):
+        raise NotImplementedError("Exercise 1")
+
+    with pytest.raises(CheckFailed, match="NotImplementedError") as info:
+        check_sse_client(stub)
+    assert info.value.reason == "not done"
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="course's own answer"):
+            check_sse_client(lambda c, u, p: stream_events(c, u, p))

@@ -7,6 +7,7 @@ attention mutants are real Triton kernels with one mistake each, as the issue na
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from labsupport import paged_attention as P
 from labsupport._answers import course_checks_its_answers, unguarded
-from labsupport.checks import CheckFailed, check_block_allocator, check_paged_attention
+from labsupport.checks import CheckFailed, check_block_allocator, check_paged_attention, check_prefix_cache
 from labsupport.checks import lab10_cache_ops as lab10
 from labsupport.paged_cache import BlockAllocator
 
@@ -359,3 +360,230 @@ def test_paged_check_refuses_the_courses_kernel_from_a_learner():
             check_paged_attention(P.paged_decode_attention_triton)
         with pytest.raises(CheckFailed, match="course's own answer"):
             check_paged_attention(lambda *a: P.paged_decode_attention(*a))
+
+
+# --- check_prefix_cache ------------------------------------------------------------------------------
+
+
+class PrefixAllocator:
+    """A correct prefix-caching allocator with the lab's interface; subclasses plant one mistake each."""
+
+    def __init__(self, num_blocks, block_size):
+        self.bs = block_size
+        self.empty = collections.deque(range(num_blocks))
+        self.lru = collections.OrderedDict()  # cached, unreferenced: block -> hash, oldest release first
+        self.where = {}  # hash -> block
+        self.hashes = {}  # block -> hash
+        self.refs = collections.Counter()
+        self.tables, self.hits = {}, {}
+
+    def block_hashes(self, ids):
+        out, h = [], None
+        for i in range(len(ids) // self.bs):
+            h = hash((h, tuple(ids[i * self.bs:(i + 1) * self.bs])))
+            out.append(h)
+        return out
+
+    def take(self):
+        if self.empty:
+            return self.empty.popleft()
+        block, h = self.lru.popitem(last=False)
+        del self.where[h], self.hashes[block]
+        return block
+
+    def capacity(self, hits):
+        return len(self.empty) + len(self.lru) - sum(1 for b in hits if b in self.lru)
+
+    def reuse(self, block):
+        self.lru.pop(block, None)
+        self.refs[block] += 1
+
+    def allocate(self, seq_id, token_ids):
+        hashes = self.block_hashes(token_ids)
+        hits = []
+        for h in hashes:
+            if h not in self.where:
+                break
+            hits.append(self.where[h])
+        need = -(-len(token_ids) // self.bs) - len(hits)
+        if need > self.capacity(hits):
+            raise MemoryError("out of blocks")
+        for b in hits:
+            self.reuse(b)
+        table = list(hits)
+        for i in range(len(hits), len(hits) + need):
+            b = self.take()
+            self.refs[b] = 1
+            table.append(b)
+            if i < len(hashes) and hashes[i] not in self.where:
+                self.where[hashes[i]], self.hashes[b] = b, hashes[i]
+        self.tables[seq_id], self.hits[seq_id] = table, len(hits) * self.bs
+        return list(table)
+
+    def cached_tokens(self, seq_id):
+        return self.hits[seq_id]
+
+    def fork(self, parent_id, child_id):
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.hits[child_id] = self.hits[parent_id]
+        for b in self.tables[child_id]:
+            self.refs[b] += 1
+
+    def release(self, block):
+        self.refs[block] -= 1
+        return self.refs[block] == 0
+
+    def free(self, seq_id):
+        for b in reversed(self.tables.pop(seq_id)):
+            if self.release(b):
+                if b in self.hashes:
+                    self.lru[b] = self.hashes[b]
+                else:
+                    self.empty.append(b)
+
+    def block_table(self, seq_id):
+        return list(self.tables[seq_id])
+
+    def ref_count(self, block):
+        return self.refs[block]
+
+    def free_blocks(self):
+        return set(self.empty) | set(self.lru)
+
+
+class HashWithoutPrefix(PrefixAllocator):
+    def block_hashes(self, ids):
+        return [hash(tuple(ids[i * self.bs:(i + 1) * self.bs])) for i in range(len(ids) // self.bs)]
+
+
+class PartialBlockCached(PrefixAllocator):
+    def block_hashes(self, ids):
+        out, h = [], None
+        for i in range(-(-len(ids) // self.bs)):  # the partial last block too
+            h = hash((h, tuple(ids[i * self.bs:(i + 1) * self.bs])))
+            out.append(h)
+        return out
+
+    def allocate(self, seq_id, token_ids):
+        table = super().allocate(seq_id, token_ids)
+        self.hits[seq_id] = min(self.hits[seq_id], len(token_ids))
+        return table
+
+
+class EvictsReferenced(PrefixAllocator):
+    """Evicts from every cached block, referenced or not, oldest cached first."""
+
+    def capacity(self, hits):
+        return len(self.empty) + len(self.hashes) - len(hits)
+
+    def take(self):
+        if self.empty:
+            return self.empty.popleft()
+        block = next(b for b in self.hashes if b not in self.protected)
+        self.lru.pop(block, None)
+        del self.where[self.hashes.pop(block)]
+        return block
+
+    def allocate(self, seq_id, token_ids):
+        self.protected = set()
+        return super().allocate(seq_id, token_ids)
+
+    def reuse(self, block):
+        super().reuse(block)
+        self.protected.add(block)
+
+
+class Fifo(PrefixAllocator):
+    """Evicts unreferenced cached blocks in the order they were first cached."""
+
+    def take(self):
+        if self.empty:
+            return self.empty.popleft()
+        block = next(b for b in self.hashes if b in self.lru)
+        del self.lru[block]
+        del self.where[self.hashes.pop(block)]
+        return block
+
+
+class NoReferenceOnHit(PrefixAllocator):
+    def reuse(self, block):
+        if block in self.lru:  # a cached block nobody held: it is held now
+            del self.lru[block]
+            self.refs[block] = 1
+
+
+class FreesOnFirstRelease(PrefixAllocator):
+    def release(self, block):
+        self.refs[block] = 0
+        return True
+
+    def free(self, seq_id):
+        for b in reversed(self.tables.pop(seq_id)):
+            if self.release(b) and b not in self.lru and b not in self.empty:
+                if b in self.hashes:
+                    self.lru[b] = self.hashes[b]
+                else:
+                    self.empty.append(b)
+
+
+class ForgetsOnFree(PrefixAllocator):
+    def free(self, seq_id):
+        for b in reversed(self.tables.pop(seq_id)):
+            if self.release(b):
+                if b in self.hashes:
+                    del self.where[self.hashes.pop(b)]
+                self.empty.append(b)
+
+
+class EvictsBeforeFree(PrefixAllocator):
+    def take(self):
+        if self.lru:
+            block, h = self.lru.popitem(last=False)
+            del self.where[h], self.hashes[block]
+            return block
+        return self.empty.popleft()
+
+
+class PrefixStub:
+    def __init__(self, num_blocks, block_size):
+        raise NotImplementedError("Exercise 2")
+
+
+class CoursePrefix(BlockAllocator):
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size, prefix_caching=True)
+
+
+PREFIX_MUTANTS = {
+    "hash without its prefix": (HashWithoutPrefix, "the same tokens after a different prefix hashed alike"),
+    "partial last block cached": (PartialBlockCached, "the last, partly filled block was cached"),
+    "evicts a referenced block": (EvictsReferenced, "(evicting a referenced block)"),
+    "FIFO instead of LRU": (Fifo, "(FIFO in the order of caching, not least recently used)"),
+    "no reference on a hit": (NoReferenceOnHit, "a hit did not take a reference"),
+    "frees on the first release": (FreesOnFirstRelease, "freed on the first release of a shared block"),
+    "forgets hashes on free": (ForgetsOnFree, "free forgot the hashes of released blocks"),
+    "evicts before using free blocks": (EvictsBeforeFree, "while plain free blocks remained"),
+}
+
+
+def test_prefix_cache_references_pass(capsys):
+    check_prefix_cache(PrefixAllocator)
+    check_prefix_cache(CoursePrefix)  # the course's own allocator, which the check compares with
+    assert capsys.readouterr().out.count("PASSED check_prefix_cache") == 2
+
+
+@pytest.mark.parametrize("name", PREFIX_MUTANTS)
+def test_prefix_cache_check_rejects(name):
+    cls, expected = PREFIX_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_prefix_cache(cls)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_prefix_cache_check_reports_the_stub_and_refuses_the_course_class():
+    with pytest.raises(CheckFailed, match="NotImplementedError") as info:
+        check_prefix_cache(PrefixStub)
+    assert info.value.reason == "not done"
+    with course_checks_its_answers(False):
+        with pytest.raises(CheckFailed, match="derives from"):
+            check_prefix_cache(CoursePrefix)
