@@ -42,11 +42,25 @@ serve: $(STAMP)  ## serve the built book on http://127.0.0.1:$(PORT) (search nee
 	@test -f _build/html/index.html || $(MAKE) book
 	$(PY) scripts/serve_book.py --port $(PORT) _build/html
 
+# `make test` builds the book beside the tests that need no built book: jupyter-book executes its
+# pages one after another, so alone it leaves one of two cores idle for the whole build (its page
+# kernels get one torch thread each, as the test workers' do, so three processes share two cores
+# without spinning). The book's log goes to $(BOOK_LOG), its last lines printed if it fails; then
+# the tests of the built book (marked `book`, all under $(BOOK_TESTS): collecting only those folders
+# saves collecting the whole suite twice more; tests/notebooks/test_notebooks.py checks no `book` test
+# lives elsewhere) run. Any part failing fails `make test`; Ctrl+C stops all of it.
+BOOK_LOG ?= _build/book.log
+BOOK_TESTS := tests/book tests/scripts
+
 test: $(STAMP)  ## lint, release drift, unit tests, every notebook, the built book in Chromium
 	$(VENV)/bin/ruff check .
 	$(PY) -m labsupport release --check
-	$(MAKE) book
-	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=15 $(NBVAL) tests solutions labs
+	mkdir -p _build; OMP_NUM_THREADS=1 $(MAKE) --no-print-directory book > $(BOOK_LOG) 2>&1 & book=$$!; \
+	trap 'kill 0' INT TERM; \
+	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=15 $(NBVAL) -m "not book" tests solutions labs; status=$$?; \
+	if wait $$book; then echo "make book: built (log in $(BOOK_LOG))"; \
+	else tail -n 60 $(BOOK_LOG); echo "make book failed (log in $(BOOK_LOG))"; exit 1; fi; \
+	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=5 -m book $(BOOK_TESTS) || status=1; exit $$status
 
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no book)
 	$(PY) -m pytest -m "not notebook and not book"
@@ -67,8 +81,7 @@ test-matrix: $(STAMP) $(STAMP_LATEST)  ## checks' tests + solution notebooks und
 	$(call matrix_run,$(VENV_LATEST))
 
 lab: $(STAMP)  ## JupyterLab on my-labs/, your own copy of labs/ (made once; never overwritten)
-	$(PY) scripts/my_labs.py labs my-labs
-	$(VENV)/bin/jupyter lab my-labs/
+	$(PY) scripts/my_labs.py labs my-labs --open $(VENV)/bin/jupyter
 
 release: $(STAMP)  ## regenerate labs/*.ipynb and solutions/*.ipynb from solutions/*.py
 	$(PY) -m labsupport release

@@ -26,12 +26,9 @@ exits with status 2 and says why.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +36,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import attention, checks
+from . import bench_harness as H
 from ._answers import course_checks_its_answers, unguarded
 from .attention import (
     GPU_CONFIGS,
@@ -196,14 +194,14 @@ GPU_RESULTS = "results/gpu_attention.json"  # what chapter 07 reads; scripts/gpu
 
 def save_results(path, rows: list[Row], *, device: str, date: str, versions: str, dry_run: bool,
                  shape: dict | None = None) -> None:
-    """Write the measured rows as JSON (chapter 07 renders them with :func:`results_markdown`)."""
+    """Write the measured rows as JSON (chapter 07 renders them with :func:`results_markdown`), with
+    the harness's header (:func:`labsupport.bench_harness.header`)."""
 
     shape = {**dict(head_dim=HEAD_DIM, heads=HEADS, tokens=TOKENS), **(shape or {})}
-    data = dict(device=device, date=date, versions=versions.strip(), dry_run=dry_run, shape=shape,
-                rows=[asdict(r) for r in rows])
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, allow_nan=True)
-        f.write("\n")
+    data = H.header(dry_run, device, versions=versions.strip(), shape=shape, rows=[asdict(r) for r in rows],
+                    timing="labsupport.timing.benchmark (do_bench; compute-bound kernels of milliseconds)")
+    data["date"] = date
+    H.Recorder(path, data).save("all")
 
 
 def load_results(path=None) -> dict | None:
@@ -213,17 +211,15 @@ def load_results(path=None) -> dict | None:
     :class:`Row` objects.
     """
 
-    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
-    if not path.is_file():
+    data = H.load_results("attention", path)
+    if data is None:
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
         data["rows"] = [Row(**r) for r in data["rows"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} is not a results file from `python -m labsupport.bench_attention --json`: "
-                         f"{exc}; run scripts/gpu_all.sh again or delete it") from exc
-    if data.get("dry_run", True):
-        return None
+    except (TypeError, KeyError) as exc:
+        raise ValueError(f"{path or H.results_path('attention')} is not a results file from "
+                         f"`python -m labsupport.bench_attention --json`: {exc}; run scripts/gpu_all.sh again or "
+                         f"delete it") from exc
     return data
 
 
@@ -563,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         device, shapes, timing = "cuda", dict(seq_lens=SEQ_LENS), None
         name = torch.cuda.get_device_name(0)
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = H.utc_now()
     versions = f"    torch {torch.__version__}, triton {triton.__version__}"
     print(f"device: {name}    date: {stamp}{versions}")
     if args.check:

@@ -20,16 +20,12 @@ chapter says "not yet measured".
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from . import bench_harness as H
 from .launch_overhead import profile_decode_step
 from .models import get_model
 from .transformer import Transformer
@@ -89,34 +85,21 @@ def measure(name: str, device: str, dtype: torch.dtype, repeats: int, context: i
     return row
 
 
-def run(out: str, dry_run: bool) -> dict:
+def measure_all(args) -> None:
+    dry_run = args.dry_run
     device = "cpu" if dry_run else "cuda"
-    results = {
-        "device": "CPU (dry run)" if dry_run else torch.cuda.get_device_name(0),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "dry_run": dry_run,
-        "torch": torch.__version__,
-        "dtype": "float32" if dry_run else "bfloat16",
-        "batch": 1,
-        "rows": [measure(name, device, torch.float32 if dry_run else torch.bfloat16, 5 if dry_run else 200,
-                         context=16 if dry_run else CONTEXT)
-                 for name in (SHAPES[:1] if dry_run else SHAPES)],
-    }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    return results
+    rec = H.Recorder(args.out, H.header(dry_run, dtype="float32" if dry_run else "bfloat16", batch=1,
+                                        timing="median of wall-clock steps with torch.cuda.synchronize around each",
+                                        rows=[]))
+    for name in (SHAPES[:1] if dry_run else SHAPES):
+        rec.data["rows"].append(measure(name, device, torch.float32 if dry_run else torch.bfloat16,
+                                        5 if dry_run else 200, context=16 if dry_run else CONTEXT))
+        rec.save(name)
 
 
 def load_results(path=None) -> dict | None:
     """The committed GPU run, or None (no file, or a dry run: never shown as a measurement)."""
-    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("dry_run", True) or not data.get("rows"):
-        return None
-    return data
+    return H.load_results("launch_overhead", path)
 
 
 def results_markdown(path=None) -> str:
@@ -125,7 +108,7 @@ def results_markdown(path=None) -> str:
     if results is None:
         return ("GPU figures: not yet measured. Running `python -m labsupport.bench_launch_overhead` on a GPU "
                 "writes `results/gpu_launch_overhead.json`, and this page shows it.")
-    lines = [f"Measured on {results['device']}, {results['date']} (torch {results['torch']}, "
+    lines = [f"Measured on {results['device']}, {H.date_of(results)} (torch {results['torch']}, "
              f"{results['dtype']}, batch 1, context {results['rows'][0]['context']}):", "",
              "| model | eager step (ms) | CUDA graph replay (ms) | saved |", "| --- | --- | --- | --- |"]
     for r in results["rows"]:
@@ -149,14 +132,14 @@ def gpu_figures(path=None) -> dict:
     if results is None:
         return out
     out["status"] = (f"It ran on an {results['device']} on "
-                     f"{results['date']} (torch {results['torch']}, {results['dtype']})")
+                     f"{H.date_of(results)} (torch {results['torch']}, {results['dtype']})")
     rows = results["rows"]
 
     def span(values, fmt):
         lo, hi = fmt.format(min(values)), fmt.format(max(values))
         return lo if lo == hi else f"{lo} to {hi}"
 
-    out["when"] = f"{results['device']}, {results['date']} (torch {results['torch']}, {results['dtype']})"
+    out["when"] = f"{results['device']}, {H.date_of(results)} (torch {results['torch']}, {results['dtype']})"
     out["models"] = ", ".join(r["model"] for r in rows)
     out["eager_ms"] = span([r["eager_s"] * 1e3 for r in rows], "{:.2f}") + " ms"
     out["replay_ms"] = span([r["captured_s"] * 1e3 for r in rows], "{:.2f}") + " ms"
@@ -169,18 +152,11 @@ def gpu_figures(path=None) -> dict:
     return out
 
 
+BENCH = H.Bench("launch_overhead", "12", measure_all, description=__doc__.split("\n\n")[0])
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsupport.bench_launch_overhead",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=GPU_RESULTS, help=f"results file (default {GPU_RESULTS}, which chapter 12 reads)")
-    parser.add_argument("--dry-run", action="store_true", help="the eager half on the CPU at the smallest shape")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("bench_launch_overhead: no CUDA GPU here; CUDA graphs need one. Use --dry-run to test the code "
-              "on a CPU.", file=sys.stderr)
-        return 2
-    run(args.out, dry_run=args.dry_run)
-    return 0
+    return H.main(BENCH, argv)
 
 
 if __name__ == "__main__":

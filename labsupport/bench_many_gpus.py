@@ -23,15 +23,10 @@ shown. Without two GPUs (and without ``--dry-run``) the command exits with statu
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed
 
+from . import bench_harness as H
 from .collectives import time_all_reduce
 from .distributed import launch
 from .tensor_parallel import time_decode_step
@@ -48,53 +43,32 @@ def _decode_on_device(model_name, batch, context, tensor_parallel, dtype_name):
                             dtype=getattr(torch, dtype_name))
 
 
-def run(out: str, dry_run: bool) -> dict:
+def measure(args) -> None:
+    dry_run = args.dry_run
     backend = "gloo" if dry_run else "nccl"
     kind = "dry" if dry_run else "gpu"
     available = 2 if dry_run else torch.cuda.device_count()
     worlds = [n for n in (2, 4, 8) if n <= available]
-    results = {
-        "device": "CPU processes (dry run, gloo)" if dry_run else torch.cuda.get_device_name(0),
-        "gpus": available,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "dry_run": dry_run,
-        "torch": torch.__version__,
-        "backend": backend,
-        "timing": "median of 5 after a warm-up; bus bandwidth = bytes / time * 2 (n - 1) / n (nccl-tests)",
-        "all_reduce": [],
-        "decode": [],
-    }
+    rec = H.Recorder(args.out, H.header(dry_run, "CPU processes (dry run, gloo)" if dry_run else None, gpus=available,
+                                        backend=backend, timing="median of 5 after a warm-up; bus bandwidth = bytes / "
+                                        "time * 2 (n - 1) / n (nccl-tests)", all_reduce=[], decode=[]))
+    r = rec.data
     dtype = torch.float32 if dry_run else torch.bfloat16
     for n in worlds:
-        results["all_reduce"] += launch(time_all_reduce, n, args=(SIZES[kind], 5, dtype), backend=backend,
-                                        timeout=600)[0]
+        r["all_reduce"] += launch(time_all_reduce, n, args=(SIZES[kind], 5, dtype), backend=backend, timeout=600)[0]
+    rec.save("all-reduce")
     model_name, batches, context = DECODE[kind]
     dtype_name = str(dtype).replace("torch.", "")
     for batch in batches:
-        alone = launch(_decode_on_device, 1, args=(model_name, batch, context, False, dtype_name), backend=backend,
-                       timeout=600)[0]
-        results["decode"].append(alone)
-        for n in worlds:
-            results["decode"].append(launch(_decode_on_device, n, args=(model_name, batch, context, True, dtype_name),
-                                            backend=backend, timeout=600)[0])
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    print(f"saved to {out}")
-    return results
+        for n in [1, *worlds]:  # alone, then split over n
+            r["decode"].append(launch(_decode_on_device, n, args=(model_name, batch, context, n > 1, dtype_name),
+                                      backend=backend, timeout=600)[0])
+        rec.save(f"decode, batch {batch}")
 
 
 def load_results(path=None) -> dict | None:
     """The results a GPU run of this module wrote, or None when there are none (or a dry run)."""
-    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a results file from python -m labsupport.bench_many_gpus: {exc}") from exc
-    if not isinstance(data, dict) or data.get("dry_run", True) or not data.get("all_reduce"):
-        return None
-    return data
+    return H.load_results("many_gpus", path, required=("all_reduce",))
 
 
 def results_markdown(results: dict | None) -> str:
@@ -102,7 +76,7 @@ def results_markdown(results: dict | None) -> str:
     if not results:
         return ("GPU results: not yet measured. `python -m labsupport.bench_many_gpus` on a machine with two or "
                 "more GPUs writes `results/gpu_many_gpus.json`, and this page shows it.")
-    lines = [f"Measured on {results['gpus']} x {results['device']}, {results['date']} (torch {results['torch']}, "
+    lines = [f"Measured on {results['gpus']} x {results['device']}, {H.date_of(results)} (torch {results['torch']}, "
              f"{results['backend']}); {results['timing']}.", "",
              "| GPUs | bytes | time | bus bandwidth |", "| --- | --- | --- | --- |"]
     for r in results["all_reduce"]:
@@ -114,19 +88,12 @@ def results_markdown(results: dict | None) -> str:
     return "\n".join(lines)
 
 
+BENCH = H.Bench("many_gpus", "11", measure, needs="gpus", description=__doc__.split("\n")[0])
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsupport.bench_many_gpus", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=GPU_RESULTS, help=f"results file (default {GPU_RESULTS}, which chapter 11 reads)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the same code on CPU processes (gloo) at tiny sizes: checks this command, measures nothing")
-    args = parser.parse_args(argv)
-    if not args.dry_run and torch.cuda.device_count() < 2:
-        print(f"bench_many_gpus needs two or more CUDA GPUs (torch sees {torch.cuda.device_count()}); "
-              f"--dry-run checks the command on a CPU.", file=sys.stderr)
-        return 2
-    run(args.out, dry_run=args.dry_run)
-    return 0
+    return H.main(BENCH, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

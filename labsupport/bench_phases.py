@@ -26,16 +26,10 @@ Without a GPU (and without ``--dry-run``) the command exits with status 2 and sa
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
-import time
-
 import torch
 
+from . import bench_harness as H
 from . import costs
-from .device import configure_triton, interpreter_mode
 from .models import get_model
 from .phases import (
     fit_prefill_times,
@@ -59,21 +53,6 @@ DECODE_BATCH_CONTEXT = (8192, 64)
 DECODE_CONTEXTS = ([512, 2048, 8192, 32768, 131072], [128, 512])
 SHORT_CONTEXT = 512  # "batch 1, short context" in the book
 BOOK_BATCH = 64  # the book's "batch 64 at 8,192 tokens" point
-
-
-class Recorder:
-    """The results dictionary, saved to ``path`` after every section."""
-
-    def __init__(self, path: str, base: dict):
-        self.path, self.data, self.start = path, dict(base), time.time()
-
-    def save(self, section: str) -> None:
-        self.data["wall_seconds"] = round(time.time() - self.start, 1)
-        self.data["completed"] = section
-        with open(self.path, "w", encoding="utf-8") as f:
-            json.dump(self.data, f, indent=2)
-            f.write("\n")
-        print(f"[{self.data['wall_seconds']:.0f} s] {section} done, saved to {self.path}", flush=True)
 
 
 def prefill_rows(cfg, points) -> list[dict]:
@@ -134,40 +113,8 @@ def graphed_decode_seconds(model, context: int) -> float:
     return benchmark(graph.replay).median_s
 
 
-def run(out_path: str, *, dry_run: bool) -> dict:
-    """Measure everything, saving to ``out_path`` after each section; return the results."""
-    pick = (lambda gpu, dry: dry) if dry_run else (lambda gpu, dry: gpu)
-    device, dtype = pick("cuda", "cpu"), pick(torch.bfloat16, torch.float32)
-    element = dtype.itemsize
-    cfg = get_model(pick(*MODEL))
-    quick = pick({}, {"repeats": 1})  # the dry run times each point once; on a GPU do_bench decides
-    if dry_run:
-        torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
-    import triton
-
-    name = pick(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", "CPU (dry run)")
-    rec = Recorder(out_path, {
-        "dry_run": dry_run,
-        "device": name,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "model": cfg.name,
-        "dtype": str(dtype).replace("torch.", ""),
-        "weights": "random (seeded); timing does not depend on values",
-    })
-    r = rec.data
-
-    copy_bw = max(measure_copy(pick([2**30, 4 * 2**30], [2**22]), device=device, **quick))
-    peak = max(measure_matmul(pick([4096, 8192], [128]), dtype=dtype, device=device, **quick))
-    r.update(copy_bandwidth_Bps=copy_bw, matmul_flops=peak)
-    print(f"copy {copy_bw / 1e12:.2f} TB/s, matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
-    model = Transformer(cfg, device=device, dtype=dtype)
-    print(model.extra_repr(), f"{model.param_bytes() / 1e9:.2f} GB of weights", flush=True)
-    rec.save("ceilings")
-
-    # --- prefill ------------------------------------------------------------------------------
-    lengths = pick(*PREFILL_LENGTHS)
+def prefill_section(r: dict, cfg, model, lengths, quick: dict) -> None:
+    """Prefill against prompt length: the rows, the long-over-short ratio and the quadratic fit."""
     points = measure_prefill(model, lengths, **quick)
     r["prefill"] = prefill_rows(cfg, points)
     ok = [p for p in points if not p.oom]
@@ -193,9 +140,51 @@ def run(out_path: str, *, dry_run: bool) -> dict:
         print(fit, flush=True)
     except ValueError as exc:  # too few points fitted (out of memory): keep the raw times
         r["prefill_fit"] = {"error": str(exc)}
+
+
+def graph_section(r: dict, cfg, model, copy_bw: float, element: int, dry_run: bool) -> None:
+    """Decode at batch 1 from a CUDA graph (an error is recorded, never raised: the eager results stay)."""
+    try:
+        if dry_run:
+            raise RuntimeError("dry run: CUDA graphs need a GPU")
+        t = graphed_decode_seconds(model, SHORT_CONTEXT)
+        read = (costs.decode_step_bytes(cfg, 1, SHORT_CONTEXT, element, element).total
+                - unread_embedding_bytes(cfg, 1, element))
+        r["decode_batch1_short_cuda_graph"] = {"seconds": t, "achieved_Bps": read / t,
+                                               "fraction_of_copy": read / t / copy_bw}
+        print(f"decode batch 1 x {SHORT_CONTEXT}, CUDA graph: {t * 1e3:.2f} ms = {read / t / copy_bw:.0%} of copy",
+              flush=True)
+    except Exception as exc:  # a capture failure must not lose the eager results
+        r["decode_batch1_short_cuda_graph"] = {"error": f"{type(exc).__name__}: {exc}"[:500],
+                                               "oom": is_out_of_memory(exc)}
+        print("CUDA graph capture did not run:", str(exc)[:200], flush=True)
+
+
+def run(out_path: str, *, dry_run: bool) -> dict:
+    """Measure everything, saving to ``out_path`` after each section; return the results."""
+    pick = (lambda gpu, dry: dry) if dry_run else (lambda gpu, dry: gpu)
+    device, dtype = pick("cuda", "cpu"), pick(torch.bfloat16, torch.float32)
+    element = dtype.itemsize
+    cfg = get_model(pick(*MODEL))
+    quick = pick({}, {"repeats": 1})  # the dry run times each point once; on a GPU do_bench decides
+    if dry_run:
+        torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
+    rec = H.Recorder(out_path, H.header(dry_run, model=cfg.name, dtype=str(dtype).replace("torch.", ""),
+                                        weights="random (seeded); timing does not depend on values"))
+    r = rec.data
+
+    copy_bw = max(measure_copy(pick([2**30, 4 * 2**30], [2**22]), device=device, **quick))
+    peak = max(measure_matmul(pick([4096, 8192], [128]), dtype=dtype, device=device, **quick))
+    r.update(copy_bandwidth_Bps=copy_bw, matmul_flops=peak)
+    print(f"copy {copy_bw / 1e12:.2f} TB/s, matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
+    model = Transformer(cfg, device=device, dtype=dtype)
+    print(model.extra_repr(), f"{model.param_bytes() / 1e9:.2f} GB of weights", flush=True)
+    rec.save("ceilings")
+
+    prefill_section(r, cfg, model, pick(*PREFILL_LENGTHS), quick)
     rec.save("prefill")
 
-    # --- decode -------------------------------------------------------------------------------
+    # --- decode: points that do not fit the card are skipped before their cache is allocated ---
     if device == "cuda":
         torch.cuda.empty_cache()  # what the prefill sweep left cached counts as free
         free, total = torch.cuda.mem_get_info()
@@ -224,40 +213,21 @@ def run(out_path: str, *, dry_run: bool) -> dict:
     r["decode_batch1_short_fraction_of_copy"] = short_row.get("fraction_of_copy")
     rec.save("decode against context")
 
-    # --- decode at batch 1 from a CUDA graph ------------------------------------------------
-    try:
-        if dry_run:
-            raise RuntimeError("dry run: CUDA graphs need a GPU")
-        t = graphed_decode_seconds(model, SHORT_CONTEXT)
-        read = (costs.decode_step_bytes(cfg, 1, SHORT_CONTEXT, element, element).total
-                - unread_embedding_bytes(cfg, 1, element))
-        r["decode_batch1_short_cuda_graph"] = {"seconds": t, "achieved_Bps": read / t,
-                                               "fraction_of_copy": read / t / copy_bw}
-        print(f"decode batch 1 x {SHORT_CONTEXT}, CUDA graph: {t * 1e3:.2f} ms = {read / t / copy_bw:.0%} of copy",
-              flush=True)
-    except Exception as exc:  # a capture failure must not lose the eager results
-        r["decode_batch1_short_cuda_graph"] = {"error": f"{type(exc).__name__}: {exc}"[:500],
-                                               "oom": is_out_of_memory(exc)}
-        print("CUDA graph capture did not run:", str(exc)[:200], flush=True)
+    graph_section(r, cfg, model, copy_bw, element, dry_run)
     rec.save("all")
     return r
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsupport.bench_phases", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/gpu_phases.json",
-                        help="results file (default results/gpu_phases.json, which chapter 05 reads)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the same code on the CPU with a tiny model: checks this command, measures nothing")
-    args = parser.parse_args(argv)
-    configure_triton()
-    if not args.dry_run and (not torch.cuda.is_available() or interpreter_mode()):
-        reason = "no CUDA GPU is visible" if not torch.cuda.is_available() else "TRITON_INTERPRET is set"
-        print(f"bench_phases measures a GPU ({reason}); --dry-run checks the command on a CPU.", file=sys.stderr)
-        return 2
+def _measure(args) -> None:
     run(args.out, dry_run=args.dry_run)
-    return 0
+
+
+BENCH = H.Bench("phases", "05", _measure, description=__doc__.split("\n")[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    return H.main(BENCH, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

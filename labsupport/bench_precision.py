@@ -31,23 +31,23 @@ with status 2 and says why.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
+import functools
 import re
-import sys
-import time
 from pathlib import Path
 
 import torch
 
+from . import bench_harness as H
 from . import checks
 from ._answers import course_checks_its_answers, unguarded
-from .device import configure_triton, interpreter_mode
 from .int8_matmul import (
+    GEMV_ROWS,
+    LaunchPlan,
     MatmulConfig,
     bytes_ratio,
     dense_matmul_bytes,
+    int8_launch_plan,
+    int8_linear,
     int8_matmul_bytes,
     int8_matmul_config,
     int8_matmul_kernel,
@@ -56,7 +56,6 @@ from .int8_matmul import (
 )
 from .quantize import quantize_groupwise
 from .roofline import measure_copy
-from .timing import benchmark
 
 GPU_RESULTS = "results/gpu_precision.json"  # what chapter 09 reads; scripts/gpu_all.sh writes it
 NOT_MEASURED = "not yet measured"
@@ -68,28 +67,44 @@ GROUPS = ([None, 128], [None, 128])  # None: per channel
 BOOK_GROUP = 128  # ... with groups of 128, the scales its bytes ratio counts
 
 
-def _row(name: str, n: int, k: int, group: int | None, batch: int, dtype, device: str, quick: dict) -> dict:
+def _row(name: str, n: int, k: int, group: int | None, batch: int, dtype, device: str, dry_run: bool) -> dict:
     gen = torch.Generator(device=device).manual_seed(batch)
     w = torch.randn(n, k, device=device, generator=gen, dtype=torch.float32)
     w_q, scales = quantize_groupwise(w, 8, group or k)
+    scales = scales.float().contiguous()
     w16 = w.to(dtype)
     del w
     x = torch.randn(batch, k, device=device, generator=gen).to(dtype)
-    kernel = unguarded(int8_matmul_reference)
-    err = float((kernel(x, w_q, scales).float() - int8_matmul_spec(x, w_q, scales).float()).abs().max())
-    t_int8 = benchmark(lambda: kernel(x, w_q, scales), uses_triton=True, **quick).median_s
-    t_dense = benchmark(lambda: x @ w16.T, **quick).median_s
+    kernel, tuned = unguarded(int8_matmul_reference), unguarded(int8_linear)
+    want = int8_matmul_spec(x, w_q, scales).float()
     groups = 1 if group is None else k // group
     b_int8 = int8_matmul_bytes(batch, n, k, groups, dtype.itemsize, scales.element_size())
     b_dense = dense_matmul_bytes(batch, n, k, dtype.itemsize)
+    # copies of the weights (the bytes that matter) larger than twice the L2 cache together
+    c8 = 1 if dry_run else H.copies_for(b_int8, device)
+    c16 = 1 if dry_run else H.copies_for(b_dense, device)
+    w8s = [w_q] + [w_q.clone() for _ in range(c8 - 1)]
+    w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+    plan = int8_launch_plan(batch, n, k, group or k, interpreter=dry_run)
+    got, t = H.check_and_time(lambda: kernel(x, w_q, scales), [lambda w=w: kernel(x, w, scales) for w in w8s],
+                              dry_run=dry_run)
+    err, t_int8 = float((got.float() - want).abs().max()), t.seconds
+    got, t = H.check_and_time(lambda: tuned(x, w_q, scales, plan=plan),
+                              [lambda w=w: tuned(x, w, scales, plan=plan, validate=False) for w in w8s], dry_run=dry_run)
+    err_tuned, t_tuned = float((got.float() - want).abs().max()), t.seconds
+    t_dense = H.time_calls([lambda w=w: x @ w.T for w in w16s], dry_run=dry_run).seconds
+    del w8s, w16s
     row = dict(shape=name, N=n, K=k, group_size=group, batch=batch, int8_seconds=t_int8, dense_seconds=t_dense,
                int8_bytes=b_int8, dense_bytes=b_dense, int8_Bps=b_int8 / t_int8, dense_Bps=b_dense / t_dense,
                speedup=t_dense / t_int8, bytes_ratio=bytes_ratio(batch, n, k, groups, dtype.itemsize,
                                                                  scales.element_size()),
-               max_error=err)
+               max_error=err, tuned_seconds=t_tuned, tuned_Bps=b_int8 / t_tuned, tuned_speedup=t_dense / t_tuned,
+               tuned_max_error=err_tuned, tuned_plan=f"{plan.kernel}, {plan.config.block_n} columns, K tiles of "
+                                                  f"{plan.config.block_k}, split-K {plan.split_k}")
     print(f"{name} N={n} K={k} group={group or 'channel'} batch {batch}: int8 {t_int8 * 1e6:.1f} us "
           f"({row['int8_Bps'] / 1e12:.2f} TB/s), dense {t_dense * 1e6:.1f} us ({row['dense_Bps'] / 1e12:.2f} TB/s), "
-          f"speedup {row['speedup']:.2f}x of {row['bytes_ratio']:.2f}x the bytes allow", flush=True)
+          f"speedup {row['speedup']:.2f}x of {row['bytes_ratio']:.2f}x the bytes allow; tuned "
+          f"{t_tuned * 1e6:.1f} us ({row['tuned_plan']}), {row['tuned_speedup']:.2f}x", flush=True)
     return row
 
 
@@ -104,45 +119,76 @@ def run_checks() -> str:
     return "PASSED"
 
 
-def run(out_path: str, *, dry_run: bool) -> dict:
-    """Measure everything, saving to ``out_path`` after each shape; return the results."""
+def _plan_point(split: int, kernel: str, *, shape: tuple, x, ws, scales, dry_run: bool) -> dict | None:
+    """One point of :func:`run_plans`: ``kernel`` (``"gemv"`` or ``"tiles"``) with ``split`` K ranges."""
+    name, n, k = shape
+    batch = x.shape[0]
+    chosen = int8_launch_plan(batch, n, k, 128, interpreter=dry_run)
+    if kernel == "gemv" and chosen.kernel != "gemv":
+        return None
+    cfg = chosen.config if kernel == chosen.kernel else int8_matmul_config(
+        max(batch, GEMV_ROWS + 1), n, k, 128, interpreter=dry_run)  # the tiles a 5-row batch would get
+    plan = LaunchPlan(kernel, cfg, split)
+    tuned = unguarded(int8_linear)
+    t = H.time_calls([lambda w=w: tuned(x, w, scales, plan=plan, validate=False) for w in ws], dry_run=dry_run).seconds
+    return {"shape": name, "batch": batch, "kernel": kernel, "split_k": split, "seconds": t,
+            "chosen": (kernel, split) == (chosen.kernel, chosen.split_k),
+            "TBps": int8_matmul_bytes(batch, n, k, k // 128, x.element_size(), 4) / t / 1e12}
+
+
+def run_plans(rec: H.Recorder, *, dry_run: bool) -> None:
+    """The tuned path's choices against the others at groups of 128: the matrix-vector kernel and
+    the tiles at batch 1 and 4, each split-K count, and the tiles' split-K at 16 and 64 rows."""
+    device, dtype = ("cpu", torch.float16) if dry_run else ("cuda", torch.bfloat16)
+    shapes, batches = (SHAPES[1], (1,)) if dry_run else (SHAPES[0], (1, 4, 16, 64))
+    splits = (1, 2) if dry_run else (1, 2, 4, 8)
+    for shape in shapes:
+        n, k = shape[1], shape[2]
+        gen = torch.Generator(device=device).manual_seed(0)
+        w_q, scales = quantize_groupwise(torch.randn(n, k, device=device, generator=gen), 8, 128)
+        scales = scales.float().contiguous()
+        copies = 1 if dry_run else H.copies_for(n * k, device)
+        ws = [w_q] + [w_q.clone() for _ in range(copies - 1)]
+        for batch in batches:
+            x = torch.randn(batch, k, device=device, generator=gen).to(dtype)
+            kernels = ("gemv", "tiles") if batch <= GEMV_ROWS else ("tiles",)
+            point = functools.partial(_plan_point, shape=shape, x=x, ws=ws, scales=scales, dry_run=dry_run)
+            H.Sweep("plans", "split_k", splits, kernels,
+                    describe=lambda r: f"{r['shape']} batch {r['batch']}: {r['seconds'] * 1e6:.1f} us, "
+                                       f"{r['TBps']:.2f} TB/s{' (chosen)' if r['chosen'] else ''}").run(point, rec)
+        del ws
+
+
+def measure(args) -> None:
+    """Measure everything, saving after each shape (module docstring)."""
+    if args.configs:
+        sweep_configs(args.out, dry_run=args.dry_run)
+        return
+    dry_run = args.dry_run
+    if dry_run:
+        torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
     pick = (lambda gpu, dry: dry) if dry_run else (lambda gpu, dry: gpu)
     device = pick("cuda", "cpu")
     dtype = pick(torch.bfloat16, torch.float16)  # the interpreter cannot compute in bf16
-    quick = pick({"max_time_s": 1.0}, {"repeats": 1})
-    import triton
-
-    data = {
-        "dry_run": dry_run,
-        "device": pick(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", "CPU (dry run)"),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "dtype": str(dtype).replace("torch.", ""),
-        "weights": "random (seeded) N(0, 1), quantised to int8; timing does not depend on values",
-        "rows": [],
-    }
-    start = time.time()
-
-    def save(section: str) -> None:
-        data["completed"], data["wall_seconds"] = section, round(time.time() - start, 1)
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(out_path, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-
+    rec = H.Recorder(args.out, H.header(dry_run, dtype=str(dtype).replace("torch.", ""), timing=H.CLEAN_TIMING,
+                                        weights="random (seeded) N(0, 1), quantised to int8; timing does not "
+                                                "depend on values", rows=[]))
+    data = rec.data
     data["checks"] = run_checks() if not dry_run else "not run in a dry run"
+    quick = pick({"max_time_s": 1.0}, {"repeats": 1})
     data["copy_bandwidth_Bps"] = max(measure_copy(pick([2**30], [2**22]), device=device, progress=False, **quick))
-    save("checks and copy bandwidth")
+    if not dry_run:
+        data["harness_check"] = H.copy_check()
+    rec.save("checks and copy bandwidth")
     for name, n, k in pick(*SHAPES):
         for group in pick(*GROUPS):
             for batch in pick(*BATCHES):
-                data["rows"].append(_row(name, n, k, group, batch, dtype, device, quick))
-        save(name)
+                data["rows"].append(_row(name, n, k, group, batch, dtype, device, dry_run))
+        rec.save(name)
         if device == "cuda":
             torch.cuda.empty_cache()
-    save("all")
-    return data
+    run_plans(rec, dry_run=dry_run)
+    rec.save("all")
 
 
 # --- other launch configurations ----------------------------------------------------------------
@@ -161,7 +207,6 @@ def sweep_configs(out_path: str, *, dry_run: bool) -> list[dict]:
     import triton
 
     device, dtype = ("cpu", torch.float16) if dry_run else ("cuda", torch.bfloat16)
-    quick = {"repeats": 1} if dry_run else {"max_time_s": 0.3}
     shapes = SHAPES[1] if dry_run else SHAPES[0]
     batches = (1,) if dry_run else (1, 16, 64)
     lines = ["| shape | batch | BLOCK_N | BLOCK_K | warps | stages | time | TB/s | vs course |",
@@ -171,6 +216,7 @@ def sweep_configs(out_path: str, *, dry_run: bool) -> list[dict]:
         gen = torch.Generator(device=device).manual_seed(0)
         w_q, scales = quantize_groupwise(torch.randn(n, k, device=device, generator=gen), 8, 128)
         scales = scales.float().contiguous()
+        ws = [w_q] + [w_q.clone() for _ in range((1 if dry_run else H.copies_for(n * k, device)) - 1)]
         for batch in batches:
             x = torch.randn(batch, k, device=device, generator=gen).to(dtype)
             out = torch.empty((batch, n), dtype=dtype, device=device)
@@ -181,12 +227,12 @@ def sweep_configs(out_path: str, *, dry_run: bool) -> list[dict]:
             for cfg in (configs[:2] if dry_run else configs):
                 grid = (triton.cdiv(batch, cfg.block_m), triton.cdiv(n, cfg.block_n))
 
-                def launch(cfg=cfg, grid=grid, args=(x, w_q, scales, out, batch, n, k, scales.shape[1], 128)):
-                    int8_matmul_kernel[grid](*args,
+                def launch(w, x=x, cfg=cfg, grid=grid, rest=(scales, out, batch, n, k, scales.shape[1], 128)):
+                    int8_matmul_kernel[grid](x, w, *rest,
                                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                              IEEE=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
                 try:
-                    t = benchmark(launch, uses_triton=True, **quick).median_s
+                    t = H.time_calls([functools.partial(launch, w) for w in ws], dry_run=dry_run).seconds
                 except Exception as exc:  # a configuration the device cannot run (shared memory): say so
                     lines.append(f"| {name} | {batch} | {cfg.block_n} | {cfg.block_k} | {cfg.num_warps} | "
                                  f"{cfg.num_stages} | failed: {type(exc).__name__} | | |")
@@ -211,19 +257,14 @@ def sweep_configs(out_path: str, *, dry_run: bool) -> list[dict]:
 
 
 def load_results(path=None) -> dict | None:
-    """The results :func:`run` wrote, or None when there are none (or only a dry run)."""
-    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        data["rows"]  # noqa: B018 (the key must exist)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} is not a results file from python -m labsupport.bench_precision: {exc}; "
-                         f"run scripts/gpu_all.sh again or delete it") from exc
-    if not isinstance(data, dict) or data.get("dry_run", True):
-        return None
-    return data
+    """The results :func:`measure` wrote, or None when there are none (or only a dry run)."""
+    return H.load_results("precision", path)
+
+
+def tuned(results: dict | None) -> bool:
+    """Whether a run has the tuned path's rows (timed with the clean harness), not only the
+    earlier run's reference kernel under ``do_bench``."""
+    return bool(results) and "tuned_seconds" in results["rows"][0]
 
 
 def results_markdown(results: dict | None) -> str:
@@ -231,16 +272,21 @@ def results_markdown(results: dict | None) -> str:
     if results is None:
         return ("**Not yet measured.** No GPU has run `python -m labsupport.bench_precision` for this build of "
                 "the book, so this page shows no GPU timings of the int8 kernel.")
-    lines = [f"Measured on {results['device']}, {results['date']} (torch {results['torch']}, triton "
-             f"{results['triton']}), activations in {results['dtype']}; the graded check on the course's kernel: "
-             f"{results.get('checks', 'not run')[:80]}.", "",
-             "| shape | scales | batch | int8 kernel | dense | int8 TB/s | dense TB/s | speedup | bytes ratio |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    new = tuned(results)
+    how = ("timed with the clean harness (CUDA-graph replays over weight copies larger than twice the L2 cache)"
+           if new else "timed with the earlier harness (`do_bench`, whose L2 flush writes a buffer)")
+    lines = [f"Measured on {results['device']}, {H.date_of(results)} (torch {results['torch']}, triton "
+             f"{results['triton']}), activations in {results['dtype']}, {how}; the graded check on the course's "
+             f"kernel: {results.get('checks', 'not run')[:80]}.", "",
+             "| shape | scales | batch | int8 kernel | dense | int8 TB/s | dense TB/s | speedup | "
+             + ("tuned int8 | tuned speedup | " if new else "") + "bytes ratio |",
+             "| --- " * (11 if new else 9) + "|"]
     for r in results["rows"]:
+        extra = f"{r['tuned_seconds'] * 1e6:.1f} us | {r['tuned_speedup']:.2f}x | " if new else ""
         lines.append(f"| {r['shape']} ({r['N']} x {r['K']}) | {'per channel' if r['group_size'] is None else 'groups of ' + str(r['group_size'])} "
                      f"| {r['batch']} | {r['int8_seconds'] * 1e6:.1f} us | {r['dense_seconds'] * 1e6:.1f} us "
-                     f"| {r['int8_Bps'] / 1e12:.2f} | {r['dense_Bps'] / 1e12:.2f} | {r['speedup']:.2f}x "
-                     f"| {r['bytes_ratio']:.2f}x |")
+                     f"| {r['int8_Bps'] / 1e12:.2f} | {r['dense_Bps'] / 1e12:.2f} | {r['speedup']:.2f}x | {extra}"
+                     f"{r['bytes_ratio']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -309,7 +355,8 @@ def _tbps(r: dict, key: str) -> float:
     return r[f"{key}_Bps"] / 1e12 if f"{key}_Bps" in r else r[f"{key}_TBps"]
 
 
-def gpu_figures(results: dict | None, before: list[dict] | None = None, sweep: list[dict] | None = None) -> dict:
+def gpu_figures(results: dict | None, before: list[dict] | None = None, sweep: list[dict] | None = None,
+                earlier: dict | None = None) -> dict:
     """The figures chapter 09 quotes from a run, as text: each "not yet measured" without one.
 
     ``results``: :func:`load_results`; ``before``: :func:`load_bench_log` (the first run, tiles
@@ -321,17 +368,19 @@ def gpu_figures(results: dict | None, before: list[dict] | None = None, sweep: l
             "sweep_down_old", "sweep_down_best", "sweep_down_gain", "sweep_down_best_cfg", "sweep_up_gain",
             "sweep_down64_old", "sweep_down64_best", "sweep_down64_gain", "sweep_down64_best_cfg",
             "sweep_up_old_cfg", "sweep_down_old_cfg", "sweep_down64_old_cfg", "sweep_batches",
-            "sweep_up_spread", "sweep_down_spread", "sweep_down64_spread")
+            "sweep_up_spread", "sweep_down_spread", "sweep_down64_spread", "harness_note", "harness",
+            "tuned_up_b1", "tuned_down_b1", "tuned_up_b64", "tuned_down_b64", "tuned_up_b1_tbps",
+            "dense_b1_earlier_tbps", "dense_b1_clean_tbps", "int8_b1_earlier_tbps", "int8_b1_clean_tbps")
     out = dict.fromkeys(keys, NOT_MEASURED)
     out["status"] = ("No GPU has run it for this build of the book, so every "
                      "GPU figure below reads \"not yet measured\"")
     if results is not None:
         rows = results["rows"]
         out["status"] = (f"It ran on an {results['device']} on "
-                         f"{results['date'][:10]} (torch {results['torch']}, triton {results['triton']})")
-        out["when"] = (f"{results['device']}, {results['date'][:10]} (torch {results['torch']}, "
+                         f"{H.date_of(results)} (torch {results['torch']}, triton {results['triton']})")
+        out["when"] = (f"{results['device']}, {H.date_of(results)} (torch {results['torch']}, "
                        f"triton {results['triton']})")
-        out["device"], out["date"] = results["device"], results["date"][:10]
+        out["device"], out["date"] = results["device"], H.date_of(results)
         if results.get("copy_bandwidth_Bps"):
             out["copy_tbps"] = f"{results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s"
 
@@ -356,6 +405,7 @@ def gpu_figures(results: dict | None, before: list[dict] | None = None, sweep: l
         dense = [_tbps(r, "dense") for r in rows]
         if dense:
             out["dense_tbps_range"] = f"{min(dense):.2f} to {max(dense):.2f} TB/s"
+        _tuned_figures(out, results, earlier)
     for shape, key in (("8B up", "up"), ("8B down", "down")):
         if r := find_row(before, shape, 1):
             out[f"before_{key}_b1"] = f"{r['speedup']:.2f}x"
@@ -374,6 +424,40 @@ def gpu_figures(results: dict | None, before: list[dict] | None = None, sweep: l
     if sweep:
         out["sweep_batches"] = ", ".join(str(b) for b in sorted({r["batch"] for r in sweep}))
     return out
+
+
+def _tuned_figures(out: dict, results: dict, earlier: dict | None) -> None:
+    """The clean-harness run's figures: the tuned path's speedups, the harness's copy check, and
+    the earlier run's figures beside the clean ones (what the harness moved)."""
+    if earlier and (old := find_row(earlier["rows"], "8B up", 1)):  # the same shape under the earlier harness
+        out["dense_b1_earlier_tbps"] = f"{_tbps(old, 'dense'):.2f} TB/s"
+        out["int8_b1_earlier_tbps"] = f"{_tbps(old, 'int8'):.2f} TB/s"
+    if not tuned(results):
+        out["harness_note"] = ("measured with the earlier harness (`do_bench`, whose L2 flush writes a buffer that "
+                               "can be written back while the timed kernel runs)")
+        return
+    out["harness_note"] = "timed with the clean harness (CUDA-graph replays, weight copies larger than the L2 cache)"
+    rows = results["rows"]
+    for shape, key in (("8B up", "up"), ("8B down", "down")):
+        for b in (1, 64):
+            if r := find_row(rows, shape, b):
+                out[f"tuned_{key}_b{b}"] = f"{r['tuned_speedup']:.2f}x"
+    if up1 := find_row(rows, "8B up", 1):
+        out["tuned_up_b1_tbps"] = f"{up1['tuned_Bps'] / 1e12:.2f} TB/s"
+        out["dense_b1_clean_tbps"] = f"{_tbps(up1, 'dense'):.2f} TB/s"
+        out["int8_b1_clean_tbps"] = f"{_tbps(up1, 'int8'):.2f} TB/s"
+    if check := results.get("harness_check"):
+        out["harness"] = (f"a 100 MB copy ran at {check['clean_Bps'] / 1e12:.2f} TB/s, {check['fraction_of_big']:.0%} "
+                          f"of a large copy's {check['big_copy_Bps'] / 1e12:.2f} TB/s "
+                          f"({'passed' if check['passed'] else 'FAILED'}: the harness asks for 90%)")
+
+
+EARLIER = "results/gpu_logs/precision_before_issue21.json"  # the run before the clean harness and tuned path
+
+
+def load_earlier(path=None) -> dict | None:
+    """The run this module's results replaced (kept under ``results/gpu_logs/``), or None."""
+    return H.load_results("precision", _repo_path(path, EARLIER))
 
 
 def sweep_markdown(sweep: list[dict] | None, shape: str = "8B up", batch: int = 1, best: int = 4) -> str:
@@ -396,28 +480,18 @@ def sweep_markdown(sweep: list[dict] | None, shape: str = "8B up", batch: int = 
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsupport.bench_precision", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=GPU_RESULTS,
-                        help=f"results file (default {GPU_RESULTS}, which chapter 09 reads)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the same code on the CPU at tiny shapes through the interpreter: measures nothing")
+def _arguments(parser) -> None:
     parser.add_argument("--configs", action="store_true",
                         help="time the kernel under other launch configurations instead; --out gets a markdown table")
-    args = parser.parse_args(argv)
-    configure_triton()
-    if not args.dry_run and (not torch.cuda.is_available() or interpreter_mode()):
-        reason = "no CUDA GPU is visible" if not torch.cuda.is_available() else "TRITON_INTERPRET is set"
-        print(f"bench_precision measures a GPU ({reason}); --dry-run checks the command on a CPU.", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        torch.set_num_threads(1)  # steady on a shared machine; the numbers mean nothing anyway
-    if args.configs:
-        sweep_configs(args.out, dry_run=args.dry_run)
-        return 0
-    run(args.out, dry_run=args.dry_run)
-    return 0
+
+
+BENCH = H.Bench("precision", "09", measure, interpreter=True, add_arguments=_arguments,
+                description=__doc__.split("\n")[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    return H.main(BENCH, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -44,10 +44,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import httpx
-
 from ._answers import answer
+from ._optional import OptionalModule
 from .latency import percentile
+
+httpx = OptionalModule("httpx", "httpx", "the serving benchmark (labsupport.bench_serving)")  # imported at first use
 
 __all__ = ["RequestResult", "arrival_times", "random_prompts", "run_benchmark", "summarize_results", "main"]
 

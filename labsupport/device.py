@@ -13,12 +13,23 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _run_all
+
 INTERPRET_VAR = "TRITON_INTERPRET"
 PRESET_VAR = "LABSUPPORT_PRESET"
 
 
 def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
+
+
+def gpu_limits(index: int | None = None) -> tuple[int, int]:
+    """(shared memory one program may use, in bytes; multiprocessors) of a CUDA GPU: the opt-in
+    limit torch reports (227 KiB on an H100 or H200, 64 KiB on a T4). Kernels choose their tiles by
+    it (:func:`labsupport.int8_matmul.int8_matmul_config`)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+    shared = int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+    return shared, int(props.multi_processor_count)
 
 
 def gpu_has_bf16() -> bool:
@@ -158,6 +169,7 @@ def setup(verbose: bool = True) -> LabSettings:
     if verbose:
         print(banner(s))
     _install_error_explainer()
+    _run_all.install()  # a cell that fails comes back into view after Run All
     return s
 
 

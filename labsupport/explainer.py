@@ -7,7 +7,8 @@ Two versions of one thing, both driven by :mod:`labsupport.serving`:
   import show; show()``.
 * :func:`static_html` (the HTML book, no kernel): one self-contained HTML snippet with range
   sliders, selects, the metrics and an SVG roofline. Its script and styles are the package files
-  ``explainer_static/explainer.js`` and ``explainer.css``, inlined; the JavaScript
+  ``explainer_static/explainer.js`` and ``explainer.css``, inlined (after the number formatting the
+  planner shares, ``number_format.js``; see :mod:`labsupport._static_widget`); the JavaScript
   re-implements :func:`labsupport.serving.phases` operation for operation, and reads its model
   and GPU tables from a JSON block generated here from :mod:`labsupport.models`,
   :mod:`labsupport.hardware` and :mod:`labsupport.costs`. It loads nothing from the network.
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import math
-import uuid
 from decimal import ROUND_HALF_UP, Decimal
-from importlib import resources
 
+from . import _static_widget as widget
 from . import costs, serving
 from .hardware import GPUS
 from .models import get_model
@@ -215,6 +214,11 @@ def display_values(report: serving.PhaseReport) -> dict[str, str]:
         out[f"{key}-point"] = (
             f"{format_intensity(point.intensity)}, {format_percent(point.fraction_of_peak)} of peak"
         )
+    if report.weight_bytes > report.memory_bytes:
+        # a setting that cannot run has no latency or throughput (as the planner says "none"); one
+        # whose cache outgrows the memory keeps its times, which the memory line says do not fit
+        for key in ("ttft", "itl", "latency", "throughput"):
+            out[key], out[f"{key}-note"] = "none", "the weights do not fit"
     # the labels of points not drawn (attention with no FLOPs counted) are not shown either
     for key in ("prefill-attention", "decode-attention"):
         if f"{key}-point" not in out:
@@ -396,19 +400,11 @@ def roofline_figure(report: serving.PhaseReport, values: dict[str, str] | None =
 
 def _static(name: str) -> str:
     """A file of ``labsupport/explainer_static/`` (package data), as text."""
-    return resources.files("labsupport").joinpath("explainer_static", name).read_text(encoding="utf-8")
+    return widget.package_text("explainer_static", name)
 
 
 def _json_block(name: str, value) -> str:
-    text = json.dumps(value).replace("</", "<\\/")  # JSON allows "\/"; "</script>" must not appear
-    return f'<script type="application/json" data-xp="{name}">{text}</script>'
-
-
-def _options(values, selected, label=str) -> str:
-    return "".join(
-        f'<option value="{html.escape(str(v))}"{" selected" if v == selected else ""}>{html.escape(label(v))}</option>'
-        for v in values
-    )
+    return widget.json_block("xp", name, value)
 
 
 def _range(key: str, title: str) -> str:
@@ -416,10 +412,6 @@ def _range(key: str, title: str) -> str:
         f'<label><span class="xp-head">{title} <output data-for="{key}"></output></span>'
         f'<input type="range" min="0" max="0" step="1" value="0" data-control="{key}" aria-label="{title}"></label>'
     )
-
-
-def _select(key: str, title: str, options: str) -> str:
-    return f'<label>{title}<select data-control="{key}" aria-label="{title}">{options}</select></label>'
 
 
 _CONVENTION_TITLES = {
@@ -470,71 +462,72 @@ def static_html(
     name in :data:`labsupport.hardware.GPUS`; ``count`` in :data:`CARD_COUNTS`.
     """
     start = _settings(model, card, count, prompt_tokens, output_tokens, batch, conventions)
-    data = explainer_data()
-    element_id = element_id or f"c05x-{uuid.uuid4().hex[:8]}"
-    if not element_id.replace("-", "").replace("_", "").isalnum():
-        raise ValueError(f"element_id must be letters, digits, '-' or '_', got {element_id!r}")
+    element_id = widget.element_id(element_id, "c05x")
     # Starting values are rendered server-side too, so the page reads right before the script runs.
     _, text = compute(model, card, count, prompt_tokens, output_tokens, batch, conventions)
-
-    def metric(key: str, name: str) -> str:
-        return (
-            f'<div class="xp-metric"><div class="xp-name">{name}</div>'
-            f'<div class="xp-value xp-text" data-out="{key}">{html.escape(text[key])}</div>'
-            f'<div class="xp-note xp-text" data-out="{key}-note">{html.escape(text[key + "-note"])}</div></div>'
-        )
-
-    models = _options(MODELS, model, model_label)
-    cards = _options(list(GPUS), card)
-    counts = _options(CARD_COUNTS, count, lambda n: f"{n} card" + ("" if n == 1 else "s"))
-    conventions_html = "".join(
-        _select(key, title, _options(data["choices"][key], start[key], lambda v, labels=labels: labels[v]))
-        for key, (title, labels) in _CONVENTION_TITLES.items()
-    )
-
-    def split(key: str) -> str:
-        shown = key in text
-        return (
-            f'<p class="xp-split" data-split="{key}"'
-            + (f' data-out="{key}">' if shown else " hidden>")
-            + (html.escape(text[key]) if shown else "")
-            + "</p>"
-        )
-
     return (
         f'<div id="{element_id}" class="c05x-explainer">'
         f"<style>{_static('explainer.css')}</style>"
-        '<div class="xp-controls">'
-        + _range("prompt", "Prompt")
-        + _range("output", "Output")
-        + _range("batch", "Requests in the batch")
-        + _select("model", "Model", models)
-        + _select("card", "GPU", cards)
-        + _select("count", "Cards", counts)
-        + "</div>"
-        f"<details><summary>Conventions (how the numbers are counted)</summary>"
-        f'<div class="xp-controls">{conventions_html}</div></details>'
-        f'<div class="xp-bar"><div class="xp-bar-prefill" style="background:{PREFILL_COLOUR}"></div>'
+        + _controls_html(start)
+        + f'<div class="xp-bar"><div class="xp-bar-prefill" style="background:{PREFILL_COLOUR}"></div>'
         f'<div class="xp-bar-decode" style="background:{DECODE_COLOUR}"></div></div>'
         '<div class="xp-bar-legend">one request, start to finish: '
         f'<span style="color:{PREFILL_COLOUR}">prefill</span> then '
         f'<span style="color:{DECODE_COLOUR}">decode</span>; '
         f'<span class="xp-text" data-out="steps">{html.escape(text["steps"])}</span></div>'
         '<div class="xp-metrics">'
-        + metric("ttft", "Time to first token")
-        + metric("itl", "Inter-token latency")
-        + metric("latency", "Request latency")
-        + metric("throughput", "Throughput")
+        + "".join(widget.metric("xp", key, name, text) for key, name in _METRICS)
         + "</div>"
-        + split("prefill-split")
-        + split("decode-split")
+        + _split_line("prefill-split", text)
+        + _split_line("decode-split", text)
         + f'<p class="xp-memory xp-text" data-out="memory">{html.escape(text["memory"])}</p>'
         '<div class="xp-svg"></div>'
         f'<p class="xp-device xp-text" data-out="device">{html.escape(text["device"])}</p>'
-        + _json_block("data", data)
+        + _json_block("data", explainer_data())
         + _json_block("start", start)
-        + f"<script>{_static('explainer.js')}\nlabsupportExplainer(document.getElementById({json.dumps(element_id)}));</script>"
-        "</div>"
+        + widget.script("explainer_static", "explainer.js", "labsupportExplainer", element_id)
+        + "</div>"
+    )
+
+
+_METRICS = [
+    ("ttft", "Time to first token"),
+    ("itl", "Inter-token latency"),
+    ("latency", "Request latency"),
+    ("throughput", "Throughput"),
+]
+
+
+def _controls_html(start: dict) -> str:
+    """The sliders and selects, set at the starting setting, then the conventions folded away."""
+    counts = widget.options(CARD_COUNTS, start["count"], lambda n: f"{n} card" + ("" if n == 1 else "s"))
+    conventions_html = "".join(
+        widget.select(key, title, widget.options(serving.Conventions.choices()[key], start[key],
+                                                 lambda v, labels=labels: labels[v]))
+        for key, (title, labels) in _CONVENTION_TITLES.items()
+    )
+    return (
+        '<div class="xp-controls">'
+        + _range("prompt", "Prompt")
+        + _range("output", "Output")
+        + _range("batch", "Requests in the batch")
+        + widget.select("model", "Model", widget.options(MODELS, start["model"], model_label))
+        + widget.select("card", "GPU", widget.options(list(GPUS), start["card"]))
+        + widget.select("count", "Cards", counts)
+        + "</div>"
+        "<details><summary>Conventions (how the numbers are counted)</summary>"
+        f'<div class="xp-controls">{conventions_html}</div></details>'
+    )
+
+
+def _split_line(key: str, text: dict[str, str]) -> str:
+    """A phase's time split between its kernels; hidden (and empty) where ``text`` has none."""
+    shown = key in text
+    return (
+        f'<p class="xp-split" data-split="{key}"'
+        + (f' data-out="{key}">' if shown else " hidden>")
+        + (html.escape(text[key]) if shown else "")
+        + "</p>"
     )
 
 
@@ -587,57 +580,14 @@ class LiveExplainer:
         batch: int = serving.SOURCE_BATCH,
         conventions: serving.Conventions | None = None,
     ) -> None:
-        import ipywidgets as w
+        import ipywidgets as w  # only for the live widget: the book and the labs' other code need it not
 
         start = _settings(model, card, count, prompt_tokens, output_tokens, batch, conventions)
-        wide = {"description_width": "150px"}
-        layout = w.Layout(width="420px")
-
-        def slider(title, values, value, text):
-            return w.SelectionSlider(
-                options=[(text(v), v) for v in values],
-                value=value,
-                description=title,
-                continuous_update=True,
-                style=wide,
-                layout=layout,
-            )
-
-        self.prompt = slider("Prompt (tokens)", PROMPTS, prompt_tokens, token_label)
-        self.output = slider("Output (tokens)", OUTPUTS, output_tokens, token_label)
-        self.batch = slider("Requests in batch", BATCHES, batch, str)
-        self.model = w.Dropdown(
-            options=[(model_label(m), m) for m in MODELS],
-            value=model,
-            description="Model",
-            style=wide,
-            layout=layout,
-        )
-        self.card = w.Dropdown(options=list(GPUS), value=card, description="GPU", style=wide, layout=layout)
-        self.count = w.Dropdown(
-            options=CARD_COUNTS, value=count, description="Cards", style=wide, layout=layout
-        )
-        self.conventions = {
-            key: w.Dropdown(
-                options=[(labels[v], v) for v in serving.Conventions.choices()[key]],
-                value=start[key],
-                description=title,
-                style=wide,
-                layout=layout,
-            )
-            for key, (title, labels) in _CONVENTION_TITLES.items()
-        }
+        self._make_controls(w, start)
         self.metrics = w.HTML()
         self.figure = w.Image(format="png")
-        controls = [
-            self.prompt,
-            self.output,
-            self.batch,
-            self.model,
-            self.card,
-            self.count,
-            *self.conventions.values(),
-        ]
+        controls = [self.prompt, self.output, self.batch, self.model, self.card, self.count,
+                    *self.conventions.values()]
         for control in controls:
             control.observe(lambda _change: self.update(), names="value")
         conventions_box = w.Accordion(children=[w.VBox(list(self.conventions.values()))])
@@ -659,6 +609,35 @@ class LiveExplainer:
         self.report: serving.PhaseReport | None = None
         self.values: dict[str, str] = {}
         self.update()
+
+    def _make_controls(self, w, start: dict) -> None:
+        """The sliders and dropdowns (``w`` is ipywidgets), set at the starting setting."""
+        wide = {"description_width": "150px"}
+        layout = w.Layout(width="420px")
+
+        def slider(title, values, value, text):
+            return w.SelectionSlider(
+                options=[(text(v), v) for v in values],
+                value=value,
+                description=title,
+                continuous_update=True,
+                style=wide,
+                layout=layout,
+            )
+
+        def dropdown(title, options, value):
+            return w.Dropdown(options=options, value=value, description=title, style=wide, layout=layout)
+
+        self.prompt = slider("Prompt (tokens)", PROMPTS, start["prompt"], token_label)
+        self.output = slider("Output (tokens)", OUTPUTS, start["output"], token_label)
+        self.batch = slider("Requests in batch", BATCHES, start["batch"], str)
+        self.model = dropdown("Model", [(model_label(m), m) for m in MODELS], start["model"])
+        self.card = dropdown("GPU", list(GPUS), start["card"])
+        self.count = dropdown("Cards", CARD_COUNTS, start["count"])
+        self.conventions = {
+            key: dropdown(title, [(labels[v], v) for v in serving.Conventions.choices()[key]], start[key])
+            for key, (title, labels) in _CONVENTION_TITLES.items()
+        }
 
     def update(self) -> serving.PhaseReport:
         """Recompute from the controls, refresh the metrics and the roofline, return the report."""

@@ -183,6 +183,25 @@ def _interpreter_module():
     return module
 
 
+def _compiled_launches_refused() -> list[tuple[type, str, object]]:
+    """A compiled launch inside a count_bytes block would go uncounted: refuse it (where this Triton's
+    JITFunction is laid out as expected; otherwise nothing to replace)."""
+    try:
+        jit = importlib.import_module("triton.runtime.jit").JITFunction
+        jit.__dict__["run"]  # noqa: B018  (present in every Triton this module knows)
+    except (ImportError, AttributeError, KeyError):
+        return []
+
+    def compiled(*args, **kwargs):
+        raise BytesNotCountable(
+            "a compiled (not interpreted) Triton kernel was launched inside count_bytes: its bytes "
+            f"cannot be counted. It was defined while {INTERPRET_VAR} was unset; on a GPU take the "
+            "bytes from the formula instead."
+        )
+
+    return [(jit, "run", compiled)]
+
+
 class count_bytes:
     """Context manager: count the bytes every interpreted Triton launch inside it loads and stores.
 
@@ -212,26 +231,39 @@ class count_bytes:
         if count_bytes._active:
             raise BytesNotCountable("count_bytes blocks do not nest: close the first one before opening another.")
         module = _interpreter_module()
-        builder, executor = module.InterpreterBuilder, module.GridExecutor
-        counter = self
+        replacements = [
+            *self._memory_hooks(module.InterpreterBuilder),
+            *self._launch_hooks(module.GridExecutor),
+            *_compiled_launches_refused(),
+        ]
+        for cls, name, replacement in replacements:
+            self._patched.append((cls, name, cls.__dict__[name]))
+            setattr(cls, name, replacement)
+        count_bytes._active = True
+        return self.counted
 
-        def current() -> _Launch | None:
-            return counter._launches[-1] if counter._launches else None
+    def _current(self) -> _Launch | None:
+        return self._launches[-1] if self._launches else None
 
-        def record(ptrs, mask, *, load: bool, store: bool) -> None:
-            launch = current()
-            if launch is None:
-                return
-            addresses = np.asarray(ptrs.data)
-            if mask is not None:
-                active = np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)
-                addresses = addresses[active]
-            addresses = addresses.reshape(-1)
-            size = _element_bytes(ptrs)
-            for name, lanes in launch.attribute(addresses).items():
-                counter.counted._add(launch.kernel, name, loaded=lanes * size if load else 0,
-                                     stored=lanes * size if store else 0)
+    def _record(self, ptrs, mask, *, load: bool, store: bool) -> None:
+        """Count the lanes of one load or store (those the mask keeps) against the argument each
+        address falls in."""
+        launch = self._current()
+        if launch is None:
+            return
+        addresses = np.asarray(ptrs.data)
+        if mask is not None:
+            active = np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)
+            addresses = addresses[active]
+        addresses = addresses.reshape(-1)
+        size = _element_bytes(ptrs)
+        for name, lanes in launch.attribute(addresses).items():
+            self.counted._add(launch.kernel, name, loaded=lanes * size if load else 0,
+                              stored=lanes * size if store else 0)
 
+    def _memory_hooks(self, builder) -> list[tuple[type, str, object]]:
+        """The interpreter's memory operations, each recorded before it runs."""
+        record = self._record
         originals = {name: builder.__dict__[name] for name in _MEMORY_HOOKS}
 
         def masked_load(self, ptrs, mask, *args, **kwargs):
@@ -250,6 +282,16 @@ class count_bytes:
             record(ptr, None, load=True, store=True)
             return originals["create_atomic_cas"](self, ptr, cmp, val, *args, **kwargs)
 
+        return [
+            (builder, "create_masked_load", masked_load),
+            (builder, "create_masked_store", masked_store),
+            (builder, "create_atomic_rmw", atomic_rmw),
+            (builder, "create_atomic_cas", atomic_cas),
+        ]
+
+    def _launch_hooks(self, executor) -> list[tuple[type, str, object]]:
+        """Each interpreted launch: which kernel runs, and the host tensors behind its arguments."""
+        counter = self
         launch_call = executor.__dict__["__call__"]
         init_args = executor.__dict__["_init_args_hst"]
 
@@ -263,38 +305,12 @@ class count_bytes:
 
         def host_arguments(self, *args, **kwargs):
             args_hst, kwargs_hst = init_args(self, *args, **kwargs)
-            launch = current()
+            launch = counter._current()
             if launch is not None:
                 launch.remember(args_hst, kwargs_hst)
             return args_hst, kwargs_hst
 
-        replacements = [
-            (builder, "create_masked_load", masked_load),
-            (builder, "create_masked_store", masked_store),
-            (builder, "create_atomic_rmw", atomic_rmw),
-            (builder, "create_atomic_cas", atomic_cas),
-            (executor, "__call__", launched),
-            (executor, "_init_args_hst", host_arguments),
-        ]
-        try:  # a compiled launch inside the block would go uncounted: refuse it
-            jit = importlib.import_module("triton.runtime.jit").JITFunction
-            jit.__dict__["run"]  # noqa: B018  (present in every Triton this module knows)
-
-            def compiled(*args, **kwargs):
-                raise BytesNotCountable(
-                    "a compiled (not interpreted) Triton kernel was launched inside count_bytes: its bytes "
-                    f"cannot be counted. It was defined while {INTERPRET_VAR} was unset; on a GPU take the "
-                    "bytes from the formula instead."
-                )
-
-            replacements.append((jit, "run", compiled))
-        except (ImportError, AttributeError, KeyError):
-            pass
-        for cls, name, replacement in replacements:
-            self._patched.append((cls, name, cls.__dict__[name]))
-            setattr(cls, name, replacement)
-        count_bytes._active = True
-        return self.counted
+        return [(executor, "__call__", launched), (executor, "_init_args_hst", host_arguments)]
 
     def __exit__(self, *exc) -> bool:
         for cls, name, original in reversed(self._patched):

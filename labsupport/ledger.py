@@ -293,7 +293,9 @@ def collect(folder: str | os.PathLike) -> tuple[list[Run], list[str]]:
     """Every results file under ``folder`` (recursively), and one message per file skipped."""
     root = Path(folder)
     runs, problems = [], []
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*.json") if p.is_file())
+    # a bench's logs folder (results/gpu_logs/) holds logs and the runs the current results replaced
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*.json")
+                                                 if p.is_file() and "gpu_logs" not in p.relative_to(root).parts)
     for path in files:
         try:
             runs.append(load(path))
@@ -366,8 +368,10 @@ def _name(text) -> str:
 
 def _cache_ops(data: dict) -> list[Figure]:
     figs = []
-    labels = {"paged": "course paged-attention kernel, shuffled block table",
-              "paged_in_order": "course paged-attention kernel, in-order block table",
+    labels = {"paged": "lab 10's paged-attention kernel, shuffled block table",
+              "paged_in_order": "lab 10's paged-attention kernel, in-order block table",
+              "split_kv": "course split-KV paged decode kernel, shuffled block table",
+              "split_kv_in_order": "course split-KV paged decode kernel, in-order block table",
               "sdpa": "torch SDPA on a contiguous padded cache"}
     for r in data["rows"]:
         shape = f"{r['batch']} sequences, {r['tokens']} cached tokens, {r['dtype']}"
@@ -408,9 +412,37 @@ def _precision(data: dict) -> list[Figure]:
         figs.append(Figure(f"int8_speedup_{_name(r['shape'])}_g{r['group_size'] or 0}_m{r['batch']}", r["speedup"], "x",
                            f"({r['batch']}, {r['K']}) x ({r['K']}, {r['N']}), {group}: dense {data.get('dtype', '')} "
                            f"median time over the course's int8 kernel's"))
+        if "tuned_speedup" in r:
+            figs.append(Figure(f"int8_tuned_speedup_{_name(r['shape'])}_g{r['group_size'] or 0}_m{r['batch']}",
+                               r["tuned_speedup"], "x", f"({r['batch']}, {r['K']}) x ({r['K']}, {r['N']}), {group}: "
+                               f"dense median time over the tuned int8 path's ({r['tuned_plan']})"))
     if data.get("copy_bandwidth_Bps"):
         figs.append(Figure("copy_bandwidth", data["copy_bandwidth_Bps"] / 1e9, "GB/s",
                            "copy of a 1 GiB buffer; bytes read + written over median time"))
+    return figs
+
+
+def _engine(data: dict) -> list[Figure]:
+    figs = []
+    for m in data["models"]:
+        name = _name(m["model"])
+        figs.append(Figure(f"engine_tokens_per_s_{name}", m["engine"]["output_tokens_per_s"], "tokens/s",
+                           f"course engine, {m['model']} bf16, {m['requests']} Poisson requests at "
+                           f"{m['rate_per_s']:g}/s; output tokens from first arrival to last token"))
+        static = m.get("static") or {}
+        if static.get("output_tokens_per_s"):
+            figs.append(Figure(f"static_tokens_per_s_{name}", static["output_tokens_per_s"], "tokens/s",
+                               "transformers generate, static batches, same trace and shape"))
+        if (roof := m.get("roofline", {}).get("all")) is not None:
+            figs.append(Figure(f"engine_fraction_of_bound_{name}", roof["fraction_of_bound"], "x",
+                               "the engine's steps' roofline bound (bytes / copy rate or FLOPs / matmul rate) "
+                               "over their measured time"))
+    for r in data.get("decode_sweep", []):
+        if r.get("step_s"):
+            how = "CUDA graphs" if r["cuda_graphs"] else "eager"
+            figs.append(Figure(f"decode_step_ms_{_name(r['model'])}_b{r['batch']}_{'graph' if r['cuda_graphs'] else 'eager'}",
+                               r["step_s"] * 1e3, "ms", f"engine decode step, {r['model']}, batch {r['batch']}, "
+                               f"context {r['context']}, {how}; median wall time"))
     return figs
 
 
@@ -423,6 +455,7 @@ BENCH_READERS: dict[str, tuple[str, Callable[[dict], list[Figure]]]] = {
     "cache_ops": ("10_cache_ops", _cache_ops),
     "many_gpus": ("11_many_gpus", _many_gpus),
     "launch_overhead": ("12_engines", _launch_overhead),
+    "engine": ("13_decode_loop", _engine),
 }
 
 

@@ -258,6 +258,48 @@ def _hf_bool(config: Mapping, field: str, default: bool) -> bool:
     return value
 
 
+def _hf_family(config: Mapping) -> str:
+    """The config's family: ``model_type``, or the family of an ``architectures`` entry."""
+    family = config.get("model_type")
+    if family is None:
+        architectures = config.get("architectures") or []
+        found = [families.family_of_architecture(a) for a in architectures]
+        family = next((spec.model_type for spec in found if spec is not None), None)
+        if family is None:
+            raise ValueError(
+                f"from_hf_config: the config has no model_type (and its architectures {architectures!r} "
+                f"are not among {', '.join(HF_ARCHITECTURES.values())}); add model_type, one of "
+                f"{', '.join(HF_ARCHITECTURES)}"
+            )
+    if family not in families.FAMILIES:
+        raise ValueError(
+            f"from_hf_config: model_type {family!r} is not supported; accepted: {', '.join(families.FAMILIES)}"
+        )
+    return family
+
+
+def _hf_rope(config: Mapping, family: str) -> tuple[float, Mapping | None]:
+    """``rope_theta`` and ``rope_scaling`` (None for plain RoPE), from either spelling."""
+    theta, scaling = config.get("rope_theta"), config.get("rope_scaling")
+    parameters = config.get("rope_parameters")
+    if parameters is not None:  # transformers 5 writes theta and the scaling in one dict
+        if not isinstance(parameters, Mapping):
+            raise ValueError(f"from_hf_config: rope_parameters must be a dict, got {parameters!r}")
+        parameters = dict(parameters)
+        theta = parameters.pop("rope_theta", theta)
+        if parameters.get("rope_type", "default") != "default" and scaling is None:
+            scaling = parameters
+    if theta is None:
+        raise ValueError(f"from_hf_config: the {family} config has no rope_theta (nor rope_parameters), which is required")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
+        raise ValueError(f"from_hf_config: rope_theta must be a number above 1, got {theta!r}")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ValueError(f"from_hf_config: rope_scaling must be a dict or null, got {scaling!r}")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling
+
+
 def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face ``config.json`` (parsed into a dict).
 
@@ -286,21 +328,7 @@ def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -
             f"from_hf_config takes the config.json as a dict (json.load(open('config.json'))), "
             f"got {type(config).__name__}"
         )
-    family = config.get("model_type")
-    if family is None:
-        architectures = config.get("architectures") or []
-        found = [families.family_of_architecture(a) for a in architectures]
-        family = next((spec.model_type for spec in found if spec is not None), None)
-        if family is None:
-            raise ValueError(
-                f"from_hf_config: the config has no model_type (and its architectures {architectures!r} "
-                f"are not among {', '.join(HF_ARCHITECTURES.values())}); add model_type, one of "
-                f"{', '.join(HF_ARCHITECTURES)}"
-            )
-    if family not in families.FAMILIES:
-        raise ValueError(
-            f"from_hf_config: model_type {family!r} is not supported; accepted: {', '.join(families.FAMILIES)}"
-        )
+    family = _hf_family(config)
     spec = families.FAMILIES[family]
     for field in _HF_REQUIRED:
         if config.get(field) is None:
@@ -339,23 +367,7 @@ def from_hf_config(config: Mapping, name: str | None = None, source: str = "") -
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"from_hf_config: rms_norm_eps must be a number between 0 and 1, got {eps!r}")
 
-    theta, scaling = config.get("rope_theta"), config.get("rope_scaling")
-    parameters = config.get("rope_parameters")
-    if parameters is not None:  # transformers 5 writes theta and the scaling in one dict
-        if not isinstance(parameters, Mapping):
-            raise ValueError(f"from_hf_config: rope_parameters must be a dict, got {parameters!r}")
-        parameters = dict(parameters)
-        theta = parameters.pop("rope_theta", theta)
-        if parameters.get("rope_type", "default") != "default" and scaling is None:
-            scaling = parameters
-    if theta is None:
-        raise ValueError(f"from_hf_config: the {family} config has no rope_theta (nor rope_parameters), which is required")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
-        raise ValueError(f"from_hf_config: rope_theta must be a number above 1, got {theta!r}")
-    if scaling is not None and not isinstance(scaling, Mapping):
-        raise ValueError(f"from_hf_config: rope_scaling must be a dict or null, got {scaling!r}")
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
+    theta, scaling = _hf_rope(config, family)
     if name is None:
         name = str(config.get("_name_or_path") or family)
     return ModelConfig(

@@ -90,6 +90,7 @@ class BlockAllocator:
         self._lengths: dict[Hashable, int] = {}
         self._tokens: dict[Hashable, list[int] | None] = {}  # None: token ids unknown, not hashable
         self._salts: dict[Hashable, Hashable] = {}
+        self._chains: dict[Hashable, list[int]] = {}  # the hash of each full block of a sequence, in order
         self._cached: dict[Hashable, int] = {}
         self.hit_tokens = 0  # prompt tokens found in the prefix cache, over all allocations
         self.query_tokens = 0  # prompt tokens allocated with token ids (what could have hit)
@@ -122,6 +123,18 @@ class BlockAllocator:
 
     def sequences(self) -> list[Hashable]:
         return list(self._tables)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        """Whether ``seq_id`` holds blocks (is allocated)."""
+        try:
+            return seq_id in self._tables
+        except TypeError:  # an unhashable id is no sequence
+            return False
+
+    def num_blocks_of(self, seq_id: Hashable) -> int:
+        """Blocks ``seq_id``'s table holds (0 for a sequence that holds none)."""
+        table = self._tables.get(seq_id) if seq_id in self else None
+        return 0 if table is None else len(table)
 
     def cached_tokens(self, seq_id: Hashable) -> int:
         """Tokens of ``seq_id``'s prompt found in the prefix cache when it was allocated (whole blocks)."""
@@ -191,6 +204,7 @@ class BlockAllocator:
         self._lengths[seq_id] = length
         self._tokens[seq_id] = ids
         self._salts[seq_id] = cache_salt
+        self._chains[seq_id] = hashes
         self._cached[seq_id] = len(hits) * self.block_size
         if ids is not None:
             self.query_tokens += length
@@ -229,7 +243,7 @@ class BlockAllocator:
             else:
                 ids.append(int(token_id))
                 if offset == self.block_size - 1:  # the block is now full: it can be found by its hash
-                    self._register(block, self._hash_at(seq_id, len(table) - 1))
+                    self._register(block, self._next_hash(seq_id, len(table) - 1))
         return block, offset, copy
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[int]:
@@ -244,6 +258,7 @@ class BlockAllocator:
         ids = self._tokens[parent_id]
         self._tokens[child_id] = None if ids is None else list(ids)
         self._salts[child_id] = self._salts[parent_id]
+        self._chains[child_id] = list(self._chains[parent_id])
         self._cached[child_id] = self._cached[parent_id]
         return list(parent)
 
@@ -260,7 +275,7 @@ class BlockAllocator:
                     self._evictable.move_to_end(b)
                 else:
                     self._free.append(b)
-        for store in (self._tables, self._lengths, self._tokens, self._salts, self._cached):
+        for store in (self._tables, self._lengths, self._tokens, self._salts, self._cached, self._chains):
             del store[seq_id]
 
     def reset_prefix_cache(self) -> None:
@@ -319,12 +334,34 @@ class BlockAllocator:
         h = self._hash_of.pop(block)
         del self._by_hash[h]
 
-    def _hash_at(self, seq_id, index: int) -> int:
-        ids, bs = self._tokens[seq_id], self.block_size
-        parent = None
-        for i in range(index + 1):
-            parent = block_hash(parent, ids[i * bs:(i + 1) * bs], self._salts[seq_id] if i == 0 else None)
-        return parent
+    def _next_hash(self, seq_id, index: int) -> int:
+        """The hash of ``seq_id``'s full block ``index``, chained to the one before (kept per
+        sequence, so filling a block costs one hash, however long the sequence)."""
+        chain, bs = self._chains[seq_id], self.block_size
+        while len(chain) <= index:  # normally exactly one step: the block that just filled
+            i = len(chain)
+            chain.append(block_hash(chain[-1] if chain else None, self._tokens[seq_id][i * bs:(i + 1) * bs],
+                                    self._salts[seq_id] if i == 0 else None))
+        return chain[index]
+
+    def cached_prefix_tokens(self, tokens: Sequence[int], limit: int | None = None, *,
+                             cache_salt: Hashable = None) -> int:
+        """How many leading tokens of ``tokens`` (ids) the prefix cache holds, in whole blocks, at
+        most ``limit``: a look-up that changes nothing (an engine asks before it schedules, and
+        passes ``limit = len(tokens) - 1`` so that the last token is always computed, for its
+        logits). 0 without prefix caching."""
+        if not self.prefix_caching:
+            return 0
+        ids = [int(t) for t in tokens]
+        usable = len(ids) if limit is None else min(len(ids), limit)
+        parent, hit = None, 0
+        for i in range(usable // self.block_size):
+            parent = block_hash(parent, ids[i * self.block_size:(i + 1) * self.block_size],
+                                cache_salt if i == 0 else None)
+            if parent not in self._by_hash:
+                break
+            hit += self.block_size
+        return hit
 
     def __repr__(self) -> str:
         return (f"BlockAllocator({self.num_blocks} blocks of {self.block_size} tokens, "

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import gc
 import itertools
-import json
 import math
 import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import costs
+from . import bench_harness, costs
 from ._validate import int_list, positive_int, positive_number, renamed_parameters
 from .hardware import match_device_name
 from .models import as_model
@@ -389,19 +387,10 @@ NOT_MEASURED = "not yet measured"
 def load_gpu_results(path=None) -> dict | None:
     """The results ``python -m labsupport.bench_phases`` wrote, or None when there are none (or a dry run).
 
-    ``path`` defaults to :data:`GPU_RESULTS` under the repository root.
+    ``path`` defaults to :data:`GPU_RESULTS` under the repository root (the bench harness's reader,
+    :func:`labsupport.bench_harness.load_results`).
     """
-
-    path = Path(path) if path is not None else Path(__file__).resolve().parent.parent / GPU_RESULTS
-    if not path.is_file():
-        return None
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a readable results file from python -m labsupport.bench_phases: {exc}") from exc
-    if not isinstance(results, dict) or results.get("dry_run", True):
-        return None
-    return results
+    return bench_harness.load_results("phases", path, required=())
 
 
 def gpu_summary(results: dict | None) -> dict[str, str]:
@@ -462,85 +451,100 @@ def gpu_findings_markdown(results: dict | None) -> str:
              f"(torch {results.get('torch', '?')}): the Llama 3.1 8B shape, random weights, {results.get('dtype')}, "
              f"eager PyTorch. At the start of the run the device copied {copy_bw / 1e12:.2f} TB/s and multiplied "
              f"bf16 matrices at {matmul / 1e12:.0f} TFLOP/s: its own ceilings, against which the rest is read."]
-
-    prefill = [r for r in results.get("prefill", []) if r.get("tflops_performed")]
-    if prefill:
-        longest = max(prefill, key=lambda r: r["prompt_tokens"])
-        rate = longest["tflops_performed"] * 1e12
-        gpu = match_device_name(results["device"])
-        datasheet = f", {rate / gpu.peak_flops:.0%} of the datasheet's dense bf16 peak" if gpu else ""
-        verdict = "**Prefill is compute-bound.** " if rate >= 0.5 * matmul else "**Prefill.** "
-        lines.append(
-            f"\n{verdict}At {longest['prompt_tokens']:,} tokens a prefill took {longest['seconds']:.2f} s: "
-            f"{longest['tflops_performed']:.0f} TFLOP/s of the FLOPs the model performs, {rate / matmul:.0%} of the "
-            f"matmul rate measured at the start of the run{datasheet}.")
-        fit = results.get("prefill_fit") or {}
-        measured, predicted = fit.get("measured_crossover_tokens"), fit.get("predicted_crossover_performed_causal")
-        if measured and predicted:
-            beyond = measured > longest["prompt_tokens"]
-            where = (f"That is an extrapolation past the longest prompt measured ({longest['prompt_tokens']:,} "
-                     f"tokens), and with the worst point {fit['max_relative_error']:.0%} off the fit it could move by "
-                     f"thousands of tokens. " if beyond else
-                     f"The worst point is {fit['max_relative_error']:.0%} off the fit. ")
-            if measured < predicted:
-                why = ("Either way it falls short of the crossover the performed FLOPs predict "
-                       f"({predicted:,.0f}): attention ran at fewer FLOP/s than the layers' weight matmuls, so its "
-                       "share of the time grew faster than its share of the FLOPs (chapter 07 measures the attention "
-                       "kernel on its own).")
-            else:
-                why = (f"It lies beyond the {predicted:,.0f} the performed FLOPs predict: the per-token work (the "
-                       "matmuls, and the norms, rotary embeddings and activations the FLOP count leaves out) took "
-                       "longer relative to attention than the FLOP counts suggest.")
-            lines.append(f"The fitted time $aP + bP^2 + c$ puts the crossover near {measured:,.0f} tokens. {where}{why}")
-
-    b1 = next((r for r in results.get("decode_by_context", []) if r.get("seconds") and r.get("batch") == 1), None)
-    graph = results.get("decode_batch1_short_cuda_graph") or {}
-    by_batch = [r for r in results.get("decode_by_batch", []) if r.get("seconds")]
-    if b1:
-        floor = b1["bytes_read"] / copy_bw
-        lines.append(
-            f"\n**Decode.** A batch-1 step at {b1['context']:,} tokens of context reads {b1['bytes_read'] / 1e9:.1f} GB, "
-            f"which the copy rate moves in {floor * 1e3:.1f} ms; the eager step took {b1['seconds'] * 1e3:.1f} ms "
-            f"({b1['fraction_of_copy']:.0%} of the copy rate).")
-        small = [r for r in by_batch if r["batch"] <= 32]
-        flat = len(small) >= 2 and max(r["seconds"] for r in small) < 1.15 * min(r["seconds"] for r in small)
-        graphed = graph.get("seconds") and b1["seconds"] > 1.5 * graph["seconds"]
-        if flat and graphed:
-            lines.append(
-                f"It was launch-bound, not bandwidth-bound: batches of {', '.join(str(r['batch']) for r in small)} at "
-                f"{small[0]['context']:,} tokens all took {min(r['seconds'] for r in small) * 1e3:.1f}-"
-                f"{max(r['seconds'] for r in small) * 1e3:.1f} ms although they read "
-                f"{small[0]['bytes_read'] / 1e9:.0f} to {small[-1]['bytes_read'] / 1e9:.0f} GB, so the time was set by "
-                f"Python and the CPU launching each layer's many small kernels one after another, not by the bytes. "
-                f"Replaying the same step from a CUDA graph, with no CPU work between kernels, took "
-                f"{graph['seconds'] * 1e3:.1f} ms ({graph['fraction_of_copy']:.0%} of the copy rate). Much of the "
-                f"remaining gap is likely the matrix-vector products themselves, which at batch 1 reach only part of "
-                f"the copy rate (lab 04 measures one such product on your device). This is one reason serving engines "
-                f"such as vLLM and SGLang capture their decode steps in CUDA graphs.")
-        elif graph.get("seconds"):
-            lines.append(f"Replayed from a CUDA graph the step took {graph['seconds'] * 1e3:.1f} ms "
-                         f"({graph['fraction_of_copy']:.0%} of the copy rate).")
-        if by_batch:
-            big = max(by_batch, key=lambda r: r["batch"])
-            lines.append(
-                f"At batch {big['batch']} and {big['context']:,} tokens the step streamed {big['bytes_read'] / 1e9:.0f} GB "
-                f"in {big['seconds'] * 1e3:.1f} ms, {big['fraction_of_copy']:.0%} of the copy rate"
-                + (": with enough bytes per kernel, decode comes close to the memory's speed."
-                   if big["fraction_of_copy"] >= 0.7 else "."))
-        longest_ctx = max((r for r in results.get("decode_by_context", []) if r.get("seconds")),
-                          key=lambda r: r["context"])
-        if longest_ctx["context"] > b1["context"] and longest_ctx["fraction_of_copy"] < 0.5 * (
-                big["fraction_of_copy"] if by_batch else 1):
-            lines.append(
-                f"At batch 1 and {longest_ctx['context']:,} tokens of context the cache is "
-                f"{longest_ctx['cache_share']:.0%} of the read, and the step reached only "
-                f"{longest_ctx['fraction_of_copy']:.0%} of the copy rate: one sequence gives the attention kernel few "
-                f"independent pieces of work (one per KV head), most likely too few to keep the whole GPU reading. Decode kernels "
-                f"that also split the keys across thread blocks (split-KV, or flash-decoding) exist for this case.")
+    lines += _prefill_findings(results)
+    lines += _decode_findings(results)
     for r in results.get("decode_by_batch", []) + results.get("decode_by_context", []):
         if r.get("skipped"):
             lines.append(f"\nBatch {r['batch']} at {r['context']:,} tokens was not measured: it {r['skipped']}.")
     return "\n".join(lines)
+
+
+def _prefill_findings(results: dict) -> list[str]:
+    """Prefill's achieved rate at the longest prompt, and where the fitted crossover lies and why."""
+    prefill = [r for r in results.get("prefill", []) if r.get("tflops_performed")]
+    if not prefill:
+        return []
+    matmul = results["matmul_flops"]
+    longest = max(prefill, key=lambda r: r["prompt_tokens"])
+    rate = longest["tflops_performed"] * 1e12
+    gpu = match_device_name(results["device"])
+    datasheet = f", {rate / gpu.peak_flops:.0%} of the datasheet's dense bf16 peak" if gpu else ""
+    verdict = "**Prefill is compute-bound.** " if rate >= 0.5 * matmul else "**Prefill.** "
+    lines = [
+        f"\n{verdict}At {longest['prompt_tokens']:,} tokens a prefill took {longest['seconds']:.2f} s: "
+        f"{longest['tflops_performed']:.0f} TFLOP/s of the FLOPs the model performs, {rate / matmul:.0%} of the "
+        f"matmul rate measured at the start of the run{datasheet}."]
+    fit = results.get("prefill_fit") or {}
+    measured, predicted = fit.get("measured_crossover_tokens"), fit.get("predicted_crossover_performed_causal")
+    if measured and predicted:
+        beyond = measured > longest["prompt_tokens"]
+        where = (f"That is an extrapolation past the longest prompt measured ({longest['prompt_tokens']:,} "
+                 f"tokens), and with the worst point {fit['max_relative_error']:.0%} off the fit it could move by "
+                 f"thousands of tokens. " if beyond else
+                 f"The worst point is {fit['max_relative_error']:.0%} off the fit. ")
+        if measured < predicted:
+            why = ("Either way it falls short of the crossover the performed FLOPs predict "
+                   f"({predicted:,.0f}): attention ran at fewer FLOP/s than the layers' weight matmuls, so its "
+                   "share of the time grew faster than its share of the FLOPs (chapter 07 measures the attention "
+                   "kernel on its own).")
+        else:
+            why = (f"It lies beyond the {predicted:,.0f} the performed FLOPs predict: the per-token work (the "
+                   "matmuls, and the norms, rotary embeddings and activations the FLOP count leaves out) took "
+                   "longer relative to attention than the FLOP counts suggest.")
+        lines.append(f"The fitted time $aP + bP^2 + c$ puts the crossover near {measured:,.0f} tokens. {where}{why}")
+    return lines
+
+
+def _decode_findings(results: dict) -> list[str]:
+    """Decode at batch 1 (launch-bound or not, with the CUDA graph beside it), at the largest batch,
+    and at the longest context."""
+    b1 = next((r for r in results.get("decode_by_context", []) if r.get("seconds") and r.get("batch") == 1), None)
+    if not b1:
+        return []
+    copy_bw = results["copy_bandwidth_Bps"]
+    graph = results.get("decode_batch1_short_cuda_graph") or {}
+    by_batch = [r for r in results.get("decode_by_batch", []) if r.get("seconds")]
+    floor = b1["bytes_read"] / copy_bw
+    lines = [
+        f"\n**Decode.** A batch-1 step at {b1['context']:,} tokens of context reads {b1['bytes_read'] / 1e9:.1f} GB, "
+        f"which the copy rate moves in {floor * 1e3:.1f} ms; the eager step took {b1['seconds'] * 1e3:.1f} ms "
+        f"({b1['fraction_of_copy']:.0%} of the copy rate)."]
+    small = [r for r in by_batch if r["batch"] <= 32]
+    flat = len(small) >= 2 and max(r["seconds"] for r in small) < 1.15 * min(r["seconds"] for r in small)
+    graphed = graph.get("seconds") and b1["seconds"] > 1.5 * graph["seconds"]
+    if flat and graphed:
+        lines.append(
+            f"It was launch-bound, not bandwidth-bound: batches of {', '.join(str(r['batch']) for r in small)} at "
+            f"{small[0]['context']:,} tokens all took {min(r['seconds'] for r in small) * 1e3:.1f}-"
+            f"{max(r['seconds'] for r in small) * 1e3:.1f} ms although they read "
+            f"{small[0]['bytes_read'] / 1e9:.0f} to {small[-1]['bytes_read'] / 1e9:.0f} GB, so the time was set by "
+            f"Python and the CPU launching each layer's many small kernels one after another, not by the bytes. "
+            f"Replaying the same step from a CUDA graph, with no CPU work between kernels, took "
+            f"{graph['seconds'] * 1e3:.1f} ms ({graph['fraction_of_copy']:.0%} of the copy rate). Much of the "
+            f"remaining gap is likely the matrix-vector products themselves, which at batch 1 reach only part of "
+            f"the copy rate (lab 04 measures one such product on your device). This is one reason serving engines "
+            f"such as vLLM and SGLang capture their decode steps in CUDA graphs.")
+    elif graph.get("seconds"):
+        lines.append(f"Replayed from a CUDA graph the step took {graph['seconds'] * 1e3:.1f} ms "
+                     f"({graph['fraction_of_copy']:.0%} of the copy rate).")
+    if by_batch:
+        big = max(by_batch, key=lambda r: r["batch"])
+        lines.append(
+            f"At batch {big['batch']} and {big['context']:,} tokens the step streamed {big['bytes_read'] / 1e9:.0f} GB "
+            f"in {big['seconds'] * 1e3:.1f} ms, {big['fraction_of_copy']:.0%} of the copy rate"
+            + (": with enough bytes per kernel, decode comes close to the memory's speed."
+               if big["fraction_of_copy"] >= 0.7 else "."))
+    longest_ctx = max((r for r in results.get("decode_by_context", []) if r.get("seconds")),
+                      key=lambda r: r["context"])
+    if longest_ctx["context"] > b1["context"] and longest_ctx["fraction_of_copy"] < 0.5 * (
+            big["fraction_of_copy"] if by_batch else 1):
+        lines.append(
+            f"At batch 1 and {longest_ctx['context']:,} tokens of context the cache is "
+            f"{longest_ctx['cache_share']:.0%} of the read, and the step reached only "
+            f"{longest_ctx['fraction_of_copy']:.0%} of the copy rate: one sequence gives the attention kernel few "
+            f"independent pieces of work (one per KV head), most likely too few to keep the whole GPU reading. Decode kernels "
+            f"that also split the keys across thread blocks (split-KV, or flash-decoding) exist for this case.")
+    return lines
 
 
 # --- planning arithmetic ------------------------------------------------------------------------

@@ -7,7 +7,9 @@ Two versions of one thing, both driven by :func:`labsupport.planning.plan` (chap
   ``from labsupport.planner_widget import show; show()``.
 * :func:`static_html` (the HTML book, no kernel): one self-contained HTML snippet with number
   inputs, selects, the results and an SVG plot. Its script and styles are the package files
-  ``planner_static/planner.js`` and ``planner.css``, inlined; the JavaScript re-implements
+  ``planner_static/planner.js`` and ``planner.css``, inlined (after the explainer's number
+  formatting, ``explainer_static/number_format.js``; see :mod:`labsupport._static_widget`); the
+  JavaScript re-implements
   :func:`labsupport.planning.plan` operation for operation (integer products exact, as Python's
   ints are), and reads its model and GPU tables from a JSON block generated here from
   :mod:`labsupport.models`, :mod:`labsupport.hardware` and :mod:`labsupport.costs`. It loads
@@ -31,11 +33,9 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import math
-import uuid
-from importlib import resources
 
+from . import _static_widget as widget
 from . import planning
 from .costs import kv_bytes_per_token, param_count
 from .explainer import _fixed, _group, format_percent, format_seconds, model_label
@@ -157,7 +157,6 @@ def display_values(p: planning.Plan, settings: dict) -> dict[str, str]:
     tp, gpu = p.gpus_per_replica, s["gpu"]
     rate = _plain(p.arrival_rate)
     budget_text = f"{_plain(planning.DEFAULT_MEMORY_UTILIZATION * 100)}% of {tp} x {gpu}"
-    free = p.memory_budget_bytes - p.weight_bytes
     out = {
         "concurrency": _group(_fixed(p.concurrency, 1)) + " requests",
         "concurrency-note": f"{rate} requests/s x {format_seconds(p.time_in_system_s)} in the system",
@@ -196,70 +195,84 @@ def display_values(p: planning.Plan, settings: dict) -> dict[str, str]:
             )
         ),
     }
+    out["memory"] = _memory_text(p, budget_text)
+    out.update(_plan_values(p, tp, gpu, rate) if p.feasible else _no_plan_values(p))
+    return out
+
+
+def _memory_text(p: planning.Plan, budget_text: str) -> str:
+    """What memory holds: nothing past the weights, too little, or the batch's cache and the room left."""
+    free = p.memory_budget_bytes - p.weight_bytes
     if p.batch_in_memory == 0:
-        out["memory"] = (
+        return (
             f"The weights ({format_gib(p.weight_bytes)}) and one sequence of {_count(p.memory_context_tokens)} tokens "
             f"do not fit in {format_gib(p.memory_budget_bytes)} ({budget_text}): more GPUs per replica or "
             "fewer bytes per element."
         )
-    elif not p.feasible:
-        out["memory"] = (
+    if not p.feasible:
+        return (
             f"Memory has room for {_plural(p.batch_in_memory, 'sequence')} of {_count(p.memory_context_tokens)} "
             f"tokens: {format_gib(free)} left after the weights in {format_gib(p.memory_budget_bytes)} ({budget_text})."
         )
+    return (
+        f"KV cache for {_plural(p.batch, 'sequence')} of {_count(p.memory_context_tokens)} tokens: "
+        f"{format_gib(p.kv_cache_bytes)} of the {format_gib(free)} left after the weights in "
+        f"{format_gib(p.memory_budget_bytes)} ({budget_text}); room for {_count(p.batch_in_memory)}."
+    )
+
+
+def _plan_values(p: planning.Plan, tp: int, gpu: str, rate: str) -> dict[str, str]:
+    """The results of a plan that meets the TPOT target, and its verdict."""
+    out = {
+        "replicas": _count(p.replicas),
+        "replicas-note": f"{_plural(p.gpus, 'GPU')}, {tp} per replica",
+        "batch": _count(p.batch),
+        "batch-note": f"TPOT allows {_count(p.batch_for_tpot)}, memory {_count(p.batch_in_memory)}",
+        "utilisation": format_percent(p.utilisation),
+        "utilisation-note": "of the batch slots, on average",
+        "tpot": format_seconds(p.tpot_s),
+        "tpot-note": f"the mean: step {format_seconds(p.step_s)}, prefill turns included",
+        "ttft": format_seconds(p.ttft_s),
+        "ttft-note": f"{'meets' if p.meets_ttft else 'misses'} the {format_seconds(p.ttft_target_s)} target",
+    }
+    if p.cost_per_million_tokens is None:
+        out["cost"], out["cost-note"] = "no price", "enter a GPU-hour price"
+        out["cost-saturation"], out["cost-saturation-note"] = "no price", "enter a GPU-hour price"
     else:
-        out["memory"] = (
-            f"KV cache for {_plural(p.batch, 'sequence')} of {_count(p.memory_context_tokens)} tokens: "
-            f"{format_gib(p.kv_cache_bytes)} of the {format_gib(free)} left after the weights in "
-            f"{format_gib(p.memory_budget_bytes)} ({budget_text}); room for {_count(p.batch_in_memory)}."
+        out["cost"] = format_cost(p.cost_per_million_tokens)
+        out["cost-note"] = f"{format_cost(p.cost_per_million_output_tokens)} per million output tokens"
+        out["cost-saturation"] = format_cost(p.cost_per_million_tokens_at_saturation)
+        out["cost-saturation-note"] = (
+            f"{format_cost(p.cost_per_million_output_tokens_at_saturation)} per million output tokens, "
+            "every batch slot busy"
         )
-    if p.feasible:
-        out["replicas"] = _count(p.replicas)
-        out["replicas-note"] = f"{_plural(p.gpus, 'GPU')}, {tp} per replica"
-        out["batch"] = _count(p.batch)
-        out["batch-note"] = f"TPOT allows {_count(p.batch_for_tpot)}, memory {_count(p.batch_in_memory)}"
-        out["utilisation"] = format_percent(p.utilisation)
-        out["utilisation-note"] = "of the batch slots, on average"
-        out["tpot"] = format_seconds(p.tpot_s)
-        out["tpot-note"] = f"the mean: step {format_seconds(p.step_s)}, prefill turns included"
-        out["ttft"] = format_seconds(p.ttft_s)
-        verdict = "meets" if p.meets_ttft else "misses"
-        out["ttft-note"] = f"{verdict} the {format_seconds(p.ttft_target_s)} target"
-        if p.cost_per_million_tokens is None:
-            out["cost"], out["cost-note"] = "no price", "enter a GPU-hour price"
-            out["cost-saturation"], out["cost-saturation-note"] = "no price", "enter a GPU-hour price"
-        else:
-            out["cost"] = format_cost(p.cost_per_million_tokens)
-            out["cost-note"] = f"{format_cost(p.cost_per_million_output_tokens)} per million output tokens"
-            out["cost-saturation"] = format_cost(p.cost_per_million_tokens_at_saturation)
-            out["cost-saturation-note"] = (
-                f"{format_cost(p.cost_per_million_output_tokens_at_saturation)} per million output tokens, "
-                "every batch slot busy"
-            )
-        out["plot-batch"] = f"batch {_count(p.batch)}"
-        what = f"{_plural(p.replicas, 'replica')} of {tp} x {gpu} ({_plural(p.gpus, 'GPU')}) "
-        what += f"{'carries' if p.replicas == 1 else 'carry'} {rate} requests/s"
-        out["verdict"] = (
-            f"{what} within both targets."
-            if p.meets_ttft
-            else f"{what} within the TPOT target, but the predicted TTFT misses its target: more GPUs per replica."
-        )
-    else:
-        for key in ("replicas", "batch", "utilisation", "tpot", "ttft", "cost", "cost-saturation"):
-            out[key] = "none"
-        out["replicas-note"] = "no replica meets the targets"
-        out["batch-note"] = f"TPOT allows {_count(p.batch_for_tpot)}, memory {_count(p.batch_in_memory)}"
-        out["utilisation-note"] = "nothing runs"
-        out["tpot-note"] = f"target {format_seconds(p.tpot_target_s)}"
-        out["ttft-note"] = f"target {format_seconds(p.ttft_target_s)}"
-        out["cost-note"] = "no plan, no price"
-        out["cost-saturation-note"] = "no plan, no price"
-        out["plot-batch"] = "no batch meets both"
-        out["verdict"] = "No replica can meet these targets: " + (
-            "the weights and one sequence do not fit."
-            if p.batch_in_memory == 0
-            else "the TPOT target is too tight."
-        )
+    out["plot-batch"] = f"batch {_count(p.batch)}"
+    what = f"{_plural(p.replicas, 'replica')} of {tp} x {gpu} ({_plural(p.gpus, 'GPU')}) "
+    what += f"{'carries' if p.replicas == 1 else 'carry'} {rate} requests/s"
+    out["verdict"] = (
+        f"{what} within both targets."
+        if p.meets_ttft
+        else f"{what} within the TPOT target, but the predicted TTFT misses its target: more GPUs per replica."
+    )
+    return out
+
+
+def _no_plan_values(p: planning.Plan) -> dict[str, str]:
+    """The results when no replica meets the targets, and why."""
+    out = {key: "none" for key in ("replicas", "batch", "utilisation", "tpot", "ttft", "cost", "cost-saturation")}
+    out["replicas-note"] = "no replica meets the targets"
+    out["batch-note"] = f"TPOT allows {_count(p.batch_for_tpot)}, memory {_count(p.batch_in_memory)}"
+    out["utilisation-note"] = "nothing runs"
+    out["tpot-note"] = f"target {format_seconds(p.tpot_target_s)}"
+    out["ttft-note"] = f"target {format_seconds(p.ttft_target_s)}"
+    out["cost-note"] = "no plan, no price"
+    out["cost-saturation-note"] = "no plan, no price"
+    out["plot-batch"] = "no batch meets both"
+    out["verdict"] = "No replica can meet these targets: " + (
+        "the weights and one sequence do not fit."
+        if p.batch_in_memory == 0
+        else "the TPOT target is too tight."
+    )
     return out
 
 
@@ -396,19 +409,11 @@ def planner_data() -> dict:
 
 def _static(name: str) -> str:
     """A file of ``labsupport/planner_static/`` (package data), as text."""
-    return resources.files("labsupport").joinpath("planner_static", name).read_text(encoding="utf-8")
+    return widget.package_text("planner_static", name)
 
 
 def _json_block(name: str, value) -> str:
-    text = json.dumps(value).replace("</", "<\\/")  # "</script>" must not appear inside the block
-    return f'<script type="application/json" data-pl="{name}">{text}</script>'
-
-
-def _options(values, selected, label=str) -> str:
-    return "".join(
-        f'<option value="{html.escape(str(v))}"{" selected" if v == selected else ""}>{html.escape(label(v))}</option>'
-        for v in values
-    )
+    return widget.json_block("pl", name, value)
 
 
 #: The number inputs: (key, label, min, step). Targets in ms, efficiencies in percent.
@@ -436,18 +441,6 @@ def _number(key: str, title: str, low: str, step: str, value) -> str:
     )
 
 
-def _select(key: str, title: str, options: str) -> str:
-    return f'<label>{title}<select data-control="{key}" aria-label="{title}">{options}</select></label>'
-
-
-def _metric(key: str, name: str, text: dict[str, str]) -> str:
-    return (
-        f'<div class="pl-metric"><div class="pl-name">{name}</div>'
-        f'<div class="pl-value pl-text" data-out="{key}">{html.escape(text[key])}</div>'
-        f'<div class="pl-note pl-text" data-out="{key}-note">{html.escape(text[key + "-note"])}</div></div>'
-    )
-
-
 METRICS = [
     ("replicas", "Replicas"),
     ("batch", "Batch per replica"),
@@ -465,16 +458,14 @@ def static_html(element_id: str | None = None, **settings) -> str:
     """A self-contained HTML+JS planner for a page without a kernel, starting at ``settings``
     (keys and defaults as :data:`DEFAULTS`)."""
     start = _settings(settings)
-    element_id = element_id or f"c14p-{uuid.uuid4().hex[:8]}"
-    if not element_id.replace("-", "").replace("_", "").isalnum():
-        raise ValueError(f"element_id must be letters, digits, '-' or '_', got {element_id!r}")
+    element_id = widget.element_id(element_id, "c14p")
     # The starting values are rendered here too, so the page reads right before the script runs.
     _, text = compute(**start)
     selects = (
-        _select("model", "Model", _options(MODELS, start["model"], model_label))
-        + _select("gpu", "GPU", _options(list(GPUS), start["gpu"]))
-        + _select("precision", "Precision", _options(list(PRECISIONS), start["precision"]))
-        + _select("tp", "Tensor parallel (GPUs per replica)", _options(TENSOR_PARALLEL, start["tp"]))
+        widget.select("model", "Model", widget.options(MODELS, start["model"], model_label))
+        + widget.select("gpu", "GPU", widget.options(list(GPUS), start["gpu"]))
+        + widget.select("precision", "Precision", widget.options(list(PRECISIONS), start["precision"]))
+        + widget.select("tp", "Tensor parallel (GPUs per replica)", widget.options(TENSOR_PARALLEL, start["tp"]))
     )
     fields = {
         group: "".join(_number(key, title, low, step, start[key]) for key, title, low, step in inputs)
@@ -493,7 +484,7 @@ def static_html(element_id: str | None = None, **settings) -> str:
         '<div class="pl-results">'
         f'<p class="{verdict_class} pl-text" data-out="verdict">{html.escape(text["verdict"])}</p>'
         '<div class="pl-metrics">'
-        + "".join(_metric(key, name, text) for key, name in METRICS)
+        + "".join(widget.metric("pl", key, name, text) for key, name in METRICS)
         + "</div>"
         + "".join(
             f'<p class="pl-line pl-text" data-out="{key}">{html.escape(text[key])}</p>'
@@ -513,8 +504,8 @@ def static_html(element_id: str | None = None, **settings) -> str:
         "</div>"
         + _json_block("data", planner_data())
         + _json_block("start", start)
-        + f"<script>{_static('planner.js')}\nlabsupportPlanner(document.getElementById({json.dumps(element_id)}));"
-        "</script></div>"
+        + widget.script("planner_static", "planner.js", "labsupportPlanner", element_id)
+        + "</div>"
     )
 
 

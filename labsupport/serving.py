@@ -20,7 +20,9 @@ Nothing is measured.
 The functions take a model (a :class:`~labsupport.models.ModelConfig` or a name), a device (a
 :class:`~labsupport.hardware.GPU`, possibly several cards as one, ``GPU.times(n)``; every figure
 comes from :mod:`labsupport.hardware`), the prompt and output lengths in tokens and the batch
-size. The defaults are the setting of the explainer in the course's source material: Llama 3 70B
+size. Each checks them once into a :class:`Setting` (frozen) and reads its answer from it; the
+setting computes each figure in one place (the request latency and the throughput in
+:func:`phases` are the ones :func:`request_latency` and :func:`throughput` return). The defaults are the setting of the explainer in the course's source material: Llama 3 70B
 (bf16 weights) split over four A100 40GB cards, a 1,024-token prompt, 128 output tokens, batch 1. The
 conventions (:class:`Conventions`, each an explicit option):
 
@@ -58,12 +60,13 @@ The source quotes "6 TB/s" for its four cards, 1.5 TB/s each, a rounding of the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 from . import costs
 from ._validate import positive_int, positive_number, renamed_parameters
 from .hardware import GPU, as_gpu
-from .models import as_model
+from .models import ModelConfig, as_model
 
 #: Sizes in the models' names, the parameter counts the source's arithmetic uses.
 NOMINAL_PARAMS: dict[str, float] = {
@@ -180,12 +183,13 @@ def model_params(model, params: str = "nominal") -> float:
     return NOMINAL_PARAMS[cfg.name]
 
 
-def _lengths(prompt_tokens, output_tokens, batch) -> tuple[int, int, int]:
-    return (
-        positive_int("prompt_tokens", prompt_tokens),
-        positive_int("output_tokens", output_tokens),
-        positive_int("batch", batch),
-    )
+def _context(prompt: int, output: int, conv: Conventions) -> float:
+    """:func:`decode_context` on lengths already checked."""
+    if conv.decode_context == "start":
+        return float(prompt)
+    if conv.decode_context == "end":
+        return float(prompt + output - 1)
+    return prompt + (output - 1) / 2
 
 
 def decode_context(prompt_tokens: int, output_tokens: int, conventions: Conventions | None = None) -> float:
@@ -195,19 +199,26 @@ def decode_context(prompt_tokens: int, output_tokens: int, conventions: Conventi
     mean, ``"start"`` the first, ``"end"`` the last.
     """
     conv = _conventions(conventions)
-    p, o, _ = _lengths(prompt_tokens, output_tokens, 1)
-    if conv.decode_context == "start":
-        return float(p)
-    if conv.decode_context == "end":
-        return float(p + o - 1)
-    return p + (o - 1) / 2
+    prompt = positive_int("prompt_tokens", prompt_tokens)
+    return _context(prompt, positive_int("output_tokens", output_tokens), conv)
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """One kind of kernel in a phase, placed on the roofline on its own."""
+def decode_steps(output_tokens: int, conventions: Conventions | None = None) -> int:
+    """Decode steps counted in a request: ``output`` (the source) or ``output - 1``."""
+    conv = _conventions(conventions)
+    o = positive_int("output_tokens", output_tokens)
+    return o if conv.decode_steps == "output" else o - 1
 
-    name: str  # "weight matmuls" or "attention"
+
+# --- a point on the roofline ---------------------------------------------------------------------
+
+
+class RooflineCost:
+    """FLOPs and bytes costed on one device's roofline: what :class:`Kernel` and :class:`Phase` share.
+
+    A subclass provides ``flops``, ``bytes``, ``peak_flops`` (FLOP/s) and ``hbm_bandwidth`` (bytes/s).
+    """
+
     flops: float
     bytes: float
     peak_flops: float
@@ -245,11 +256,22 @@ class Kernel:
 
 
 @dataclass(frozen=True)
-class Phase:
+class Kernel(RooflineCost):
+    """One kind of kernel in a phase, placed on the roofline on its own."""
+
+    name: str  # "weight matmuls" or "attention"
+    flops: float
+    bytes: float
+    peak_flops: float
+    hbm_bandwidth: float
+
+
+@dataclass(frozen=True)
+class Phase(RooflineCost):
     """One phase: its kernels, and its time under the ``roofline`` convention.
 
     ``"per-kernel"``: the sum of each kernel's own roofline time. ``"merged"``: one point for
-    the phase, all its FLOPs over all its bytes.
+    the phase, all its FLOPs over all its bytes (its :attr:`intensity` is that point's).
     """
 
     name: str
@@ -267,32 +289,11 @@ class Phase:
         return sum(k.bytes for k in self.kernels)
 
     @property
-    def compute_time(self) -> float:
-        return self.flops / self.peak_flops
-
-    @property
-    def memory_time(self) -> float:
-        return self.bytes / self.hbm_bandwidth
-
-    @property
     def time(self) -> float:
         """Seconds: the sum of the kernels' roofline times, or the merged point's."""
         if self.roofline == "merged":
-            return max(self.compute_time, self.memory_time)
+            return super().time
         return sum(k.time for k in self.kernels)
-
-    @property
-    def intensity(self) -> float:
-        """The whole phase's FLOPs over its bytes (the merged point's intensity)."""
-        return self.flops / self.bytes
-
-    @property
-    def attained_flops(self) -> float:
-        return self.flops / self.time
-
-    @property
-    def fraction_of_peak(self) -> float:
-        return self.attained_flops / self.peak_flops
 
     @property
     def matmuls(self) -> Kernel:
@@ -306,165 +307,9 @@ class Phase:
     def bound(self) -> str:
         """``"compute"``, ``"memory"``, or ``"mixed"`` when the kernels are bound differently."""
         if self.roofline == "merged":
-            return "compute" if self.compute_time >= self.memory_time else "memory"
+            return super().bound
         bounds = {k.bound for k in self.kernels}
         return bounds.pop() if len(bounds) == 1 else "mixed"
-
-
-def _phase(name: str, kernels, gpu: GPU, conv: Conventions) -> Phase:
-    return Phase(
-        name=name,
-        kernels=tuple(
-            Kernel(kname, float(flops), float(nbytes), gpu.peak_flops, gpu.hbm_bandwidth)
-            for kname, flops, nbytes in kernels
-        ),
-        roofline=conv.roofline,
-        peak_flops=gpu.peak_flops,
-        hbm_bandwidth=gpu.hbm_bandwidth,
-    )
-
-
-def _query_and_output_bytes(cfg, tokens: int, conv: Conventions) -> float:
-    """Attention reads each token's queries and writes its output, ``d`` values each per layer (in
-    the weights' dtype). Under grouped-query attention these are ``g`` times the token's keys and
-    values, so a prompt's attention is far less intense than its cached K and V alone suggest."""
-    return 2.0 * cfg.n_layers * tokens * cfg.d_model * conv.weight_dtype_bytes
-
-
-def weight_bytes(model, conventions: Conventions | None = None) -> float:
-    """Bytes of weights: parameters (per ``conventions.params``) times ``weight_dtype_bytes``."""
-    conv = _conventions(conventions)
-    return model_params(model, conv.params) * conv.weight_dtype_bytes
-
-
-def prefill(
-    model,
-    gpu=None,
-    prompt_tokens: int = SOURCE_PROMPT,
-    batch: int = SOURCE_BATCH,
-    conventions: Conventions | None = None,
-) -> Phase:
-    """The prefill of ``batch`` prompts in one pass: the weight matmuls, then attention.
-
-    Matmuls: ``2*N*B*P`` FLOPs, the weights read once and the prompts' cache written. Attention:
-    the prompts' attention FLOPs (per ``conventions.attention``), their cache read once.
-    """
-    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
-    p, _, b = _lengths(prompt_tokens, 1, batch)
-    n = model_params(cfg, conv.params)
-    tokens = b * p
-    cache = tokens * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
-    attention = 0.0
-    if conv.attention != "none":
-        attention = b * costs.prefill_attention_flops(cfg, p, causal=conv.attention == "causal")
-    kernels = (
-        ("weight matmuls", 2 * n * tokens, n * conv.weight_dtype_bytes + cache),
-        ("attention", attention, cache + _query_and_output_bytes(cfg, tokens, conv)),
-    )
-    return _phase("prefill", kernels, gpu, conv)
-
-
-def decode_step(
-    model,
-    gpu=None,
-    prompt_tokens: int = SOURCE_PROMPT,
-    output_tokens: int = SOURCE_OUTPUT,
-    batch: int = SOURCE_BATCH,
-    conventions: Conventions | None = None,
-) -> Phase:
-    """One decode step for the batch, at :func:`decode_context` tokens of context per sequence.
-
-    Matmuls: ``2*N*B`` FLOPs, the weights read once and ``B`` new tokens' cache written.
-    Attention: ``4*L*context*d`` FLOPs per sequence (unless ``conventions.attention`` is
-    ``"none"``), ``B`` caches of that context read.
-    """
-    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
-    p, o, b = _lengths(prompt_tokens, output_tokens, batch)
-    n = model_params(cfg, conv.params)
-    context = decode_context(p, o, conv)
-    per_token = costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
-    attention = 0.0
-    if conv.attention != "none":
-        attention = b * 4 * cfg.n_layers * context * cfg.d_model
-    kernels = (
-        ("weight matmuls", 2 * n * b, n * conv.weight_dtype_bytes + b * per_token),
-        ("attention", attention, b * context * per_token + _query_and_output_bytes(cfg, b, conv)),
-    )
-    return _phase("decode", kernels, gpu, conv)
-
-
-def time_to_first_token(
-    model,
-    gpu=None,
-    prompt_tokens: int = SOURCE_PROMPT,
-    batch: int = SOURCE_BATCH,
-    conventions: Conventions | None = None,
-) -> float:
-    """Seconds to the first token: the roofline time of the batch's prefill (no queueing)."""
-    return prefill(model, gpu, prompt_tokens, batch, conventions).time
-
-
-def inter_token_latency(
-    model,
-    gpu=None,
-    prompt_tokens: int = SOURCE_PROMPT,
-    output_tokens: int = SOURCE_OUTPUT,
-    batch: int = SOURCE_BATCH,
-    conventions: Conventions | None = None,
-) -> float:
-    """Seconds between consecutive tokens: the roofline time of one decode step."""
-    return decode_step(model, gpu, prompt_tokens, output_tokens, batch, conventions).time
-
-
-def decode_steps(output_tokens: int, conventions: Conventions | None = None) -> int:
-    """Decode steps counted in a request: ``output`` (the source) or ``output - 1``."""
-    conv = _conventions(conventions)
-    o = positive_int("output_tokens", output_tokens)
-    return o if conv.decode_steps == "output" else o - 1
-
-
-def request_latency(
-    model,
-    gpu=None,
-    prompt_tokens: int = SOURCE_PROMPT,
-    output_tokens: int = SOURCE_OUTPUT,
-    batch: int = SOURCE_BATCH,
-    conventions: Conventions | None = None,
-) -> float:
-    """Seconds from request to last token: ``TTFT + steps * ITL`` (see :func:`decode_steps`)."""
-    conv = _conventions(conventions)
-    ttft = time_to_first_token(model, gpu, prompt_tokens, batch, conv)
-    itl = inter_token_latency(model, gpu, prompt_tokens, output_tokens, batch, conv)
-    return ttft + decode_steps(output_tokens, conv) * itl
-
-
-def throughput(
-    model,
-    gpu=None,
-    prompt_tokens: int = SOURCE_PROMPT,
-    output_tokens: int = SOURCE_OUTPUT,
-    batch: int = SOURCE_BATCH,
-    conventions: Conventions | None = None,
-) -> float:
-    """Output tokens per second across the batch: ``batch / ITL`` by default (see module docstring)."""
-    conv = _conventions(conventions)
-    if conv.throughput == "decode":
-        return batch / inter_token_latency(model, gpu, prompt_tokens, output_tokens, batch, conv)
-    latency = request_latency(model, gpu, prompt_tokens, output_tokens, batch, conv)
-    return batch * output_tokens / latency
-
-
-def kv_cache_bytes(
-    model,
-    prompt_tokens: int = SOURCE_PROMPT,
-    output_tokens: int = SOURCE_OUTPUT,
-    batch: int = SOURCE_BATCH,
-    conventions: Conventions | None = None,
-) -> float:
-    """KV cache the batch holds at its largest, after the last token: ``B * (P + O)`` tokens."""
-    cfg, conv = as_model(model), _conventions(conventions)
-    p, o, b = _lengths(prompt_tokens, output_tokens, batch)
-    return float(b * (p + o) * costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes))
 
 
 def _ridge_count(ridge: float, fixed_bytes: float, flops_each: float, bytes_each: float) -> float:
@@ -473,42 +318,175 @@ def _ridge_count(ridge: float, fixed_bytes: float, flops_each: float, bytes_each
     return math.inf if room <= 0 else ridge * fixed_bytes / room
 
 
-def decode_ridge_batch(
-    model,
-    gpu=None,
-    prompt_tokens: int = SOURCE_PROMPT,
-    output_tokens: int = SOURCE_OUTPUT,
-    conventions: Conventions | None = None,
-) -> float:
-    """Batch at which decode reaches the ridge point; ``math.inf`` if never.
+# --- one setting, checked once ----------------------------------------------------------------
 
-    Per kernel (the default), the weight matmuls: intensity ``2*N*B / (W + B*k)`` reaches the
-    ridge ``R`` at ``B = R*W / (2*N - R*k)``, near ``R`` for bf16 weights, whatever the context.
-    (Decode attention's intensity does not grow with the batch at all.) Merged, the whole step:
-    every sequence adds its cache of ``c`` tokens to the bytes, so ``B = R*W / (f - R*b)`` with
-    ``f`` the FLOPs and ``b`` the bytes each sequence adds, and never when ``f <= R*b``.
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of the phase model, checked once: the model, the device, the lengths, the batch and
+    the conventions. Every figure of the model is computed here, once; the module's functions take the
+    same six arguments (as the labs and the book call them), build one ``Setting`` and read from it.
+
+    ``model`` is a :class:`~labsupport.models.ModelConfig` or a name, ``gpu`` a
+    :class:`~labsupport.hardware.GPU`, a name, or ``None`` for :func:`serving_gpu`, ``conventions``
+    a :class:`Conventions` or ``None`` for :data:`DEFAULT`; after construction each field holds the
+    checked value (a ``ModelConfig``, a ``GPU``, ints, a ``Conventions``).
     """
-    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
-    step = decode_step(cfg, gpu, prompt_tokens, output_tokens, 1, conv)
-    weights = model_params(cfg, conv.params) * conv.weight_dtype_bytes
-    if conv.roofline == "per-kernel":
-        m = step.matmuls
-        return _ridge_count(gpu.ridge_point, weights, m.flops, m.bytes - weights)
-    return _ridge_count(gpu.ridge_point, weights, step.flops, step.bytes - weights)
 
+    model: ModelConfig | str = SOURCE_MODEL
+    gpu: GPU | str | None = None
+    prompt_tokens: int = SOURCE_PROMPT
+    output_tokens: int = SOURCE_OUTPUT
+    batch: int = SOURCE_BATCH
+    conventions: Conventions | None = None
 
-def prefill_ridge_tokens(model, gpu=None, conventions: Conventions | None = None) -> float:
-    """Tokens per prefill pass at which prefill's weight matmuls reach the ridge point.
+    def __post_init__(self) -> None:
+        checked = {
+            "model": as_model(self.model),
+            "gpu": _gpu(self.gpu),
+            "conventions": _conventions(self.conventions),
+            "prompt_tokens": positive_int("prompt_tokens", self.prompt_tokens),
+            "output_tokens": positive_int("output_tokens", self.output_tokens),
+            "batch": positive_int("batch", self.batch),
+        }
+        for name, value in checked.items():  # frozen: set once, here
+            object.__setattr__(self, name, value)
 
-    Their intensity is ``2*N*T / (W + T*k)`` for ``T`` tokens in the pass (all prompts of the
-    batch together): below ``T = R*W / (2*N - R*k)`` they are bandwidth-bound, and a batch of
-    such prompts prefilled together runs faster per token. Attention is left aside.
-    """
-    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
-    n = model_params(cfg, conv.params)
-    return _ridge_count(
-        gpu.ridge_point, n * conv.weight_dtype_bytes, 2 * n, costs.kv_bytes_per_token(cfg, conv.kv_dtype_bytes)
-    )
+    # --- the model's sizes under the conventions
+
+    @cached_property
+    def params(self) -> float:
+        """Parameters, per ``conventions.params``."""
+        return model_params(self.model, self.conventions.params)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.conventions.weight_dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return costs.kv_bytes_per_token(self.model, self.conventions.kv_dtype_bytes)
+
+    @property
+    def kv_cache_bytes(self) -> float:
+        """KV cache the batch holds at its largest, after the last token: ``B * (P + O)`` tokens."""
+        return float(self.batch * (self.prompt_tokens + self.output_tokens) * self.kv_bytes_per_token)
+
+    @property
+    def decode_context(self) -> float:
+        return _context(self.prompt_tokens, self.output_tokens, self.conventions)
+
+    def _query_and_output_bytes(self, tokens: int) -> float:
+        """Attention reads each token's queries and writes its output, ``d`` values each per layer (in
+        the weights' dtype). Under grouped-query attention these are ``g`` times the token's keys and
+        values, so a prompt's attention is far less intense than its cached K and V alone suggest."""
+        return 2.0 * self.model.n_layers * tokens * self.model.d_model * self.conventions.weight_dtype_bytes
+
+    def _phase(self, name: str, kernels) -> Phase:
+        gpu = self.gpu
+        return Phase(
+            name=name,
+            kernels=tuple(
+                Kernel(kname, float(flops), float(nbytes), gpu.peak_flops, gpu.hbm_bandwidth)
+                for kname, flops, nbytes in kernels
+            ),
+            roofline=self.conventions.roofline,
+            peak_flops=gpu.peak_flops,
+            hbm_bandwidth=gpu.hbm_bandwidth,
+        )
+
+    # --- the two phases
+
+    @cached_property
+    def prefill(self) -> Phase:
+        """See :func:`prefill`."""
+        cfg, conv, n = self.model, self.conventions, self.params
+        p, b = self.prompt_tokens, self.batch
+        tokens = b * p
+        cache = tokens * self.kv_bytes_per_token
+        attention = 0.0
+        if conv.attention != "none":
+            attention = b * costs.prefill_attention_flops(cfg, p, causal=conv.attention == "causal")
+        return self._phase("prefill", (
+            ("weight matmuls", 2 * n * tokens, n * conv.weight_dtype_bytes + cache),
+            ("attention", attention, cache + self._query_and_output_bytes(tokens)),
+        ))
+
+    @cached_property
+    def decode(self) -> Phase:
+        """One decode step; see :func:`decode_step`."""
+        cfg, conv, n, b = self.model, self.conventions, self.params, self.batch
+        context = self.decode_context
+        per_token = self.kv_bytes_per_token
+        attention = 0.0
+        if conv.attention != "none":
+            attention = b * 4 * cfg.n_layers * context * cfg.d_model
+        return self._phase("decode", (
+            ("weight matmuls", 2 * n * b, n * conv.weight_dtype_bytes + b * per_token),
+            ("attention", attention, b * context * per_token + self._query_and_output_bytes(b)),
+        ))
+
+    # --- what a user sees
+
+    @property
+    def ttft(self) -> float:
+        return self.prefill.time
+
+    @property
+    def itl(self) -> float:
+        return self.decode.time
+
+    @property
+    def decode_steps(self) -> int:
+        return self.output_tokens if self.conventions.decode_steps == "output" else self.output_tokens - 1
+
+    @property
+    def request_latency(self) -> float:
+        return self.ttft + self.decode_steps * self.itl
+
+    @property
+    def throughput(self) -> float:
+        if self.conventions.throughput == "decode":
+            return self.batch / self.itl
+        return self.batch * self.output_tokens / self.request_latency
+
+    # --- where the roofline's ridge is reached
+
+    def decode_ridge_batch(self) -> float:
+        """See :func:`decode_ridge_batch` (the setting's batch plays no part)."""
+        step = replace(self, batch=1).decode
+        weights = self.weight_bytes
+        if self.conventions.roofline == "per-kernel":
+            m = step.matmuls
+            return _ridge_count(self.gpu.ridge_point, weights, m.flops, m.bytes - weights)
+        return _ridge_count(self.gpu.ridge_point, weights, step.flops, step.bytes - weights)
+
+    def prefill_ridge_tokens(self) -> float:
+        """See :func:`prefill_ridge_tokens` (the lengths and the batch play no part)."""
+        return _ridge_count(self.gpu.ridge_point, self.weight_bytes, 2 * self.params, self.kv_bytes_per_token)
+
+    def report(self) -> PhaseReport:
+        """Everything the explainer shows for this setting (see :func:`phases`)."""
+        return PhaseReport(
+            model=self.model.name,
+            gpu=self.gpu.name,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            batch=self.batch,
+            conventions=self.conventions,
+            prefill=self.prefill,
+            decode=self.decode,
+            ridge_point=self.gpu.ridge_point,
+            peak_flops=self.gpu.peak_flops,
+            hbm_bandwidth=self.gpu.hbm_bandwidth,
+            ttft=self.ttft,
+            itl=self.itl,
+            request_latency=self.request_latency,
+            throughput=self.throughput,
+            weight_bytes=self.weight_bytes,
+            kv_cache_bytes=self.kv_cache_bytes,
+            memory_bytes=self.gpu.memory_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -550,6 +528,133 @@ class PhaseReport:
         return self.ttft / self.itl
 
 
+# --- the functions the labs and the book call: each one setting, read once ---------------------
+
+
+def weight_bytes(model, conventions: Conventions | None = None) -> float:
+    """Bytes of weights: parameters (per ``conventions.params``) times ``weight_dtype_bytes``."""
+    conv = _conventions(conventions)
+    return model_params(model, conv.params) * conv.weight_dtype_bytes
+
+
+def prefill(
+    model,
+    gpu=None,
+    prompt_tokens: int = SOURCE_PROMPT,
+    batch: int = SOURCE_BATCH,
+    conventions: Conventions | None = None,
+) -> Phase:
+    """The prefill of ``batch`` prompts in one pass: the weight matmuls, then attention.
+
+    Matmuls: ``2*N*B*P`` FLOPs, the weights read once and the prompts' cache written. Attention:
+    the prompts' attention FLOPs (per ``conventions.attention``), their cache read once.
+    """
+    return Setting(model, gpu, prompt_tokens, batch=batch, conventions=conventions).prefill
+
+
+def decode_step(
+    model,
+    gpu=None,
+    prompt_tokens: int = SOURCE_PROMPT,
+    output_tokens: int = SOURCE_OUTPUT,
+    batch: int = SOURCE_BATCH,
+    conventions: Conventions | None = None,
+) -> Phase:
+    """One decode step for the batch, at :func:`decode_context` tokens of context per sequence.
+
+    Matmuls: ``2*N*B`` FLOPs, the weights read once and ``B`` new tokens' cache written.
+    Attention: ``4*L*context*d`` FLOPs per sequence (unless ``conventions.attention`` is
+    ``"none"``), ``B`` caches of that context read.
+    """
+    return Setting(model, gpu, prompt_tokens, output_tokens, batch, conventions).decode
+
+
+def time_to_first_token(
+    model,
+    gpu=None,
+    prompt_tokens: int = SOURCE_PROMPT,
+    batch: int = SOURCE_BATCH,
+    conventions: Conventions | None = None,
+) -> float:
+    """Seconds to the first token: the roofline time of the batch's prefill (no queueing)."""
+    return Setting(model, gpu, prompt_tokens, batch=batch, conventions=conventions).ttft
+
+
+def inter_token_latency(
+    model,
+    gpu=None,
+    prompt_tokens: int = SOURCE_PROMPT,
+    output_tokens: int = SOURCE_OUTPUT,
+    batch: int = SOURCE_BATCH,
+    conventions: Conventions | None = None,
+) -> float:
+    """Seconds between consecutive tokens: the roofline time of one decode step."""
+    return Setting(model, gpu, prompt_tokens, output_tokens, batch, conventions).itl
+
+
+def request_latency(
+    model,
+    gpu=None,
+    prompt_tokens: int = SOURCE_PROMPT,
+    output_tokens: int = SOURCE_OUTPUT,
+    batch: int = SOURCE_BATCH,
+    conventions: Conventions | None = None,
+) -> float:
+    """Seconds from request to last token: ``TTFT + steps * ITL`` (see :func:`decode_steps`)."""
+    return Setting(model, gpu, prompt_tokens, output_tokens, batch, conventions).request_latency
+
+
+def throughput(
+    model,
+    gpu=None,
+    prompt_tokens: int = SOURCE_PROMPT,
+    output_tokens: int = SOURCE_OUTPUT,
+    batch: int = SOURCE_BATCH,
+    conventions: Conventions | None = None,
+) -> float:
+    """Output tokens per second across the batch: ``batch / ITL`` by default (see module docstring)."""
+    return Setting(model, gpu, prompt_tokens, output_tokens, batch, conventions).throughput
+
+
+def kv_cache_bytes(
+    model,
+    prompt_tokens: int = SOURCE_PROMPT,
+    output_tokens: int = SOURCE_OUTPUT,
+    batch: int = SOURCE_BATCH,
+    conventions: Conventions | None = None,
+) -> float:
+    """KV cache the batch holds at its largest, after the last token: ``B * (P + O)`` tokens."""
+    return Setting(model, None, prompt_tokens, output_tokens, batch, conventions).kv_cache_bytes
+
+
+def decode_ridge_batch(
+    model,
+    gpu=None,
+    prompt_tokens: int = SOURCE_PROMPT,
+    output_tokens: int = SOURCE_OUTPUT,
+    conventions: Conventions | None = None,
+) -> float:
+    """Batch at which decode reaches the ridge point; ``math.inf`` if never.
+
+    Per kernel (the default), the weight matmuls: intensity ``2*N*B / (W + B*k)`` reaches the
+    ridge ``R`` at ``B = R*W / (2*N - R*k)``, near ``R`` for bf16 weights, whatever the context.
+    (Decode attention's intensity does not grow with the batch at all.) Merged, the whole step:
+    every sequence adds its cache of ``c`` tokens to the bytes, so ``B = R*W / (f - R*b)`` with
+    ``f`` the FLOPs and ``b`` the bytes each sequence adds, and never when ``f <= R*b``.
+    """
+    return Setting(model, gpu, prompt_tokens, output_tokens, conventions=conventions).decode_ridge_batch()
+
+
+def prefill_ridge_tokens(model, gpu=None, conventions: Conventions | None = None) -> float:
+    """Tokens per prefill pass at which prefill's weight matmuls reach the ridge point.
+
+    Their intensity is ``2*N*T / (W + T*k)`` for ``T`` tokens in the pass (all prompts of the
+    batch together): below ``T = R*W / (2*N - R*k)`` they are bandwidth-bound, and a batch of
+    such prompts prefilled together runs faster per token. Attention is left aside.
+    """
+    return Setting(model, gpu, conventions=conventions).prefill_ridge_tokens()
+
+
 def phases(
     model=SOURCE_MODEL,
     gpu=None,
@@ -562,30 +667,4 @@ def phases(
 
     ``gpu=None`` means :func:`serving_gpu` (four A100 40GB cards, datasheet figures).
     """
-    cfg, gpu, conv = as_model(model), _gpu(gpu), _conventions(conventions)
-    p, o, b = _lengths(prompt_tokens, output_tokens, batch)
-    pre = prefill(cfg, gpu, p, b, conv)
-    dec = decode_step(cfg, gpu, p, o, b, conv)
-    ttft, itl = pre.time, dec.time
-    latency = ttft + decode_steps(o, conv) * itl
-    rate = b / itl if conv.throughput == "decode" else b * o / latency
-    return PhaseReport(
-        model=cfg.name,
-        gpu=gpu.name,
-        prompt_tokens=p,
-        output_tokens=o,
-        batch=b,
-        conventions=conv,
-        prefill=pre,
-        decode=dec,
-        ridge_point=gpu.ridge_point,
-        peak_flops=gpu.peak_flops,
-        hbm_bandwidth=gpu.hbm_bandwidth,
-        ttft=ttft,
-        itl=itl,
-        request_latency=latency,
-        throughput=rate,
-        weight_bytes=weight_bytes(cfg, conv),
-        kv_cache_bytes=kv_cache_bytes(cfg, p, o, b, conv),
-        memory_bytes=gpu.memory_bytes,
-    )
+    return Setting(model, gpu, prompt_tokens, output_tokens, batch, conventions).report()

@@ -37,7 +37,7 @@ import torch
 from ._answers import answer
 from ._validate import positive_int
 from .sampling import sampling_probs
-from .transformer import INIT_STD, KVCache, Transformer, rope_cos_sin
+from .transformer import INIT_STD, KVCache, Transformer
 
 __all__ = ["expected_tokens_per_step", "expected_speedup", "acceptance_probability", "residual_distribution",
            "speculative_accept", "make_draft", "all_position_logits", "speculative_generate",
@@ -132,20 +132,12 @@ def all_position_logits(model: Transformer, tokens: torch.Tensor, cache: KVCache
     """Run ``tokens`` (B, S) at positions ``start ..`` with ``cache`` (as ``model.prefill`` does) but
     return the logits of every position, (B, S, V) fp32: what the target needs to verify ``k``
     proposals in one pass. Sets ``cache.length = start + S``."""
-    B, S = tokens.shape
+    S = tokens.shape[1]
     if start + S > cache.max_len:
         raise ValueError(f"cache overflow: {start} + {S} positions > max_len={cache.max_len}")
-    positions = torch.arange(start, start + S, device=model.device)
-    cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.dtype, model.cfg.rope_theta,
-                            model.cfg.rope_scaling)
-    fold_gqa = model._attention_name == "sdpa"
-    x = model.tok_embeddings(tokens.to(model.device))  # (B, S, d)
-    for i, layer in enumerate(model.layers):
-        x = layer(x, cos, sin, model._attn_fn, fold_gqa, cache, i, start)
-    x = model.norm(x)  # (B, S, d)
-    head = model.tok_embeddings.weight if model.output is None else model.output.weight  # (V, d)
+    hidden = model(tokens.to(model.device), model.contiguous_batch(cache, start, S))  # (B, S, d)
     cache.length = start + S
-    return (x @ head.T).float()  # (B, S, V)
+    return model.logits(hidden)  # (B, S, V)
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -65,6 +65,7 @@ import functools
 import heapq
 import json
 import operator
+import os
 import re
 import sys
 import unicodedata
@@ -482,6 +483,13 @@ class BPETokenizer:
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} is not valid JSON ({error}); write it with BPETokenizer.save") from None
         return cls.from_dict(data)
+
+
+def hf_single_thread() -> None:
+    """Make Hugging Face ``tokenizers`` run on one thread from now on (chapter 01 times its trainer
+    beside the course's one-threaded one). The library reads ``TOKENIZERS_PARALLELISM`` at every
+    parallel call, so setting it in this process takes effect at once."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def train_bpe(text: str, vocab_size: int, special_tokens: Iterable[str] = (END_OF_TEXT,)) -> BPETokenizer:

@@ -32,6 +32,16 @@ and values are already expanded to ``H`` heads. A callable may also return a tup
 item is ``out``, as the course's own kernels do (``labsupport.attention.flash_attention_reference``
 returns ``(out, lse)``), so they plug in directly. When ``causal`` is true and ``q`` is shorter
 than ``k`` the queries are the *last* positions (query ``i`` sits at position ``T - S + i``).
+
+**Where keys and values live** is not the model's business. Its forward pass,
+``model(tokens, kv)``, takes a *KV batch* (:class:`KVBatch`): an object that gives the positions of
+the tokens and, for each layer, stores that layer's new keys and values and returns the attention
+output. :class:`ContiguousBatch` is the one ``prefill``, ``decode_step`` and ``generate`` use (the
+preallocated :class:`KVCache`, or no cache at all); the serving engine (:mod:`labsupport.engine`,
+chapter 13) passes a paged batch instead, whose metadata (slot mapping, block tables, sequence
+lengths) it built once for the whole step, and every layer's own :class:`Attention` consumes it. One
+forward pass serves both, as in nano-vllm (its attention layer reads a per-step context) and
+tiny-llm (it hands a paged cache object to the model).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +160,61 @@ class KVCache:
         )
 
 
+class KVBatch(Protocol):
+    """The KV interface of the model's forward pass: what ``model(tokens, kv)`` needs from wherever
+    the keys and values live (the module docstring).
+
+    * ``positions``: (S,) int64 on the model's device, the position of each of a row's S tokens
+      (every row of the batch has the same positions; a flat batch of many sequences is one row);
+    * ``attend(layer, q, k, v) -> out``: store layer ``layer``'s new keys and values and return the
+      attention output. ``q`` is (B, H, S, D) and ``k``, ``v`` (B, Hkv, S, D), all after RoPE (and
+      q/k norms); ``out`` is (B, H, S, D) in ``q``'s dtype. Grouped-query attention is the
+      implementation's business: ``k`` and ``v`` come unexpanded.
+    """
+
+    positions: torch.Tensor
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class ContiguousBatch:
+    """The KV batch of a contiguous :class:`KVCache`: ``B`` rows of ``length`` tokens at positions
+    ``start .. start + length - 1``, or no cache at all (``cache=None``: the tokens attend only to
+    each other, as ``forward_no_cache`` runs them).
+
+    ``attention`` is an ``attn(q, k, v, causal)`` (the model's choice, ``"sdpa"``, ``"naive"`` or a
+    callable); ``fold_gqa`` lets a one-token step fold the query heads of a group into the query
+    axis so SDPA reads the cache once, unexpanded (only for SDPA, which needs no mask there).
+    """
+
+    def __init__(self, cache: KVCache | None, start: int, length: int, attention: AttentionFn, fold_gqa: bool,
+                 device):
+        self.cache, self.start = cache, start
+        self.attention, self.fold_gqa = attention, fold_gqa
+        self.positions = torch.arange(start, start + length, device=device)  # (S,)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, H, S, D = q.shape
+        G = H // k.shape[1]
+        if self.cache is not None:
+            k, v = self.cache.update(layer, self.start, k, v)  # (B, Hkv, T, D), T = start + S
+        if self.fold_gqa and S == 1 and G > 1:
+            # One new token: it may see every cached key, so no mask is needed and the G query
+            # heads of a group can sit in the "sequence" slot. The cache is read once, unexpanded.
+            out = F.scaled_dot_product_attention(q.view(B, k.shape[1], G, D), k, v)  # (B, Hkv, G, D)
+            return out.reshape(B, H, 1, D)
+        if G > 1:
+            k = k.repeat_interleave(G, dim=1)  # (B, H, T, D)
+            v = v.repeat_interleave(G, dim=1)  # (B, H, T, D)
+        out = self.attention(q, k, v, S > 1)  # (B, H, S, D)
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            out = out[0]  # the course's kernels return (out, lse)
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"attention function returned {got}; expected a tensor of shape {tuple(q.shape)}")
+        return out
+
+
 # --- the building blocks ------------------------------------------------------------------
 
 
@@ -209,41 +275,39 @@ class Attention(nn.Module):
         # Qwen3: an RMSNorm over each head's D elements of the queries and keys, before the rotation
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
+        self.wqkv = None  # fuse() stacks wq, wk, wv into one projection
 
-    def forward(
-        self, x, cos, sin, attn_fn: AttentionFn, fold_gqa: bool, cache: KVCache | None, layer: int, start: int
-    ):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
         B, S, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        G = H // Hkv
-        q = self.wq(x).view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
-        k = self.wk(x).view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
-        v = self.wv(x).view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        if self.wqkv is not None:  # fused: one matmul for q, k and v (fuse())
+            q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+        k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over D
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(layer, start, k, v)  # (B, Hkv, T, D), T = start + S
-
-        if fold_gqa and S == 1 and G > 1:
-            # One new token: it may see every cached key, so no mask is needed and the G query
-            # heads of a group can sit in the "sequence" slot. The cache is read once, unexpanded.
-            out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v)  # (B, Hkv, G, D)
-            out = out.reshape(B, H, 1, D)  # (B, H, S=1, D)
-        else:
-            if G > 1:
-                k = k.repeat_interleave(G, dim=1)  # (B, H, T, D)
-                v = v.repeat_interleave(G, dim=1)  # (B, H, T, D)
-            out = attn_fn(q, k, v, S > 1)  # (B, H, S, D)
-            if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-                out = out[0]  # the course's kernels return (out, lse)
-            if not isinstance(out, torch.Tensor) or out.shape != q.shape:
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(
-                    f"attention function returned {got}; expected a tensor of shape {tuple(q.shape)}"
-                )
-        out = out.transpose(1, 2).reshape(B, S, H * D)  # (B, S, d)
+        out = kv.attend(layer, q, k, v)  # (B, H, S, D): the KV batch stores k, v and attends
+        out = out.transpose(1, 2).reshape(B, S, H * D)  # (B, S, H*D)
         return self.wo(out)
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Replace ``wq``, ``wk``, ``wv`` by one ``wqkv`` holding their weights stacked: one matmul
+        reads the layer's input once instead of three times (engines fuse them; vLLM's
+        ``QKVParallelLinear``). The result is the same up to float rounding."""
+        if self.wqkv is not None:
+            return
+        wq, wk, wv = self.wq, self.wk, self.wv
+        fused = nn.Linear(wq.in_features, wq.out_features + wk.out_features + wv.out_features,
+                          bias=wq.bias is not None, device=wq.weight.device, dtype=wq.weight.dtype)
+        fused.weight.copy_(torch.cat([wq.weight, wk.weight, wv.weight]))
+        if wq.bias is not None:
+            fused.bias.copy_(torch.cat([wq.bias, wk.bias, wv.bias]))
+        self.wqkv, self.wq, self.wk, self.wv = fused, None, None, None
 
 
 class FeedForward(nn.Module):
@@ -254,9 +318,25 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False, **factory)  # gate
         self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False, **factory)  # up
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False, **factory)  # down
+        self.w13 = None  # fuse() stacks the gate and up projections into one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)  # (B, S, d_ff) each
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, S, d_ff) inside, (B, S, d) out
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Replace the gate ``w1`` and up ``w3`` projections by one ``w13`` (vLLM's
+        ``MergedColumnParallelLinear``): one matmul instead of two, the same result up to rounding."""
+        if self.w13 is not None:
+            return
+        w1, w3 = self.w1, self.w3
+        fused = nn.Linear(w1.in_features, 2 * w1.out_features, bias=False, device=w1.weight.device,
+                          dtype=w1.weight.dtype)
+        fused.weight.copy_(torch.cat([w1.weight, w3.weight]))
+        self.w13, self.w1, self.w3 = fused, None, None
 
 
 class Block(nn.Module):
@@ -269,8 +349,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **factory)
         self.feed_forward = FeedForward(cfg, **factory)
 
-    def forward(self, x, cos, sin, attn_fn, fold_gqa, cache, layer, start):
-        x = x + self.attention(self.attention_norm(x), cos, sin, attn_fn, fold_gqa, cache, layer, start)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -397,21 +477,42 @@ class Transformer(nn.Module):
                 )
         return tokens.to(self.device, torch.long)
 
-    def _run(self, tokens: torch.Tensor, cache: KVCache | None, start: int) -> torch.Tensor:
-        """Run positions ``start .. start+S-1``; return the last position's logits (B, V) in fp32."""
-        B, S = tokens.shape
-        positions = torch.arange(start, start + S, device=self.device)  # (S,)
+    def forward(self, tokens: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        """The forward pass: token ids (B, S) and a KV batch (:class:`KVBatch`) in, the final norm's
+        hidden states (B, S, d) out; :meth:`logits` turns the rows wanted into logits. Every entry
+        point (prefill, decode, the engine's batched steps, speculative verification) runs this."""
         if self._inv_freq.device != self.device:  # the model was moved; the next call (or capture) needs no copy
             self._inv_freq = self._inv_freq.to(self.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta,
+        cos, sin = rope_cos_sin(kv.positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta,
                                 self.cfg.rope_scaling, inv_freq=self._inv_freq)  # (S, D) each
-        fold_gqa = self._attention_name == "sdpa"
         x = self.tok_embeddings(tokens)  # (B, S, d)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self._attn_fn, fold_gqa, cache, i, start)  # (B, S, d)
-        x = self.norm(x[:, -1])  # (B, d): only the last position's logits are needed
+            x = layer(x, cos, sin, kv, i)  # (B, S, d)
+        return self.norm(x)  # (B, S, d)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head on hidden states (..., d): (..., V) logits in float32."""
         head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, d)
-        return (x @ head.T).float()  # (B, V)
+        return (hidden @ head.T).float()
+
+    def contiguous_batch(self, cache: KVCache | None, start: int, length: int) -> ContiguousBatch:
+        """The KV batch of positions ``start .. start + length - 1`` of ``cache`` (None: no cache),
+        attending with this model's attention choice."""
+        return ContiguousBatch(cache, start, length, self._attn_fn, self._attention_name == "sdpa", self.device)
+
+    def fuse_projections(self) -> Transformer:
+        """Fuse every layer's q/k/v projections and its gate/up projections into one matmul each
+        (:meth:`Attention.fuse`, :meth:`FeedForward.fuse`); returns the model. Do it after loading
+        weights: the fused model's parameter names differ."""
+        for layer in self.layers:
+            layer.attention.fuse()
+            layer.feed_forward.fuse()
+        return self
+
+    def _run(self, tokens: torch.Tensor, cache: KVCache | None, start: int) -> torch.Tensor:
+        """Run positions ``start .. start+S-1``; return the last position's logits (B, V) in fp32."""
+        hidden = self(tokens, self.contiguous_batch(cache, start, tokens.shape[1]))  # (B, S, d)
+        return self.logits(hidden[:, -1])  # (B, V): only the last position's logits are needed
 
     def _check_cache(self, cache, batch: int, start: int, new: int, what: str) -> None:
         if not isinstance(cache, KVCache):

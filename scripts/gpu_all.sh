@@ -4,24 +4,33 @@
 #
 #     bash scripts/gpu_all.sh [OUTDIR]        # OUTDIR defaults to $OUT, else gpu_results/
 #
-# Steps, most important first, each with its own time limit and all within one budget
-# (GPU_BUDGET_S, default 570 s: a step gets what is left if that is less than its own limit):
-#   1. phases      python -m labsupport.bench_phases          (chapter 05)      at most 200 s
-#   2. attention   python -m labsupport.bench_attention --json (chapter 07)     at most 150 s
-#   3. checks      the attention checks' GPU-only cases, every fallback config  at most 120 s
-#   4. configs     the attention kernel under eight launch configurations       at most  60 s
-#   5. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
-#   6. precision   python -m labsupport.bench_precision (chapter 09): the int8  at most  90 s
-#                  kernel's graded GPU cases, then kernel vs bf16 at batch 1-64
-#   7. cache ops   python -m labsupport.bench_cache_ops (chapter 10)            at most  60 s
-#   8. labs        labs 00, 04, 05, 06, 08, 09 run as scripts (30-90 s each)    at most 360 s
-#   9. lab 10      the lab 10 solution run as a script (full preset)            at most  60 s
-#  10. engines     python -m labsupport.bench_launch_overhead (chapter 12)     at most  60 s
+# Steps, most important first (what the book still lacks before what it has), each with its own
+# time limit and all within one budget (GPU_BUDGET_S, default 570 s: a step gets what is left if that
+# is less than its own limit):
+#   1. cache ops   python -m labsupport.bench_cache_ops (chapter 10): split-KV  at most  90 s
+#                  paged decode and lab 10's kernel against SDPA, the split
+#                  sweep, the harness's copy check
+#   2. precision   python -m labsupport.bench_precision (chapter 09): the int8  at most 120 s
+#                  kernel's graded GPU cases, the device's tiles, the tuned path
+#                  (matrix-vector, split-K) against bf16 at batch 1-64
+#   3. engine      python -m labsupport.bench_engine (chapters 12, 13): the     at most 240 s
+#                  engine against static batching and its steps' roofline,
+#                  decode steps with and without CUDA graphs
+#   4. engines     python -m labsupport.bench_launch_overhead (chapter 12)     at most  60 s
+#   5. phases      python -m labsupport.bench_phases          (chapter 05)      at most 200 s
+#   6. attention   python -m labsupport.bench_attention --json (chapter 07)     at most 150 s
+#   7. checks      the attention checks' GPU-only cases, every fallback config  at most 120 s
+#   8. configs     the attention kernel under eight launch configurations       at most  60 s
+#   9. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
+#  10. labs        labs 00, 04, 05, 06, 08, 09 run as scripts (30-90 s each)    at most 360 s
+#  11. lab 10      the lab 10 solution run as a script (full preset)            at most  60 s
+# Steps 1-3 (`--only decode`) are the measurements chapters 09, 10, 12 and 13 show as "not yet
+# measured" (about 450 s together); the later steps re-take figures the book already has.
 #
 # OUTDIR receives two files, rewritten after every step so a run cut short keeps what it had:
-#   gpu_results.tar.gz   results/gpu_phases.json, results/gpu_attention.json,
-#                        results/gpu_precision.json, results/gpu_cache_ops.json and
-#                        results/gpu_launch_overhead.json (what the book reads) and results/gpu_logs/ (environment, each step's log and tables);
+#   gpu_results.tar.gz   results/gpu_*.json (what the book reads: phases, attention, precision,
+#                        cache_ops, engine, launch_overhead) and results/gpu_logs/ (environment,
+#                        each step's log and tables);
 #                        a dry run's archive holds dry_run_results/ instead, so it never
 #                        replaces measured results.
 #                        Install it with `tar -xzf gpu_results.tar.gz` from the repository root,
@@ -29,7 +38,9 @@
 #   gpu_summary.txt      one line per step (exit status, seconds) and the benchmark verdicts.
 # (A device lent for a short time returns at most a few files: hence one archive.)
 #
-#     bash scripts/gpu_all.sh --only phases|attention|precision|cache_ops|engines [OUTDIR]   # one chapter's steps
+#     bash scripts/gpu_all.sh --only decode|phases|attention|precision|cache_ops|engines [OUTDIR]
+#                                                                # one group of steps (or several:
+#                                                                # --only decode,engines)
 #     GPU_DRY_RUN=1 bash scripts/gpu_all.sh /tmp/x               # the same steps on a CPU through
 #                                                                # the Triton interpreter at tiny
 #                                                                # shapes: checks the script, measures
@@ -43,13 +54,22 @@ ONLY=all
 ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        --only) ONLY=${2:?--only needs phases, attention, precision, cache_ops or engines}; shift 2;;
+        --only) ONLY=${2:?--only needs decode, phases, attention, precision, cache_ops or engines}; shift 2;;
         --only=*) ONLY=${1#--only=}; shift;;
-        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only phases|attention|precision|cache_ops|engines] [OUTDIR])" >&2; exit 2;;
+        -*) echo "gpu_all.sh: unknown option $1 (usage: gpu_all.sh [--only decode|phases|attention|precision|cache_ops|engines] [OUTDIR])" >&2; exit 2;;
         *) ARGS+=("$1"); shift;;
     esac
 done
-case "$ONLY" in all|phases|attention|precision|cache_ops|engines) ;; *) echo "gpu_all.sh: --only takes phases, attention, precision, cache_ops or engines, not $ONLY" >&2; exit 2;; esac
+for group in ${ONLY//,/ }; do  # one group, or several separated by commas
+    case "$group" in all|decode|phases|attention|precision|cache_ops|engines) ;; *) echo "gpu_all.sh: --only takes decode, phases, attention, precision, cache_ops or engines (or several, with commas), not $group" >&2; exit 2;; esac
+done
+in_group() {  # in_group GROUP...: whether the run includes one of these groups
+    local g want
+    for g in "$@"; do
+        for want in ${ONLY//,/ }; do [ "$want" = all ] || [ "$want" = "$g" ] && return 0; done
+    done
+    return 1
+}
 if [ ${#ARGS[@]} -gt 1 ]; then echo "gpu_all.sh: one OUTDIR at most, got ${ARGS[*]}" >&2; exit 2; fi
 OUT_DIR="${ARGS[0]:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
@@ -119,10 +139,26 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run within its limit and the budge
     pack
 }
 
-if [ "$ONLY" = all ] || [ "$ONLY" = phases ]; then
+if in_group decode cache_ops; then  # what chapter 10 reads
+    step "cache ops benchmark" 90 "$LOGS/cache_ops.log" \
+        "$PY" -m labsupport.bench_cache_ops ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_cache_ops.json"
+fi
+if in_group decode precision; then
+    step "precision benchmark" 120 "$LOGS/precision_bench.log" \
+        "$PY" -m labsupport.bench_precision ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_precision.json"
+fi
+if in_group decode engines; then  # chapters 12 and 13: the engine, its steps' roofline, CUDA graphs
+    step "engine benchmark" 240 "$LOGS/engine.log" \
+        "$PY" -m labsupport.bench_engine ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_engine.json"
+fi
+if in_group engines; then  # chapter 12: a decode step eager and from a CUDA graph
+    step "launch overhead benchmark" 60 "$LOGS/launch_overhead.log" \
+        "$PY" -m labsupport.bench_launch_overhead ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_launch_overhead.json"
+fi
+if in_group phases; then
     step "phases" 200 "$LOGS/phases.log" "$PY" -m labsupport.bench_phases ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_phases.json"
 fi
-if [ "$ONLY" = all ] || [ "$ONLY" = attention ]; then
+if in_group attention; then
     step "attention benchmark" 150 "$LOGS/attention_bench.log" \
         "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --out "$LOGS/attention_bench.md" \
         --json "$RES/gpu_attention.json"
@@ -131,14 +167,6 @@ if [ "$ONLY" = all ] || [ "$ONLY" = attention ]; then
     step "launch configurations" 60 "$LOGS/attention_configs.log" \
         "$PY" -m labsupport.bench_attention ${DRY[@]+"${DRY[@]}"} --configs 4096 --out "$LOGS/attention_configs.md"
     step "lab 07 solution as a script" 80 "$LOGS/lab07.txt" "$PY" solutions/07_attention.py
-fi
-if [ "$ONLY" = all ] || [ "$ONLY" = precision ]; then
-    step "precision benchmark" 90 "$LOGS/precision_bench.log" \
-        "$PY" -m labsupport.bench_precision ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_precision.json"
-fi
-if [ "$ONLY" = all ] || [ "$ONLY" = cache_ops ]; then  # what chapter 10 reads, before the labs
-    step "cache ops benchmark" 60 "$LOGS/cache_ops.log" \
-        "$PY" -m labsupport.bench_cache_ops ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_cache_ops.json"
 fi
 if [ "$ONLY" = all ]; then  # the other labs' GPU paths, if time is left: a learner on a GPU runs them
     # Caps from the H200 run of 2026-11-30 (lab 00 9 s, 04 10 s, 05 54 s) with room to spare.
@@ -151,12 +179,8 @@ if [ "$ONLY" = all ]; then  # the other labs' GPU paths, if time is left: a lear
              rc=${PIPESTATUS[0]}; echo "=== $lab: exit $rc after $(( $(date +%s) - s )) s"; [ "$rc" -eq 0 ] || bad=1
          done; exit ${bad:-0}' "$PY"
 fi
-if [ "$ONLY" = all ] || [ "$ONLY" = cache_ops ]; then
+if in_group cache_ops; then
     step "lab 10 solution as a script" 60 "$LOGS/lab10.txt" "$PY" solutions/10_cache_ops.py
-fi
-if [ "$ONLY" = all ] || [ "$ONLY" = engines ]; then  # chapter 12: a decode step eager and from a CUDA graph
-    step "launch overhead benchmark" 60 "$LOGS/launch_overhead.log" \
-        "$PY" -m labsupport.bench_launch_overhead ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_launch_overhead.json"
 fi
 pack
 echo "== done (status $status) after $(( $(date +%s) - START )) s: $OUT_DIR/gpu_results.tar.gz, $SUMMARY" | tee -a "$SUMMARY"

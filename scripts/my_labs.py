@@ -1,20 +1,28 @@
 """Give a learner a working copy of the labs that no course command touches: ``make lab``.
 
-    python scripts/my_labs.py [labs] [my-labs]
+    python scripts/my_labs.py [labs] [my-labs] [--open JUPYTER]
 
 Copies each ``labs/*.ipynb`` into ``my-labs/`` (git-ignored) the first time only. A notebook
 already in ``my-labs/`` is never overwritten, so your work survives ``git pull`` and ``make
 release``; when the course has changed a lab since you copied it, this says so and points at
 the new version in ``labs/`` (copy what you need from there by hand, or rename your copy and run
 ``make lab`` again for a fresh one).
+
+``--open JUPYTER`` then starts JupyterLab there (``make lab`` does) with the course's settings,
+``scripts/jupyterlab/overrides.json`` (no news pop-up covering the first outputs; your own
+settings still apply on top), and with ``--allow-root`` when run as root (containers, Colab-like
+hosts), where Jupyter otherwise refuses to start.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+
+SETTINGS = Path(__file__).resolve().parent / "jupyterlab"  # the course's JupyterLab defaults (overrides.json)
 
 
 def _digest(path: Path) -> str | None:
@@ -48,10 +56,28 @@ def sync(labs: Path, mine: Path, log=print) -> tuple[list[Path], list[Path]]:
     return copied, kept
 
 
+def lab_command(jupyter: str, folder: Path, *extra: str) -> list[str]:
+    """The command that opens JupyterLab on ``folder`` with the course's settings."""
+    command = [jupyter, "lab", f"--LabApp.app_settings_dir={SETTINGS}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        command.append("--allow-root")  # as root Jupyter refuses to start without it
+    return [*command, *extra, str(folder)]
+
+
 def main(argv: list[str]) -> int:
+    jupyter = None
+    if "--open" in argv:
+        at = argv.index("--open")
+        if at + 1 >= len(argv):
+            raise SystemExit("my_labs: --open needs the jupyter command to run (such as .venv/bin/jupyter)")
+        jupyter = argv[at + 1]
+        argv = argv[:at] + argv[at + 2:]
     labs = Path(argv[0]) if argv else Path("labs")
     mine = Path(argv[1]) if len(argv) > 1 else Path("my-labs")
     sync(labs, mine)
+    if jupyter:
+        command = lab_command(jupyter, mine)
+        os.execvp(command[0], command)  # JupyterLab takes over this process (and its Ctrl+C)
     return 0
 
 

@@ -14,11 +14,11 @@
 # Run the cells from top to bottom. Cells that say **Exercise** are yours to complete; the cell
 # after each one checks your work and tells you precisely what is wrong if something is.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom of the notebook, so scroll back up to
-# the first cell with a red error. This lab takes its measurements (section 1) before the
-# exercise, so a first Run All already gives you your device's numbers.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. This lab takes its
+# measurements (section 1) before the exercise, so a first Run All already gives you your device's
+# numbers.
 #
 # *Where to run it:* in the book, the rocket button at the top of the page opens this notebook in
 # Colab (pick a GPU runtime). On your own Linux machine, run `make lab` in the course repository:

@@ -19,11 +19,11 @@
 #
 # Everything runs on a CPU in seconds; no GPU is needed.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. Section 1 times the course's tokenizer before the first exercise, so a first
-# Run All already measures something on your machine.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. Section 1 times the
+# course's tokenizer before the first exercise, so a first Run All already measures something on
+# your machine.
 
 # %% [setup]
 import labsupport
@@ -310,8 +310,10 @@ fig.tight_layout()
 
 # %%
 # Hugging Face's trainer runs on every core by default (through Rayon); ours runs on one. The
-# library reads this variable at each call, so from here on both sides use one thread.
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# library reads TOKENIZERS_PARALLELISM at each call; this sets it, so from here on both sides use one thread.
+from labsupport.tokenizer import hf_single_thread
+
+hf_single_thread()
 try:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 except ModuleNotFoundError:

@@ -24,12 +24,12 @@
 # `uvicorn` and `openai`: `make lab` installs them, and on Colab the cell after the setup installs
 # whichever are missing (never torch or triton, which it holds at the versions already there).
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. This lab times its first request (section 1) before the first exercise, so a
-# first Run All already draws a waterfall. The server keeps running while you work; the last cell
-# stops it, and so does restarting or shutting down the kernel.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. This lab times its
+# first request (section 1) before the first exercise, so a first Run All already draws a
+# waterfall. The server keeps running while you work; the last cell stops it, and so does
+# restarting or shutting down the kernel.
 
 # %% [setup]
 import labsupport
@@ -39,7 +39,7 @@ settings = labsupport.setup()
 # %%
 from labsupport.serve import install_missing
 
-install_missing()  # fastapi, uvicorn and openai, only where missing (a fresh Colab runtime)
+installed = install_missing()  # fastapi, uvicorn and openai, only where missing (a fresh Colab runtime)
 
 # %%
 import threading

@@ -16,11 +16,11 @@
 # Run the cells from top to bottom. On a CPU everything runs in seconds with small sizes; the
 # numbers then describe your CPU, not a GPU, but the shape of the argument is the same.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written the exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. Every measurement in this lab comes before the exercise, so a first Run All
-# already measures your device; only the last section waits for your function.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written the exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. Every measurement in
+# this lab comes before the exercise, so a first Run All already measures your device; only the
+# last section waits for your function.
 
 # %% [setup]
 import labsupport

@@ -22,12 +22,11 @@
 #    and turn the decode times into achieved bandwidth;
 # 6. place what you measured on your device's roofline, and try the phase explainer.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. This lab takes all its measurements (sections 1 to 3) before the first
-# exercise, so a first Run All already times both phases on your device; the analysis that needs
-# your functions follows each exercise.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. This lab takes all
+# its measurements (sections 1 to 3) before the first exercise, so a first Run All already times
+# both phases on your device; the analysis that needs your functions follows each exercise.
 #
 # The model is `labsupport.transformer.Transformer`: a Llama-style decoder in one file with random
 # weights. How long a pass takes does not depend on the weights' values, so a random model times

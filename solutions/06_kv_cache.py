@@ -17,11 +17,11 @@
 # On a CPU the measurements use a tiny model (random weights: timing does not depend on their
 # values); on a GPU, the shape of Llama 3.1 8B when it fits.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. This lab takes its measurements (sections 1 and 2) before the first exercise,
-# so a first Run All already times decode on your device.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. This lab takes its
+# measurements (sections 1 and 2) before the first exercise, so a first Run All already times
+# decode on your device.
 
 # %% [setup]
 import labsupport

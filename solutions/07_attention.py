@@ -17,12 +17,12 @@
 # Chapter 07 of the book explains the ideas in more depth. Run the cells from top to bottom; cells
 # marked **Exercise** are yours, and the check after each one says precisely what is wrong.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. The memory-wall measurement (section 2) needs none of your code and comes
-# before the first exercise. The later measurements time *your* kernels, so they wait for them:
-# each exercise's check must pass before the sections after it run.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. The memory-wall
+# measurement (section 2) needs none of your code and comes before the first exercise. The later
+# measurements time *your* kernels, so they wait for them: each exercise's check must pass before
+# the sections after it run.
 
 # %% [setup]
 import labsupport

@@ -23,11 +23,11 @@
 # Chapter 09 of the book explains the ideas in more depth. Cells marked **Exercise** are yours,
 # and the check after each one says precisely what is wrong.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; JupyterLab may still scroll to the bottom, so scroll back up to the first cell
-# with a red error. The formats and the bandwidth measurement (sections 1 and 2) need none of
-# your code and come before the first exercise, so a first Run All already measures your device.
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. The formats and the
+# bandwidth measurement (sections 1 and 2) need none of your code and come before the first
+# exercise, so a first Run All already measures your device.
 
 # %% [setup]
 import labsupport

@@ -18,12 +18,12 @@
 # Chapter 10 of the book explains the ideas. Cells marked **Exercise** are yours; the check after
 # each one says precisely what is wrong.
 #
-# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one
-# that raises an error. Until you have written an exercise, its check cell raises, and nothing
-# below it runs; scroll back up to the first red error. Sections 1 and 2 need none of your code
-# and come before the first exercise, so a first Run All already simulates the day and measures
-# prefix caching on your device (section 2 uses the course's allocator, which you then write
-# yourself in section 3).
+# **Run All** (*Run > Run All Cells*) runs every cell from the top and stops at the first one that
+# raises an error. Until you have written an exercise, its check cell raises with a short message
+# saying so, nothing below it runs, and JupyterLab scrolls back to that cell. Sections 1 and 2 need
+# none of your code and come before the first exercise, so a first Run All already simulates the
+# day and measures prefix caching on your device (section 2 uses the course's allocator, which you
+# then write yourself in section 3).
 
 # %% [setup]
 import labsupport

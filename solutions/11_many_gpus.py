@@ -35,7 +35,8 @@
 # costs a few seconds of start-up (every process imports torch).
 #
 # **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
-# cell raises, and nothing below it runs. Scroll back up to the first red error.
+# cell raises with a short message saying so, nothing below it runs, and JupyterLab scrolls back to
+# that cell.
 
 # %% [setup]
 import labsupport

@@ -22,12 +22,18 @@
 # CPU, also on a machine with a GPU, and every timing here is a CPU timing, labelled so.
 #
 # **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
-# cell raises, and nothing below it runs. Scroll back up to the first red error.
+# cell raises with a short message saying so, nothing below it runs, and JupyterLab scrolls back to
+# that cell.
 
 # %% [setup]
 import labsupport
 
 settings = labsupport.setup()
+
+# %%
+from labsupport.serve import install_missing
+
+installed = install_missing()  # the course server's packages, only where missing (a fresh Colab runtime)
 
 # %%
 import os

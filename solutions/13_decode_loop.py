@@ -23,7 +23,8 @@
 # the engine's own overheads and a CPU's arithmetic, not a GPU's.
 #
 # **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
-# cell raises, and nothing below it runs. Scroll back up to the first red error.
+# cell raises with a short message saying so, nothing below it runs, and JupyterLab scrolls back to
+# that cell.
 
 # %% [setup]
 import labsupport
@@ -74,7 +75,10 @@ print(f"timings below are taken on: {WHERE}")
 
 # %% tags=["nbval-check-output"]
 prompts = [list(range(3, 3 + n)) for n in (5, 40, 9, 23, 3)]
-engine = Engine(model, num_blocks=64, block_size=8, token_budget=16, max_running=4, clock="steps")
+# the prompts all start 3, 4, 5, ...: chapter 10's prefix cache would skip their shared first
+# blocks, so it is off here and the table shows every prompt token computed
+engine = Engine(model, num_blocks=64, block_size=8, token_budget=16, max_running=4, clock="steps",
+                prefix_caching=False)
 ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=6)) for p in prompts]
 for _ in engine.stream():
     pass
@@ -89,8 +93,8 @@ print("TTFT in steps per request:", [engine.requests[i].metrics()["ttft"] for i 
 # How long does one step take when it decodes one token for each of `B` sequences? The engine
 # first prefills `B` prompts, then every step is a pure decode step; `benchmark` times those.
 # If a step cost the same whatever the batch, a token's cost would fall as $1/B$; how far it falls
-# here shows how much of a step is fixed cost (the loop, Python, one attention call per sequence
-# and layer) and how much grows with the batch.
+# here shows how much of a step is fixed cost (the loop, Python, a few hundred small operations per
+# forward pass) and how much grows with the batch.
 
 # %%
 decode_ms = {}
@@ -386,8 +390,9 @@ fig.tight_layout()
 # %% [markdown]
 # The right-hand plot shows where the time goes at small batch: a step with a handful of tokens
 # costs nearly as much as one with dozens. On a CPU with a 2M-parameter model that floor is
-# Python and per-operation overhead (the engine's loop, one attention call per sequence and
-# layer); on a GPU it is kernel launches and the weights' read. Either way, below some batch
+# Python and per-operation overhead (the engine's loop and the step's metadata, and the
+# operations of one forward pass, each of which costs microseconds however few its tokens); on a
+# GPU it is kernel launches and the weights' read. Either way, below some batch
 # size the hardware waits on the host, which is why engines capture CUDA graphs for decode and
 # overlap scheduling with the forward pass (chapter 12).
 #

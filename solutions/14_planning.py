@@ -23,7 +23,8 @@
 # timings of a tiny model, and the lab says so where it prints them.
 #
 # **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
-# cell raises, and nothing below it runs. Scroll back up to the first red error.
+# cell raises with a short message saying so, nothing below it runs, and JupyterLab scrolls back to
+# that cell.
 
 # %% [setup]
 import labsupport

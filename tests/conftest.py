@@ -60,7 +60,7 @@ def _missing(reason: str):
 
 
 @pytest.fixture(scope="session")
-def book_url():
+def _served_book():
     """The built book (``make book``) served on 127.0.0.1 as ``make serve`` does; yields the base URL."""
     if not (BUILT_BOOK / "index.html").exists():
         _missing(f"the book is not built ({BUILT_BOOK} missing): run `make book` first")
@@ -69,6 +69,16 @@ def book_url():
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+
+
+@pytest.fixture
+def book_url(request, _served_book):
+    """The base URL of the built book, served (see ``_served_book``). Only for tests marked ``book``:
+    ``make test`` builds the book while the other tests run, and runs those marked ``book`` after it."""
+    if request.node.get_closest_marker("book") is None:
+        pytest.fail(f"{request.node.nodeid} reads the built book but is not marked @pytest.mark.book, so "
+                    "`make test` may run it before the book is built: mark it")
+    return _served_book
 
 
 @pytest.fixture(scope="session")

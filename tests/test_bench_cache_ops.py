@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tarfile
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +17,11 @@ def test_dry_run_writes_results_the_book_never_shows(tmp_path):
     data = json.loads(out.read_text())
     assert data["dry_run"] is True and len(data["rows"]) == len(bench_cache_ops.SHAPES[1])
     for row in data["rows"]:
-        for key in ("paged", "paged_in_order", "sdpa"):
+        for key in bench_cache_ops.KERNELS:  # split-KV, lab 10's kernel, each on two layouts, and SDPA
             assert row[key]["max_abs_error"] < 1e-4, (row["name"], key)
             assert row[key]["median_s"] > 0 and row[key]["bytes_formula"] > 0
+    assert [r["num_splits"] for r in data["split_sweep"]] == list(bench_cache_ops.SPLIT_SWEEP[1])
+    assert data["date"].endswith(" UTC") and "clean_time" in data["timing"]
     assert bench_cache_ops.load_results(out) is None  # a dry run is never a measurement
     run = ledger.load(out)  # the class ledger reads the book's results files too
     assert run.lab == "10_cache_ops" and not run.timings_real and "dry run" in run.source
@@ -50,19 +47,6 @@ def test_load_results_reads_a_measured_file(tmp_path):
 def test_in_order_tables_are_consecutive():
     tables = bench_cache_ops.in_order_tables([5, 1, 9], 4, "cpu")
     assert tables.tolist() == [[0, 1, -1], [2, -1, -1], [3, 4, 5]]
-
-
-def test_gpu_all_runs_the_cache_ops_steps(tmp_path):
-    """scripts/gpu_cache_ops.sh (gpu_all.sh --only cache_ops), dry: the benchmark's results land in the archive."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "GPU_DRY_RUN": "1", "PYTHON": sys.executable}
-    subprocess.run(["bash", str(root / "scripts" / "gpu_cache_ops.sh"), str(tmp_path)],  # gpu_all.sh --only cache_ops
-                   env=env, capture_output=True, text=True, timeout=300)
-    summary = (tmp_path / "gpu_summary.txt").read_text()
-    assert "== cache ops benchmark: exit 0" in summary and "== lab 10 solution as a script" in summary, summary
-    with tarfile.open(tmp_path / "gpu_results.tar.gz") as tar:
-        results = json.loads(tar.extractfile("dry_run_results/gpu_cache_ops.json").read())
-    assert results["dry_run"] is True and results["rows"]
 
 
 def test_results_markdown_says_not_yet_measured_without_a_run():
@@ -97,6 +81,33 @@ def test_gpu_figures_of_a_run_and_without_one():
     assert (f["worst_name"], f["worst_programs"], f["worst_blocks"]) == ("16 x 4,096", "128", "256")
     assert (f["pad_name"], f["pad_ratio"], f["pad_speed"]) == ("mixed", "4.7x", "6.7x")
     assert f["programs"] == "128 to 512"
+
+
+def test_gpu_figures_of_a_clean_harness_run():
+    rows = [_cache_row("32 x 1,024", 32, 1024, 4.7e-4, 4.6e-4, 5.5e-5, 1.35e8, 1.35e8),
+            _cache_row("16 x 4,096", 16, 4096, 1.2e-3, 1.4e-3, 8.5e-5, 2.7e8, 2.7e8)]
+    for r, (split, in_order) in zip(rows, [(6e-5, 5.9e-5), (9e-5, 8.8e-5)]):
+        r["split_kv"] = {"median_s": split, "bytes_formula": r["paged"]["bytes_formula"],
+                         "achieved_Bps": r["paged"]["bytes_formula"] / split}
+        r["split_kv_in_order"] = {"median_s": in_order, "bytes_formula": r["paged"]["bytes_formula"],
+                                  "achieved_Bps": r["paged"]["bytes_formula"] / in_order}
+        r["split_kv_over_sdpa"] = split / r["sdpa"]["median_s"]
+        r["split_kv_over_in_order"] = split / in_order
+        r["paged_over_split_kv"] = r["paged"]["median_s"] / split
+    results = {"device": "NVIDIA H200", "date": "2026-12-10 09:00 UTC", "torch": "2", "triton": "3", "rows": rows,
+               "split_sweep": [{"num_splits": 1, "median_s": 3e-4}, {"num_splits": 8, "median_s": 9e-5}],
+               "harness_check": {"clean_Bps": 4.0e12, "big_copy_Bps": 4.3e12, "do_bench_Bps": 3.1e12,
+                                 "fraction_of_big": 4.0 / 4.3, "passed": True, "big_bytes": 4 * 2**30}}
+    f = bench_cache_ops.gpu_figures(results)
+    assert "2026-12-10" in f["status"] and "clean harness" in f["harness_note"]
+    assert (f["split_over_sdpa_16x4096"], f["best_splits"], f["best_splits_speedup"]) == ("1.06x", "8", "3.3x")
+    assert f["split_over_sdpa"] == "1.06x to 1.09x" and f["paged_over_split"] == "7.8x to 13.3x"
+    assert "93% of a 4 GiB copy" in f["harness"] and "passed" in f["harness"]
+    table = bench_cache_ops.results_markdown(results)
+    assert "split-KV (shuffled)" in table and "clean harness" in table
+    old = bench_cache_ops.gpu_figures({**results, "rows": [{k: v for k, v in r.items() if "split" not in k}
+                                                           for r in rows]})
+    assert "earlier harness" in old["harness_note"] and old["split_over_sdpa"] == bench_cache_ops.NOT_MEASURED
 
 
 LAB10_LOG = """device : cuda - NVIDIA H200 (139.8 GiB)

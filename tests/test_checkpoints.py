@@ -17,6 +17,9 @@ import transformers
 
 from labsupport import checkpoints
 from labsupport.checkpoints import load
+from labsupport.engine import Engine
+from labsupport.phases import cpu_threads
+from labsupport.sampling import SamplingParams
 from labsupport.tokenizer import course_passages
 
 CHATS = [
@@ -203,3 +206,19 @@ def test_the_course_server_serves_it_to_the_official_client(real):
         assert reply.usage.prompt_tokens == len(real.tokenizer.apply_chat_template(CHATS[0]))
     finally:
         server.stop()
+
+
+@torch.no_grad()
+def test_the_engine_gives_the_real_model_its_greedy_tokens(real):
+    """Chapter 13's engine runs the same forward pass on any checkpoint this module loads (here q/k/v
+    without biases, 9 query heads over 3 KV heads, tied embeddings, the model's own RMSNorm epsilon):
+    two chats prefilled in chunks beside each other's decodes get the tokens of greedy decoding."""
+    prompts = [real.tokenizer.apply_chat_template(c) for c in CHATS[:2]]
+    engine = Engine(real.model, num_blocks=64, block_size=16, token_budget=24, clock="steps")
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=4)) for p in prompts]
+    with cpu_threads(1):  # small steps: one thread is faster than two fighting on a loaded machine
+        list(engine.stream())
+        alone = [checkpoints.greedy(real.model, p, 4) for p in prompts]
+    for rid, want in zip(ids, alone):
+        assert engine.requests[rid].output_ids == want
+    assert any(s.prefill_tokens and s.decode_tokens for s in engine.steps)  # a chunk beside a decode

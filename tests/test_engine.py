@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from labsupport.engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
+from labsupport.engine.model_runner import graph_batch_sizes, padded_batch_size
+from labsupport.engine.sampler import BatchedSampler
 from labsupport.models import get_model
 from labsupport.phases import cpu_threads
-from labsupport.sampling import SamplingParams
+from labsupport.sampling import SamplingParams, request_generator, sample
 from labsupport.scheduler import static_batch_step
 from labsupport.transformer import Transformer
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 # the course's tiny shape with its own output head: with the head tied to the embeddings, a
 # random model's greedy text repeats its last token, which would make the comparison weak
@@ -50,14 +54,14 @@ def test_greedy_tokens_equal_generate_alone_under_chunking_and_preemption(model)
     trace = mixed_trace(CFG.vocab_size)
     # a budget of 8 tokens chunks every long prompt; 14 blocks of 4 cannot hold everyone: preemption
     engine = Engine(model, num_blocks=14, block_size=4, token_budget=8, max_running=4, clock="steps")
-    decide, generated_when_preempted = engine.scheduler, []
+    decide, generated_when_preempted = engine.scheduler.decide, []
 
     def recording(*args):
         scheduled, preempted = decide(*args)
         generated_when_preempted.extend(len(engine.requests[rid].output_ids) for rid in preempted)
         return scheduled, preempted
 
-    engine.scheduler = recording
+    engine.scheduler.decide = recording
     requests = run_trace(engine, trace)
     for t, r in zip(trace, requests):
         assert r.finish_reason == "length"
@@ -156,12 +160,120 @@ def test_poisson_trace_and_summary(model):
 
 def test_the_engine_follows_the_models_fields():
     # Qwen-style biases and q/k norms, another RoPE base and a RoPE scaling (linear, strong enough to
-    # change short sequences): the engine's forward pass must follow each of them as the model does
-    cfg = dataclasses.replace(CFG, qkv_bias=True, qk_norm=True, rope_theta=10000.0,
-                              rope_scaling={"rope_type": "linear", "factor": 16.0}, name="tiny-2m-variant")
+    # change short sequences), and the fields of other checkpoints: the engine's forward pass must
+    # follow each of them as the model does
+    # ones, a head width that is not d_model / n_heads, an output bias, tied embeddings
+    cfg = dataclasses.replace(CFG, qkv_bias=True, o_bias=True, qk_norm=True, rope_theta=10000.0, head_dim=48,
+                              tied_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 16.0},
+                              name="tiny-2m-variant")
     model = Transformer(cfg, seed=4)
     trace = mixed_trace(cfg.vocab_size, n=5)
     requests = run_trace(Engine(model, num_blocks=32, block_size=4, token_budget=8, max_running=3, clock="steps"),
                          trace)
     for t, r in zip(trace, requests):
         assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens)
+
+
+def test_prefix_caching_reuses_blocks_keeps_the_tokens_and_counts_hits(model):
+    """Requests sharing a 21-token prefix (five full 4-token blocks): later ones find it cached,
+    compute only the rest and still get exactly their tokens alone; the last prompt token is
+    always computed (its logits are needed), even when every block of the prompt is cached."""
+    shared = list(range(40, 61))
+    prompts = [shared + [1, 2, 3], shared[:20], shared + [9], shared + [1, 2, 3]]
+    engine = Engine(model, num_blocks=40, block_size=4, token_budget=16, max_running=4, clock="steps")
+    first = engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=4))
+    list(engine.stream())  # the first request's blocks are cached (hashed) once computed
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=4)) for p in prompts[1:]]
+    list(engine.stream())
+    for rid, p in zip([first, *ids], prompts):
+        assert engine.requests[rid].output_ids == alone(model, p, 4), rid
+    # the 20-token prompt is five cached blocks but reuses four; the repeated 24-token one five of six
+    assert [engine.requests[i].cached_tokens for i in [first, *ids]] == [0, 16, 20, 20]
+    stats = engine.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (sum(map(len, prompts)), 56)
+    assert stats["prefix_cache_hit_rate"] == 56 / sum(map(len, prompts)) and stats["free_blocks"] == 40
+    off = Engine(model, num_blocks=40, block_size=4, token_budget=16, clock="steps", prefix_caching=False)
+    off.generate(prompts)
+    assert off.stats()["prefix_cache_hits"] == 0
+    engine.allocator.check_invariants()
+
+
+def test_release_forgets_a_request_and_frees_a_running_ones_blocks(model):
+    engine = Engine(model, num_blocks=16, block_size=4, clock="steps")
+    done = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1))
+    busy = engine.add_request(list(range(10)), SamplingParams(temperature=0, max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.requests[done].finished and not engine.requests[busy].finished
+    assert engine.allocator.num_free_blocks < 16  # the busy request holds blocks
+    engine.release(done)
+    engine.release(busy)  # not finished: aborted first, so its blocks come back
+    assert done not in engine.requests and busy not in engine.requests
+    assert engine.allocator.num_free_blocks == 16 and not engine.has_unfinished()
+    engine.release(busy)  # twice, or never added: nothing to do
+    engine.release("never added")
+
+
+def test_the_batched_sampler_gives_each_request_the_tokens_of_sample_with_its_own_generator():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 97, generator=gen) * 3
+    logits[5, :10] = logits[5, 0]  # ties, broken by token id
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.8][i % 4], top_k=[0, 5, 1, 200][i % 3 + (i % 2)],
+                             top_p=[1.0, 0.9, 0.3][i % 3], seed=i) for i in range(40)]
+    batched = BatchedSampler()(logits, params, [request_generator(p.seed) for p in params])
+    one_by_one = [int(sample(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generator=request_generator(p.seed))[0])
+                  for i, p in enumerate(params)]
+    assert batched == one_by_one
+
+
+def test_the_gpu_path_runs_in_the_interpreter_and_gives_the_same_tokens(model):
+    """attention="triton": the slot-write kernel, the mixed-batch kernel with its query tiles, and
+    split-KV decode, on the engine's strided tensors (what a GPU runs, small)."""
+    engine = Engine(model, num_blocks=16, block_size=4, token_budget=16, clock="steps", attention="triton")
+    a = engine.add_request([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=3))
+    engine.step()  # a's prompt: the prefill kernel
+    b = engine.add_request([11, 12, 13, 14, 15], SamplingParams(temperature=0, max_tokens=2))
+    engine.step()  # a decodes beside b's prompt: one mixed batch
+    engine.step()  # both decode: split-KV
+    assert [s.decode_tokens for s in engine.steps] == [0, 1, 2]
+    assert engine.requests[a].output_ids == alone(model, [5, 6, 7, 8, 9, 10], 3)
+    assert engine.requests[b].output_ids == alone(model, [11, 12, 13, 14, 15], 2)
+
+
+def test_decode_graph_padding_on_the_cpu(model):
+    """What a captured decode graph records, run eagerly: a batch of 3 decodes copied into the
+    static buffers of size 4 (the padded row writes nothing and reads nothing) gives the eager
+    step's hidden states."""
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 48] and graph_batch_sizes(3) == [1, 2, 3]
+    assert padded_batch_size(3, [1, 2, 4, 8]) == 4 and padded_batch_size(9, [1, 2, 4, 8]) is None
+    engine = Engine(model, num_blocks=32, block_size=4, clock="steps")
+    for p in ([1, 2, 3], list(range(4, 13)), [20, 21]):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=5))
+    engine.step()  # the prompts; the next step decodes all three
+    runner = engine.runner
+    batch = engine.scheduler.schedule().seqs
+    meta = runner.prepare(batch)
+    assert meta.decode_only and meta.seq_lens.tolist() == [4, 10, 3]
+    k_before = runner.store.k.clone()
+    eager = runner.forward(meta)  # (3, d)
+    runner.store.k.copy_(k_before)  # the same step again, through the graph's buffers
+    runner._make_graph_vars(8)
+    runner.fill_graph_inputs(meta, 4)
+    runner.graph_body(4)
+    g = runner._graph_vars
+    assert g["slot_mapping"][3] == -1 and g["seq_lens"][3] == 0
+    torch.testing.assert_close(g["hidden"][:3], eager, atol=1e-6, rtol=1e-6)
+    assert torch.isfinite(g["hidden"][:4]).all() and torch.isfinite(runner.store.k).all()
+
+
+def test_fused_projections_change_nothing_but_rounding(model):
+    fused = Transformer(CFG, seed=3).fuse_projections()
+    assert fused.layers[0].attention.wq is None and fused.layers[0].feed_forward.w13 is not None
+    assert fused.param_count() == model.param_count()
+    prompt = model.random_prompt(2, 9, seed=4)
+    torch.testing.assert_close(fused.forward_no_cache(prompt), model.forward_no_cache(prompt), atol=1e-5, rtol=1e-5)
+    trace = mixed_trace(CFG.vocab_size, n=4)
+    requests = run_trace(Engine(fused, num_blocks=32, block_size=4, token_budget=8, clock="steps"), trace)
+    for t, r in zip(trace, requests):
+        assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens)
+

@@ -57,3 +57,49 @@ def test_gpu_tiles_compile_for_tl_dot_and_fit_small_shared_memory():
             assert min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16
             stage = cfg.block_m * cfg.block_k * 2 + cfg.block_k * cfg.block_n  # bytes of one pipeline stage
             assert stage * cfg.num_stages <= 64 * 1024
+
+
+H200, T4 = dict(shared_memory=227 * 1024, sms=132), dict(shared_memory=64 * 1024, sms=40)
+
+
+@pytest.mark.parametrize("m,k,group,split,dtype", [(1, 512, 128, 1, torch.float16), (3, 512, 64, 2, torch.float32),
+                                                   (7, 512, 32, 2, torch.float16)])
+def test_the_tuned_path_matches_the_dequantised_reference(m, k, group, split, dtype):
+    """The matrix-vector kernel (1-4 rows) and the split-K tiles (more rows), split or not."""
+    n = 40  # not a multiple of any tile
+    w_q, scales = quantize_groupwise(torch.randn(n, k, generator=torch.Generator().manual_seed(m)), 8, group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    chosen = IM.int8_launch_plan(m, n, k, group, interpreter=True)
+    assert chosen.kernel == ("gemv" if m <= IM.GEMV_ROWS else "tiles")
+    got = IM.int8_linear(x, w_q, scales, plan=IM.LaunchPlan(chosen.kernel, chosen.config, split))
+    want = IM.int8_matmul_spec(x, w_q, scales)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_tiles_follow_the_devices_shared_memory():
+    """The H200 sweep's best tiles at 64 rows where they fit (227 KiB), a T4's where they do not."""
+    up, down = (14336, 4096), (4096, 14336)
+    assert IM.int8_matmul_config(64, *up, 128, interpreter=False, shared_memory=H200["shared_memory"]) == \
+        IM.MatmulConfig(64, 64, 128, 4, 4)
+    assert IM.int8_matmul_config(64, *down, 128, interpreter=False, shared_memory=H200["shared_memory"]) == \
+        IM.MatmulConfig(64, 32, 128, 4, 6)
+    for shape in (up, down):
+        t4 = IM.int8_matmul_config(64, *shape, 128, interpreter=False, shared_memory=T4["shared_memory"])
+        assert t4 == IM.MatmulConfig(64, 64, 64, 4, 4)
+        for limit in (T4["shared_memory"], H200["shared_memory"]):
+            c = IM.int8_matmul_config(64, *shape, 128, interpreter=False, shared_memory=limit)
+            assert (c.block_m * c.block_k * 2 + c.block_k * c.block_n) * c.num_stages <= limit
+
+
+def test_the_plan_splits_k_only_when_a_layer_has_few_output_tiles():
+    gemv = IM.int8_launch_plan(1, 14336, 4096, 128, interpreter=False, **H200)  # 896 programs of 16 columns
+    assert (gemv.kernel, gemv.split_k, gemv.config.block_n) == ("gemv", 1, 16)
+    down = IM.int8_launch_plan(1, 4096, 14336, 128, interpreter=False, **H200)  # 256 programs < 2 per SM
+    assert (down.kernel, down.split_k) == ("gemv", 2)
+    tiles = IM.int8_launch_plan(16, 4096, 14336, 128, interpreter=False, **H200)  # 128 programs of 32 columns
+    assert (tiles.kernel, tiles.split_k) == ("tiles", 4)
+    assert IM.int8_launch_plan(16, 4096, 14336, 128, interpreter=False, **T4).split_k == 1  # 128 >= 2 x 40
+    short = IM.int8_launch_plan(16, 64, 1024, 128, interpreter=False, **H200)  # 8 K tiles: nothing to split
+    assert short.split_k == 1

@@ -1,10 +1,17 @@
-"""The attention kernel's launch configuration fits every GPU the hardware table names.
+"""The kernels' launch configurations fit every GPU the hardware table names.
 
-Triton compiles for any target without a GPU, so these tests compile the reference kernel for
-sm_75 (T4), sm_80 (A100), sm_89 (L4) and sm_90 (H100, H200) with the configuration
+Triton compiles for any target without a GPU, so these tests compile the reference attention kernel
+for sm_75 (T4), sm_80 (A100), sm_89 (L4) and sm_90 (H100, H200) with the configuration
 ``kernel_config`` picks for each card, and compare the shared memory the compiler reports with
 that card's limit. (Before this test, a T4 got 128x32 tiles whose kernel needs 81,920 bytes
-against its 65,536: lab 07 crashed on Colab's free GPU.)
+against its 65,536: lab 07 crashed on Colab's free GPU.) bf16 is compiled only where its pick
+differs from fp16's: the same tiles of 2-byte elements take the same shared memory.
+
+The decode kernels no GPU has run yet (split-KV paged decode and its combine, the mixed-batch paged
+attention, the slot write, the int8 matrix-vector and split-K kernels) are compiled too, for
+sm_90 in bf16 and, where a T4 would run them, sm_75 in fp16, with the tiles the course picks on
+those cards: the interpreter accepts a ``tl.dot`` of any shape and never counts shared memory, a
+GPU compiler does both.
 """
 
 import json
@@ -23,7 +30,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 
 def _cases():
-    """(gpu name, capability, limit, dtype name, head dim, config) to compile, one per distinct pick."""
+    """(gpu name, capability, limit, dtype name, head dim, config) to compile, one per distinct pick
+    (a bf16 pick equal to the fp16 one on the same card is the fp16 case's twin)."""
     seen, cases = set(), []
     for gpu in GPUS.values():
         for dtype_name, dtype in DTYPES.items():
@@ -33,10 +41,42 @@ def _cases():
                 config = A.kernel_config(8192, 8192, head_dim, dtype, interpreter=False,
                                          shared_memory=gpu.shared_memory_per_block)
                 key = (gpu.compute_capability, gpu.shared_memory_per_block, dtype_name, head_dim, config)
-                if key not in seen:
+                twin = (*key[:2], "float16", *key[3:])
+                if key not in seen and not (dtype == torch.bfloat16 and twin in seen):
                     seen.add(key)
                     cases.append((gpu.name, *key))
     return cases
+
+
+# The decode kernels, compiled with the tiles they launch with: (name, module, kernel, capability,
+# element type, pointer types, constexprs, warps, stages). Llama 3.1 8B's attention (32 query heads, 8
+# KV heads, head dim 128, 16-token pages) and its projections (groups of 128).
+_ATTN = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, IEEE=False)
+DECODE_KERNELS = [
+    ("split-KV decode", "flash_decoding", "split_kv_decode_kernel", (9, 0), "bf16",
+     {"bt_ptr": "*i32", "len_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32"},
+     dict(H=32, GROUP=4, GROUP_PAD=16, NUM_SPLITS=8, **_ATTN), 4, 3),
+    ("split-KV decode", "flash_decoding", "split_kv_decode_kernel", (7, 5), "fp16",
+     {"bt_ptr": "*i32", "len_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32"},
+     dict(H=32, GROUP=4, GROUP_PAD=16, NUM_SPLITS=8, **_ATTN), 4, 3),
+    ("split combine", "flash_decoding", "combine_splits_kernel", (9, 0), "bf16",
+     {"mid_o_ptr": "*fp32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32"},
+     dict(H=32, HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, SPLITS_PAD=8), 4, 3),
+    ("mixed-batch paged attention", "batch_attention", "paged_attention_kernel", (9, 0), "bf16",
+     {"bt_ptr": "*i32", "len_ptr": "*i32", "cu_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_first_ptr": "*i32"},
+     dict(GROUP=4, BLOCK_Q=4, BLOCK_M=16, **_ATTN), 4, 3),
+    ("slot write", "batch_attention", "store_kv_kernel", (9, 0), "bf16", {"slot_ptr": "*i64"},
+     dict(KV_HEADS=8, HEAD_DIM=128, ROW_PAD=1024, BLOCK_T=16), 4, 3),
+    ("int8 matrix-vector", "int8_matmul", "int8_gemv_kernel", (9, 0), "bf16", {"w_ptr": "*i8", "s_ptr": "*fp32"},
+     dict(M_PAD=4, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1), 4, 4),
+    ("int8 split-K tiles, H200's 64 rows", "int8_matmul", "int8_matmul_splitk_kernel", (9, 0), "bf16",
+     {"w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"},
+     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, IEEE=False), 4, 6),
+    ("int8 split-K tiles, T4's 64 rows", "int8_matmul", "int8_matmul_splitk_kernel", (7, 5), "fp16",
+     {"w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"},
+     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, IEEE=False), 4, 4),
+]
+SHARED = {tuple(g.compute_capability): g.shared_memory_per_block for g in GPUS.values()}
 
 
 COMPILE = r"""
@@ -48,7 +88,19 @@ for name, cc, limit, dtype, d, cfg in json.loads(sys.stdin.read()):
     out.append(A.compiled_shared_memory(c, d, getattr(torch, dtype), tuple(cc)))
 hopper = A.compile_for(A.KernelConfig(128, 64, 8, 3), 128, torch.bfloat16, (9, 0))
 ampere = A.compile_for(A.KernelConfig(128, 64, 8, 3), 128, torch.bfloat16, (8, 0))
+import importlib, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+decode = []
+for name, module, kernel, cc, elem, types, consts, warps, stages in json.loads(sys.argv[1]):
+    fn = getattr(importlib.import_module("labsupport." + module), kernel)
+    sig = {a: "constexpr" if a in consts else types.get(a, "*" + elem if a.endswith("_ptr") else
+                                                       "fp32" if a == "sm_scale" else "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    decode.append(int(k.metadata.shared))
 print(json.dumps(out))
+print(json.dumps(decode))
 print(json.dumps({"hopper_wgmma": hopper.asm["ptx"].count("wgmma.mma_async"),
                   "hopper_mma_sync": hopper.asm["ptx"].count("mma.sync"),
                   "ampere_mma_sync": ampere.asm["ptx"].count("mma.sync")}))
@@ -61,11 +113,11 @@ def compiled():
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     payload = json.dumps([[n, list(cc), lim, dt, d, [c.block_m, c.block_n, c.num_warps, c.num_stages]]
                           for n, cc, lim, dt, d, c in cases])
-    run = subprocess.run([sys.executable, "-c", COMPILE], input=payload, capture_output=True, text=True,
-                         env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(DECODE_KERNELS)], input=payload,
+                         capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
-    return list(zip(cases, json.loads(lines[-2]))), json.loads(lines[-1])
+    return list(zip(cases, json.loads(lines[-3]))), json.loads(lines[-1]), json.loads(lines[-2])
 
 
 def test_every_gpu_in_the_table_has_its_limits():
@@ -150,6 +202,13 @@ def test_an_explicit_configuration_that_does_not_fit_is_not_replaced(monkeypatch
     q = torch.randn(1, 1, 16, 32)
     with pytest.raises(Exception, match="out of resource"):
         A.__dict__["flash_attention_reference"].__wrapped__(q, q, q, config=A.GPU_CONFIGS[0])
+
+
+def test_the_decode_kernels_compile_for_the_gpus_they_run_on(compiled):
+    for (name, _, _, cc, elem, _, consts, _, _), shared in zip(DECODE_KERNELS, compiled[2]):
+        limit = SHARED[cc]
+        assert shared <= limit, f"{name} (sm_{cc[0]}{cc[1]}, {elem}, {consts}) needs {shared} B of {limit}"
+    assert len(compiled[2]) == len(DECODE_KERNELS)
 
 
 def test_on_hopper_the_kernel_uses_wgmma(compiled):

@@ -3,6 +3,7 @@ them, properties a roofline model must have, and argument checking."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -326,3 +327,29 @@ def test_conventions_still_read_under_their_old_names():
     conv = Conventions(weight_dtype_bytes=1, kv_dtype_bytes=4)
     assert (conv.weight_bytes, conv.kv_bytes) == (1, 4)
     assert Conventions(weight_bytes=1, kv_bytes=4) == conv != Conventions()
+
+
+def test_one_setting_is_checked_once_and_read_by_every_function():
+    s = serving.Setting("llama-3.1-8b", "H100 SXM", 2048, 256, 16, Conventions(throughput="request"))
+    assert s.model == get_model("llama-3.1-8b") and s.gpu == get_gpu("H100 SXM")  # names became rows
+    assert serving.Setting() == serving.Setting(M70, serving.serving_gpu(), 1024, 128, 1, serving.DEFAULT)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.batch = 2
+    args = ("llama-3.1-8b", "H100 SXM", 2048, 256, 16, Conventions(throughput="request"))
+    assert serving.phases(*args) == s.report()
+    assert (serving.request_latency(*args), serving.throughput(*args)) == (s.request_latency, s.throughput)
+    assert s.throughput == 16 * 256 / s.request_latency  # "request": the latency phases() reports
+    with pytest.raises(ValueError, match="batch"):
+        serving.Setting(batch=0)
+
+
+def test_kernels_and_phases_share_one_roofline():
+    r = serving.phases(batch=256)
+    for point in (r.decode.matmuls, r.decode.attention, r.decode):
+        assert isinstance(point, serving.RooflineCost)
+        assert point.intensity == point.flops / point.bytes
+        assert point.fraction_of_peak == point.flops / point.time / point.peak_flops
+    merged = serving.phases(batch=256, conventions=serving.SOURCE).decode
+    assert merged.time == max(merged.compute_time, merged.memory_time)
+    dec = r.decode  # per kernel: the sum of the kernels' times, above the one merged point's
+    assert dec.time == dec.matmuls.time + dec.attention.time > max(dec.compute_time, dec.memory_time)

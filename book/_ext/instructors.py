@@ -35,6 +35,9 @@ class _Markdown(SphinxDirective):
         container = nodes.container()
         self.state.nested_parse(StringList(text.splitlines(), source=self.get_source_info()[0]),
                                 self.content_offset, container)
+        for node in container.children:
+            # generated from the checks' messages, which quote code ('utf-8', "ignore"): straight quotes
+            node["support_smartquotes"] = False
         return container.children
 
 

@@ -38,17 +38,22 @@ class CheckFailed(AssertionError):
     """A graded check found a problem with the learner's code. The message says what to fix.
 
     ``reason`` says what kind of problem it is, for the grader's table: ``"not done"`` (the
-    exercise still raises NotImplementedError) or ``"failed"`` (anything else).
+    exercise still raises NotImplementedError) or ``"failed"`` (anything else). ``learner_raised``
+    says the learner's own code raised (then the notebook says how to see the whole traceback);
+    ``checked`` is what the check was given (the notebook points at its ``def`` for a wrong result).
     """
 
-    def __init__(self, message: str = "", reason: str = "failed"):
+    def __init__(self, message: str = "", reason: str = "failed", learner_raised: bool = False):
         super().__init__(message)
         self.reason = reason
+        self.learner_raised = learner_raised
+        self.checked = None
 
     @property
     def _render_traceback_(self):
         """How IPython shows this failure: the message, the hint and one line of the learner's own
-        code, without the framework's traceback. With ``LABSUPPORT_FULL_TRACEBACK=1`` the attribute
+        code (where it raised, or the definition that returned a wrong result), without the
+        framework's traceback. With ``LABSUPPORT_FULL_TRACEBACK=1`` the attribute
         is missing, so IPython prints the full traceback (see :mod:`labsupport.checks._display`)."""
         if _display.full_traceback_wanted():
             raise AttributeError("_render_traceback_")
@@ -275,7 +280,7 @@ class Checker:
             message += f"\nWhat to do: {advice}" if advice else (
                 "\nHint: run your function on that case yourself to see the full traceback."
             )
-            raise CheckFailed(message) from exc
+            raise CheckFailed(message, learner_raised=True) from exc
         _intact(self.name)
         _refuse_tensor_subclass(self.name, result, case)
         return result
@@ -304,27 +309,10 @@ class Checker:
             message += f"\nHint: {hint}"
         raise CheckFailed(message)
 
-    def expect_tensor(
-        self,
-        actual,
-        expected,
-        *,
-        case: Case,
-        atol: float,
-        rtol: float,
-        what: str = "output",
-        hint: str = "",
-        mistakes: dict[str, object] | None = None,
-        check_dtype: bool = True,
-    ) -> None:
-        """Fail unless ``actual`` is a tensor like ``expected`` and close to it.
-
-        ``mistakes`` maps a description of a common mistake to the tensor that mistake produces;
-        when the learner's output matches one, the message names it.
-        """
+    def _expect_like(self, actual, expected, case: Case, what: str, hint: str, check_dtype: bool) -> None:
+        """Fail unless ``actual`` is a tensor of ``expected``'s shape, dtype (when checked) and device."""
         import torch
 
-        _intact(self.name)
         if not isinstance(actual, torch.Tensor):
             self.fail(
                 case,
@@ -349,6 +337,29 @@ class Checker:
         if actual.device != expected.device:
             self.fail(case, f"the {what} is on {actual.device}, expected {expected.device}.",
                       "allocate outputs on the inputs' device (`device=x.device`).")
+
+    def expect_tensor(
+        self,
+        actual,
+        expected,
+        *,
+        case: Case,
+        atol: float,
+        rtol: float,
+        what: str = "output",
+        hint: str = "",
+        mistakes: dict[str, object] | None = None,
+        check_dtype: bool = True,
+    ) -> None:
+        """Fail unless ``actual`` is a tensor like ``expected`` and close to it.
+
+        ``mistakes`` maps a description of a common mistake to the tensor that mistake produces;
+        when the learner's output matches one, the message names it.
+        """
+        import torch
+
+        _intact(self.name)
+        self._expect_like(actual, expected, case, what, hint, check_dtype)
         got = actual.detach().to(torch.float64)
         want = expected.detach().to(torch.float64)
         # where the reference itself is inf or NaN, the output must be the same inf or NaN
@@ -613,6 +624,8 @@ def graded(points: float, name: str | None = None, bans: Sequence[str] = ()):
                 body(fn, checker, *args, **kwargs)
             except CheckFailed as exc:
                 _record(CheckResult(check_name, False, 0, points, checker.cases, str(exc), exc.reason))
+                if exc.checked is None:
+                    exc.checked = fn  # a wrong result: the notebook points at the function's definition
                 raise
             except NotImplementedError as exc:
                 # the body called the learner's stub directly (not through checker.call)

@@ -27,11 +27,11 @@ from ..tokenizer import (
 from .framework import Case, ForbiddenCall, graded
 
 MERGE_RULE = (
-    "split the text with pretokenize(text); count each pair of adjacent ids inside every chunk (never across "
-    "two chunks), over the bytes of the chunk; merge the pair with the highest count, ties to the smallest "
-    "pair (a, b) as a tuple: min(counts, key=lambda p: (-counts[p], p)); give it the id 256 + number of "
-    "merges so far; replace it in every chunk left to right; stop after vocab_size - 256 merges or when no "
-    "chunk has two ids left."
+    "check the rules one by one: pairs are counted inside each chunk of pretokenize(text), never across two "
+    "chunks, and once per occurrence of a chunk; the most frequent pair is merged, and of pairs with the same "
+    "count the smallest, comparing pairs as tuples of ids; the k-th merge (counting from 0) gets the id "
+    "256 + k and replaces its pair in every chunk, left to right; the loop stops after vocab_size - 256 "
+    "merges, or earlier when no chunk has two ids left."
 )
 ENCODE_RULE = (
     "pretokenize(text), then in each chunk start from its UTF-8 bytes and apply the merges in the order they "

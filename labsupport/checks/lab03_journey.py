@@ -11,10 +11,10 @@ from ..latency import latency_metrics, percentile
 from .framework import Case, graded
 
 METRICS_RULE = (
-    "with n token arrival times t[0..n-1] and the send time s: TTFT = t[0] - s; E2E = t[n-1] - s; "
-    "ITL = [t[i] - t[i-1] for i in 1..n-1] (n - 1 gaps: the wait for the first token is TTFT, not a gap); "
-    "TPOT = (E2E - TTFT) / (n - 1), and None when n == 1 (no gap to average). The first token comes from "
-    "the prefill; the first decode step makes the second."
+    "measure everything from the send time: TTFT ends at the first token, E2E at the last; ITL holds the "
+    "n - 1 gaps between consecutive tokens (the wait for the first token is TTFT, not a gap); TPOT is the "
+    "mean of those gaps, which is the time after the first token over n - 1, and None for a single token (no "
+    "gap to average). The first token comes from the prefill; the first decode step makes the second."
 )
 PERCENTILE_RULE = (
     "nearest rank: sort the values; the p-th percentile of n values is the ceil(p * n / 100)-th smallest "

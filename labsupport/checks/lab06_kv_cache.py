@@ -17,9 +17,9 @@ KV_FORMULA = (
     "2 * n_layers * n_kv_heads * head_dim * dtype_bytes."
 )
 CONCURRENCY_RULE = (
-    "free = gpu_memory_bytes - param_count(cfg) * weight_dtype_bytes - reserve_bytes; each sequence needs "
-    "kv_bytes_per_token(cfg, kv_dtype_bytes) * context_tokens; return floor(free / per_sequence), "
-    "and 0 when free is zero or negative."
+    "the cache gets what the GPU's memory leaves after the weights (every parameter at weight_dtype_bytes) "
+    "and the reserve; each sequence needs the KV of all its context_tokens at kv_dtype_bytes; count the "
+    "whole sequences that fit (round down), and none when nothing is left."
 )
 
 

@@ -197,7 +197,7 @@ def check_llama3_inv_freq(fn, checker):
         want = llama3_inv_freq.__wrapped__(head_dim, theta, scaling)
         if isinstance(got, torch.Tensor) and got.dtype not in (torch.float32, torch.float64):
             checker.fail(case, f"the frequencies have dtype {got.dtype}, expected float32 (or float64).",
-                         "compute in floating point: torch.arange(0, head_dim, 2).float() / head_dim ...")
+                         "compute in floating point: make the exponents floats before dividing by head_dim.")
         mistakes = {}
         for description, mistake in LLAMA3_MISTAKES.items():
             wrong = _llama3_variant(head_dim, theta, scaling, mistake=mistake)

@@ -206,7 +206,8 @@ def _check_codes(checker, case, w, bits, group, codes, want_packed, scales):
         deq = got * scales.repeat_interleave(group, dim=1)
         err = (deq - w.float()).abs() / scales.repeat_interleave(group, dim=1).clamp(min=1e-30)
         problem += f"\nThe largest error is {err.max().item():.2f} steps; round to nearest keeps it at 0.5."
-        checker.fail(case, problem, "codes = clamp(round(w / scale), -qmax, qmax) (torch.round), then pack.")
+        checker.fail(case, problem, "round each weight over its group's scale to the NEAREST integer "
+                                    "(torch.round), clamp it to -qmax .. qmax, then pack.")
     # the bound the exercise promises, on the learner's own codes and scales
     deq = got * scales.repeat_interleave(group, dim=1)
     bound = scales.repeat_interleave(group, dim=1) / 2 * (1 + 1e-5) + 1e-30

@@ -368,7 +368,7 @@ def _tp_worker(fn, self_check):
             with torch.no_grad():
                 x = model.tok_embeddings(tokens)
                 for i, layer in enumerate(model.layers):
-                    expected = layer(x, cos, sin, model._attn_fn, False, None, i, 0)
+                    expected = layer(x, cos, sin, model.contiguous_batch(None, 0, x.shape[1]), i)
                     shards = unguarded_shard(layer, rank, n)
                     numels: list[int] = []
                     with watched_collectives(forbid=False, numels=numels) as counts:

@@ -12,10 +12,11 @@ from .framework import Case, graded
 KEYS = ("num_blocks", "tokens", "max_requests")
 
 CAPACITY_RULE = (
-    "budget = gpu_memory_utilization * gpu_memory_gib * 2**30 (the TOTAL memory, in GiB); kv_bytes = budget "
-    "- param_count(cfg) * weight_dtype_bytes - reserve_gib * 2**30; block_bytes = block_size * 2 * n_layers * "
-    "n_kv_heads * head_dim * kv_dtype_bytes; num_blocks = floor(kv_bytes / block_bytes), at least 0; tokens = "
-    "num_blocks * block_size; max_requests = num_blocks // ceil(max_model_len / block_size)."
+    "the budget is gpu_memory_utilization of the TOTAL memory, counted in GiB (2**30 bytes); the cache gets "
+    "the budget less the weights and the reserve (GiB too); a block holds the keys and values of block_size "
+    "tokens for every layer and KV head (not query head); count whole blocks (round down, never below 0); the "
+    "tokens are those blocks' slots; a request of max_model_len tokens holds whole blocks, so max_requests "
+    "counts the requests whose blocks all fit."
 )
 
 

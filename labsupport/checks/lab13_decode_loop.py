@@ -27,6 +27,7 @@ from statistics import NormalDist
 
 import torch
 
+from ..engine.sampler import batched_sampling_probs
 from ..sampling import sample, sampling_probs
 from ..scheduler import SimStep, TraceItem, blocks_for, schedule_step, simulate
 from ..speculative import speculative_accept
@@ -137,8 +138,8 @@ def _sampling_mistakes(logits, temperature, top_k=0, top_p=1.0) -> dict[str, tor
     z = logits[None].float()
     wrong = {}
     if temperature not in (0, 1):
-        wrong["the temperature is applied after the softmax (probabilities divided by T and "
-              "renormalised: the temperature has no effect)"] = sampling_probs(z, 1.0, top_k, top_p)[0]
+        wrong["the temperature has no effect: it is not applied, or applied after the softmax (probabilities "
+              "divided by T and renormalised, which undoes it)"] = sampling_probs(z, 1.0, top_k, top_p)[0]
     if top_p < 1.0:
         probs = torch.softmax(z[0] / temperature, -1)
         order = torch.argsort(probs, descending=True)
@@ -156,7 +157,7 @@ def _sampling_mistakes(logits, temperature, top_k=0, top_p=1.0) -> dict[str, tor
     return wrong
 
 
-@graded(points=10, bans=(sample, sampling_probs))
+@graded(points=10, bans=(sample, sampling_probs, batched_sampling_probs))
 def check_sample(fn, checker):
     """``fn(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None)`` must return one token id
     per row of ``logits`` (B, V), ``(B,)`` int64, drawn from the distribution temperature, top-k and

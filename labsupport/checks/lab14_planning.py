@@ -38,8 +38,9 @@ BATCH_RULE = (
     "weights) / (context_tokens * kv_bytes_per_token)); 0 when even one sequence does not fit or misses the target."
 )
 REPLICAS_RULE = (
-    "replicas = ceil(arrival_rate * time_in_system_s * (1 + headroom) / batch_per_replica): the requests in "
-    "flight (Little's law) with the headroom added, in batches of batch_per_replica, rounded UP; at least 1."
+    "count the requests in flight (Little's law), add the headroom on top of them, and serve them "
+    "batch_per_replica at a time: a fraction of a replica is a whole replica (round UP), and there is always "
+    "at least one."
 )
 COST_RULE = (
     "cost per million tokens = gpu_hour_price * gpu_count / 3600 (the fleet's price per second) / "

@@ -13,8 +13,8 @@ from ..load_testing import SlowService, _nearest_rank, open_loop, poisson_arriva
 from .framework import Case, graded
 
 POISSON_RULE = (
-    "return n send times: the first at 0, then each previous time plus a gap drawn from rng with "
-    "rng.expovariate(rate) (Python's expovariate takes the rate, lambda; the mean gap is 1 / rate)."
+    "the first send time is 0 and each next one is the previous plus one gap drawn from rng (the rng you "
+    "are given, for every gap); Python's expovariate takes the rate, lambda, not the mean gap 1 / rate."
 )
 OPEN_LOOP_RULE = (
     "start every call at its scheduled time, each in its own thread (threading.Thread), sleeping until "

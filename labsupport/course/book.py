@@ -59,3 +59,18 @@ def glue(name: str, text: str) -> str:
 
     _glue(name, text, display=False)
     return text
+
+
+def _figures_at_twice_the_pixels() -> None:
+    """Matplotlib figures a page shows inline are stored at twice their pixels (sharp on high-density
+    screens, shown at their size): the inline backend's retina format. Outside IPython, nothing."""
+    try:
+        from IPython import get_ipython
+        from matplotlib_inline.backend_inline import set_matplotlib_formats
+    except ImportError:
+        return
+    if get_ipython() is not None:
+        set_matplotlib_formats("retina")
+
+
+_figures_at_twice_the_pixels()  # a page imports this module in its first cell

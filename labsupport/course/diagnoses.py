@@ -42,6 +42,7 @@ CHECKS_DIR = Path(__file__).resolve().parent.parent / "checks"
 _DESCRIPTION_NAMES = {"description", "desc", "mistake", "why"}
 _RUNTIME = "…"
 _SHOWN_EXPRESSION = 24  # longer run-time expressions show as … (a call's arguments help no reader)
+_MAX_CHOICES = 3  # a local name given this many literal strings or fewer is shown as each of them
 
 
 @dataclass
@@ -78,13 +79,11 @@ def text_of(node: ast.AST | None, constants: dict[str, ast.AST] | None = None, d
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
     if isinstance(node, ast.JoinedStr):
-        parts = []
+        texts = [""]
         for value in node.values:
-            if isinstance(value, ast.Constant):
-                parts.append(str(value.value))
-            else:
-                parts.append(_placeholder(value, constants, depth))
-        return ["".join(parts)]
+            choices = [str(value.value)] if isinstance(value, ast.Constant) else _choices(value, constants, depth)
+            texts = [t + c for t in texts for c in choices]
+        return texts
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = text_of(node.left, constants, depth + 1), text_of(node.right, constants, depth + 1)
         return [a + b for a in left for b in right]
@@ -102,6 +101,19 @@ def text_of(node: ast.AST | None, constants: dict[str, ast.AST] | None = None, d
             return [t for sub in ast.walk(fn) if isinstance(sub, ast.Return)
                     for t in text_of(sub.value, scope, depth + 1)]
     return []
+
+
+def _choices(value: ast.FormattedValue, constants: dict[str, ast.AST], depth: int) -> list[str]:
+    """What a part of an f-string can show: the texts of a local name given only a few literal
+    strings (``extra = ""``, then ``extra = " Its first value is TTFT..."``: the message with and
+    without that sentence), else the one text :func:`_placeholder` gives."""
+    node = value.value
+    if isinstance(node, ast.Name) and isinstance(constants.get(node.id), list):
+        values = constants[node.id]
+        if 1 < len(values) <= _MAX_CHOICES and all(
+                isinstance(v, ast.Constant) and isinstance(v.value, str) for v in values):
+            return list(dict.fromkeys(v.value for v in values))
+    return [_placeholder(value, constants, depth)]
 
 
 def _placeholder(value: ast.FormattedValue, constants: dict[str, ast.AST], depth: int) -> str:

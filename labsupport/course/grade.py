@@ -33,11 +33,13 @@ import traceback
 import unicodedata
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
 from ..checks.framework import GRADING_ENV, RESULT_MIME
+from .files import each_once
 from .manifest import load_course_cells, load_manifest
 from .notebooks import KernelStartError, execute, first_line, load
 from .probe import probe_cell, reimport, verdict
@@ -152,13 +154,7 @@ def expand(paths: Iterable[str]) -> list[Path]:
             )
         else:
             found.append(path)
-    unique, seen = [], set()
-    for path in found:
-        key = path.resolve() if path.exists() else path
-        if key not in seen:
-            seen.add(key)
-            unique.append(path)
-    return unique
+    return each_once(found)
 
 
 def bad_paths(paths: Iterable[str]) -> list[str]:
@@ -196,6 +192,130 @@ def _first_error(run, upto: int | None) -> str:
     return f"in the cell starting `{e.first_line}`: {e.ename}: {str(e.evalue).strip()[:300]}"
 
 
+@dataclass
+class _Notebook:
+    """The submission being graded, as its rows name it."""
+
+    name: str  # the path as given
+    path: Path
+    lab: str | None  # the lab it is graded on (None: unknown)
+    sandbox: str  # the rows' sandbox column
+
+    def row(self, check: str, points: float, max_points: float, status: str, detail: str = "") -> Row:
+        return Row(self.name, check, points, max_points, status, detail, student_name(self.path, self.lab),
+                   self.lab or "", sandbox=self.sandbox)
+
+
+@dataclass
+class _Prepared:
+    """The notebook that will run, and what the rows say about the learner's cells in it."""
+
+    notebook: nbformat.NotebookNode
+    spliced: object | None  # the splice (labsupport.course.splice.Splice); None when run as submitted
+    learner_cells: str
+    ignored: str
+    flags: list[str]
+
+
+def _lab_points(manifest, lab: str | None) -> float:
+    return sum(p for _, p in manifest.get(lab, [])) if lab else 0
+
+
+def _prepare(nb, lab: str, known_checks: set[str], *, as_is: bool, all_cells: bool) -> _Prepared:
+    """The course's notebook of ``lab`` with the learner's exercise cells put in (only the cells the
+    checks need unless ``all_cells``), or the submission itself (``as_is``, or a lab list written
+    before it held the course's cells). Flags come from the learner's code that will run."""
+    course = None if as_is else load_course_cells(lab)
+    if course is None:
+        learner_cells = ("all: run as submitted (--as-is)" if as_is else
+                         "all: run as submitted (lab_checks.json has no course cells; run `release`)")
+        return _Prepared(nb, None, learner_cells, "", scan_flags(nb, known_checks))
+    spliced = splice(nb, course)
+    if not all_cells:
+        spliced = needed(spliced)
+    run_nb = spliced.notebook
+    learner_cells = ", ".join(f"{cid} (found by name)" if cid in spliced.moved else cid for cid in spliced.learner)
+    mine = nbformat.v4.new_notebook()
+    mine.cells = [c for i, c in enumerate(run_nb.cells) if spliced.roles.get(i) == "learner"]
+    # what ran of theirs (what did not run is in `ignored`)
+    return _Prepared(run_nb, spliced, learner_cells, spliced.ignored(), scan_flags(mine, known_checks))
+
+
+def _add_grader_cells(run_nb, spliced) -> str:
+    """The grader's own cells in a spliced run: the checks imported before any learner code runs (so
+    what they rely on is remembered untouched, :func:`labsupport.checks.framework.replaced`), imported
+    afresh in each check cell, and the probe last. Returns the probe's nonce."""
+    if spliced.roles.get(0) == "course":
+        run_nb.cells[0].source = run_nb.cells[0].source.rstrip("\n") + \
+            "\nimport labsupport.checks  # added by the grader: the checks, before any learner code\n"
+    for i, cell in enumerate(run_nb.cells):
+        if spliced.roles.get(i) == "course" and check_calls(cell.source):
+            cell.source = reimport(cell.source)
+    source, nonce = probe_cell()
+    probe = nbformat.v4.new_code_cell(source)
+    probe["id"] = "labsupport-grader-probe"
+    spliced.roles[len(run_nb.cells)] = "probe"
+    run_nb.cells.append(probe)
+    return nonce
+
+
+def _why_not_recorded(check: str, cell: int | None, run, setup_error: str, timeout: int) -> tuple[str, str]:
+    """The status and detail of a check that reported no result; ``cell`` is the one calling it."""
+    timeouts = [t for t in run.timeouts if cell is None or t.index <= cell]
+    skipped = [s for s in run.skipped if s.index == cell]
+    if cell is None:
+        return "not run", f"the notebook does not call {check} (was the check cell deleted or commented out?)"
+    if run.died:
+        return "not run", run.died
+    if skipped:
+        return "timeout", skipped[0].evalue
+    if timeouts:
+        t = timeouts[-1]
+        if t.ename == "NotebookTimeout":
+            return "timeout", f"{run.notebook_timed_out}; it was stopped in the cell starting `{t.first_line}`"
+        return "timeout", f"the cell starting `{t.first_line}` ran past {timeout} s and was interrupted"
+    if run.notebook_timed_out:
+        return "timeout", f"{run.notebook_timed_out} before this check ran"
+    if setup_error:
+        return "setup failed", setup_error
+    first = _first_error(run, cell)
+    return "not run", (f"the check did not run; the first error was {first}" if first else
+                       f"the cell calling {check} ran without calling it")
+
+
+def _score(entry: dict, max_points: float) -> tuple[float, str, str]:
+    """Points, status and detail of a check's recorded result."""
+    if entry.get("passed"):
+        return max_points, "passed", ""
+    if entry.get("reason") == "not done":
+        return 0, "not done", "the exercise still raises NotImplementedError"
+    return 0, "failed", str(entry.get("message", "")).strip()[:2000]  # the whole diagnosis, for the CSV
+
+
+def _check_rows(sub: _Notebook, manifest, recorded: dict[str, dict], called: dict[str, int], run,
+                timeout: int) -> list[Row]:
+    """A row for each check of the lab (scored, or why it reported nothing), then a row for each
+    result of another lab's check (not scored)."""
+    expected = manifest[sub.lab]
+    setup_error = _setup_error(run.notebook, run)
+    rows = []
+    for check, max_points in expected:
+        entry = recorded.get(check)
+        if entry is None:
+            status, detail = _why_not_recorded(check, called.get(check), run, setup_error, timeout)
+            rows.append(sub.row(check, 0, max_points, status, detail))
+        else:
+            points, status, detail = _score(entry, max_points)
+            rows.append(sub.row(check, points, max_points, status, detail))
+    own = {c for c, _ in expected}
+    for check in recorded:
+        if check not in own:
+            home = next((lab for lab, checks in manifest.items() if any(c == check for c, _ in checks)), None)
+            where = f"a check of lab {home}" if home else "not a check of any lab"
+            rows.append(sub.row(check, 0, 0, "extra", f"{where}, not of {sub.lab}: not scored"))
+    return rows
+
+
 def grade_notebook(
     path: Path,
     timeout: int = 600,
@@ -217,81 +337,46 @@ def grade_notebook(
     ``all_cells``.
     """
     manifest = manifest if manifest is not None else load_manifest()
-    name = str(path)
-    path = Path(path)
     where = sandbox.label if sandbox is not None else f"UNSANDBOXED: {unsandboxed}"
+    sub = _Notebook(str(path), Path(path), None, where)
 
-    def rows_for(check: str, points: float, max_points: float, status: str, detail: str = "") -> Row:
-        return Row(name, check, points, max_points, status, detail, student_name(path, chosen), chosen or "",
-                   sandbox=where)
-
+    # 1. which lab: rows for a notebook that cannot be graded at all
     try:
-        nb = load(path)
+        nb = load(sub.path)
     except (FileNotFoundError, ValueError) as exc:
         status = "missing" if isinstance(exc, FileNotFoundError) else "not a notebook"
-        chosen, _ = identify_lab(None, path, manifest, lab)
-        chosen = chosen or guess_lab(None, path, manifest)
-        full = sum(p for _, p in manifest.get(chosen, [])) if chosen else 0
-        return [rows_for("-", 0, full, status, str(exc))]
-
+        sub.lab = identify_lab(None, sub.path, manifest, lab)[0] or guess_lab(None, sub.path, manifest)
+        return [sub.row("-", 0, _lab_points(manifest, sub.lab), status, str(exc))]
     known_checks = {c for checks in manifest.values() for c, _ in checks}
-    chosen, problem = identify_lab(nb, path, manifest, lab)
-    if chosen is None:
-        guessed = guess_lab(nb, path, manifest)
-        full = sum(p for _, p in manifest.get(guessed, [])) if guessed else 0
+    sub.lab, problem = identify_lab(nb, sub.path, manifest, lab)
+    if sub.lab is None:
+        guessed = guess_lab(nb, sub.path, manifest)
+        full = _lab_points(manifest, guessed)
         if guessed:
             problem += f" (it looks like lab {guessed}, whose {full:g} points count in its maximum)"
-        row = Row(name, "-", 0, full, "unknown lab", problem, student_name(path, None), guessed or "", sandbox=where)
+        row = Row(sub.name, "-", 0, full, "unknown lab", problem, student_name(sub.path, None), guessed or "",
+                  sandbox=where)
         row.flags = "; ".join(scan_flags(nb, known_checks))
         return [row]
-    expected = manifest[chosen]
+    expected = manifest[sub.lab]
     if not expected:
-        row = rows_for("-", 0, 0, "no checks", f"lab {chosen} has no graded checks")
+        row = sub.row("-", 0, 0, "no checks", f"lab {sub.lab} has no graded checks")
         row.flags = "; ".join(scan_flags(nb, known_checks))
         return [row]
 
-    course = None if as_is else load_course_cells(chosen)
-    if course is None:  # --as-is, or a lab list written before it held the course's cells
-        spliced = None
-        run_nb = nb
-        learner_cells = ("all: run as submitted (--as-is)" if as_is else
-                         "all: run as submitted (lab_checks.json has no course cells; run `release`)")
-        ignored = ""
-        flags = scan_flags(nb, known_checks)
-    else:
-        spliced = splice(nb, course)
-        if not all_cells:
-            spliced = needed(spliced)
-        run_nb = spliced.notebook
-        learner_cells = ", ".join(f"{cid} (found by name)" if cid in spliced.moved else cid for cid in spliced.learner)
-        ignored = spliced.ignored()
-        mine = nbformat.v4.new_notebook()
-        mine.cells = [c for i, c in enumerate(run_nb.cells) if spliced.roles.get(i) == "learner"]
-        flags = scan_flags(mine, known_checks)  # what ran of theirs (what did not run is in `ignored`)
-        if not spliced.matched:
-            full = sum(p for _, p in expected)
-            row = rows_for("-", 0, full, "unmatched",
-                           "none of the lab's exercise cells was found in the notebook, so nothing of the "
-                           f"learner's could be graded: {'; '.join(spliced.missing)}. Was it made from the "
-                           f"course's labs/{chosen}.ipynb? Read it by hand, or grade it with --as-is")
-            row.learner_cells, row.ignored, row.flags = "", ignored, "; ".join(flags)
-            return [row]
+    # 2. what runs: the course's notebook with the learner's cells in it, and the grader's cells
+    prep = _prepare(nb, sub.lab, known_checks, as_is=as_is, all_cells=all_cells)
+    run_nb, spliced, flags = prep.notebook, prep.spliced, prep.flags
+    if spliced is not None and not spliced.matched:
+        row = sub.row("-", 0, _lab_points(manifest, sub.lab), "unmatched",
+                      "none of the lab's exercise cells was found in the notebook, so nothing of the "
+                      f"learner's could be graded: {'; '.join(spliced.missing)}. Was it made from the "
+                      f"course's labs/{sub.lab}.ipynb? Read it by hand, or grade it with --as-is")
+        row.learner_cells, row.ignored, row.flags = "", prep.ignored, "; ".join(flags)
+        return [row]
+    nonce = _add_grader_cells(run_nb, spliced) if spliced is not None else None
 
-    nonce = None
-    if spliced is not None:  # the grader's own cells: checks imported afresh, and the probe last
-        # the checks are imported before any learner code runs, so what they rely on is remembered
-        # untouched (labsupport.checks.framework.replaced)
-        if spliced.roles.get(0) == "course":
-            run_nb.cells[0].source = run_nb.cells[0].source.rstrip("\n") + \
-            "\nimport labsupport.checks  # added by the grader: the checks, before any learner code\n"
-        for i, cell in enumerate(run_nb.cells):
-            if spliced.roles.get(i) == "course" and check_calls(cell.source):
-                cell.source = reimport(cell.source)
-        source, nonce = probe_cell()
-        probe = nbformat.v4.new_code_cell(source)
-        probe["id"] = "labsupport-grader-probe"
-        spliced.roles[len(run_nb.cells)] = "probe"
-        run_nb.cells.append(probe)
+    # 3. run it, and read what the checks reported
     called = calls_by_cell(run_nb)
     run = execute(run_nb, timeout=timeout, stop_on_error=False, quiet=True, notebook_timeout=notebook_timeout,
                   env={GRADING_ENV: "1"}, after_timeout=skip_what_hung(timeout), sandbox=sandbox)
@@ -300,54 +385,11 @@ def grade_notebook(
     if nonce is not None:
         flags += verdict(run.notebook.cells[-1], nonce, kernel_alive=not (run.died or run.notebook_timed_out))
 
-    setup_error = _setup_error(run_nb, run)
-    rows = []
-    for check, max_points in expected:
-        entry = recorded.get(check)
-        cell = called.get(check)
-        if entry is None:
-            timeouts = [t for t in run.timeouts if cell is None or t.index <= cell]
-            skipped = [s for s in run.skipped if s.index == cell]
-            if check not in called:
-                status, detail = "not run", (f"the notebook does not call {check} (was the check cell "
-                                             f"deleted or commented out?)")
-            elif run.died:
-                status, detail = "not run", run.died
-            elif skipped:
-                status, detail = "timeout", skipped[0].evalue
-            elif timeouts:
-                t = timeouts[-1]
-                status = "timeout"
-                if t.ename == "NotebookTimeout":
-                    detail = f"{run.notebook_timed_out}; it was stopped in the cell starting `{t.first_line}`"
-                else:
-                    detail = f"the cell starting `{t.first_line}` ran past {timeout} s and was interrupted"
-            elif run.notebook_timed_out:
-                status, detail = "timeout", f"{run.notebook_timed_out} before this check ran"
-            elif setup_error:
-                status, detail = "setup failed", setup_error
-            else:
-                first = _first_error(run, cell)
-                status = "not run"
-                detail = (f"the check did not run; the first error was {first}" if first else
-                          f"the cell calling {check} ran without calling it")
-            rows.append(rows_for(check, 0, max_points, status, detail))
-        elif entry.get("passed"):
-            rows.append(rows_for(check, max_points, max_points, "passed"))
-        elif entry.get("reason") == "not done":
-            rows.append(rows_for(check, 0, max_points, "not done", "the exercise still raises NotImplementedError"))
-        else:
-            detail = str(entry.get("message", "")).strip()[:2000]  # the whole diagnosis, for the CSV
-            rows.append(rows_for(check, 0, max_points, "failed", detail))
-    own = {c for c, _ in expected}
-    for check in recorded:
-        if check not in own:
-            home = next((lab_ for lab_, checks in manifest.items() if any(c == check for c, _ in checks)), None)
-            where_ = f"a check of lab {home}" if home else "not a check of any lab"
-            rows.append(rows_for(check, 0, 0, "extra", f"{where_}, not of {chosen}: not scored"))
+    # 4. one row per check of the lab, then the results of other labs' checks (not scored)
+    rows = _check_rows(sub, manifest, recorded, called, run, timeout)
     for row in rows:
         row.flags = "; ".join(dict.fromkeys(flags))
-        row.learner_cells, row.ignored = learner_cells, ignored
+        row.learner_cells, row.ignored = prep.learner_cells, prep.ignored
     return rows
 
 

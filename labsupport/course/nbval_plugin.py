@@ -7,8 +7,13 @@
 * a cell that runs past ``--nbval-cell-timeout`` FAILS. nbval interrupts the kernel and usually
   fails the cell on the ``KeyboardInterrupt``, but a cell tagged ``raises-exception``, or one that
   catches the interrupt or finishes just after the limit, would pass;
-* a cell tagged ``raises-exception`` really raises; in a learner's notebook it must fail because
-  an exercise is not done (``NotImplementedError``, or a check saying so), not for another reason;
+* a learner's notebook runs up to the cell its metadata names (``labsupport.stops_at``, written by
+  ``release``): that cell is expected to fail and every code cell after it is skipped. Release writes
+  no ``raises-exception`` tag into learners' copies, because JupyterLab's Run All runs on past a cell
+  so tagged; notebooks released before carry the tags, and nbval reads those itself;
+* a cell expected to fail (``stops_at``, or tagged ``raises-exception``) really raises; in a
+  learner's notebook it must fail because an exercise is not done (``NotImplementedError``, or a
+  check saying so), not for another reason;
 * a cell tagged ``nbval-check-output`` has a stored output to compare with (otherwise nbval
   silently compares nothing): record them with ``make record-outputs``;
 * with pytest-xdist, all the cells of a notebook run on one worker (``--dist loadscope``), since
@@ -19,8 +24,8 @@
 
 Stored outputs are recorded in Triton's interpreter on a CPU; on a machine with a CUDA GPU the
 problem sizes differ, so outputs are not compared there (``LABSUPPORT_NBVAL_COMPARE=1`` forces it).
-``--nbval-all-cells`` ignores ``release``'s ``raises-exception`` and ``nbval-skip`` tags, to run a
-learner's finished notebook to its end.
+``--nbval-all-cells`` ignores ``stops_at`` (and the ``raises-exception`` and ``nbval-skip`` tags), to
+run a learner's finished notebook to its end.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import tempfile
 
 import pytest
 
-from .stored_outputs import CHECK_OUTPUT
+from .stored_outputs import CHECK_OUTPUT, STOPS_AT
 
 COMPARE_VAR = "LABSUPPORT_NBVAL_COMPARE"
 LEDGER_VAR = "LABSUPPORT_LEDGER"  # labsupport.ledger.FOLDER_VAR (not imported: this plugin loads before torch)
@@ -48,8 +53,8 @@ def _nbval_on(config) -> bool:
 def pytest_addoption(parser):
     group = parser.getgroup("nbval")
     group.addoption("--nbval-all-cells", action="store_true",
-                    help="run every cell, ignoring the raises-exception and nbval-skip tags that release "
-                         "writes into learner notebooks")
+                    help="run every cell of a learner notebook, past the cell where a fresh one stops "
+                         "(its metadata's stops_at, or raises-exception and nbval-skip tags)")
 
 
 def _compare_outputs() -> bool:
@@ -85,17 +90,36 @@ def pytest_report_header(config):
     return None
 
 
+def _apply_stop(item) -> None:
+    """In a learner notebook whose metadata names where a fresh copy stops (``stops_at``): expect
+    that cell to fail and skip every code cell after it."""
+    nb = getattr(item.parent, "nb", None)
+    stop = nb.metadata.get("labsupport", {}).get(STOPS_AT) if nb is not None else None
+    if not stop:
+        return
+    ids = [c.get("id") for c in nb.cells]
+    if stop not in ids:
+        raise pytest.UsageError(f"{item.parent.nodeid}: its metadata says it stops at cell {stop!r}, which it "
+                                f"does not have: release the notebook again (make release)")
+    here = next(i for i, c in enumerate(nb.cells) if c is item.cell)
+    if here == ids.index(stop):
+        item.options["check_exception"] = True
+    elif here > ids.index(stop):
+        item.options["skip"] = True
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not _nbval_cell(item):
             continue
         item.add_marker(pytest.mark.notebook)
+        _apply_stop(item)
         if config.getoption("nbval_all_cells", False):
             item.options["skip"] = False
             item.options["check_exception"] = False
         if item.options.get("skip"):
-            item.add_marker(pytest.mark.skip(reason="tagged nbval-skip (release tags a learner notebook's cells "
-                                                    "after its first exercise, which is not done)"))
+            item.add_marker(pytest.mark.skip(reason="after the cell where a fresh learner notebook stops (its "
+                                                    "first exercise, which is not done)"))
         if not getattr(config, "_labsupport_compare", True):
             item.options["check"] = False
 
@@ -125,7 +149,8 @@ def _problem(item) -> str | None:
     errors = [o for o in (item.test_outputs or []) if o.get("output_type") == "error"]
     if item.options.get("check_exception"):
         if not errors:
-            return "this cell is tagged raises-exception but ran without an error"
+            return ("this cell should fail (a fresh learner notebook stops here, or it is tagged raises-exception) "
+                    "but ran without an error")
         if _learner_notebook(item):
             e = errors[0]
             not_done = e.get("ename") == "NotImplementedError" or (

@@ -109,18 +109,158 @@ def _kernel_manager(spec_root: Path, sandbox=None, writable: list[str] = (), cwd
     spec_dir.mkdir(parents=True)
     argv = [KERNEL_PYTHON, "-c", KERNEL_MAIN, "-f", "{connection_file}"]
     spec = {"display_name": f"Python ({KERNEL_PYTHON})", "language": "python"}
+    name = spec_root.parent.name  # a container's name: the private folder's (labsupport-kernel-...) is unique
     if sandbox is not None:
-        argv = sandbox.wrap(argv, [str(spec_root), *writable], cwd)
+        argv = sandbox.wrap(argv, [str(spec_root), *writable], cwd, name=name)
         spec["interrupt_mode"] = "message"
     spec["argv"] = argv
     (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
     specs = KernelSpecManager(kernel_dirs=[str(spec_root)], ensure_native_kernel=False)
     if sandbox is None:
         return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
-    km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs, transport="ipc",
-                            ip=str(spec_root / "ipc"))
+
+    class SandboxedKernelManager(AsyncKernelManager):
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            await super()._async_cleanup_resources(restart)
+            if not restart:  # the engine's client may be gone while its container runs on: remove it
+                await asyncio.to_thread(sandbox.stop, name)
+
+    km = SandboxedKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs, transport="ipc",
+                                ip=str(spec_root / "ipc"))
     km.connection_file = str(spec_root / "connection.json")
     return km
+
+
+class _RunState:
+    """What one :func:`execute` run learns as it goes, shared by its client and the report after it."""
+
+    def __init__(self, nb: nbformat.NotebookNode, result: Execution, after_timeout) -> None:
+        self.nb = nb
+        self.result = result
+        self.after_timeout = after_timeout
+        self.cell = -1  # the code cell running now (-1: none yet)
+        self.timed_out_cells: list[int] = []  # every cell interrupted at its limit, in order
+        self.skip_tests: list[Callable[[str], str]] = []  # from after_timeout: which later cells not to run
+        self.replied_error: dict[int, tuple[str, str]] = {}  # cell index -> (ename, evalue) of the kernel's reply
+        self.output_bytes_left = MAX_OUTPUT_BYTES
+        self.results_left = 5000  # check results kept past the output budget
+        self.overdue = False  # the whole notebook ran past its limit
+
+
+class _Client(NotebookClient):
+    """nbclient's client, with what grading needs: errors read from the kernel's replies, outputs
+    bounded, and cells that hung once not run again."""
+
+    def __init__(self, nb, state: _RunState, **kwargs) -> None:
+        super().__init__(nb, on_cell_execute=self._started, **kwargs)
+        self.state = state
+
+    def _started(self, cell, cell_index, **_) -> None:
+        self.state.cell = cell_index
+
+    async def _check_raise_for_error(self, cell, cell_index, exec_reply):
+        # a cell failed when the kernel's reply says so, whatever its outputs show: a learner can
+        # hide the error output (IPython's set_custom_exc, clear_output) but not the reply's status
+        content = (exec_reply or {}).get("content", {})
+        if content.get("status") == "error":
+            self.state.replied_error[cell_index] = (str(content.get("ename", "")), str(content.get("evalue", "")))
+        return await super()._check_raise_for_error(cell, cell_index, exec_reply)
+
+    def output(self, outs, msg, display_id, cell_index):
+        # the outputs kept are bounded, so a notebook printing gigabytes cannot exhaust the grader's memory
+        state = self.state
+        size = len(json.dumps(msg.get("content", {}), ensure_ascii=False, default=str))
+        data = msg.get("content", {}).get("data") or {}
+        if size < 2**16 and any("vnd.labsupport" in key for key in data) and state.results_left > 0:
+            state.results_left -= 1  # a check's result is kept past the budget (a few thousand at most)
+            return super().output(outs, msg, display_id, cell_index)
+        if state.output_bytes_left < 0:
+            return None
+        state.output_bytes_left -= size
+        if state.output_bytes_left < 0:
+            note = nbformat.v4.new_output("stream", name="stderr", text=(
+                f"[labsupport: outputs past {MAX_OUTPUT_BYTES // 2**20} MiB were dropped]\n"))
+            outs.append(note)
+            return None
+        return super().output(outs, msg, display_id, cell_index)
+
+    async def _async_handle_timeout(self, timeout, cell=None):
+        state = self.state
+        if cell is not None and state.cell not in state.timed_out_cells:
+            state.timed_out_cells.append(state.cell)
+            test = state.after_timeout(state.nb.cells[state.cell].source) if state.after_timeout else None
+            if test is not None:
+                state.skip_tests.append(test)
+        return await super()._async_handle_timeout(timeout, cell)
+
+    async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
+        if cell.cell_type == "code":
+            reason = next((r for r in (test(cell.source) for test in self.state.skip_tests) if r), "")
+            if reason:
+                self.state.result.skipped.append(CellError(cell_index, "Skipped", reason, cell.source))
+                return cell
+        return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+
+
+def _launch_options(private: str, env: dict[str, str] | None, quiet: bool, sandbox) -> dict:
+    """How the kernel process is started: its environment (a private IPython folder, the ledger's
+    figures sent to a throwaway folder) and where its own output goes."""
+    base = environment_for_kernel() if sandbox is not None else os.environ
+    ledger = str(Path(private) / "ledger")  # the figures a lab saves go here, not to the grader's own folder
+    launch = {"env": {**base, "IPYTHONDIR": str(Path(private) / "ipython"), LEDGER_VAR: ledger, **(env or {})},
+              "cleanup_kc": True}
+    if quiet or sandbox is not None:  # a sandboxed kernel writes nothing to the grader's terminal
+        launch["stderr"] = subprocess.DEVNULL
+    if sandbox is not None:
+        launch["stdout"] = subprocess.DEVNULL
+    return launch
+
+
+def _run_within(client: _Client, launch: dict, notebook_timeout: float | None) -> None:
+    """Run the whole notebook; past ``notebook_timeout`` stop it (the kernel is shut down on the way
+    out) and mark the run overdue. Raises what the run raised."""
+
+    async def run():
+        task = asyncio.ensure_future(client.async_execute(**launch))
+        done, _ = await asyncio.wait({task}, timeout=notebook_timeout)
+        if not done:
+            client.state.overdue = True
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # cancelled, or the kernel died as it was stopped
+                pass
+            return
+        task.result()
+
+    run_sync(run)()
+
+
+def _record_timeouts(state: _RunState, timeout: int) -> None:
+    result, cells = state.result, state.nb.cells
+    for index in state.timed_out_cells:
+        result.timeouts.append(CellError(index, "CellTimeoutError", f"ran past {timeout} s", cells[index].source))
+    if result.notebook_timed_out and state.cell >= 0 and state.cell not in state.timed_out_cells:
+        result.timeouts.append(CellError(state.cell, "NotebookTimeout", result.notebook_timed_out,
+                                         cells[state.cell].source))
+    result.timed_out = result.timeouts[0] if result.timeouts else None
+
+
+def _record_errors(state: _RunState) -> None:
+    """Every failed cell: its error outputs, or, where those were hidden, the kernel's reply."""
+    result = state.result
+    for index, cell in enumerate(state.nb.cells):
+        if cell.cell_type != "code":
+            continue
+        shown = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        for output in shown:
+            result.errors.append(CellError(index, output.get("ename", ""), output.get("evalue", ""),
+                                           cell.source))
+        if index in state.replied_error and not shown:  # failed, but its error output was hidden or cleared
+            ename, evalue = state.replied_error[index]
+            result.errors.append(CellError(index, ename or "Error", evalue or "the cell failed (its kernel "
+                                           "replied with an error, but no error output was shown)", cell.source))
+    result.errors.sort(key=lambda e: e.index)
 
 
 def execute(
@@ -155,98 +295,23 @@ def execute(
     Raises KernelStartError when the kernel cannot start or dies before its first cell.
     """
     result = Execution(nb)
-    state = {"cell": -1}  # the code cell running now (-1: none yet)
-    timed_out_cells: list[int] = []
-
-    skip_tests: list[Callable[[str], str]] = []
-    replied_error: dict[int, tuple[str, str]] = {}  # cell index -> (ename, evalue) the kernel's reply gave
-    budget = {"left": MAX_OUTPUT_BYTES, "results": 5000}
-
-    class Client(NotebookClient):
-        async def _check_raise_for_error(self, cell, cell_index, exec_reply):
-            # a cell failed when the kernel's reply says so, whatever its outputs show: a learner can
-            # hide the error output (IPython's set_custom_exc, clear_output) but not the reply's status
-            content = (exec_reply or {}).get("content", {})
-            if content.get("status") == "error":
-                replied_error[cell_index] = (str(content.get("ename", "")), str(content.get("evalue", "")))
-            return await super()._check_raise_for_error(cell, cell_index, exec_reply)
-
-        def output(self, outs, msg, display_id, cell_index):
-            # the outputs kept are bounded, so a notebook printing gigabytes cannot exhaust the grader's memory
-            size = len(json.dumps(msg.get("content", {}), ensure_ascii=False, default=str))
-            data = msg.get("content", {}).get("data") or {}
-            if size < 2**16 and any("vnd.labsupport" in key for key in data) and budget["results"] > 0:
-                budget["results"] -= 1  # a check's result is kept past the budget (a few thousand at most)
-                return super().output(outs, msg, display_id, cell_index)
-            if budget["left"] < 0:
-                return None
-            budget["left"] -= size
-            if budget["left"] < 0:
-                note = nbformat.v4.new_output("stream", name="stderr", text=(
-                    f"[labsupport: outputs past {MAX_OUTPUT_BYTES // 2**20} MiB were dropped]\n"))
-                outs.append(note)
-                return None
-            return super().output(outs, msg, display_id, cell_index)
-
-        async def _async_handle_timeout(self, timeout, cell=None):
-            if cell is not None and state["cell"] not in timed_out_cells:
-                timed_out_cells.append(state["cell"])
-                test = after_timeout(nb.cells[state["cell"]].source) if after_timeout else None
-                if test is not None:
-                    skip_tests.append(test)
-            return await super()._async_handle_timeout(timeout, cell)
-
-        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
-            if cell.cell_type == "code":
-                reason = next((r for r in (test(cell.source) for test in skip_tests) if r), "")
-                if reason:
-                    result.skipped.append(CellError(cell_index, "Skipped", reason, cell.source))
-                    return cell
-            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
-
-    def started(cell, cell_index, **_):
-        state["cell"] = cell_index
-
+    state = _RunState(nb, result, after_timeout)
     with tempfile.TemporaryDirectory(prefix="labsupport-run-") as tmp, \
             tempfile.TemporaryDirectory(prefix="labsupport-kernel-") as private:
-        base = os.environ
-        if sandbox is not None:
-            base = environment_for_kernel()
-        # the figures a lab saves to the class ledger go to a throwaway folder, not the grader's own
-        ledger = str(Path(private) / "ledger")
-        launch = {"env": {**base, "IPYTHONDIR": str(Path(private) / "ipython"), LEDGER_VAR: ledger, **(env or {})},
-                  "cleanup_kc": True}
-        if quiet or sandbox is not None:  # a sandboxed kernel writes nothing to the grader's terminal
-            launch["stderr"] = subprocess.DEVNULL
-        if sandbox is not None:
-            launch["stdout"] = subprocess.DEVNULL
-        client = Client(
+        workdir = str(cwd or tmp)
+        client = _Client(
             nb,
-            km=_kernel_manager(Path(private) / "kernels", sandbox, [private, str(cwd or tmp)], str(cwd or tmp)),
+            state,
+            km=_kernel_manager(Path(private) / "kernels", sandbox, [private, workdir], workdir),
             timeout=timeout,
             allow_errors=not stop_on_error,
             interrupt_on_timeout=not stop_on_error,
             extra_arguments=["--HistoryManager.hist_file=:memory:"],
-            on_cell_execute=started,
-            resources={"metadata": {"path": str(cwd or tmp)}},
+            resources={"metadata": {"path": workdir}},
         )
-
-        async def run():
-            task = asyncio.ensure_future(client.async_execute(**launch))
-            done, _ = await asyncio.wait({task}, timeout=notebook_timeout)
-            if not done:  # past the notebook's limit: stop it (the kernel is shut down on the way out)
-                state["overdue"] = True
-                task.cancel()
-                try:
-                    await task
-                except BaseException:  # cancelled, or the kernel died as it was stopped
-                    pass
-                return
-            task.result()  # raises what the run raised
-
         try:
-            run_sync(run)()
-            if state.get("overdue"):
+            _run_within(client, _launch_options(private, env, quiet, sandbox), notebook_timeout)
+            if state.overdue:
                 result.notebook_timed_out = f"the notebook ran past its {notebook_timeout:g} s limit"
         except CellTimeoutError:
             pass  # recorded by the client (stop_on_error: the run ends at the first timeout)
@@ -255,32 +320,16 @@ def execute(
         except Exception as exc:  # the kernel could not start, or died
             reason = "the kernel died" if isinstance(exc, DeadKernelError) else f"{type(exc).__name__}"
             message = f"{reason}: {str(exc).strip()[:300]}"
-            if state["cell"] < 0:
+            if state.cell < 0:
                 # nbclient leaves an exit hook behind when a kernel fails to start; it would fail at exit
                 atexit.unregister(client._cleanup_kernel)
                 raise KernelStartError(
                     f"could not start a Python kernel with {KERNEL_PYTHON} ({message}). Check that "
                     f"ipykernel is installed for that Python (`{KERNEL_PYTHON} -m pip install ipykernel`)."
                 ) from exc
-            result.died = f"{message} (in the cell starting `{first_line(nb.cells[state['cell']].source)}`)"
-    for index in timed_out_cells:
-        result.timeouts.append(CellError(index, "CellTimeoutError", f"ran past {timeout} s", nb.cells[index].source))
-    if result.notebook_timed_out and state["cell"] >= 0 and state["cell"] not in timed_out_cells:
-        result.timeouts.append(CellError(state["cell"], "NotebookTimeout", result.notebook_timed_out,
-                                         nb.cells[state["cell"]].source))
-    result.timed_out = result.timeouts[0] if result.timeouts else None
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        shown = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-        for output in shown:
-            result.errors.append(CellError(index, output.get("ename", ""), output.get("evalue", ""),
-                                           cell.source))
-        if index in replied_error and not shown:  # failed, but its error output was hidden or cleared
-            ename, evalue = replied_error[index]
-            result.errors.append(CellError(index, ename or "Error", evalue or "the cell failed (its kernel "
-                                           "replied with an error, but no error output was shown)", cell.source))
-    result.errors.sort(key=lambda e: e.index)
+            result.died = f"{message} (in the cell starting `{first_line(nb.cells[state.cell].source)}`)"
+    _record_timeouts(state, timeout)
+    _record_errors(state)
     return result
 
 

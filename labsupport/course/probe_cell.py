@@ -4,6 +4,9 @@ inside the function, so the cell stands alone."""
 
 
 def _labsupport_probe(nonce, mime):
+    # One long function on purpose: this function is the whole cell the grader appends (probe.py runs
+    # this file's text in the learner's kernel), and that cell must leave one name behind in the learner's
+    # namespace, so its parts (codes, same, foreign) are nested here rather than defined beside it.
     # imports inside: the cell runs in the learner's namespace and leaves only this function there
     import inspect
     import os

@@ -25,14 +25,18 @@ from ``_config.yml``.
 Every generated code cell, in both versions, must compile; one that does not stops ``release`` (and
 ``release --check``) with its source line.
 
-The notebooks carry nbval's cell tags, so ``pytest --nbval-lax`` runs them as tests
-(``make test``): in the solution notebook, every cell that calls a graded check, and every cell
-whose marker line tags it (``# %% tags=["nbval-check-output"]``), has its output compared with
-the one recorded in ``solutions/outputs/NN_name.json`` (see :mod:`labsupport.course.stored_outputs`;
-``release --record`` records them). In the learner's notebook the first cell that fails because
-an exercise is not done (the first check after the first exercise, or the exercise itself when it
-raises at the top level) is tagged ``raises-exception`` and every code cell after it
-``nbval-skip``: nbval runs a fresh learner notebook up to its first exercise.
+``pytest --nbval-lax`` runs both notebooks as tests (``make test``). In the solution notebook,
+every cell that calls a graded check, and every cell whose marker line tags it
+(``# %% tags=["nbval-check-output"]``), carries nbval's tag and has its output compared with the
+one recorded in ``solutions/outputs/NN_name.json`` (see :mod:`labsupport.course.stored_outputs`;
+``release --record`` records them). The learner's notebook carries no nbval tags: its metadata
+names the first cell that fails because an exercise is not done (the first check after the first
+exercise, or the exercise itself when it raises at the top level), ``labsupport.stops_at``, and
+the course's nbval plugin (:mod:`labsupport.course.nbval_plugin`) expects that cell to fail and
+skips every code cell after it, so nbval runs a fresh learner notebook up to its first exercise.
+A ``raises-exception`` tag would do the same for nbval, but JupyterLab reads it too and lets Run
+All run on past that cell (it sends the cell with ``stop_on_error`` false), to the next cell that
+uses the unwritten function; without it, Run All stops where the labs say.
 
 A learner's edits are never overwritten: every released notebook records a digest of its cells,
 and ``release`` refuses to replace a notebook whose cells no longer match it (unless ``force``,
@@ -116,7 +120,7 @@ def build_notebook(source: Path, student: bool, repository: str | None = None,
     fills the solution notebook's compared cells with their stored outputs.
     """
     nb = nbformat.v4.new_notebook()
-    stopped = False  # learner's version: past the first cell that fails until an exercise is done
+    stops_at = None  # learner's version: the id of the first cell that fails until an exercise is done
     seen_exercise = False
     for index, cell in enumerate(parse_source(source)):
         tags = list(cell.tags)
@@ -124,8 +128,6 @@ def build_notebook(source: Path, student: bool, repository: str | None = None,
             if repository is None:
                 repository = course_repository(Path(source).resolve().parent.parent)
             new = nbformat.v4.new_code_cell(setup_cell(repository))
-            if student and stopped:
-                tags.append(stored_outputs.SKIP)
         elif cell.kind == "code":
             lines = strip_code_lines(cell, source, student)
             _check_compiles(lines, source, student)
@@ -135,11 +137,8 @@ def build_notebook(source: Path, student: bool, repository: str | None = None,
             if student:
                 tags = [t for t in tags if t != stored_outputs.CHECK_OUTPUT]  # learners' copies store nothing
                 seen_exercise = seen_exercise or any(BEGIN.match(line) for line in cell.lines)
-                if stopped:
-                    tags.append(stored_outputs.SKIP)
-                elif seen_exercise and (calls_check or _raises_at_top_level(text)):
-                    tags.append(stored_outputs.RAISES)
-                    stopped = True
+                if stops_at is None and seen_exercise and (calls_check or _raises_at_top_level(text)):
+                    stops_at = index
             elif calls_check and stored_outputs.CHECK_OUTPUT not in tags:
                 tags.append(stored_outputs.CHECK_OUTPUT)
         else:
@@ -147,7 +146,7 @@ def build_notebook(source: Path, student: bool, repository: str | None = None,
             new = nbformat.v4.new_markdown_cell(text)
         if tags:
             new.metadata["tags"] = tags
-        new["id"] = f"{source.stem[:40]}-{index:03d}".replace("_", "-")
+        new["id"] = cell_id(source, index)
         nb.cells.append(new)
     if not student and recording:
         stored_outputs.apply(nb, recording)
@@ -161,7 +160,14 @@ def build_notebook(source: Path, student: bool, repository: str | None = None,
             "digest": cells_digest(nb),
         },
     }
+    if student and stops_at is not None:
+        nb.metadata["labsupport"][stored_outputs.STOPS_AT] = cell_id(source, stops_at)
     return nb
+
+
+def cell_id(source: Path, index: int) -> str:
+    """The id of a lab's cell number ``index`` (the same in both notebooks): ``05-phases-015``."""
+    return f"{source.stem[:40]}-{index:03d}".replace("_", "-")
 
 
 def cells_digest(nb) -> str:

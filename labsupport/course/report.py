@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import write_atomically
+
 CSV_HEADER = ["notebook", "student", "lab", "check", "points", "max_points", "status", "detail", "flags",
               "sandbox", "learner_cells", "ignored"]  # new columns go at the end: spreadsheets keep working
 OLD_CSV_HEADERS = (["notebook", "check", "points", "max_points", "status", "detail"],  # earlier versions
@@ -77,22 +79,15 @@ def write_csv(rows: list[Row], path: Path, *, checked: bool = True, overwrite: b
     path = Path(path)
     if checked:
         check_csv_target(path, overwrite=overwrite)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with open(fd, "w", newline="", encoding="utf-8", errors="backslashreplace") as f:
-            writer = csv.writer(f)
-            writer.writerow(CSV_HEADER)
-            for r in rows:
-                writer.writerow([escape_surrogates(str(x)) for x in (
-                    r.notebook, r.student, r.lab, r.check, f"{r.points:g}", f"{r.max_points:g}", r.status,
-                    r.detail, r.flags, r.sandbox, r.learner_cells, r.ignored)])
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    def write(f) -> None:
+        writer = csv.writer(f)
+        writer.writerow(CSV_HEADER)
+        for r in rows:
+            writer.writerow([escape_surrogates(str(x)) for x in (
+                r.notebook, r.student, r.lab, r.check, f"{r.points:g}", f"{r.max_points:g}", r.status,
+                r.detail, r.flags, r.sandbox, r.learner_cells, r.ignored)])
+
+    write_atomically(path, write, newline="", encoding="utf-8", errors="backslashreplace")
 
 
 class GradesFile:

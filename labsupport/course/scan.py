@@ -197,6 +197,17 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
     cells = [c.source for c in nb.cells if c.cell_type == "code"]
     trees = [_parse(src) for src in cells]
     answers = course_answers(filter(None, trees))
+    parsed = [tree for tree in trees if tree is not None]
+    _flag_words(cells, trees, add)
+    bound = _labsupport_names(parsed, add)
+    exercises = _exercises(parsed, answers, add)
+    _flag_patches(parsed, bound, exercises, known_checks, answers, add)
+    return flags
+
+
+def _flag_words(cells: list[str], trees: list, add) -> None:
+    """Per cell, in its code without comments: the suspect names, the check framework, reaching into
+    the interpreter, and a cell that mentions labsupport but does not parse."""
     for src, tree in zip(cells, trees):
         code = " ".join(t.string for t in _tokens(python_source(src)))  # comments left out
         if "LABSUPPORT_RESULTS" in code:  # in a name or a string
@@ -212,8 +223,12 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
         if tree is None and "labsupport" in code:
             add("a cell that does not parse mentions labsupport (read it)")
 
-    bound = {"labsupport"}  # names that refer to labsupport modules or what was imported from them
-    for tree in filter(None, trees):
+
+def _labsupport_names(trees: list[ast.AST], add) -> set[str]:
+    """The names that refer to labsupport modules or what was imported from them; imports of the
+    check modules are flagged on the way."""
+    bound = {"labsupport"}
+    for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
@@ -225,9 +240,14 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
                 if (node.module or "").startswith("labsupport.checks."):
                     add(FRAMEWORK if node.module == "labsupport.checks.framework" else f"imports from {node.module}")
                 bound.update(alias.asname or alias.name for alias in node.names)
+    return bound
 
-    exercises: dict[str, set[str]] = {}  # the functions the notebook hands to checks, and those checks
-    for tree in filter(None, trees):
+
+def _exercises(trees: list[ast.AST], answers, add) -> dict[str, set[str]]:
+    """The functions the notebook hands to checks, with those checks; a course answer handed to a
+    check is flagged on the way."""
+    exercises: dict[str, set[str]] = {}
+    for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _func_name(node).startswith("check_") and node.args:
                 if isinstance(node.args[0], ast.Name):
@@ -235,7 +255,14 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
                 for arg in [*node.args, *(k.value for k in node.keywords)]:
                     for name in _referenced(arg, answers):
                         add(f"passes the course's {name} to {_func_name(node)}")
-    for tree in filter(None, trees):
+    return exercises
+
+
+def _flag_patches(trees: list[ast.AST], bound: set[str], exercises: dict[str, set[str]], known_checks: set[str],
+                  answers, add) -> None:
+    """Assignments and calls that patch labsupport, checks redefined, and exercises that are (or use)
+    the course's answers."""
+    for tree in trees:
         for node in ast.walk(tree):
             targets: list[ast.AST] = []
             if isinstance(node, ast.Assign):
@@ -268,9 +295,6 @@ def scan_flags(nb, known_checks: Iterable[str] = ()) -> list[str]:
                     for name in _referenced(ast.Module(body=node.body, type_ignores=[]), answers):
                         if banned is None or name in banned:
                             add(f"{node.name} uses the course's {name}")
-    return flags
-
-
 
 
 def _banned_by(check_names: Iterable[str]) -> set[str] | None:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import labsupport
 
+from .files import each_once, write_atomically
 from .report import Row, escape_surrogates
 
 FORMAT = "labsupport-grade-shard"
@@ -196,18 +197,12 @@ def course_fingerprint() -> dict:
 
 def _write_json(data: dict, path: Path) -> None:
     """Atomically: a reader sees the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with open(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    def write(f) -> None:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+    write_atomically(path, write, encoding="utf-8")
 
 
 class ShardFile:
@@ -366,13 +361,7 @@ def shard_paths(arguments: Iterable[str]) -> list[Path]:
             found.extend(inside)
         else:
             found.append(path)
-    unique, seen = [], set()
-    for path in found:
-        key = path.resolve() if path.exists() else path
-        if key not in seen:
-            seen.add(key)
-            unique.append(path)
-    return unique
+    return each_once(found)
 
 
 def _list_difference(a: dict, b: dict, shown: int = 3) -> str:

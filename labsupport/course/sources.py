@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,6 +138,23 @@ def setup_cell(repository: str) -> str:
     return SETUP_CELL.format(repository=repository)
 
 
+STUB_WIDTH = 96  # what an editor pane shows without scrolling (JupyterLab beside its file browser)
+STUB_SHORT = "Exercise: write what the comment above says"
+
+
+def stub_lines(indent: str, what: str | None) -> list[str]:
+    """What replaces a solution region in the learner's copy: ``raise NotImplementedError(...)`` at
+    the marker's indentation, saying what to write. When that line would be wider than
+    :data:`STUB_WIDTH`, what to write goes into comment lines above it and the raise stays short,
+    so the learner replaces one line and no line runs off the editor."""
+    what = what or "replace this line with your code"
+    line = f'{indent}raise NotImplementedError("Exercise: {what}")'
+    if len(line) <= STUB_WIDTH:
+        return [line]
+    text = textwrap.wrap(f"Exercise: {what}", width=STUB_WIDTH - len(indent) - 2, break_on_hyphens=False)
+    return [f"{indent}# {piece}" for piece in text] + [f'{indent}raise NotImplementedError("{STUB_SHORT}")']
+
+
 def strip_code_lines(cell: SourceCell, path: Path, student: bool) -> list[tuple[str, int]]:
     """The cell's lines for one version, each with the source line it comes from."""
     out: list[tuple[str, int]] = []
@@ -150,8 +168,7 @@ def strip_code_lines(cell: SourceCell, path: Path, student: bool) -> list[tuple[
                 raise ReleaseError(f"{path}:{number}: nested '# BEGIN SOLUTION'")
             inside, begin_line = begin, number
             if student:
-                what = begin.group("what") or "replace this line with your code"
-                out.append((f'{begin.group("indent")}raise NotImplementedError("Exercise: {what}")', number))
+                out.extend((line, number) for line in stub_lines(begin.group("indent"), begin.group("what")))
             continue
         if END.match(line):
             if not inside:

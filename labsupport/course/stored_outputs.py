@@ -23,8 +23,11 @@ import json
 from pathlib import Path
 
 CHECK_OUTPUT = "nbval-check-output"  # nbval compares these cells' outputs (also with --nbval-lax)
-RAISES = "raises-exception"  # nbval accepts an error from this cell
-SKIP = "nbval-skip"  # nbval does not run this cell
+RAISES = "raises-exception"  # nbval accepts an error from this cell (older learner notebooks)
+SKIP = "nbval-skip"  # nbval does not run this cell (older learner notebooks)
+# A learner notebook's metadata (``labsupport``) names the cell where a fresh notebook stops: the
+# first that fails until an exercise is done. The nbval plugin expects it to fail and skips the rest.
+STOPS_AT = "stops_at"
 FOLDER = Path("solutions") / "outputs"  # relative to the course root
 # Kept from each output: what nbval compares, and nothing that changes from run to run.
 _KEEP = {"stream": ("name", "text"), "execute_result": ("data",), "display_data": ("data",),

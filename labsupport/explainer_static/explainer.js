@@ -13,25 +13,10 @@ function labsupportExplainer(root) {
   const START = json("start");
   const $ = (sel) => root.querySelector(sel);
 
-  // Number formatting: toFixed rounds ties away from zero on the exact value, as the Python side.
-  const fixed = (x, d) => x.toFixed(d);
-  function group(text) {
-    let [whole, frac] = text.split(".");
-    const sign = whole.startsWith("-") ? "-" : "";
-    whole = whole.replace("-", "").replace(/\B(?=(\d{3})+(?!\d))/g, ",");
-    return sign + whole + (frac === undefined ? "" : "." + frac);
-  }
-  function seconds(s) {
-    const ms = s * 1000;
-    if (ms < 1) return fixed(ms, 2) + " ms";
-    if (s < 1) return fixed(ms, 1) + " ms";
-    if (s < 100) return fixed(s, 2) + " s";
-    if (s < 3600) return fixed(s / 60, 1) + " min";
-    return group(fixed(s / 3600, 1)) + " h";
-  }
+  // Number formatting (number_format.js, shared with the planner), then this widget's own units.
+  const { fixed, group, seconds, percent } = labsupportNumberFormat();
   const rate = (r) => group(fixed(r, r < 10 ? 1 : 0)) + " tok/s";
   const intensity = (x) => { const t = fixed(x, x < 10 ? 1 : 0); return (x >= 10000 ? group(t) : t) + " FLOP/B"; };
-  const percent = (f) => { const p = f * 100; return fixed(p, p < 10 ? 1 : 0) + "%"; };
   function gb(b) { const g = b / 1e9; return group(fixed(g, g < 10 ? 2 : g < 100 ? 1 : 0)) + " GB"; }
   function three(v) {
     let t = fixed(v, v < 10 ? 2 : v < 100 ? 1 : 0);
@@ -152,6 +137,11 @@ function labsupportExplainer(root) {
       out["decode-split"] = split(r.dec, "one decode step");
     }
     for (const [key, k] of points(r)) out[key + "-point"] = intensity(k.intensity) + ", " + percent(k.fraction) + " of peak";
+    if (r.weights > r.mem) {
+      // a setting that cannot run has no latency or throughput (as the planner says "none"); one
+      // whose cache outgrows the memory keeps its times, which the memory line says do not fit
+      for (const key of ["ttft", "itl", "latency", "throughput"]) { out[key] = "none"; out[key + "-note"] = "the weights do not fit"; }
+    }
     return out;
   }
 
@@ -207,9 +197,11 @@ function labsupportExplainer(root) {
       '" stroke="#8c959f" stroke-dasharray="4 4"/>';
     svg += '<text data-out="ridge" x="' + f(X(r.ridge) + 5) + '" y="' + (H - B - 8) + '" font-size="11" fill="#57606a" ' + HALO + ">" +
       esc(t["ridge"]) + "</text>";
-    svg += '<text x="' + f(X(r.ridge) - 8) + '" y="' + f(Y(r.peak) - 8) + '" font-size="11" text-anchor="end" fill="#57606a">memory-bound</text>';
-    svg += '<text x="' + f(X(r.ridge) + 8) + '" y="' + f(Y(r.peak) - 8) + '" font-size="11" fill="#57606a">compute-bound, ' +
-      esc(si(r.peak, "FLOP/s")) + " peak</text>";
+    // the regions' names at the foot of the ridge, under the roof, where no point or point label goes
+    svg += '<text x="' + f(X(r.ridge) - 8) + '" y="' + (H - B - 24) + '" font-size="11" text-anchor="end" fill="#57606a" ' +
+      HALO + ">\u2190 memory-bound</text>";
+    svg += '<text x="' + f(X(r.ridge) + 5) + '" y="' + (H - B - 24) + '" font-size="11" fill="#57606a" ' + HALO +
+      ">compute-bound \u2192 (peak " + esc(si(r.peak, "FLOP/s")) + ")</text>";
     for (const [key, p, ph] of points(r)) {
       const colour = DATA.colours[ph];
       const hollow = key.endsWith("-attention");

@@ -15,23 +15,8 @@ function labsupportPlanner(root) {
   const START = json("start");
   const $ = (sel) => root.querySelector(sel);
 
-  // --- number formatting: toFixed rounds ties away from zero on the exact value, as the Python side
-  const fixed = (x, d) => x.toFixed(d);
-  function group(text) {
-    let [whole, frac] = text.split(".");
-    const sign = whole.startsWith("-") ? "-" : "";
-    whole = whole.replace("-", "").replace(/\B(?=(\d{3})+(?!\d))/g, ",");
-    return sign + whole + (frac === undefined ? "" : "." + frac);
-  }
-  function seconds(s) {
-    const ms = s * 1000;
-    if (ms < 1) return fixed(ms, 2) + " ms";
-    if (s < 1) return fixed(ms, 1) + " ms";
-    if (s < 100) return fixed(s, 2) + " s";
-    if (s < 3600) return fixed(s / 60, 1) + " min";
-    return group(fixed(s / 3600, 1)) + " h";
-  }
-  const percent = (f) => { const p = f * 100; return fixed(p, p < 10 ? 1 : 0) + "%"; };
+  // --- number formatting (explainer_static/number_format.js, shared with the explainer), then the planner's own
+  const { fixed, group, seconds, percent } = labsupportNumberFormat();
   function plain(x) {
     let t = fixed(x, 2);
     if (t.includes(".")) t = t.replace(/0+$/, "").replace(/\.$/, "");

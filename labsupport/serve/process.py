@@ -40,7 +40,8 @@ LISTENING = "labsupport.serve: listening on"  # the line the server prints once 
 #: What the server and lab 03's client need beyond the course's own dependencies: the ``serve``
 #: extra of pyproject.toml (a test keeps the two the same).
 SERVER_PACKAGES = {"fastapi": "fastapi>=0.110", "uvicorn": "uvicorn>=0.30", "openai": "openai>=1.40",
-                   "prometheus_client": "prometheus-client>=0.20", "tokenizers": "tokenizers>=0.22"}
+                   "prometheus_client": "prometheus-client>=0.20", "tokenizers": "tokenizers>=0.22",
+                   "httpx": "httpx>=0.27"}
 PINNED = ("torch", "triton", "numpy")  # what an install must never replace (Colab's builds)
 
 

@@ -4,6 +4,7 @@ Screenshots are saved under _build/screenshots/ for a person to look at."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,15 @@ def toc_files() -> list[str]:
 
 
 PAGES = toc_files()
+CHAPTERS = [p for p in PAGES if re.fullmatch(r"book/\d\d_\w+", p) and p not in ("book/05_explainer", "book/14_planner")]
 RAW_TEX = ("\\frac", "\\(", "\\)", "\\[", "$$", "\\text{", "\\times")
+# glued numbers (myst-nb's span.pasted-text) whose computed weight is above their parent's
+GLUED_HEAVIER = """Array.from(document.querySelectorAll('article span.pasted-text'))
+  .filter(e => Number(getComputedStyle(e).fontWeight) > Number(getComputedStyle(e.parentElement).fontWeight))
+  .map(e => e.textContent)"""
+# search boxes and buttons a reader can see (the header's and the sidebar's were both shown)
+VISIBLE_SEARCHES = """Array.from(document.querySelectorAll('.search-button-field, .bd-search, form.bd-search, #searchbox input'))
+  .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0).length"""
 
 
 def test_toc_lists_only_existing_sources():
@@ -62,6 +71,11 @@ def test_page_renders(source, page, book_url):
     leftovers = [t for t in RAW_TEX if t in prose]
     assert not leftovers, f"{source}: raw TeX visible in the prose: {leftovers}"
     assert "{glue" not in article, f"{source}: an unresolved glue reference is visible"
+    # glued numbers read at the weight of the text around them (myst-nb's own style makes them bold)
+    heavier = page.evaluate(GLUED_HEAVIER)
+    assert not heavier, f"{source}: glued numbers heavier than their text: {heavier[:5]}"
+    searches = page.evaluate(VISIBLE_SEARCHES)
+    assert searches == 1, f"{source}: {searches} search boxes visible, expected one"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"{source.replace('/', '__')}.png"), full_page=False)
     assert not page.js_errors, f"{source}: JavaScript errors: {page.js_errors}"
@@ -112,3 +126,20 @@ def test_chapter_pages_offer_no_launch_button(source, page, book_url):
     page.goto(f"{book_url}/{source}.html", wait_until="load")
     links = page.evaluate("Array.from(document.querySelectorAll('a')).map(a => a.href)")
     assert not [link for link in links if "colab.research.google.com" in link], source
+
+
+@pytest.mark.parametrize("source", CHAPTERS)
+def test_every_chapter_has_a_figure_and_its_screenshot(source, page, book_url):
+    """Each chapter shows at least one figure drawn at build time (two image pixels per CSS pixel, so
+    it stays sharp); a screenshot of the view at its first figure is kept for a person to look at."""
+    page.goto(f"{book_url}/{source}.html", wait_until="load")
+    images = page.evaluate("""Array.from(document.querySelectorAll('article img'))
+      .filter(i => i.complete && i.naturalWidth > 0)
+      .map(i => ({src: i.getAttribute('src'), natural: i.naturalWidth, shown: i.getBoundingClientRect().width}))""")
+    figures = [i for i in images if i["natural"] >= 300]
+    assert figures, f"{source}: no figure"
+    if source >= "book/09":  # the figures of labsupport.course.figures
+        assert all(i["natural"] >= 1.9 * i["shown"] for i in figures), f"{source}: a figure below 2x: {figures}"
+    page.locator(f"article img[src='{figures[0]['src']}']").first.scroll_into_view_if_needed()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"figure__{source.replace('/', '__')}.png"))

@@ -294,3 +294,13 @@ def test_live_widget_builds_and_updates():
 def test_show_displays_the_widget(capsys):
     explainer.show(model="llama-3.1-8b", card="H100 SXM", count=1)
     assert "VBox" in capsys.readouterr().out
+
+
+def test_a_setting_that_cannot_run_shows_none_not_a_time():
+    """As the planner does: no latency or throughput for weights or a cache that do not fit."""
+    _, weights = explainer.compute(model="llama-3.1-405b", card="T4", count=1)
+    assert weights["ttft"] == weights["throughput"] == "none" and weights["ttft-note"] == "the weights do not fit"
+    report, cache = explainer.compute(model="llama-3.1-8b", card="L4", count=1, prompt_tokens=131072, batch=256)
+    assert not report.fits and cache["itl"] != "none" and "does not fit" in cache["memory"]  # it says so there
+    _, fits = explainer.compute()
+    assert fits["ttft"] != "none" and fits["ttft"].endswith("ms")

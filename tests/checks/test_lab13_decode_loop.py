@@ -121,11 +121,11 @@ def test_sample_ignores_the_generator():
     fails(check_sample, fn, "do not come from `generator`")
 
 
-def _sample_with(keep_rule=None, temperature_after_softmax=False):
+def _sample_with(keep_rule=None, temperature_after_softmax=False, no_temperature=False):
     def fn(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
         if temperature == 0:
             return logits.argmax(-1)
-        z = logits if temperature_after_softmax else logits / temperature
+        z = logits if temperature_after_softmax or no_temperature else logits / temperature
         if 0 < top_k < z.shape[-1]:
             kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
             z = z.masked_fill(z < kth, float("-inf"))
@@ -162,7 +162,12 @@ def test_sample_top_p_keeps_one_too_many():
 
 def test_sample_temperature_after_softmax():
     fails(check_sample, _sample_with(lambda cum, sp, p: cum - sp < p, temperature_after_softmax=True),
-          "temperature 0.5", "temperature is applied after the softmax")
+          "temperature 0.5", "the temperature has no effect: it is not applied, or applied after the softmax")
+
+
+def test_sample_without_temperature_is_told_the_temperature_has_no_effect():
+    fails(check_sample, _sample_with(lambda cum, sp, p: cum - sp < p, no_temperature=True),
+          "temperature 0.5", "the temperature has no effect: it is not applied")
 
 
 def test_sample_temperature_zero_divides():

@@ -278,6 +278,10 @@ def test_no_process_outlives_the_grader_to_rewrite_the_grades(graded):
     assert _row(graded, "leftover")["points"] == "0"
 
 
-def test_the_grading_took(graded):
-    """Not a limit (the CPU is shared): the time is printed for the report."""
+def test_every_planted_notebook_is_graded_once(graded):
+    """One row per notebook (lab 04 has one check), none missing, none twice. The time is printed
+    for the report, not checked (the CPU is shared)."""
+    planted = {**CHEATS, **(HARMFUL if SANDBOX else {}), **HONEST}
+    names = [r["notebook"].rsplit("/", 1)[-1].split("_04_")[0] for r in csv.DictReader(graded["text"].splitlines())]
+    assert sorted(names) == sorted(planted), graded["done"].stderr[-3000:]
     print(json.dumps({"notebooks": len(graded["rows"]), "seconds": round(graded["seconds"], 1)}))

@@ -10,13 +10,12 @@ import nbformat
 import pytest
 
 import labsupport.course.grade
-import labsupport.course.sandbox as sandbox_module
 from labsupport.course.cli import main
 from labsupport.course.grade import grade_notebook
 from labsupport.course.manifest import load_course_cells
 from labsupport.course.notebooks import Execution
 from labsupport.course.report import CSV_HEADER, Row, format_table
-from labsupport.course.sandbox import Sandbox, choose
+from labsupport.course.sandbox import Sandbox
 from labsupport.course.splice import needed, splice
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,19 +141,6 @@ def test_the_table_names_the_learners_cells_and_what_was_ignored():
     table = format_table([row])
     assert "learner's cells: 05-phases-017" in table and "not run: 1 added cell(s) not run: x" in table
     assert "UNSANDBOXED" not in table
-
-
-def test_a_container_runs_the_kernel_with_no_network_and_the_folders_it_needs(monkeypatch):
-    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: "/usr/bin/podman" if name == "podman" else None)
-    box, why = choose(container="course-grader:1")
-    assert why == "" and box.label == "container course-grader:1 (podman)"
-    argv = box.wrap(["/venv/bin/python", "-c", "main", "-f", "/k/connection.json"], ["/k", "/work"], "/work")
-    assert argv[:3] == ["podman", "run", "--rm"] and "--network" in argv and argv[argv.index("--network") + 1] == "none"
-    assert "-v" in argv and "/k:/k" in argv and "/work:/work" in argv and "--read-only" in argv
-    assert argv[argv.index("course-grader:1") + 1:] == ["python", "-c", "main", "-f", "/k/connection.json"]
-    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
-    with pytest.raises(RuntimeError, match="docker or podman"):
-        choose(container="course-grader:1")
 
 
 def test_bubblewrap_leaves_only_the_scratch_folders_writable():

@@ -61,6 +61,18 @@ def test_student_and_solution_versions(course):
     assert student.metadata["labsupport"]["version"] == "student"
 
 
+def test_a_long_stub_says_what_to_write_in_comments_above_one_short_raise():
+    from labsupport.course.sources import STUB_SHORT, STUB_WIDTH, stub_lines
+
+    what = "count pairs inside the chunks of pretokenize(text), merge the most frequent (ties: smallest), repeat"
+    lines = stub_lines("        ", what)
+    assert all(len(line) <= STUB_WIDTH for line in lines) and len(lines) >= 3
+    assert lines[-1] == f'        raise NotImplementedError("{STUB_SHORT}")'
+    assert all(line.startswith("        # ") for line in lines[:-1])
+    assert " ".join(line.strip()[2:] for line in lines[:-1]) == f"Exercise: {what}"
+    assert stub_lines("", "set answer") == ['raise NotImplementedError("Exercise: set answer")']
+
+
 def test_release_writes_both_and_is_idempotent(course):
     release(course, log=lambda *_: None)
     assert (course / "labs" / "01_demo.ipynb").exists() and (course / "solutions" / "01_demo.ipynb").exists()

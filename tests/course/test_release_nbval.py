@@ -83,14 +83,15 @@ def test_solution_compares_check_cells_and_tagged_cells(course):
 
 def test_learner_notebook_stops_at_the_first_check_after_the_first_exercise(course):
     nb = build_notebook(course / "solutions" / "01_demo.py", student=True)
-    assert _tags(nb) == [[], [], [], ["raises-exception"], ["nbval-skip"], ["nbval-skip"]]
+    assert _tags(nb) == [[]] * 6  # no raises-exception: JupyterLab's Run All would run past it
+    assert nb.metadata["labsupport"]["stops_at"] == nb.cells[3].id == "01-demo-003"
 
 
 def test_an_exercise_that_raises_at_the_top_level_is_itself_the_expected_failure(course):
     (course / "solutions" / "01_demo.py").write_text(
         "# %%\nx = 1\n\n# %%\n# BEGIN SOLUTION\ny = 2\n# END SOLUTION\n\n# %%\nprint(y)\n")
     nb = build_notebook(course / "solutions" / "01_demo.py", student=True)
-    assert _tags(nb) == [[], ["raises-exception"], ["nbval-skip"]]
+    assert _tags(nb) == [[], [], []] and nb.metadata["labsupport"]["stops_at"] == nb.cells[1].id
 
 
 def test_malformed_tags_are_reported_with_their_line(course):

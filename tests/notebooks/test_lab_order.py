@@ -52,3 +52,38 @@ def test_a_measurement_runs_before_the_first_exercise_check(path):
             assert not any(re.search(rf"\b{name}\b", line) for name in stubs), (
                 f"{path.name}: a measurement before the first check uses an exercise: {line.strip()}"
             )
+
+
+def _defined(source: str) -> set[str]:
+    """The names a cell defines at its top level (functions, classes, assignments)."""
+    import ast
+
+    from labsupport.course.scan import python_source
+
+    names = set()
+    for node in ast.parse(python_source(source)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+@pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
+def test_the_first_cell_that_uses_an_exercise_is_its_check(path):
+    """Run All stops at the first cell that fails. Once a learner has written the exercises before
+    one, that cell must be the next exercise's check (a short 'still raises NotImplementedError'),
+    not a cell that calls the unwritten function and fails with a long traceback."""
+    from labsupport.course.scan import check_calls
+
+    code = [(i, c.source) for i, c in enumerate(_cells(path)) if c.cell_type == "code"]
+    for n, (i, source) in enumerate(code):
+        if "raise NotImplementedError" not in source or not _defined(source):
+            continue  # not an exercise, or one that raises at the top level (Run All stops on it)
+        names = _defined(source)
+        users = [(j, s) for j, s in code[n + 1:] if any(re.search(rf"\b{re.escape(x)}\b", s) for x in names)]
+        assert users, f"{path.name}: nothing uses the exercise in cell {i} ({sorted(names)})"
+        j, first = users[0]
+        assert check_calls(first), (
+            f"{path.name}: cell {j} uses the exercise of cell {i} before any check does:\n{first[:300]}")

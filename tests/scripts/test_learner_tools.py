@@ -67,7 +67,9 @@ def test_unchanged_lab_is_not_reported(tmp_path):
 
 def test_make_lab_opens_the_ignored_copy():
     recipe = (ROOT / "Makefile").read_text().split("\nlab:", 1)[1].split("\n\n", 1)[0]
-    assert "scripts/my_labs.py labs my-labs" in recipe and "jupyter lab my-labs/" in recipe
+    assert "scripts/my_labs.py labs my-labs --open $(VENV)/bin/jupyter" in recipe
+    command = my_labs.lab_command("jupyter", Path("my-labs"))
+    assert command[:2] == ["jupyter", "lab"] and command[-1] == "my-labs"
     ignored = subprocess.run(["git", "check-ignore", "-q", "my-labs/00_first_kernel.ipynb"], cwd=ROOT)
     assert ignored.returncode == 0, "my-labs/ must be git-ignored"
 
@@ -101,3 +103,40 @@ def test_search_shows_snippets_when_served(page, book_url):
     snippets = page.eval_on_selector_all("ul.search li p.context", "ps => ps.map(p => p.textContent)")
     assert snippets and any("bandwidth" in s.lower() for s in snippets), snippets
     assert not [e for e in page.js_errors if "CORS" in e or "Failed to fetch" in e], page.js_errors
+
+
+def test_jupyterlab_starts_as_root_with_the_courses_settings(tmp_path):
+    """`make lab`'s command, started for real: as root it needs --allow-root, and the course's
+    overrides.json turns off the news pop-up that would cover a fresh start's first outputs."""
+    import json
+    import os
+    import socket
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    jupyter = str(Path(sys.executable).with_name("jupyter"))
+    command = my_labs.lab_command(jupyter, tmp_path, "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
+                                  "--IdentityProvider.token=")
+    assert ("--allow-root" in command) == (os.geteuid() == 0)
+    env = {**os.environ, **{v: str(tmp_path / v.lower()) for v in (
+        "JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR")}}
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, f"JupyterLab exited: {server.stdout.read()[-2000:]}"
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    schema = json.loads(response.read())["schema"]["properties"]
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "JupyterLab did not answer within 60 s"
+                time.sleep(0.3)
+        assert schema["fetchNews"]["default"] == "false" and schema["checkForUpdates"]["default"] is False
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

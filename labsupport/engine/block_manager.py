@@ -1,0 +1,89 @@
+"""The engine's cache blocks: chapter 10's allocator, driven with token ids (nano-vllm's ``BlockManager``).
+
+The blocks themselves are :class:`labsupport.paged_cache.BlockAllocator`'s: block tables,
+reference counts, full blocks identified by a hash of their tokens and of the block before
+(prefix caching), freed blocks kept findable until they are evicted, least recently released
+first. This class is what the engine asks of it:
+
+* :meth:`cached_prefix`: how many leading tokens of a waiting request are cached, whole blocks and
+  never its last token (whose logits the step needs), without changing anything;
+* :meth:`admit`: take those cached blocks for the request (a reference each);
+* :meth:`append`: slots for the tokens a step computes, in order, each token's id passed along so a
+  block that fills becomes findable by its hash;
+* :meth:`free`: drop the request's references (preemption or retirement);
+* counters of prefix-cache queries and hits, in tokens, for ``Engine.stats()``.
+
+vLLM V1's ``KVCacheManager`` (``get_computed_blocks``, then ``allocate_slots``) and nano-vllm's
+``BlockManager`` (``can_allocate``/``allocate``, ``hash_blocks``) play the same part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from ..paged_cache import BlockAllocator
+from .sequence import Request
+
+
+class BlockManager:
+    """Cache blocks for the engine's requests (module docstring)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
+        self.block_size = block_size
+        self.query_tokens = 0  # tokens of the requests admitted (each admission counts)
+        self.hit_tokens = 0  # of those, found in the prefix cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: never used, freed, or cached and unreferenced."""
+        return self.allocator.num_free_blocks
+
+    def holds(self, request_id: Hashable) -> bool:
+        return request_id in self.allocator
+
+    def num_blocks_of(self, request_id: Hashable) -> int:
+        return self.allocator.num_blocks_of(request_id)
+
+    def block_table(self, request_id: Hashable) -> list[int]:
+        return self.allocator.block_table(request_id)
+
+    def cached_prefix(self, req: Request) -> int:
+        """Tokens of ``req`` (prompt and output so far) in the prefix cache, at most all but the last."""
+        return self.allocator.cached_prefix_tokens(req.all_ids, req.num_tokens - 1)
+
+    def admit(self, req: Request, cached: int) -> None:
+        """Give a request that holds no blocks the ``cached`` tokens :meth:`cached_prefix` found (a
+        multiple of the block size): their blocks gain a reference, nothing is computed again."""
+        self.allocator.allocate(req.request_id, req.all_ids[:cached])
+        found = self.allocator.cached_tokens(req.request_id)
+        if found != cached:  # cannot happen: nothing is allocated between the look-up and this
+            raise RuntimeError(f"request {req.request_id!r}: {cached} cached tokens were found, {found} remain")
+        req.cached_tokens = cached
+        self.query_tokens += req.num_tokens
+        self.hit_tokens += cached
+
+    def append(self, req: Request, start: int, count: int) -> list[tuple[int, int]]:
+        """Slots for positions ``start .. start + count - 1`` of ``req`` (the next ones after what it
+        holds), each token's id passed so full blocks get hashed. Returns the copy-on-write copies
+        to make first, ``(src, dst)`` blocks (none in this engine: it never shares a partly filled
+        block, but the allocator's contract says what to do if it did)."""
+        copies = []
+        ids = req.all_ids
+        for pos in range(start, start + count):
+            _, _, copy = self.allocator.append_token(req.request_id, ids[pos])
+            if copy is not None:
+                copies.append(copy)
+        return copies
+
+    def free(self, req: Request) -> None:
+        if self.holds(req.request_id):
+            self.allocator.free(req.request_id)
+
+    def stats(self) -> dict:
+        return {
+            "prefix_cache_queries": self.query_tokens,
+            "prefix_cache_hits": self.hit_tokens,
+            "prefix_cache_hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            "evictions": self.allocator.evictions,
+        }

@@ -1,0 +1,250 @@
+"""Running one step of the model: flat metadata, the paged cache, CUDA graphs (nano-vllm's ``ModelRunner``).
+
+:meth:`ModelRunner.run` takes the scheduler's batch (requests and their token counts) and
+
+1. **prepares** the step's flat metadata (:class:`~labsupport.engine.paged_batch.StepMetadata`):
+   the tokens laid end to end, their positions and cache slots, each sequence's block table,
+   length and query range, and the rows whose logits are sampled. It is built once per step on
+   the host into persistent buffers (pinned memory on a GPU, copied without blocking), the way
+   vLLM's ``GPUModelRunner._prepare_inputs`` fills its ``CpuGpuBuffer``\\ s;
+2. **runs** the model once over the flat batch with a :class:`~labsupport.engine.paged_batch.PagedBatch`:
+   every layer stores its keys and values and attends in one call each;
+3. **samples** the rows of the sequences whose known tokens are now all computed.
+
+**CUDA graphs** (a GPU only): at start-up the runner captures one graph of the decode forward pass
+per padded batch size (1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``, as nano-vllm
+does), reading static input buffers. A step of decodes only is then copied into the buffers of
+the smallest captured size that holds it, padded rows getting slot -1 (nothing written) and length
+0 (a zero output), and replayed: one launch for the whole forward pass. Steps with a prefill chunk
+run eagerly (their shapes vary every step). On a CPU the same padding code runs eagerly, which the
+tests use to check it.
+
+The KV cache itself is one :class:`~labsupport.paged_cache.PagedKVStore` (keys and values of
+every layer, ``(L, num_blocks, block_size, Hkv, D)``) in the model's dtype: bf16 weights give a
+bf16 cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..batch_attention import query_tiles
+from ..device import interpreter_mode
+from ..flash_decoding import num_kv_splits
+from ..paged_cache import PagedKVStore
+from ..transformer import Transformer
+from .block_manager import BlockManager
+from .paged_batch import BACKENDS, PagedBatch, StepMetadata
+from .sequence import Request
+
+
+class _Buffer:
+    """A persistent device tensor and its host twin (pinned on a GPU; the same tensor on a CPU):
+    filled through :attr:`np` on the host, copied to the device without blocking."""
+
+    def __init__(self, shape, dtype, device: torch.device, fill: int = 0):
+        self.device_t = torch.full(shape, fill, dtype=dtype, device=device)
+        self.host = self.device_t if device.type == "cpu" else torch.full(shape, fill, dtype=dtype, pin_memory=True)
+        self.np = self.host.numpy()
+
+    def __len__(self) -> int:
+        return self.host.shape[0]
+
+    def to_device(self, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows on the device (a copy queued on the current stream on a GPU)."""
+        if self.host is self.device_t:
+            return self.device_t[:rows]
+        return self.device_t[:rows].copy_(self.host[:rows], non_blocking=True)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes decode graphs are captured for: 1, 2, 4, 8, then every 16 up to (and
+    including) ``max_num_seqs`` rounded up to 16 (``max_num_seqs`` itself when it is at most 8)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 16, 16)) if max_num_seqs > 8 else [max_num_seqs]
+    return sorted(set(sizes))
+
+
+def padded_batch_size(batch: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds ``batch`` sequences, or None when none does."""
+    return next((s for s in sizes if s >= batch), None)
+
+
+class ModelRunner:
+    """The model, its paged cache and the step's buffers (module docstring)."""
+
+    def __init__(self, model: Transformer, block_manager: BlockManager, num_blocks: int, block_size: int,
+                 max_num_seqs: int, max_model_len: int, attention: str = "auto", cuda_graphs: bool | None = None):
+        self.model, self.device = model, model.device
+        self.block_manager, self.block_size = block_manager, block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)  # block-table columns a sequence may need
+        cuda = self.device.type == "cuda"
+        if attention == "auto":
+            attention = "triton" if cuda and not interpreter_mode() else "torch"
+        if attention not in BACKENDS:
+            raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
+        if cuda_graphs and not cuda:
+            raise ValueError("cuda_graphs=True needs the model on a CUDA GPU; leave it None (on by default on a GPU)")
+        self.attention = attention
+        self.store = PagedKVStore(model.cfg, num_blocks, block_size, device=self.device, dtype=model.dtype)
+        cfg = model.cfg
+        self.group = cfg.n_heads // cfg.n_kv_heads
+        self._buffers: dict[str, _Buffer] = {}
+        self._alloc(tokens=256, seqs=max_num_seqs)
+        self.graph_sizes: list[int] = []
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_vars: dict[str, torch.Tensor] = {}
+        max_graph = min(max_num_seqs, 512)
+        self._graph_splits = {}
+        if cuda and attention == "triton" and (cuda_graphs is None or cuda_graphs):
+            self.capture_cudagraphs(graph_batch_sizes(max_graph))
+
+    # -- 1. the step's metadata ------------------------------------------------------------------
+
+    def _alloc(self, tokens: int, seqs: int) -> None:
+        """(Re)allocate the eager path's persistent buffers for up to ``tokens`` tokens and ``seqs``
+        sequences (they grow when a step needs more; a step never allocates them otherwise)."""
+        dev = self.device
+        have = self._buffers
+        if have and len(have["input_ids"]) >= tokens and len(have["seq_lens"]) >= seqs:
+            return
+        tokens = max(tokens, len(have["input_ids"]) if have else 0)
+        seqs = max(seqs, len(have["seq_lens"]) if have else 0)
+        self._buffers = {
+            "input_ids": _Buffer((tokens,), torch.long, dev),
+            "positions": _Buffer((tokens,), torch.long, dev),
+            "slot_mapping": _Buffer((tokens,), torch.long, dev),
+            "block_tables": _Buffer((seqs, self.max_blocks), torch.int32, dev),
+            "seq_lens": _Buffer((seqs,), torch.int32, dev),
+            "cu_seqlens_q": _Buffer((seqs + 1,), torch.int32, dev),
+            "logits_indices": _Buffer((seqs,), torch.long, dev),
+            "tile_seq": _Buffer((tokens + seqs,), torch.int32, dev),
+            "tile_first": _Buffer((tokens + seqs,), torch.int32, dev),
+        }
+
+    def prepare(self, batch: Sequence[tuple[Request, int]]) -> StepMetadata:
+        """Build the step's metadata in the persistent buffers and copy it to the device."""
+        n_tokens = sum(n for _, n in batch)
+        self._alloc(n_tokens, len(batch))
+        buf, bs = self._buffers, self.block_size
+        ids, pos, slots = buf["input_ids"].np, buf["positions"].np, buf["slot_mapping"].np
+        tables, lens, cu, rows = buf["block_tables"].np, buf["seq_lens"].np, buf["cu_seqlens_q"].np, []
+        width, row = 1, 0
+        cu[0] = 0
+        for b, (req, n) in enumerate(batch):
+            start = req.num_computed
+            table = np.asarray(self.block_manager.block_table(req.request_id), dtype=np.int64)
+            p = np.arange(start, start + n)
+            ids[row:row + n] = req.all_ids[start:start + n]
+            pos[row:row + n] = p
+            slots[row:row + n] = table[p // bs] * bs + p % bs
+            tables[b, :len(table)] = table
+            width = max(width, len(table))
+            lens[b] = start + n
+            row += n
+            cu[b + 1] = row
+            if start + n == req.num_tokens:  # all its known tokens computed: it samples this step
+                rows.append(row - 1)
+        buf["logits_indices"].np[:len(rows)] = rows
+        q_lens = [n for _, n in batch]
+        meta = StepMetadata(
+            input_ids=buf["input_ids"].to_device(n_tokens), positions=buf["positions"].to_device(n_tokens),
+            slot_mapping=buf["slot_mapping"].to_device(n_tokens),
+            block_tables=buf["block_tables"].to_device(len(batch))[:, :width],
+            seq_lens=buf["seq_lens"].to_device(len(batch)), cu_seqlens_q=buf["cu_seqlens_q"].to_device(len(batch) + 1),
+            logits_indices=buf["logits_indices"].to_device(len(rows)), max_q_len=max(q_lens),
+            decode_only=max(q_lens) == 1)
+        if self.attention == "triton" and not meta.decode_only:  # the prefill kernel's query tiles
+            seqs, firsts, block_q = query_tiles(q_lens, self.group)
+            buf["tile_seq"].np[:len(seqs)], buf["tile_first"].np[:len(seqs)] = seqs, firsts
+            meta.tiles = (buf["tile_seq"].to_device(len(seqs)), buf["tile_first"].to_device(len(seqs)), block_q)
+        return meta
+
+    # -- 2. the forward pass -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, batch: Sequence[tuple[Request, int]], sampler, copies=()) -> list[int]:
+        """One forward pass over ``batch`` and a token for every request that samples (in batch
+        order; see :meth:`prepare`). ``copies`` are copy-on-write block copies to make first."""
+        for src, dst in copies:
+            self.store.copy_block(src, dst)
+        meta = self.prepare(batch)
+        hidden = self.forward(meta)  # (N, d) or (R, d): see forward
+        logits = self.model.logits(hidden)  # (R, V)
+        sampling = [req for req, n in batch if req.num_computed + n == req.num_tokens]
+        return sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+
+    def forward(self, meta: StepMetadata) -> torch.Tensor:
+        """The hidden states of the rows ``meta.logits_indices`` names, (R, d): replayed from a
+        captured graph for a decode step that fits one, else run eagerly."""
+        size = padded_batch_size(meta.seq_lens.shape[0], self.graph_sizes) if meta.decode_only else None
+        if size is not None and size in self._graphs:
+            self.fill_graph_inputs(meta, size)
+            self._graphs[size].replay()
+            return self._graph_vars["hidden"][:meta.seq_lens.shape[0]][meta.logits_indices]
+        kv = PagedBatch(self.store.k, self.store.v, meta, self.attention)
+        return self.model(meta.input_ids[None], kv)[0][meta.logits_indices]  # (R, d)
+
+    # -- 3. CUDA graphs for decode steps ---------------------------------------------------------
+
+    def _make_graph_vars(self, max_bs: int) -> None:
+        dev, d = self.device, self.model.cfg.d_model
+        self._graph_vars = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev),
+            "rows": torch.arange(max_bs, device=dev),
+            "hidden": torch.zeros(max_bs, d, dtype=self.model.dtype, device=dev),
+        }
+
+    def graph_metadata(self, size: int) -> StepMetadata:
+        """The metadata a graph of ``size`` decodes reads: views of the static buffers."""
+        g = self._graph_vars
+        return StepMetadata(g["input_ids"][:size], g["positions"][:size], g["slot_mapping"][:size],
+                            g["block_tables"][:size], g["seq_lens"][:size], g["cu_seqlens_q"][:size + 1],
+                            g["rows"][:size], max_q_len=1, decode_only=True)
+
+    def fill_graph_inputs(self, meta: StepMetadata, size: int) -> None:
+        """Copy a decode step's metadata into the static buffers of the graph for ``size``
+        sequences: padded rows get slot -1 (the store skips them) and length 0 (nothing is read)."""
+        g, b, w = self._graph_vars, meta.seq_lens.shape[0], meta.block_tables.shape[1]
+        g["input_ids"][:b] = meta.input_ids
+        g["positions"][:b] = meta.positions
+        g["slot_mapping"][:size].fill_(-1)
+        g["slot_mapping"][:b] = meta.slot_mapping
+        g["seq_lens"][:size].zero_()
+        g["seq_lens"][:b] = meta.seq_lens
+        g["block_tables"][:b, :w] = meta.block_tables
+
+    def graph_body(self, size: int) -> None:
+        """What a decode graph of ``size`` sequences records: the forward pass on the static buffers,
+        its hidden states written to the static output."""
+        kv = PagedBatch(self.store.k, self.store.v, self.graph_metadata(size), self.attention,
+                        num_splits=self._graph_splits.get(size))
+        self._graph_vars["hidden"][:size] = self.model(self._graph_vars["input_ids"][:size][None], kv)[0]
+
+    @torch.no_grad()
+    def capture_cudagraphs(self, sizes: Sequence[int]) -> None:
+        """Capture one decode graph per size, largest first, sharing one memory pool."""
+        cfg = self.model.cfg
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._make_graph_vars(max(sizes))
+        pool = None
+        for size in sorted(sizes, reverse=True):
+            self._graph_splits[size] = num_kv_splits(size, cfg.n_kv_heads, self.max_model_len, sms)
+            self.graph_body(size)  # warm-up: compiles the kernels for these shapes
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_body(size)
+            pool = graph.pool() if pool is None else pool
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+        self.graph_sizes = sorted(sizes)

@@ -1,0 +1,88 @@
+"""Turning a step's logits into tokens: the batched sampler, and a per-row adapter (chapter 13).
+
+:class:`BatchedSampler` samples every row of a step at once on the logits' device: greedy rows
+(temperature 0) by one ``argmax``; the others through :func:`batched_sampling_probs`, which applies
+each row's own temperature, top-k and top-p held in per-row tensors, then one draw per row from the
+request's own seeded generator. The sampled ids come back to the host in one transfer, the step's
+only device-to-host sync.
+
+Each request still gets exactly the tokens :func:`labsupport.sampling.sample` gives it with its own
+generator: the probabilities are computed with the same operations in the same order (a sort, the
+division by the temperature, the top-k cut on the sorted row, a softmax, the top-p cut with a
+renormalisation only where ``top_p < 1``), row by row the same numbers, and the draw is the same
+``torch.multinomial`` call on the same row with the same generator (the tests compare both
+bit for bit on the CPU). What is batched is everything but the draw: a generator per request
+means one ``multinomial`` per sampled row. Engines that drop per-request generators draw the
+whole batch at once instead (nano-vllm's sampler divides the probabilities by exponential noise and
+takes the argmax, the Gumbel-max trick; vLLM does the same in ``vllm/v1/sample/ops/topk_topp_sampler.py``
+and keeps per-request generators only for requests that set a seed).
+
+:class:`PerRowSampler` wraps a function with :func:`~labsupport.sampling.sample`'s interface (lab 13
+plugs a learner's in): one call per row, as the engine always did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .._answers import answer
+from ..sampling import SamplingParams
+
+
+@answer
+def batched_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor) -> torch.Tensor:
+    """:func:`labsupport.sampling.sampling_probs` for a batch whose rows have their own settings:
+    ``logits`` (R, V); ``temperature`` (R,) float32, every one > 0; ``top_k`` (R,) int64, ``V``
+    where a row keeps every token; ``top_p`` (R,) float32. Returns (R, V) float32 probabilities."""
+    logits = logits.float()
+    V = logits.shape[-1]
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # (R, V) best first
+    sorted_logits = torch.gather(logits / temperature[:, None], -1, order)  # (R, V)
+    ranks = torch.arange(V, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)  # (R, V), sorted
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
+    cut = probs.masked_fill(before >= top_p[:, None], 0.0)  # keep up to and including the crossing token
+    cut = cut / cut.sum(-1, keepdim=True)
+    probs = torch.where((top_p < 1.0)[:, None], cut, probs)  # only rows with top_p < 1 are cut and renormalised
+    return torch.zeros_like(probs).scatter_(-1, order, probs)  # back to token order
+
+
+class BatchedSampler:
+    """Sample every row of a step in one pass (module docstring)."""
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator]) -> list[int]:
+        rows, V = logits.shape
+        dev = logits.device
+        tokens = torch.empty(rows, dtype=torch.long, device=dev)
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+        if greedy:  # the fast path: no probabilities, no draw
+            idx = torch.tensor(greedy, device=dev)
+            tokens[idx] = logits[idx].argmax(-1)
+        if drawn:
+            idx = torch.tensor(drawn, device=dev)
+            ps = [params[i] for i in drawn]
+            temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)
+            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+            probs = batched_sampling_probs(logits[idx], temperature, top_k, top_p)  # (R', V)
+            for j, i in enumerate(drawn):  # each request's own generator: one draw per row
+                tokens[i] = torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0]
+        return tokens.tolist()  # the step's one device-to-host sync
+
+
+class PerRowSampler:
+    """A function with :func:`labsupport.sampling.sample`'s interface, called once per row."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]):
+        self.fn = fn
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator]) -> list[int]:
+        return [int(self.fn(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generator=generators[i])[0])
+                for i, p in enumerate(params)]

@@ -1,0 +1,102 @@
+"""Which requests run in the next step, and how many tokens each (nano-vllm's ``Scheduler``).
+
+The decision itself is pluggable: any function with the interface of
+:func:`labsupport.scheduler.schedule_step` (chapter 13's rule, lab 13's exercise) or
+:func:`~labsupport.scheduler.static_batch_step`. This class turns the engine's requests into the
+:class:`~labsupport.scheduler.SeqView` rows such a function reads, checks its answer
+(:func:`~labsupport.scheduler.check_decision`), and carries it out: preempted requests give their
+blocks back and go to the front of the queue, admitted ones move to the running list, and every
+scheduled request gets the cache slots of the tokens it will compute.
+
+**Prefix hits.** A waiting request is shown with ``num_computed`` set to the tokens the prefix cache
+already holds for it (:meth:`BlockManager.cached_prefix`), so a decision gives it only the rest to
+compute; its ``num_blocks`` stays 0, so a decision counts the cached blocks among those it needs
+(an overestimate: they cost no free block when another request holds them, or one evictable block
+when none does). Cached blocks are claimed for every admitted request before any new block is
+taken in the step, so no allocation of the step can evict a prefix a decision counted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..scheduler import SeqView, check_decision
+from .block_manager import BlockManager
+from .sequence import Request
+
+Decision = Callable[..., tuple[dict, list]]
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: each request with its token count, in the decision's order."""
+
+    seqs: list[tuple[Request, int]]
+    preempted: int
+    copies: list[tuple[int, int]]  # copy-on-write copies to make before the step writes
+
+
+class Scheduler:
+    """Waiting and running queues, and the step decision applied to them (module docstring)."""
+
+    def __init__(self, block_manager: BlockManager, decide: Decision, token_budget: int | None, max_running: int,
+                 clock):
+        self.block_manager = block_manager
+        self.decide = decide
+        self.token_budget, self.max_running = token_budget, max_running
+        self.clock = clock
+        self.waiting: list[Request] = []  # in admission order: preempted ones at the front
+        self.running: list[Request] = []  # oldest admitted first
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Decide the step, check the decision, preempt, admit and allocate; return the work."""
+        bm = self.block_manager
+        cached = {r.request_id: bm.cached_prefix(r) for r in self.waiting}
+        running = [SeqView(r.request_id, r.num_tokens, r.num_computed, bm.num_blocks_of(r.request_id))
+                   for r in self.running]
+        waiting = [SeqView(r.request_id, r.num_tokens, cached[r.request_id], 0) for r in self.waiting]
+        args = (running, waiting, self.token_budget, bm.num_free_blocks, bm.block_size, self.max_running)
+        scheduled, preempted = check_decision(self.decide(*args), *args)
+        if not scheduled and not preempted and self.has_unfinished():
+            raise RuntimeError(f"the scheduler ran nothing although {len(self.running)} sequences run and "
+                               f"{len(self.waiting)} wait, with {bm.num_free_blocks} free blocks: the engine "
+                               f"would loop forever")
+        by_id = {r.request_id: r for r in self.running + self.waiting}
+        for rid in preempted:  # the newest first: each goes back to the front of the queue
+            self._preempt(by_id[rid])
+        batch = [(by_id[rid], n) for rid, n in scheduled.items()]
+        for req, _ in batch:  # admitted: claim its cached prefix before any block is taken
+            if req in self.waiting:
+                self._admit(req, cached[req.request_id])
+        copies = [c for req, n in batch for c in bm.append(req, req.num_computed, n)]
+        return ScheduledBatch(batch, len(preempted), copies)
+
+    def finish(self, req: Request) -> None:
+        """Take a finished (or aborted) request out of the queues; its blocks go back."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed = 0
+        req.preemptions += 1
+        self.waiting.insert(0, req)
+
+    def _admit(self, req: Request, cached: int) -> None:
+        self.waiting.remove(req)
+        self.running.append(req)
+        self.block_manager.admit(req, cached)
+        req.num_computed = cached
+        if req.first_scheduled_s is None:
+            req.first_scheduled_s = self.clock.now()

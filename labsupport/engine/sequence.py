@@ -1,0 +1,54 @@
+"""A request's state inside the engine (nano-vllm's ``Sequence``)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..latency import latency_metrics
+from ..sampling import SamplingParams
+
+
+@dataclass(eq=False)  # a request is itself, whatever its fields hold
+class Request:
+    """One request's state and history inside the engine.
+
+    ``num_computed`` counts the tokens whose keys and values are in the cache: the scheduler gives a
+    step some of the ``num_tokens - num_computed`` still to compute (a prompt chunk, or the one
+    token a decoding request sampled last step). ``cached_tokens`` is how many of them its latest
+    admission found in the prefix cache instead of computing them.
+    """
+
+    request_id: Hashable
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_s: float
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+    token_times_s: list[float] = field(default_factory=list)
+    first_scheduled_s: float | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    preemptions: int = 0
+    steps_run: int = 0
+    cached_tokens: int = 0  # prefix-cache hits of its latest admission
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def metrics(self) -> dict | None:
+        """Chapter 03's TTFT, TPOT, ITL and E2E of this request (None before its first token)."""
+        if not self.token_times_s:
+            return None
+        return latency_metrics(self.arrival_s, self.token_times_s)
