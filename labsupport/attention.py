@@ -375,15 +375,17 @@ def kernel_config(
     """Tile sizes for :func:`flash_attention_reference`, without autotuning.
 
     In the interpreter a step costs about the same whatever the tile size, so the tiles are as
-    large as keeps several key blocks in the test sizes: 64 below 1024 positions, 128 above.
-    On a GPU: the first of :data:`GPU_CONFIGS` (128 queries x 64 keys per step, 8 warps, 3
+    large as keeps several key blocks in the test sizes: 128 queries by 64 keys below 1024
+    positions, 256 by 128 from there. The query tile is twice the key tile there as on a GPU, so a
+    kernel that confuses ``BLOCK_M`` with ``BLOCK_N`` (a causal loop that stops at
+    ``(pid_m + 1) * BLOCK_N``) is wrong in the interpreter too, not only on a GPU. On a GPU: the first of :data:`GPU_CONFIGS` (128 queries x 64 keys per step, 8 warps, 3
     pipeline stages, then smaller) whose :func:`shared_memory_bound` fits the device's shared
     memory per program, or ``shared_memory`` bytes when given (to plan for another GPU; see
     :attr:`labsupport.hardware.GPU.shared_memory_per_block`). The choice is cached.
     """
     if interpreter:
-        block = 128 if max(seq_q, seq_k) >= 1024 else 64
-        return KernelConfig(block, block, 4, 1)
+        block_n = 128 if max(seq_q, seq_k) >= 1024 else 64
+        return KernelConfig(2 * block_n, block_n, 4, 1)
     if shared_memory is None:
         shared_memory = _device_limits()[0]
     return _gpu_config(int(head_dim), dtype.itemsize, int(shared_memory))

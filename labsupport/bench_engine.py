@@ -19,9 +19,11 @@ timing does not depend on their values) it records:
   of up to ``max_running`` requests that have arrived is padded and generated to its longest
   output, the next batch formed when it has finished (the clock again advanced by measured time);
   skipped, and said so, where ``transformers`` is not installed;
-* **the roofline bound of the engine's own steps**: each step's bytes (the weights once, the cache
-  its attention read and the keys and values it wrote) over the measured copy rate, or its FLOPs
-  (two per weight per token, and the attention's four per query-key pair per head dimension) over
+* **the roofline bound of the engine's own steps**: each step's bytes (the weights once, of an
+  untied input embedding only its tokens' rows; the cache its attention read and the keys and
+  values it wrote) over the measured copy rate, or its FLOPs (two per weight of the layers per
+  token, two per weight of the output head per sampled row, and the attention's four per
+  query-key pair per head dimension) over
   the measured bf16 matmul rate, whichever is longer; the engine's measured time over the same
   steps against the sum of those bounds, for all steps and for those with a decode batch of 64 or
   more;
@@ -76,20 +78,31 @@ def model_config(name: str) -> ModelConfig:
 # --- the roofline bound of a step ------------------------------------------------------------------
 
 
+def weight_bytes_read(cfg: ModelConfig, weight_bytes: int, tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes of weights a step of ``tokens`` tokens reads: every matrix once, but of an input
+    embedding table that is not also the output head only its tokens' rows (a lookup)."""
+    if cfg.tied_embeddings:
+        return weight_bytes
+    row = cfg.d_model * dtype_bytes
+    return weight_bytes - cfg.vocab_size * row + min(tokens, cfg.vocab_size) * row
+
+
 def step_bound_seconds(cfg: ModelConfig, weight_bytes: int, step, copy_Bps: float, matmul_flops: float,
                        dtype_bytes: int = 2) -> float:
     """The shortest a step (a :class:`labsupport.engine.StepRecord`) could take on this device: its
     bytes over the copy rate or its FLOPs over the matmul rate, whichever is longer. Bytes: the
-    weights once, the cache its attention read (``kv_tokens``) and the keys and values of its new
-    tokens. FLOPs: two per matmul weight per token (the embedding table is a lookup, not a matmul,
-    unless it is tied to the output head) and four per query-key pair per head dimension per head
-    per layer (scores and the weighted sum)."""
+    weights once (:func:`weight_bytes_read`), the cache its attention read (``kv_tokens``) and the
+    keys and values of its new tokens. FLOPs: two per weight of the layers per token, two per weight
+    of the output head per *sampled* row only (the engine computes logits for those alone; the
+    input embedding is a lookup), and four per query-key pair per head dimension per head per layer
+    (scores and the weighted sum)."""
     tokens = step.prefill_tokens + step.decode_tokens
     kv = kv_bytes_per_token(cfg, dtype_bytes)
-    nbytes = weight_bytes + (step.kv_tokens + tokens) * kv
-    embedding = 0 if cfg.tied_embeddings else cfg.vocab_size * cfg.d_model
-    matmul_params = weight_bytes / dtype_bytes - embedding
-    flops = 2 * matmul_params * tokens + 4 * step.attention_pairs * cfg.head_dim * cfg.n_heads * cfg.n_layers
+    nbytes = weight_bytes_read(cfg, weight_bytes, tokens, dtype_bytes) + (step.kv_tokens + tokens) * kv
+    head = cfg.vocab_size * cfg.d_model  # the output head's weights (the input table too, if untied)
+    layer_params = weight_bytes / dtype_bytes - head * (1 if cfg.tied_embeddings else 2)
+    flops = (2 * layer_params * tokens + 2 * head * step.sampled
+             + 4 * step.attention_pairs * cfg.head_dim * cfg.n_heads * cfg.n_layers)
     return max(nbytes / copy_Bps, flops / matmul_flops)
 
 
@@ -126,6 +139,8 @@ def engine_run(model: Transformer, trace: list[TraceRequest], max_running: int, 
     warm = engine.add_request(list(trace[0].prompt_ids), SamplingParams(temperature=0, max_tokens=4))
     list(engine.stream())  # warm-up: compile the kernels for a prefill and a decode
     engine.release(warm)
+    engine.allocator.reset_prefix_cache()  # else the trace's first request finds the warm-up's blocks cached
+    engine.block_manager.query_tokens = engine.block_manager.hit_tokens = 0
     engine.steps.clear()
     start = engine.clock.now()  # the trace's clock starts after the warm-up
     requests = run_trace(engine, [TraceRequest(t.arrival_s + start, t.prompt_ids, t.params) for t in trace])
@@ -215,7 +230,8 @@ def decode_sweep(model: Transformer, name: str, batches, graphs: bool, copy_Bps:
             continue
         times.sort()
         step_s = times[len(times) // 2]
-        nbytes = model.param_bytes() + batch * (context + 2) * kv_bytes_per_token(cfg, model.dtype.itemsize)
+        nbytes = (weight_bytes_read(cfg, model.param_bytes(), batch, model.dtype.itemsize)
+                  + batch * (context + 2) * kv_bytes_per_token(cfg, model.dtype.itemsize))
         rows.append({"model": name, "batch": batch, "cuda_graphs": graphs, "context": context, "step_s": step_s,
                      "tokens_per_s": batch / step_s, "bytes_per_step": nbytes, "fraction_of_copy": nbytes / step_s / copy_Bps})
         print(f"{name} decode batch {batch} {'graphs' if graphs else 'eager'}: {step_s * 1e3:.2f} ms, "

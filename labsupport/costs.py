@@ -64,7 +64,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: float = 2) -> float:
 
 @answer
 def prefill_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
-    """FLOPs to prefill ``prompt_tokens`` positions: ``2*N*P + 4*L*P**2*d`` (attention halved if causal)."""
+    """FLOPs to prefill ``prompt_tokens`` positions: ``2*N*P + 4*L*P**2*d_q`` (attention halved if causal),
+    ``d_q = n_heads * head_dim`` the width of the queries (``d_model`` in Llama; the runbook writes ``d``)."""
     cfg = as_model(cfg)
     p = positive_int("prompt_tokens", prompt_tokens)
     linear = 2 * param_count(cfg) * p
@@ -72,7 +73,7 @@ def prefill_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) ->
 
 
 def prefill_attention_flops(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) -> float:
-    """The quadratic part of :func:`prefill_flops`: ``4*L*P**2*d``, halved when ``causal``."""
+    """The quadratic part of :func:`prefill_flops`: ``4*L*P**2*d_q``, halved when ``causal``."""
     cfg = as_model(cfg)
     p = positive_int("prompt_tokens", prompt_tokens)
     attention = 4 * cfg.n_layers * p * p * cfg.q_width
@@ -85,7 +86,7 @@ def attention_share(cfg: ModelConfig, prompt_tokens: int, causal: bool = False) 
 
 
 def quadratic_crossover(cfg: ModelConfig, causal: bool = False) -> float:
-    """Prompt length where attention FLOPs equal the linear FLOPs: ``N / (2*L*d)``.
+    """Prompt length where attention FLOPs equal the linear FLOPs: ``N / (2*L*d_q)`` (``N / 2Ld`` in Llama).
 
     With the causal halving the attention term is half as large, so the crossover doubles.
     """

@@ -338,14 +338,18 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | No
         try:
             return _launch_once(payload, world_size, backend, timeout, call_timeout, free_port())
         except RankFailed as exc:
-            # the port was free when chosen, but another program took it before rank 0 listened
+            # the port was free when chosen, but another program took it before rank 0 listened (or
+            # gloo's pairwise connections failed while the group was being joined)
             if attempt + 1 == PORT_ATTEMPTS or not any(m in str(exc) for m in PORT_TAKEN):
                 raise
     raise AssertionError("unreachable")
 
 
 PORT_ATTEMPTS = 3
-PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+# start-up failures worth a fresh start on a new port: the rendezvous port taken between choosing and
+# listening, or gloo's pairwise connections (ephemeral ports, made while joining the group, before
+# fn runs on any rank) closed under heavy load ("Connection closed by peer" in connectFullMesh)
+PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use", "connectFullMesh failed")
 
 
 def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, call_timeout: float | None,

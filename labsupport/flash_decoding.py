@@ -174,13 +174,14 @@ def combine_splits_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-MAX_SPLITS = 16  # as vLLM's Triton backend fixes its decode segments: more is mostly empty programs
+MAX_SPLITS = 16  # vLLM's Triton backend fixes 16 decode segments (for small batches): more is mostly empty programs
 
 
 def num_kv_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = BLOCK_N) -> int:
     """How many splits per sequence: enough programs to give every multiprocessor about four
     (``4 * num_sms`` over the ``batch * kv_heads`` programs of one split), a power of two, at most
-    :data:`MAX_SPLITS` and never more than the longest sequence's tiles. Depends on the batch and
+    :data:`MAX_SPLITS` and at most the longest sequence's tile count rounded up to a power of two
+    (so up to half the splits of the longest sequence can be empty). Depends on the batch and
     the longest length the step may hold, not on the lengths themselves, so a CUDA graph captured
     for a batch size keeps its grid."""
     tiles = max(1, -(-max_seq_len // block_n))

@@ -33,6 +33,8 @@ every operation).
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
@@ -55,10 +57,17 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 def block_hash(parent: int | None, tokens: Sequence[int], salt: Hashable = None) -> int:
     """The identity of a full block: its tokens and its parent's hash (``None`` for the first
-    block, which takes the request's ``salt`` instead). Python's ``hash`` of a tuple of ints is
-    deterministic within a process, which is all an in-memory cache needs; an engine sharing
-    hashes between processes uses a cryptographic hash (vLLM offers SHA-256)."""
-    return hash(("block", parent if parent is not None else ("salt", salt), tuple(int(t) for t in tokens)))
+    block, which takes the request's ``salt`` instead), as SHA-256 (an int of 256 bits).
+
+    Not Python's ``hash``: its 64 bits for a tuple of ints are the same in every process and not
+    built to resist collisions (``hash(-1) == hash(-2)``), so one can search offline for a prompt
+    whose block collides with another user's, and the colliding request would be served the
+    other user's keys and values (vLLM's advisory
+    GHSA-rm76-4mrf-v9r8 was this case; its prefix cache has hashed with SHA-256 by default since
+    v0.10.2). The salt enters through its ``repr``: give plain values (a tenant's id as a str)."""
+    h = hashlib.sha256(b"first" + repr(salt).encode() if parent is None else b"after" + parent.to_bytes(32, "big"))
+    h.update(struct.pack(f">{len(tokens)}q", *tokens))  # the ids as signed 64-bit ints, one call
+    return int.from_bytes(h.digest(), "big")
 
 
 @answer
@@ -352,12 +361,10 @@ class BlockAllocator:
         logits). 0 without prefix caching."""
         if not self.prefix_caching:
             return 0
-        ids = [int(t) for t in tokens]
-        usable = len(ids) if limit is None else min(len(ids), limit)
-        parent, hit = None, 0
-        for i in range(usable // self.block_size):
-            parent = block_hash(parent, ids[i * self.block_size:(i + 1) * self.block_size],
-                                cache_salt if i == 0 else None)
+        usable = len(tokens) if limit is None else min(len(tokens), limit)
+        parent, hit, bs = None, 0, self.block_size
+        for i in range(usable // bs):  # block by block: a miss stops it before the rest is read
+            parent = block_hash(parent, [int(t) for t in tokens[i * bs:(i + 1) * bs]], cache_salt if i == 0 else None)
             if parent not in self._by_hash:
                 break
             hit += self.block_size

@@ -331,7 +331,8 @@ def layer_matmul_weights(cfg) -> int:
 def model_prefill_crossover(cfg, causal: bool = True) -> float:
     """Prompt length where the attention FLOPs of :func:`model_prefill_flops` equal its per-token
     matmul FLOPs: ``W / (2 * L * H * D)``, doubled when ``causal``. The runbook's count,
-    :func:`labsupport.costs.quadratic_crossover`, uses every weight ``N`` and ``d`` instead."""
+    :func:`labsupport.costs.quadratic_crossover`, uses every weight ``N`` instead (with the same
+    query width ``d_q = H * D``, which the runbook writes ``d``)."""
     cfg = as_model(cfg)
     crossover = layer_matmul_weights(cfg) / (2 * cfg.n_layers * cfg.n_heads * cfg.head_dim)
     return crossover * 2 if causal else crossover

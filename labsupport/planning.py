@@ -352,8 +352,9 @@ def prefill_compute_time(model, prompt_tokens: int, *, peak_tflops: float, compu
 def replicas_for_rate(arrival_rate: float, time_in_system_s: float, batch_per_replica: int,
                       headroom: float = 0.0) -> int:
     """Replicas needed so that ``arrival_rate * time_in_system_s * (1 + headroom)`` requests fit in
-    batches of ``batch_per_replica``: the ceiling of their ratio. Lab 14, exercise 1."""
-    arrival_rate = positive_number("arrival_rate", arrival_rate)
+    batches of ``batch_per_replica``: the ceiling of their ratio, and at least 1 (a service with no
+    traffic at the moment, ``arrival_rate`` 0, still keeps one replica up). Lab 14, exercise 1."""
+    arrival_rate = non_negative_number("arrival_rate", arrival_rate)
     time_in_system_s = positive_number("time_in_system_s", time_in_system_s)
     batch_per_replica = positive_int("batch_per_replica", batch_per_replica)
     headroom = non_negative_number("headroom", headroom)

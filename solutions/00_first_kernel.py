@@ -199,7 +199,10 @@ def vector_add_spec(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 #   and store into `out` with the same mask.
 # * The wrapper: check the inputs, allocate the output, choose a grid of
 #   `triton.cdiv(n, BLOCK_SIZE)` programs (rounding *up*, so the partial block gets a program),
-#   and launch.
+#   and launch. Checking the inputs means refusing (with an `assert` or a `ValueError`) `x` and `y`
+#   of different lengths, which the kernel would otherwise read past the end of, and handling
+#   a strided view such as `x[::2]`: the kernel's `x_ptr + offsets` assumes adjacent elements, so
+#   make the inputs contiguous (`x.contiguous()`) or refuse them.
 
 # %%
 @triton.jit
@@ -234,7 +237,9 @@ def vector_add(x: torch.Tensor, y: torch.Tensor, block_size: int = 256) -> torch
 
 # %% [markdown]
 # Check it. The check runs your function on lengths 1, 2, 17, 1000 and 4097 (and a million
-# on a GPU), in float32 and float16, with signed random inputs.
+# on a GPU), in float32 and float16, with signed random inputs; then on strided views `x[::2]`,
+# `y[::2]` (the sum must be right, or your function must refuse them) and on `x` and `y` of
+# different lengths (your function must refuse them).
 
 # %%
 check_vector_add(vector_add)

@@ -430,7 +430,11 @@ print("all at once:   ", tok.decode(ids))
 #   `errors="replace"` and returned (return `""` when nothing is complete). So you never hold more
 #   than 3 bytes, and a byte that can never be part of a character (a stray continuation byte, or
 #   `0xC0`, `0xC1`, `0xF5`-`0xFF`) comes out at once as `"\ufffd"`: a stream must not freeze because a
-#   model emitted one bad byte.
+#   model emitted one bad byte. One case is yours to choose: a lead byte whose next byte already rules
+#   its character out (`E0 80` would be an overlong form, `ED A0` a surrogate, `F4 90` beyond
+#   U+10FFFF) may be held like any other unfinished character, as the rule above says, or emitted at
+#   once as `"\ufffd"`, as Python's own decoder and the course's detokenizer do (chapter 01
+#   explains why): the joined text is the same, and the check accepts either.
 # * `flush()` returns whatever is still held, decoded with `errors="replace"` (a stream that
 #   stops in the middle of a character ends with `"\ufffd"`), and empties the buffer.
 #

@@ -189,7 +189,10 @@ for part, seconds in parts.items():
 # **nearest-rank** convention: sort the $n$ values; the $p$-th percentile is the
 # $\lceil p n / 100 \rceil$-th smallest (counting from 1), and the smallest for $p = 0$. It is
 # always one of the measured values. (NumPy's default, `np.percentile(values, p)`, interpolates
-# between two values instead; with few samples the two differ.)
+# between two values instead; with few samples the two differ.) Mind the order of the arithmetic:
+# in floating point `7 / 100 * 100` is `7.000000000000001`, whose ceiling is 8, so compute
+# `p * n` first, or stay in integers; NumPy's nearest-rank method (`method="inverted_cdf"`) divides
+# first and so returns the 8th of 100 values for `p = 7`, not the 7th.
 #
 # Complete `percentile(values, p)`: `values` a non-empty list of numbers in any order, `p` from 0
 # to 100. For example, `percentile([0.3, 0.1, 0.5, 0.2, 0.4], 90)` is the 5th smallest

@@ -202,32 +202,40 @@ ledger.record("05_phases", [
 # the *linear* term.
 #
 # Attention adds work that no weight accounts for. In each of the $L$ layers, every position's
-# query is scored against every position's key, a $(P \times d) \cdot (d \times P)$ product
-# costing $2P^2d$ FLOPs across all heads, and the resulting weights then blend the values, the
-# same again. That is the *quadratic* term, $4LP^2d$:
+# query is scored against every position's key: per head a $(P \times d_{head}) \cdot (d_{head}
+# \times P)$ product, $2P^2 d_{head}$ FLOPs, so $2P^2 d_q$ over all the heads, where
+# $d_q = n_{heads} \cdot d_{head}$ is the width of the queries together. The resulting weights then
+# blend the values, the same again. That is the *quadratic* term, $4LP^2d_q$:
 #
-# $$\text{prefill FLOPs} = 2NP + 4LP^2d.$$
+# $$\text{prefill FLOPs} = 2NP + 4LP^2d_q.$$
+#
+# In Llama models, and in every model this lab times, $d_q$ is the model width $d$
+# (`cfg.d_model`), which is how the course's source material writes it: $4LP^2d$. Not in every
+# model: Qwen3-0.6B puts 16 heads of 128 on a width of 1,024, so its queries are 2,048 wide, and
+# counting with $d$ would miss half its attention. The check includes such a model, so count with
+# the width the scores really multiply.
 #
 # This counts attention as if every query saw every key, the convention the course's source
 # material uses. A causal model only lets a query see the keys before it, so a kernel that skips
 # the masked half does half the attention work: with `causal=True`, halve the quadratic term.
 #
 # The prompt length at which the quadratic term catches up with the linear one is the
-# **crossover**, $P = N / 2Ld$. Short of it, a prompt twice as long costs about twice as much;
+# **crossover**, $P = N / 2Ld_q$ ($N / 2Ld$ in the models timed here). Short of it, a prompt twice as long costs about twice as much;
 # far beyond it, close to four times as much.
 #
 # `param_count(cfg)` gives $N$ (every weight, embeddings included); `cfg.n_layers` is $L$ and
-# `cfg.d_model` is $d$.
+# `cfg.n_heads * cfg.head_dim` is $d_q$ (`cfg.head_dim` is given by the model: do not derive it
+# from `cfg.d_model`).
 
 # %% [markdown]
 # ### Exercise 1: count the FLOPs of a prefill
 
 # %%
 def prefill_flops(cfg, prompt_tokens, causal=False):
-    """FLOPs to prefill `prompt_tokens` positions: 2*N*P + 4*L*P**2*d, attention halved if causal."""
+    """FLOPs to prefill `prompt_tokens` positions: 2*N*P + 4*L*P**2*d_q, attention halved if causal."""
     # BEGIN SOLUTION: return the FLOPs of the weights plus those of attention, as derived above (mind causal)
     n = param_count(cfg)
-    attention = 4 * cfg.n_layers * prompt_tokens**2 * cfg.d_model
+    attention = 4 * cfg.n_layers * prompt_tokens**2 * cfg.n_heads * cfg.head_dim
     if causal:
         attention /= 2
     return 2 * n * prompt_tokens + attention
@@ -285,8 +293,10 @@ print(
 # $$\text{cache bytes per token} = 2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot b, \qquad
 #   \text{bytes per step} = N b + \text{batch} \cdot \text{context} \cdot 2 L H_{kv} d_{head} b,$$
 #
-# with $b$ bytes per value: 2 for bf16, the default. `cfg.head_dim` is $d_{head}$. (Activations
-# are tiny at decode and are left out.)
+# with $b$ bytes per value: 2 for bf16, the default. `cfg.head_dim` is $d_{head}$, as the model
+# gives it (not always `cfg.d_model // cfg.n_heads`: Qwen3-0.6B's heads are 128 wide on a width of
+# 1,024 with 16 heads). Context is the number of earlier tokens, whose keys and values are in the
+# cache. (Activations are tiny at decode and are left out.)
 
 # %% [markdown]
 # ### Exercise 2: count the bytes one decode step reads

@@ -219,9 +219,10 @@ print("one token of Llama 3.1 8B in bf16: k", tuple(k.shape), "and v", tuple(v.s
 # ### Exercise 1: bytes per token
 #
 # Complete `kv_bytes_per_token(cfg, dtype_bytes=2)`: the bytes of cache **one token** adds, with
-# every element taking `dtype_bytes` bytes (2 for bf16, the default; 1 for an fp8 cache).
-# `cfg` is a `labsupport.models.ModelConfig` with fields `n_layers`, `n_heads`, `n_kv_heads` and
-# the property `head_dim`.
+# every element taking `dtype_bytes` bytes (2 for bf16, the default; 1 for an fp8 cache; 0.5 for a
+# 4-bit one, so `dtype_bytes` need not be a whole number). `cfg` is a `labsupport.models.ModelConfig`
+# with fields `n_layers`, `n_heads`, `n_kv_heads` and `head_dim`. Use `head_dim` as the model gives
+# it: it is not always `d_model // n_heads` (Qwen3-0.6B has 16 heads of 128 on a width of 1,024).
 #
 # $$\text{KV bytes per token} = 2 \times n_{\text{layers}} \times n_{\text{kv heads}} \times d_{\text{head}} \times \text{dtype\_bytes}$$
 #

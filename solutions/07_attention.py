@@ -199,8 +199,10 @@ if len(ok) >= 2:
 #
 # Write `naive_attention(q, k, v, causal=False)` in plain torch: compute the `(B, H, S, S)` score
 # matrix, mask it when `causal`, take the softmax over the keys, multiply by `v`. Return a tensor
-# of the inputs' shape and dtype. (Computing the scores in float32 and casting back at the end is
-# the safe choice.) `F.scaled_dot_product_attention` is off limits: the check will notice.
+# of the inputs' shape and dtype. Compute the scores and the softmax in float32 and cast back at
+# the end: at float16 logits in the hundreds, scores rounded to float16 are off by up to 0.06 and
+# the output visibly so (one case checks it). Mask with `-inf`, not a large finite number.
+# `F.scaled_dot_product_attention` is off limits: the check will notice.
 
 # %%
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
@@ -216,7 +218,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 # %% [markdown]
 # The check runs lengths 1, 2, 17, 100 and 257, causal and not, float32 and float16, with
-# signed inputs, large logits, several seeds, and a batch and head count above 1.
+# signed inputs, large logits (float16 ones in the hundreds among them), a causal row whose only
+# visible score is far below -1e4, several seeds, and a batch and head count above 1.
 
 # %%
 check_naive_attention(naive_attention)
@@ -350,9 +353,11 @@ check_online_softmax(online_softmax_attention)
 #
 # A K tile loaded as `(D, BLOCK_N)` (rows of the tile = features) makes `tl.dot(q, kt)` the
 # `(BLOCK_M, BLOCK_N)` score tile directly. The tile sizes come from
-# `labsupport.attention.kernel_config`: in the interpreter, where each step costs about the same
-# whatever its size, 64 x 64 below 1,024 positions and 128 x 128 from there; on a GPU 128 x 64,
-# shrunk if shared memory is small.
+# `labsupport.attention.kernel_config`: on a GPU 128 x 64 (`BLOCK_M` x `BLOCK_N`), shrunk if shared
+# memory is small; in the interpreter, where each step costs about the same whatever its size,
+# 128 x 64 below 1,024 positions and 256 x 128 from there. The query tile is not the key tile:
+# keep `BLOCK_M` and `BLOCK_N` apart everywhere (the causal loop stops at the end of the *query*
+# tile).
 #
 # ### Exercise 3: the kernel and its wrapper
 #

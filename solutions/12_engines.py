@@ -15,7 +15,10 @@
 #    runs unchanged against vLLM or SGLang on a GPU;
 # 3. **predict an engine's KV capacity** (blocks, tokens, requests) from its settings and the
 #    model's shape, as an engine's startup log reports it (checked);
-# 4. **measure launch overhead**: how much of a batch-1 decode step is Python and dispatch rather
+# 4. **build the engine's step assembly**: turn a scheduled step (prompt chunks and decodes side by
+#    side) into the flat tensors the model runs on, slot mapping, block tables, query offsets,
+#    positions and the rows to sample, and run the engine with your function in it (checked);
+# 5. **measure launch overhead**: how much of a batch-1 decode step is Python and dispatch rather
 #    than arithmetic, the cost CUDA graphs and `torch.compile` remove.
 #
 # The course model has random weights: its text is meaningless. The servers and models run on the
@@ -36,6 +39,7 @@ from labsupport.serve import install_missing
 installed = install_missing()  # the course server's packages, only where missing (a fresh Colab runtime)
 
 # %%
+import dataclasses
 import os
 import platform
 import threading
@@ -45,10 +49,12 @@ import torch
 
 from labsupport import ledger
 from labsupport.bench_serving import format_summary, run_benchmark
-from labsupport.checks import check_kv_capacity
+from labsupport.checks import check_kv_capacity, check_prepare_step
 from labsupport.costs import kv_bytes_per_token, param_count
+from labsupport.engine import Engine, ScheduledSeq, StepMetadata
 from labsupport.launch_overhead import profile_decode_step
 from labsupport.models import get_model
+from labsupport.sampling import SamplingParams
 from labsupport.scheduler import blocks_for
 from labsupport.serve import ServerProcess
 from labsupport.transformer import Transformer
@@ -166,7 +172,8 @@ fifo.stop()
 #   workspaces (`reserve_gib`) come out of that; the KV cache gets the rest;
 # * the cache is allocated in whole blocks of `block_size` tokens; one token of cache holds a key
 #   and a value for every KV head of every layer: `2 * n_layers * n_kv_heads * head_dim *
-#   kv_dtype_bytes`;
+#   kv_dtype_bytes`, with the head width read from `cfg.head_dim`: it need not be
+#   `d_model / n_heads` (Qwen3's heads are wider; the table after the check shows one);
 # * `num_blocks` is the whole number of blocks that fit (0 if none), `tokens = num_blocks *
 #   block_size`, and a request of `max_model_len` tokens holds `ceil(max_model_len / block_size)`
 #   blocks, so `max_requests = num_blocks // ceil(max_model_len / block_size)`.
@@ -206,7 +213,149 @@ for util in (0.9, 0.95):
         print(f"{util:<12} {name:<9} {cap['num_blocks']:<8} {cap['tokens']:<10,} {cap['max_requests']}")
 
 # %% [markdown]
-# ## 4. Launch overhead
+# The head width is a field of its own. Qwen3-0.6B's heads are wider than `d_model / n_heads` (the
+# cell prints both): a cache sized from the quotient would be smaller than the model needs, and the
+# engine would promise more tokens than it can hold.
+
+# %% tags=["nbval-check-output"]
+q06 = get_model("qwen3-0.6b")
+print(f"{q06.name}: d_model {q06.d_model:,}, {q06.n_heads} query heads, {q06.n_kv_heads} KV heads, "
+      f"head_dim {q06.head_dim} (d_model / n_heads = {q06.d_model // q06.n_heads})")
+print(f"KV cache per token: {kv_bytes_per_token(q06) / 2**10:.0f} KiB (bf16) with head_dim {q06.head_dim}")
+cap = kv_capacity(q06, 16, 4096, reserve_gib=0.5)
+print(f"a 16 GiB GPU, 4096-token requests: {cap['tokens']:,} tokens, {cap['max_requests']} requests at once")
+
+# %% [markdown]
+# ## 4. Exercise: the engine's step assembly
+#
+# Every step, the engine's scheduler decides which sequences run and how many tokens each: a
+# whole short prompt, a chunk of a long one (chunked prefill), one token for each sequence that
+# is decoding. The model does not see sequences. It sees **one flat batch**: the step's tokens laid
+# end to end, every weight matrix applied once to all of them. Only attention has to know which
+# sequence a token belongs to, where its key and value go in the paged cache, and which keys it
+# may read; and the sampler has to know which rows' logits to turn into tokens. The model runner
+# (vLLM's `GPUModelRunner._prepare_inputs`, nano-vllm's `ModelRunner.prepare_prefill` and
+# `prepare_decode`, the course's `labsupport.engine.model_runner.prepare_step`) builds that
+# description once per step, and you will write it.
+#
+# **What the engine gives you**: a list of `ScheduledSeq`, one per sequence, in batch order, with
+#
+# * `token_ids`: every token the sequence knows (its prompt, then what it generated so far);
+# * `block_table`: its cache blocks in order (block `j` holds positions `j * block_size` to
+#   `(j + 1) * block_size - 1`), already long enough for this step's tokens;
+# * `num_cached`: how many leading tokens already have their keys and values in the cache (computed
+#   in earlier steps, or found in the prefix cache);
+# * `num_new`: how many it runs this step: tokens `num_cached .. num_cached + num_new - 1`.
+#
+# A decode is `num_new = 1` after `len(token_ids) - 1` cached tokens; a prompt's later chunk has
+# `num_cached > 0` and `num_new > 1`. A sequence **samples** this step when the step reaches its last
+# known token: `num_cached + num_new == len(token_ids)` (a chunk that stops short of the end of its
+# prompt has no logits to sample).
+#
+# **What you return**: a `StepMetadata` (`labsupport.engine.StepMetadata`) of CPU tensors, `N` the
+# step's tokens and `B` its sequences:
+#
+# | field | shape, dtype | what |
+# | --- | --- | --- |
+# | `input_ids` | (N,) int64 | the tokens each sequence runs, sequence after sequence |
+# | `positions` | (N,) int64 | each token's position in its own sequence (RoPE reads it) |
+# | `slot_mapping` | (N,) int64 | where its key and value go: `block_table[p // block_size] * block_size + p % block_size` |
+# | `block_tables` | (B, W) int32 | each table, padded with -1 to `W`, the most blocks a sequence holds |
+# | `seq_lens` | (B,) int32 | `num_cached + num_new`: what each holds once this step's keys are in |
+# | `cu_seqlens_q` | (B + 1,) int32 | 0, then the running total of `num_new`: sequence `b`'s rows are `cu[b] .. cu[b+1] - 1` |
+# | `logits_indices` | (R,) int64 | for each sequence that samples, in order, the flat row of its last token |
+# | `max_q_len` | int | the largest `num_new` |
+# | `decode_only` | bool | whether every `num_new` is 1 |
+#
+# The padding is -1, as in nano-vllm, a value that names no block: attention reads only the blocks
+# a sequence's length covers, so a real id there would hide a bug that reads too far.
+#
+# **A worked example** (block size 4): a decode with 6 cached tokens and table `[7, 2]`, then a
+# prompt of 10 tokens whose first 4 are cached, table `[5, 0, 9]`, running its last 6. The decode's
+# token sits at position 6, in block 2 at offset 2, slot `2 * 4 + 2 = 10`. The prompt's tokens are
+# positions 4 to 9: block 0 (slots 0 to 3) and block 9 (slots 36, 37). So `positions = [6, 4, 5, 6,
+# 7, 8, 9]`, `slot_mapping = [10, 0, 1, 2, 3, 36, 37]`, `block_tables = [[7, 2, -1], [5, 0, 9]]`,
+# `seq_lens = [7, 10]`, `cu_seqlens_q = [0, 1, 7]`, and both sample: `logits_indices = [0, 6]`.
+#
+# The check compares every field with the engine's own on named and random mixed batches and names
+# the first wrong one, then puts your function into the engine and requires every request to get
+# the greedy tokens `generate` gives it alone.
+
+# %%
+example = [
+    ScheduledSeq(token_ids=[11, 12, 13, 14, 15, 16, 17], block_table=[7, 2], num_cached=6, num_new=1),
+    ScheduledSeq(token_ids=list(range(30, 40)), block_table=[5, 0, 9], num_cached=4, num_new=6),
+]
+
+
+# %%
+def prepare_step(seqs, block_size):
+    # BEGIN SOLUTION: lay the new tokens end to end; slots through the tables; pad with -1; last rows of samplers
+    input_ids, positions, slots, rows, cu = [], [], [], [], [0]
+    width = max(len(s.block_table) for s in seqs)
+    for s in seqs:
+        start, n = s.num_cached, s.num_new
+        for p in range(start, start + n):
+            input_ids.append(s.token_ids[p])
+            positions.append(p)
+            slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + n)
+        if start + n == len(s.token_ids):  # the step reaches its last known token: it samples
+            rows.append(cu[-1] - 1)
+    tables = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in seqs]
+    q_lens = [s.num_new for s in seqs]
+    return StepMetadata(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        seq_lens=torch.tensor([s.num_cached + s.num_new for s in seqs], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        logits_indices=torch.tensor(rows, dtype=torch.long),
+        max_q_len=max(q_lens),
+        decode_only=max(q_lens) == 1,
+    )
+    # END SOLUTION
+
+
+# %%
+check_prepare_step(prepare_step)
+
+# %% [markdown]
+# Your function on the worked example:
+
+# %% tags=["nbval-check-output"]
+mine = prepare_step(example, 4)
+for field in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "logits_indices"):
+    print(f"{field:>15}: {getattr(mine, field).tolist()}")
+print(f"{'max_q_len':>15}: {mine.max_q_len}, decode_only: {mine.decode_only}")
+
+# %% [markdown]
+# Your function now runs the engine. `engine.runner.assemble` is the model runner's hook for a step
+# assembly of your own: three requests, two of them arriving while the first decodes, all greedy.
+# With the course model's random weights the tokens mean nothing, but they are exactly those
+# `generate` gives each prompt alone.
+
+# %%
+# the tiny shape with its own output head: with a tied one, a random model repeats its last token
+tiny = Transformer(dataclasses.replace(get_model("tiny-2m"), tied_embeddings=False), seed=0)
+engine = Engine(tiny, num_blocks=32, block_size=4, token_budget=8, clock="steps")
+engine.runner.assemble = prepare_step
+first = engine.add_request(list(range(1, 15)), SamplingParams(temperature=0, max_tokens=5))
+for _ in range(3):
+    engine.step()
+later = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=5)) for p in ([3, 1, 4, 1, 5], [9, 2, 6])]
+for _ in engine.stream():
+    pass
+for rid in (first, *later):
+    prompt = engine.requests[rid].prompt_ids
+    same = engine.requests[rid].output_ids == tiny.generate(torch.tensor([prompt]), 5)[0, len(prompt):].tolist()
+    print(f"request {rid}: {len(prompt)} prompt tokens -> {engine.requests[rid].output_ids}, as generate alone: {same}")
+    assert same, f"request {rid}: the engine with your prepare_step gave other tokens than generate alone"
+print("steps:", [(s.prefill_tokens, s.decode_tokens) for s in engine.steps], "(prefill, decode tokens)")
+
+# %% [markdown]
+# ## 5. Launch overhead
 #
 # At batch 1 a decode step does little arithmetic, and much of its time goes to issuing it: Python
 # runs every module's `forward`, PyTorch's dispatcher finds a kernel for every operator, and on a

@@ -256,7 +256,8 @@ check_max_batch(max_batch)
 # Each replica runs at most `batch_per_replica` requests at once, and Little's law says how many
 # are in flight. Traffic is bursty, so plan for `headroom` more than the mean (0.3 is 30%).
 # Write `replicas_for_rate(arrival_rate, time_in_system_s, batch_per_replica, headroom=0.0)`: the
-# number of replicas, a whole number, enough for every request (at least one).
+# number of replicas, a whole number, enough for every request, and at least one (a service with
+# no traffic at the moment, `arrival_rate` 0, still keeps a replica up).
 
 # %%
 def replicas_for_rate(arrival_rate, time_in_system_s, batch_per_replica, headroom=0.0):

@@ -401,8 +401,9 @@ for name, lat in measured.items():
 # * `"ttft_p"`, `"tpot_p"`: the `p`-th percentiles of the completed requests' TTFTs and of their
 #   TPOTs (skip the None ones), by **nearest rank**: sort the $n$ values and take the
 #   $\lceil p n / 100\rceil$-th smallest, counting from 1 (compute `p * n / 100` in that order:
-#   `7 / 100 * 100` is `7.000000000000001` in floating point). Not numpy's default, which
-#   interpolates.
+#   `7 / 100 * 100` is `7.000000000000001` in floating point, rank 8). Not numpy's default, which
+#   interpolates, nor `method="inverted_cdf"`, which divides first. The check has a case of 100
+#   requests at `p = 7`.
 
 # %%
 def slo_report(requests, slo, duration_s):

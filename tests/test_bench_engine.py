@@ -25,6 +25,8 @@ def test_dry_run_runs_the_engine_static_batching_and_the_sweep(tmp_path):
     assert m["engine"]["output_tokens"] == m["static"]["output_tokens"]  # the same trace, every token generated
     assert m["engine_over_static"] > 0 and 0 < m["roofline"]["all"]["fraction_of_bound"]
     assert m["engine_stats"]["free_blocks"] == m["engine_stats"]["num_blocks"]  # every block came back
+    # random prompts share no prefix: the warm-up request (the trace's first prompt) left nothing cached
+    assert m["engine_stats"]["prefix_cache_hits"] == 0 and m["engine_stats"]["prefix_cache_queries"] > 0
     assert [r["batch"] for r in data["decode_sweep"]] == list(BE.SWEEP_BATCHES["tiny-2m"])
     assert all(r["step_s"] > 0 and not r["cuda_graphs"] for r in data["decode_sweep"])
     assert BE.load_results(out) is None  # a dry run never reaches the book
@@ -33,17 +35,22 @@ def test_dry_run_runs_the_engine_static_batching_and_the_sweep(tmp_path):
 
 
 def test_a_steps_bound_is_its_bytes_or_its_flops_whichever_is_longer():
-    cfg = get_model("llama-3.1-8b")
+    cfg = get_model("llama-3.1-8b")  # untied: its input table is a lookup, its output head a matmul
     weights = 16_060_522_496  # bytes of the bf16 weights
-    decode = StepRecord(0, 0, 0.01, 1, 0, 1, 0, 0, 0, kv_tokens=1000, attention_pairs=1000)
+    table = cfg.vocab_size * cfg.d_model * 2
+    decode = StepRecord(0, 0, 0.01, 1, 0, 1, 0, 0, 0, kv_tokens=1000, attention_pairs=1000, sampled=1)
     t = BE.step_bound_seconds(cfg, weights, decode, copy_Bps=4e12, matmul_flops=8e14)
-    assert t == pytest.approx((weights + 1001 * kv_bytes_per_token(cfg)) / 4e12)  # one token: the bytes bind
-    prefill = StepRecord(0, 0, 0.5, 1, 4096, 0, 0, 0, 0, kv_tokens=4096, attention_pairs=4096 * 4097 // 2)
-    flops = 2 * (weights / 2 - cfg.vocab_size * cfg.d_model) * 4096 \
-        + 4 * prefill.attention_pairs * cfg.head_dim * cfg.n_heads * cfg.n_layers
+    # one token: the bytes bind, and of the input table only its row is read
+    assert t == pytest.approx((weights - table + cfg.d_model * 2 + 1001 * kv_bytes_per_token(cfg)) / 4e12)
+    prefill = StepRecord(0, 0, 0.5, 1, 4096, 0, 0, 0, 0, kv_tokens=4096, attention_pairs=4096 * 4097 // 2, sampled=1)
+    head = cfg.vocab_size * cfg.d_model
+    flops = 2 * (weights / 2 - 2 * head) * 4096 + 2 * head * 1 \
+        + 4 * prefill.attention_pairs * cfg.head_dim * cfg.n_heads * cfg.n_layers  # the head runs on one row
     assert BE.step_bound_seconds(cfg, weights, prefill, 4e12, 8e14) == pytest.approx(flops / 8e14)  # FLOPs bind
     rows = BE.roofline_rows(cfg, weights, [decode, prefill], 4e12, 8e14)
     assert rows["all"]["steps"] == 2 and rows["decode_batch_64"] is None
+    tied = BE.model_config("llama-3.2-1b")  # a tied table is the output head: read whole, once
+    assert tied.tied_embeddings and BE.weight_bytes_read(tied, 10**9, 7) == 10**9
 
 
 def test_the_llama_32_1b_shape_is_its_config():

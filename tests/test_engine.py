@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from labsupport.engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
+from labsupport.engine import Engine, Request, TraceRequest, poisson_trace, run_trace, trace_summary
 from labsupport.engine.model_runner import graph_batch_sizes, padded_batch_size
 from labsupport.engine.sampler import BatchedSampler
 from labsupport.models import get_model
@@ -70,6 +70,7 @@ def test_greedy_tokens_equal_generate_alone_under_chunking_and_preemption(model)
     assert max(generated_when_preempted) > 0  # a victim had output tokens: the recompute covers them too
     assert any(s.prefill_tokens and s.decode_tokens for s in engine.steps)  # prefill chunks beside decodes
     assert max(s.prefill_tokens + s.decode_tokens for s in engine.steps) == 8  # the budget was used, not exceeded
+    assert sum(s.sampled for s in engine.steps) == sum(len(r.output_ids) for r in requests)  # one row per token
     assert engine.allocator.num_free_blocks == 14  # every block came back
     engine.allocator.check_invariants()
 
@@ -198,6 +199,72 @@ def test_prefix_caching_reuses_blocks_keeps_the_tokens_and_counts_hits(model):
     engine.allocator.check_invariants()
 
 
+def test_preempting_a_request_whose_prefix_blocks_are_shared_frees_only_its_own(model):
+    """A decision counts a preempted request's blocks as given back; with prefix caching, the ones
+    it shares with a request that keeps running free nothing. The decision below is valid by those
+    counts (check_decision accepts it), but the blocks it spends are not there: the engine must
+    notice, decide again on the real counts, and still give every request its tokens."""
+    shared = list(range(40, 48))  # two full blocks of 4
+    engine = Engine(model, num_blocks=6, block_size=4, token_budget=32, max_running=4, clock="steps")
+    a = engine.add_request(shared + [1], SamplingParams(temperature=0, max_tokens=6))
+    engine.step()  # a's prompt: blocks 0 and 1 are hashed
+    d = engine.add_request(shared + [2], SamplingParams(temperature=0, max_tokens=3))
+    engine.step()  # d finds the two blocks cached and holds one block of its own
+    assert engine.requests[d].cached_tokens == 8 and engine.allocator.num_free_blocks == 2
+    b = engine.add_request(list(range(60, 76)), SamplingParams(temperature=0, max_tokens=2))  # 16 tokens: 4 blocks
+    rounds, decide = [], engine.scheduler.decide
+
+    def greedy_for_b(running, waiting, budget, free, block_size, max_running):
+        rounds.append((sorted(s.request_id for s in running), free))
+        ids = {s.request_id for s in running}
+        if d in ids and any(s.request_id == b for s in waiting):  # d's 3 blocks "back": 2 + 3 >= 4
+            return {a: 1, b: 16}, [d]
+        return decide(running, waiting, budget, free, block_size, max_running)
+
+    engine.scheduler.decide = greedy_for_b
+    record = engine.step()  # d gave back one block, not three: decided again, without admitting b
+    assert rounds[-2:] == [([a, d], 2), ([a], 3)]
+    assert engine.steps[-1].preempted == 1 and b not in {r.request_id for r in engine.running}
+    engine.allocator.check_invariants()
+    assert {ev.request_id for ev in record} == {a}
+    for _ in engine.stream():
+        pass
+    assert engine.requests[a].output_ids == alone(model, shared + [1], 6)
+    assert engine.requests[d].output_ids == alone(model, shared + [2], 3)
+    assert engine.requests[b].output_ids == alone(model, list(range(60, 76)), 2)
+    assert engine.allocator.num_free_blocks == 6
+    engine.allocator.check_invariants()
+
+
+def test_a_step_that_raises_fails_its_requests_and_leaves_no_unwritten_block_findable(model):
+    """A forward pass that raises before writing the cache: the step's request ends with "error"
+    and gives its blocks back, the request that did not run carries on, and a retry of the same
+    prompt computes it again (the two blocks hashed when the failed step got its slots hold no
+    keys) and gets the tokens it gets alone."""
+    prompt = list(range(30, 39))  # two full blocks of 4, and one more token
+    engine = Engine(model, num_blocks=16, block_size=4, token_budget=9, clock="steps")
+    failed = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3))
+    other = engine.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=3))  # over the budget: waits
+    forward = engine.runner.forward
+
+    def broken(meta):
+        raise torch.cuda.OutOfMemoryError("no memory for the activations")
+
+    engine.runner.forward = broken
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        engine.step()
+    engine.runner.forward = forward
+    assert engine.requests[failed].finish_reason == "error" and not engine.requests[other].finished
+    assert engine.allocator.num_free_blocks == 16
+    engine.allocator.check_invariants()
+    retry = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3))
+    for _ in engine.stream():
+        pass
+    assert engine.requests[retry].cached_tokens == 0
+    assert engine.requests[retry].output_ids == alone(model, prompt, 3)
+    assert engine.requests[other].output_ids == alone(model, [3, 4, 5], 3)
+
+
 def test_release_forgets_a_request_and_frees_a_running_ones_blocks(model):
     engine = Engine(model, num_blocks=16, block_size=4, clock="steps")
     done = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1))
@@ -277,3 +344,11 @@ def test_fused_projections_change_nothing_but_rounding(model):
     for t, r in zip(trace, requests):
         assert r.output_ids == alone(model, t.prompt_ids, t.params.max_tokens)
 
+
+
+def test_a_requests_token_ids_are_slices_of_all_its_ids():
+    req = Request(0, [1, 2, 3], SamplingParams(), 0.0, torch.Generator())
+    req.output_ids += [4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert req.token_ids(start, end) == req.all_ids[start:end], (start, end)

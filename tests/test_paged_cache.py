@@ -93,6 +93,11 @@ def test_prefix_caching_reuses_full_blocks_only():
 def test_the_hash_covers_the_parent():
     """Equal blocks after different prefixes are different blocks."""
     assert block_hash(None, [1, 2]) != block_hash(block_hash(None, [9, 9]), [1, 2])
+    # SHA-256, not Python's hash, under which these two blocks collide (hash(-1) == hash(-2))
+    assert hash(("block", None, (-1,))) == hash(("block", None, (-2,)))
+    assert block_hash(None, [-1]) != block_hash(None, [-2]) and block_hash(None, [1, 2]).bit_length() > 64
+    assert block_hash(None, [1, 2], salt="tenant-a") != block_hash(None, [1, 2], salt="tenant-b")
+    assert block_hash(None, [1, 2]) == block_hash(None, (1, 2))  # the same in every process and call
     a = BlockAllocator(16, 2, prefix_caching=True)
     a.allocate("a", [1, 2, 3, 4])
     a.allocate("b", [5, 6, 3, 4])
@@ -216,3 +221,13 @@ def test_prefix_cached_prefill_gives_the_same_logits():
         allocator.free(i)
     assert hits == [0, 16, 16]  # two full blocks of the shared prompt; the third prompt is all cached
     allocator.check_invariants()
+
+
+def test_the_cached_prefix_lookup_stops_at_the_first_miss():
+    """An engine asks for every waiting request every step, so the look-up reads a prompt only up
+    to its first uncached block (here, what follows the miss is not even a token id)."""
+    a = BlockAllocator(8, 4, prefix_caching=True)
+    a.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert a.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert a.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 7, 8], limit=7) == 4  # the last token is computed
+    assert a.cached_prefix_tokens([1, 2, 3, 4, 0, 0, 0, 0] + [object()] * 1000) == 4

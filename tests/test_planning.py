@@ -107,6 +107,7 @@ def test_replicas_by_hand():
     # exactly 3 replicas' worth is 3, not 4 (floating point must not round it up)
     assert replicas_for_rate(0.3, 10, 1) == 3
     assert replicas_for_rate(0.001, 1, 64) == 1  # at least one replica
+    assert replicas_for_rate(0, 1, 64) == 1  # even with no traffic
 
 
 def test_cost_by_hand():

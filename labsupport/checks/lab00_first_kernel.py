@@ -3,58 +3,19 @@
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..device import cuda_available, device, interpreter_mode
-from .framework import Case, graded, torch_calls, triton_launches
+from ._guard import guarded_memory
+from .framework import Case, CheckFailed, graded, torch_calls, triton_launches
 
-PAD = 1 << 16  # elements of guard space after every output tensor the learner's function allocates
 # torch functions that compute the sum: the learner's function may allocate and reshape, not add
 ADDS = ("add", "add_", "__add__", "__radd__", "__iadd__")
 NO_KERNEL_HINT = ("compute the sum with your Triton kernel: allocate `out`, launch "
                   "`add_kernel[grid](x, y, out, n, BLOCK_SIZE=...)` and return `out`.")
-
-
-class _guarded_allocations:
-    """While active, ``torch.empty_like``, ``torch.zeros``, ``x.clone()`` and friends return views
-    into buffers with ``PAD`` NaN-filled elements after the end, so a kernel that stores past the
-    end of its output writes there (detectably) instead of into memory it does not own, which in
-    the interpreter aborts the whole Python process."""
-
-    ALLOCATORS = ("empty_like", "zeros_like", "ones_like", "full_like", "empty", "zeros", "ones", "full", "clone",
-                  "new_empty", "new_zeros", "new_ones", "new_full", "empty_strided")
-
-    def __init__(self):
-        guard = self
-        self.buffers: list[tuple[object, int]] = []  # (padded buffer, elements in use)
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                result = func(*args, **(kwargs or {}))
-                if getattr(func, "__name__", "") in guard.ALLOCATORS:
-                    return guard._padded(result)
-                return result
-
-        self.mode = Mode()
-
-    def _padded(self, t):
-        if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.is_contiguous()
-                or t.numel() == 0):  # Triton's interpreter itself makes empty placeholders
-            return t
-        buffer = torch.full((t.numel() + PAD,), float("nan"), dtype=t.dtype, device=t.device)
-        buffer[: t.numel()].copy_(t.reshape(-1))
-        self.buffers.append((buffer, t.numel()))
-        return buffer[: t.numel()].view(t.shape)
-
-    def wrote_past_the_end(self) -> bool:
-        return any(not bool(torch.isnan(buf[used:]).all()) for buf, used in self.buffers)
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+INPUTS_HINT = ("check the inputs before launching: x and y must be 1-D tensors of the same length "
+               "(`assert x.shape == y.shape`), and the kernel's `x_ptr + offsets` assumes adjacent elements, "
+               "so make them contiguous (`x = x.contiguous()`) or refuse a strided view "
+               "(`assert x.is_contiguous()`).")
 
 
 def _sizes() -> list[int]:
@@ -77,9 +38,9 @@ def check_vector_add(fn, checker):
             y = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
             x_before, y_before = x.clone(), y.clone()
             case = Case(n=n, dtype=dtype, seed=seed)
-            with triton_launches() as launches, torch_calls(ADDS) as calls, _guarded_allocations() as guard:
+            with triton_launches() as launches, torch_calls(ADDS) as calls, guarded_memory(nan_empty=True) as guard:
                 out = checker.call(fn, x, y, case=case)
-            if guard.wrote_past_the_end():
+            if guard.touched():
                 checker.fail(case, f"your kernel wrote past the end of the output (n={n}): the last block's "
                                    f"lanes beyond n stored values into memory the tensor does not own.",
                              "mask the store as well as the loads: `tl.store(out_ptr + offsets, ..., "
@@ -98,6 +59,60 @@ def check_vector_add(fn, checker):
                 checker.fail(case, "the result is right, but no Triton kernel was launched: the sum was "
                                    "computed some other way (in torch?).", NO_KERNEL_HINT)
             checker.expect_kernel_work(case, launches, calls, {"out": out}, NO_KERNEL_HINT)
+    _check_strided_inputs(fn, checker, dev)
+    _check_mismatched_lengths(fn, checker, dev)
+
+
+def _refused(checker, fn, *args, case) -> tuple[bool, object]:
+    """Run ``fn`` on inputs it may refuse: (True, None) when it raised (an assert, ValueError, ...),
+    (False, result) when it returned."""
+    try:
+        return False, checker.call(fn, *args, case=case)
+    except CheckFailed as exc:
+        if exc.reason == "not done" or not isinstance(exc.__cause__, (AssertionError, ValueError, TypeError,
+                                                                      RuntimeError, IndexError)):
+            raise
+        return True, None
+
+
+def _check_strided_inputs(fn, checker, dev) -> None:
+    """Every second element of longer tensors: the sum must be right, or the function must refuse."""
+    n = 1000
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2 * n, generator=gen).to(device=dev)[::2]  # a view: stride 2, not contiguous
+    y = torch.randn(2 * n, generator=gen).to(device=dev)[::2]
+    case = Case(n=n, dtype=torch.float32, inputs="x[::2] and y[::2], views of tensors twice as long (stride 2)")
+    expected = x + y
+    with guarded_memory() as guard:
+        refused, out = _refused(checker, fn, x, y, case=case)
+    if guard.touched():
+        checker.fail(case, "your kernel wrote outside the output it allocated.", INPUTS_HINT)
+    if refused:
+        return
+    if isinstance(out, torch.Tensor) and out.shape == expected.shape and out.dtype == expected.dtype:
+        contiguous_read = torch.as_strided(x, (n,), (1,)) + torch.as_strided(y, (n,), (1,))  # x's first n slots
+        if not torch.allclose(out, expected, atol=1e-6, rtol=1e-3) and torch.allclose(
+                out, contiguous_read, atol=1e-6, rtol=1e-3):
+            checker.fail(case, "the sum is wrong for inputs that are not contiguous: your kernel read the first n "
+                               "elements of the memory x and y start at, as if their elements were adjacent, but "
+                               "x[::2] has a stride of 2 (x.stride() == (2,)).", INPUTS_HINT)
+    checker.expect_tensor(out, expected, case=case, atol=1e-6, rtol=1e-3, hint=INPUTS_HINT)
+
+
+def _check_mismatched_lengths(fn, checker, dev) -> None:
+    """x of 1000 elements and y of 10: the function must refuse them, not read past the end of y."""
+    gen = torch.Generator().manual_seed(12)
+    case = Case(x="1000 elements", y="10 elements", dtype=torch.float32)
+    with guarded_memory() as guard:
+        x = guard.guard(torch.randn(1000, generator=gen).to(device=dev), "x")
+        y = guard.guard(torch.randn(10, generator=gen).to(device=dev), "y")
+        refused, out = _refused(checker, fn, x, y, case=case)
+    if refused:
+        return
+    what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+    checker.fail(case, f"your function returned {what} for x of 1000 elements and y of 10; it must "
+                       f"refuse inputs of different lengths (raise, e.g. `assert x.shape == y.shape`) instead of "
+                       f"reading 990 elements past the end of y, memory y does not own.", INPUTS_HINT)
 
 
 def _block_hint(out, expected, mistakes, atol) -> str:
@@ -108,7 +123,8 @@ def _block_hint(out, expected, mistakes, atol) -> str:
         return ""
     if any(torch.allclose(out.double(), m.double(), atol=atol, rtol=1e-3) for m in mistakes.values()):
         return ""  # the message already names the mistake
-    wrong = ((out.double() - expected.double()).abs() > atol + 1e-3 * expected.double().abs()).cpu()
+    diff = (out.double() - expected.double()).abs()
+    wrong = (diff.isnan() | (diff > atol + 1e-3 * expected.double().abs())).cpu()  # NaN: never written
     if not bool(wrong.any()):
         return ""
     first, n = int(wrong.nonzero()[0]), wrong.numel()
@@ -121,6 +137,11 @@ def _block_hint(out, expected, mistakes, atol) -> str:
         if n - first <= 2:
             return (f"only the last {n - first} element(s) are wrong: the mask is off by one. Keep every "
                     f"offset below n: `mask = offsets < n`.")
+        if first % 16 == 0:
+            return (f"elements 0..{first - 1} are right and every element from index {first} to the end is "
+                    f"wrong: {first} is a whole number of blocks, so the programs that should have covered the "
+                    f"rest never ran. The grid is too small: launch triton.cdiv(n, BLOCK_SIZE) programs, with "
+                    f"the same BLOCK_SIZE the kernel is launched with.")
         return (f"elements 0..{first - 1} are right and the rest are wrong, from an index that is not the "
                 f"start of a block: check the offsets (`pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)`).")
     if n < 16 and bool(wrong.all()):

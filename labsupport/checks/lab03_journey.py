@@ -120,6 +120,12 @@ def _percentile_mistakes(values: list[float], p: float) -> dict[str, float]:
     lo = math.floor(pos)
     interpolated = data[lo] + (data[min(lo + 1, n - 1)] - data[lo]) * (pos - lo)
     return {
+        "p / 100 is rounded before it is multiplied by n: ceil(p / 100 * n) lands one rank too high where "
+        f"p * n / 100 is a whole number ({p} / 100 * {n} = {p / 100 * n!r} in floating point). Multiply first, "
+        "ceil(p * n / 100), or stay in integers, -(-p * n // 100)":
+            data[min(n, max(1, math.ceil(p / 100 * n))) - 1],
+        "p = 0 gives rank 0, and ordered[0 - 1] is the LARGEST value (index -1): the rank must be at least 1, "
+        "so p = 0 is the smallest value": data[math.ceil(p * n / 100) - 1],
         "the value is interpolated between two ranks (numpy's default), not the nearest rank": interpolated,
         "the rank is rounded down, not up (floor(p / 100 * n) as a 1-based rank)": data[max(0, math.floor(p / 100 * n) - 1)],
         "the rank ceil(p * n / 100) is used as a 0-based index (one rank too high)": data[min(n - 1, math.ceil(p / 100 * n))],
@@ -144,10 +150,15 @@ def check_percentile(fn, checker):
         (ttfts, 100),
         ([0.2, 0.2, 0.9, 0.2], 99),
         ([0.25], 99),
-        ([0.5, 0.1, 0.3], 0),
+        ([0.3, 0.1, 0.5], 0),  # the largest value is not the first: a rank of 0 and unsorted values differ
+        (list(range(100, 0, -1)), 7),  # 7 / 100 * 100 is 7.000000000000001 in floating point, 7 * 100 / 100 is 7
+        ([float(v) for v in random.Random(28).sample(range(1, 26), 25)], 28),  # 0.28 * 25 = 7.000000000000001
     ]
     for values, p in cases:
-        case = Case(values=f"{len(values)} values" if len(values) > 6 else values, p=p)
+        shown = f"{len(values)} values" if len(values) > 6 else values
+        if len(values) > 6 and sorted(values) == list(range(1, len(values) + 1)):
+            shown = f"1 to {len(values)} in some order"
+        case = Case(values=shown, p=p)
         got = checker.call(fn, list(values), p, case=case)
         want = percentile(values, p)
         mistakes = {d: v for d, v in _percentile_mistakes(values, p).items() if not math.isclose(v, want)}

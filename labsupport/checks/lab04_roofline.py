@@ -32,7 +32,7 @@ def reference_intensity(m: int, k: int, n: int, dtype_bytes: float) -> float:
 
 
 def _mistakes(m, k, n, b) -> dict[str, float]:
-    return {
+    mistakes = {
         "the factor 2 is missing from the FLOPs (a multiply-add is two operations)": m
         * k
         * n
@@ -40,6 +40,8 @@ def _mistakes(m, k, n, b) -> dict[str, float]:
         "the bytes written for C (m*n elements) are left out": 2 * m * k * n / (b * (m * k + k * n)),
         "only the bytes of B (the weights) are counted": 2 * m * k * n / (b * k * n),
         "C is counted twice (read and written)": 2 * m * k * n / (b * (m * k + k * n + 2 * m * n)),
+        "C is charged 4 bytes per element (a float32 output, the accumulator's width) whatever dtype_bytes: "
+        "the matmul writes C in the inputs' dtype": 2 * m * k * n / (b * (m * k + k * n) + 4 * m * n),
         "elements are counted instead of bytes (dtype_bytes is ignored)": 2
         * m
         * k
@@ -58,6 +60,13 @@ def _mistakes(m, k, n, b) -> dict[str, float]:
         / (m * k + k * n + m * n),
         "integer division (//) truncates the result": float(2 * m * k * n // (b * (m * k + k * n + m * n))),
     }
+    if b == 2:  # a float32 C (4 bytes) and a C read and written (2 x 2 bytes) give the same count
+        twice = mistakes.pop("C is counted twice (read and written)")
+        del mistakes["C is charged 4 bytes per element (a float32 output, the accumulator's width) whatever "
+                     "dtype_bytes: the matmul writes C in the inputs' dtype"]
+        mistakes["C is counted twice (read and written), or C is charged 4 bytes per element (a float32 output, "
+                 "the accumulator's width) although the matmul writes C in the inputs' dtype"] = twice
+    return mistakes
 
 
 @graded(points=5, bans=(reference_intensity, matmul_intensity))

@@ -8,6 +8,7 @@ from ..costs import kv_bytes_per_token, param_count
 from ..hardware import get_gpu
 from ..kvcache import max_concurrency, with_kv_heads
 from ..models import ModelConfig, get_model
+from ._mistakes import RuledOut
 from ._parameters import spelling
 from .framework import Case, graded
 
@@ -21,6 +22,10 @@ CONCURRENCY_RULE = (
     "and the reserve; each sequence needs the KV of all its context_tokens at kv_dtype_bytes; count the "
     "whole sequences that fit (round down), and none when nothing is left."
 )
+
+
+HEAD_DIM_GIVEN = ("use cfg.head_dim as the model gives it: Qwen3-0.6B has 16 heads of 128 on a width of 1,024, so "
+                  "d_model // n_heads (64) is not its head width")
 
 
 def _configs():
@@ -43,6 +48,10 @@ def _kv_mistakes(cfg, b) -> dict[str, float]:
         "head_dim is missing": 2 * L * kv * b,
         "d_model is used instead of head_dim": 2 * L * kv * cfg.d_model * b,
         "the result is in bits, not bytes": 2 * L * kv * hd * b * 8,
+        f"the head width is derived as d_model // n_heads ({cfg.d_model // h}) instead of cfg.head_dim ({hd}): "
+        f"{HEAD_DIM_GIVEN}": 2 * L * kv * (cfg.d_model // h) * b,
+        f"dtype_bytes is rounded to a whole number (int({b:g}) = {int(b)}): a 4-bit cache takes half a byte per "
+        f"element, so dtype_bytes = 0.5 (keep it as it is given)": 2 * L * kv * hd * int(b),
     }
 
 
@@ -57,7 +66,10 @@ def check_kv_bytes_per_token(fn, checker):
         (get_model("tiny-20m"), 4),
         (with_kv_heads(get_model("llama-3.1-8b"), 32), 2),  # plain multi-head attention
         (odd, 4),
+        (get_model("qwen3-0.6b"), 2),  # head_dim 128, not d_model // n_heads = 64
+        (get_model("llama-3.1-8b"), 0.5),  # a 4-bit cache: half a byte per element
     ]
+    ruled_out = RuledOut()
     for cfg, b in cases:
         case = Case(
             model=cfg.name,
@@ -71,11 +83,13 @@ def check_kv_bytes_per_token(fn, checker):
             checker.call(fn, cfg, case=case) if b is None else checker.call(fn, cfg, dtype_bytes=b, case=case)
         )
         expected = kv_bytes_per_token(cfg, 2 if b is None else b)
-        mistakes = {d: v for d, v in _kv_mistakes(cfg, 2 if b is None else b).items() if v != expected}
+        wrong = _kv_mistakes(cfg, 2 if b is None else b)
         hint = KV_FORMULA + (" With no dtype_bytes given, use 2 (bf16)." if b is None else "")
         checker.expect_number(
-            got, expected, case=case, rel=1e-9, what="bytes per token", hint=hint, mistakes=mistakes
+            got, expected, case=case, rel=1e-9, what="bytes per token", hint=hint,
+            mistakes=ruled_out.candidates(wrong, expected, merge=False),
         )
+        ruled_out.passed(wrong, expected)
 
 
 def _concurrency_mistakes(cfg, memory, context, wb, kb, reserve) -> dict[str, float]:
@@ -101,6 +115,9 @@ def _concurrency_mistakes(cfg, memory, context, wb, kb, reserve) -> dict[str, fl
             (memory - param_count(cfg) * kb - reserve) / (kv_bytes_per_token(cfg, wb) * context)
         ),
         "context_tokens is ignored (one token per sequence)": clamp(free / kv_bytes_per_token(cfg, kb)),
+        f"the cache size uses a head width derived as d_model // n_heads ({cfg.d_model // cfg.n_heads}) instead "
+        f"of cfg.head_dim ({cfg.head_dim}): {HEAD_DIM_GIVEN}": clamp(
+            free / (2 * cfg.n_layers * cfg.n_kv_heads * (cfg.d_model // cfg.n_heads) * kb * context)),
     }
 
 
@@ -129,7 +146,9 @@ def check_max_concurrency(fn, checker):
         (odd, "exact fit", odd_weights + 3 * odd_seq, 100, 4, 4, 0),  # room for exactly 3
         (odd, "one byte short", odd_weights + odd_seq - 1, 100, 4, 4, 0),  # weights fit, no sequence does
         (odd, "reserve too large", odd_weights + 10 * odd_seq, 100, 4, 4, 11 * odd_seq),
+        (get_model("qwen3-0.6b"), "24 GiB", 24 * 2**30, 8192, 2, 2, 0),  # head_dim 128 on d_model 1,024
     ]
+    ruled_out = RuledOut()
     for cfg, label, memory, context, wb, kb, reserve in cases:
         kwargs = {
             k: v
@@ -146,14 +165,12 @@ def check_max_concurrency(fn, checker):
         got = checker.call(fn, cfg, memory, context, case=case, **kwargs)
         wb_, kb_, res_ = wb or 2, kb or 2, reserve or 0
         expected = max_concurrency(cfg, memory, context, wb_, kb_, res_)
-        mistakes = {
-            d: v
-            for d, v in _concurrency_mistakes(cfg, memory, context, wb_, kb_, res_).items()
-            if v != expected
-        }
+        wrong = _concurrency_mistakes(cfg, memory, context, wb_, kb_, res_)
         hint = CONCURRENCY_RULE + (
             f" Defaults: {weight_name}=2, kv_dtype_bytes=2, reserve_bytes=0." if not kwargs else ""
         )
         checker.expect_number(
-            got, expected, case=case, rel=1e-12, what="number of sequences", hint=hint, mistakes=mistakes
+            got, expected, case=case, rel=1e-12, what="number of sequences", hint=hint,
+            mistakes=ruled_out.candidates(wrong, expected, merge=False),
         )
+        ruled_out.passed(wrong, expected)

@@ -12,10 +12,18 @@ The three functions a learner writes, and how the checks call them:
 natural-log log-sum-exp of each row's scaled scores, shape ``(B, H, S)``, float32 (or any float
 dtype at least as precise as the inputs; compared in fp32). Cases: S of 1, 2, 17, 100, 257 (not
 multiples of any block), causal and not, signed inputs, large logits that overflow a softmax
-without the max subtraction (float32 and float16), several seeds, B and H above 1, a
-non-contiguous layout, float32 and float16 (bfloat16 too on a GPU that computes in it, compute
-capability 8.0 and above). ``scaled_dot_product_attention`` is forbidden while the learner's
-function runs.
+without the max subtraction (float32 and float16), float16 logits in the hundreds (scores rounded
+to float16 fail there: they must be float32), a causal row whose only visible score is far below
+-1e4 (a finite mask value or a running maximum started at 0 fails there), several seeds, B and H
+above 1, a non-contiguous layout, float32 and float16 (bfloat16 too on a GPU that computes in it,
+compute capability 8.0 and above). ``scaled_dot_product_attention`` is forbidden while the
+learner's function runs.
+
+The Triton exercise runs with guard space around q, k, v and whatever the wrapper allocates
+(:mod:`labsupport.checks._guard`), so a kernel that loads or stores past a tensor fails with a
+message instead of crashing Python; in the interpreter it also counts the bytes the kernel moves
+(:mod:`labsupport.interpreter_bytes`): any outside the tensors it was given fail, and a causal
+kernel must load less than the same shape without the mask (it skips the future key blocks).
 
 Behaviour only: any correct implementation passes whatever its blocks or loop order. Two
 behavioural limits apply as well: the online softmax must never create an S x S float tensor
@@ -39,6 +47,8 @@ from ..attention import (
     peak_tensor_memory,
 )
 from ..device import cuda_available, device, gpu_has_bf16, interpreter_mode
+from ..interpreter_bytes import OTHER, BytesNotCountable, count_bytes
+from ._guard import guarded_memory, touched_names
 from .framework import Case, graded, torch_calls, triton_launches
 
 FORBID = ["scaled_dot_product_attention"]
@@ -55,6 +65,10 @@ COMPUTES = ("matmul", "__matmul__", "__rmatmul__", "__imatmul__", "mm", "bmm", "
 TRITON_HINT = ("this exercise is the Triton kernel: launch flash_attention_kernel[grid](...) from your wrapper, "
                "let it write out and lse, and return those tensors.")
 SEQ_LENS = (1, 2, 17, 100, 257)
+ROW0 = "query 0's only visible score far below -1e4"  # a case pattern (see _make_inputs)
+ROW0_SCORE = 30000.0  # how far below 0 query 0's score with key 0 is, in that case
+FP16_SCORES_SIGMA = 8.0  # logits up to about 300 in float16: scores rounded to float16 are off by up to 0.125
+PRECISE_ATOL = 3.5e-2  # that case's output atol: float16 scores miss it by 0.063, q pre-scaled in float16 keeps 0.03
 LONG_SEQ = 4096  # GPU-only memory case
 
 _NOT_FINITE = "NaN or inf"
@@ -72,6 +86,16 @@ def _make_inputs(case_fields: dict, device):
     q = torch.randn(shape, generator=gen) * f.get("sigma", 1.0)
     k = torch.randn(shape, generator=gen) * f.get("sigma", 1.0)
     v = torch.randn(shape, generator=gen)
+    if f.get("pattern") == ROW0:
+        # Query 0 and key 0 point in opposite directions along feature 0, which no other query or key
+        # uses: s_00 = -ROW0_SCORE, every other score is ordinary. Causal, query 0 sees only key 0, so
+        # its output is v_0 exactly (its weight is 1, whatever its score): a mask of -1e4 instead of
+        # -inf, or a running maximum started at 0, is wrong there and nowhere else.
+        a = math.sqrt(ROW0_SCORE * math.sqrt(d))
+        q[..., 0] = 0.0
+        k[..., 0] = 0.0
+        q[:, :, 0, 0] = a
+        k[:, :, 0, 0] = -a
     out = []
     for t in (q, k, v):
         t = t.to(dtype=f["dtype"], device=device)
@@ -81,16 +105,21 @@ def _make_inputs(case_fields: dict, device):
     return out
 
 
-def _tolerances(dtype, large: bool) -> tuple[float, float, float, float]:
+def _tolerances(dtype, large: bool, precise: bool = False) -> tuple[float, float, float, float]:
     """(out atol, out rtol, lse atol, lse rtol) for inputs of ``dtype``.
 
-    fp16 and bf16 allow for scores rounded to the input dtype (what torch matmuls in fp16 do);
-    large logits magnify that rounding. fp32 allows plain fp32 rounding only: on a GPU that
-    means ``tl.dot(..., input_precision="ieee")``, not the default tf32.
+    fp16 and bf16 allow for scores rounded to the input dtype (what torch matmuls in fp16 do) at
+    ordinary logits; large logits magnify that rounding. The ``precise`` case (float16 logits in
+    the hundreds) allows for q scaled by 1/sqrt(D) and rounded to float16 before a float32 q.k
+    (older Triton tutorials do that: about a third of the error) but not for the scores
+    themselves rounded to float16. fp32 allows plain fp32 rounding only: on a GPU that means
+    ``tl.dot(..., input_precision="ieee")``, not the default tf32.
     """
     if dtype == torch.float32:
         return 1e-4, 1e-4, 1e-4, 1e-5
     if dtype == torch.float16:
+        if precise:
+            return PRECISE_ATOL, 1e-2, 3e-2, 2e-3
         return (2.5e-2 if large else 1e-2), 1e-2, 3e-2, 2e-3
     return 4e-2, 2e-2, 0.1, 1e-2  # bfloat16 (GPU only)
 
@@ -136,6 +165,11 @@ def _cases(d_small: int = 32, d_large: int = 64) -> list[dict]:
             ]
         if dtype == torch.float16:
             plan.append(dict(S=100, causal=True, B=2, H=2, D=d_small, layout="BSHD"))
+            # logits so large that scores computed in float16 move the output well past the tolerance,
+            # while scores in float32 (as the spec says, and as tl.dot accumulates) stay far inside it
+            plan.append(dict(S=100, causal=False, B=1, H=2, D=d_small, sigma=FP16_SCORES_SIGMA, precise=True))
+        if dtype == torch.float32:
+            plan.append(dict(S=17, causal=True, B=1, H=2, D=d_small, pattern=ROW0))
         for fields in plan:
             fields.update(dtype=dtype, seed=seed)
             seed += 1
@@ -149,6 +183,10 @@ def _case(fields: dict, **extra) -> Case:
         shown["large_logits"] = True
     if fields.get("layout"):
         shown["layout"] = "(B,S,H,D) transposed to (B,H,S,D), not contiguous"
+    if fields.get("precise"):
+        shown["large_logits"] = "in the hundreds, in float16"
+    if fields.get("pattern"):
+        shown["inputs"] = f"{fields['pattern']} (about -{ROW0_SCORE:,.0f})"
     shown.update(extra)
     return Case(**shown)
 
@@ -157,7 +195,7 @@ def _case(fields: dict, **extra) -> Case:
 
 
 def _variant(q, k, v, causal, *, scale=None, axis=-1, mask_offset=0, transpose_mask=False,
-             normalise=True, mask_when=None):
+             normalise=True, mask_when=None, local_block=None, fill=float("-inf")):
     """Attention with one deliberate change; returns (out in q.dtype, lse in fp32).
 
     ``mask_offset`` shifts the causal diagonal (``-1`` hides the diagonal, ``+1`` shows one future
@@ -170,8 +208,10 @@ def _variant(q, k, v, causal, *, scale=None, axis=-1, mask_offset=0, transpose_m
     if apply_mask:
         rows = torch.arange(s_q, device=q.device)[:, None]
         cols = torch.arange(s_k, device=q.device)[None, :]
+        if local_block:  # each key's index within its block of local_block keys, not in the sequence
+            cols = cols % local_block
         visible = (cols >= rows - mask_offset) if transpose_mask else (cols <= rows + mask_offset)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(~visible, fill)
     lse = torch.logsumexp(scores, dim=-1)
     if normalise:
         weights = torch.softmax(scores, dim=axis)
@@ -181,9 +221,19 @@ def _variant(q, k, v, causal, *, scale=None, axis=-1, mask_offset=0, transpose_m
     return out.to(q.dtype), lse.float()
 
 
-def _output_mistakes(q, k, v, causal) -> dict[str, tuple[object, str]]:
+def _in_input_dtype(q, k, v, causal):
+    """Attention with the scores and the softmax in the inputs' dtype (float16 scores are rounded)."""
+    s_q, d = q.shape[2], q.shape[3]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(~torch.ones(s_q, s_q, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _output_mistakes(q, k, v, causal, fields=None, block_n=None) -> dict[str, tuple[object, str]]:
     """Description -> (what that mistake returns, how to fix it)."""
     d = q.shape[3]
+    fields = fields or {}
     mistakes = {
         "the scores are not scaled by 1/sqrt(D)": (
             _variant(q, k, v, causal, scale=1.0)[0],
@@ -217,6 +267,33 @@ def _output_mistakes(q, k, v, causal) -> dict[str, tuple[object, str]]:
         mistakes["a causal mask is applied although causal=False"] = (
             _variant(q, k, v, causal, mask_when=True)[0],
             "apply the mask only when causal is True.")
+    if causal and block_n:
+        mistakes["the causal mask compares each key's index within its block (0 .. block_n - 1) with the query's "
+                 "index in the whole sequence"] = (
+            _variant(q, k, v, causal, local_block=block_n)[0],
+            "compare positions in the whole sequence: the key at index j of the block starting at `start` is key "
+            "start + j (torch.arange(start, start + n)), visible to query i when start + j <= i.")
+    if fields.get("precise"):
+        mistakes["the scores (or the softmax) are computed in float16, the inputs' dtype: at logits in the "
+                 "hundreds float16 keeps a score only to within about 0.1, and the softmax weights move by as "
+                 "much"] = (
+            _in_input_dtype(q, k, v, causal),
+            "compute q @ k^T and the softmax in float32 (q.float() @ k.float().transpose(-2, -1), then "
+            "torch.softmax) and cast the output back to the inputs' dtype at the end.")
+    if fields.get("pattern") == ROW0:
+        out = attention_spec(q, k, v, causal)[0].clone()
+        out[:, :, 0] = float("nan")
+        mistakes[f"the running maximum starts at 0 instead of -inf (or exp is taken without subtracting the "
+                 f"maximum): query 0's only visible score is about -{ROW0_SCORE:,.0f}, so exp(s - 0) underflows "
+                 f"to 0, the sum l is 0 and 0 / 0 is NaN"] = (
+            out, "start the running maximum at -inf (float('-inf'); in Triton tl.full((BLOCK_M,), float('-inf'), "
+                 "tl.float32)), so m becomes the largest score seen and exp(s - m) <= 1 with at least one 1; "
+                 "in one pass, subtract each row's maximum before exponentiating.")
+        mistakes[f"masked scores are set to -1e4 (a large but finite number) instead of -inf: query 0's own score "
+                 f"here is about -{ROW0_SCORE:,.0f}, below the mask value, so the masked future keys outweigh "
+                 f"the one key it may see"] = (
+            _variant(q, k, v, causal, fill=-1e4)[0],
+            "mask with float('-inf'): exp(-inf - m) is exactly 0, whatever the visible scores are.")
     return mistakes
 
 
@@ -245,17 +322,20 @@ def _lse_mistakes(q, k, v, causal, lse_true) -> dict[str, tuple[object, str]]:
 # --- comparing -------------------------------------------------------------------------------
 
 
-def _compare(checker, got, want, *, case, atol, rtol, what, mistakes, hint="", diagnose=None, large=False):
+def _compare(checker, got, want, *, case, atol, rtol, what, mistakes, hint="", diagnose=None, large=False,
+             first_diagnose=None):
     """Fail with a named mistake when ``got`` matches one; otherwise the framework's comparison.
 
+    ``mistakes`` is a function returning them: they are computed only when ``got`` is wrong.
     ``diagnose``, if given, is called only when no mistake matched (it may run the learner's
-    function on probes); a non-empty answer replaces the generic ``hint``.
+    function on probes); a non-empty answer replaces the generic ``hint``. ``first_diagnose`` is
+    asked before the (batch, head) diagnosis (of the output only), ``diagnose`` after it.
     """
     if (isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(want.shape)
             and got.device == want.device):
         g, w = got.detach().double(), want.detach().double()
         if not torch.allclose(g, w, atol=atol, rtol=rtol):
-            matched = [(description, fix) for description, (wrong, fix) in mistakes.items()
+            matched = [(description, fix) for description, (wrong, fix) in mistakes().items()
                        if wrong.shape == g.shape
                        and torch.allclose(g, wrong.detach().double(), atol=atol, rtol=rtol, equal_nan=True)]
             if matched:  # several can coincide on short sequences (S = 2: "one future key" = "no mask")
@@ -270,17 +350,44 @@ def _compare(checker, got, want, *, case, atol, rtol, what, mistakes, hint="", d
                 idx = tuple(int(i) for i in bad.nonzero()[0])
                 if large:
                     reason = ("This case has large logits: exp(score) overflows unless you subtract the "
-                              "(running) maximum of each row before exponentiating.")
+                              "(running) maximum of each row before exponentiating, the maximum of the very "
+                              "scores you exponentiate (the scaled q.k / sqrt(D), not the raw q.k).")
                 else:
-                    reason = (diagnose() if diagnose else "") or (
+                    reason = ((_where_wrong(got, want, atol, rtol) if what == "output" else "")
+                              or (diagnose() if diagnose else "") or (
                         "NaN or inf usually means exp of a large number (subtract the maximum first), "
-                        "a row whose keys are all masked or never visited (0/0), or memory read outside "
-                        "the tensor (a missing mask).")
+                        "a row whose keys are all masked or never visited (0/0), memory read outside "
+                        "the tensor (a missing mask), or elements your kernel never wrote (in the Triton "
+                        "check, what torch.empty allocates starts as NaN)."))
                 checker.fail(case, f"the {what} has {int(bad.sum())} {_NOT_FINITE} value(s) where the "
                                    f"reference is finite, first at index {idx}.", reason)
-    if diagnose and not _close(got, want, atol, rtol):
-        hint = diagnose() or hint
+    if not _close(got, want, atol, rtol):
+        hint = ((first_diagnose() if first_diagnose else "")
+                or (_where_wrong(got, want, atol, rtol) if what == "output" else "")
+                or (diagnose() if diagnose else "") or hint)
     checker.expect_tensor(got, want, case=case, atol=atol, rtol=rtol, what=what, hint=hint)
+
+
+def _where_wrong(got, want, atol, rtol) -> str:
+    """A diagnosis from which (batch, head) pairs are wrong, when only some are: "" otherwise."""
+    if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dim() >= 3):
+        return ""
+    bad = ~torch.isclose(got.detach().double().cpu(), want.detach().double().cpu(), atol=atol, rtol=rtol,
+                         equal_nan=False)
+    share = bad.flatten(2).double().mean(dim=2)  # (B, H): the share of wrong elements in that (batch, head)
+    pairs = share > 0
+    if bool(pairs.all()) or not bool(pairs.any()) or bool((share[pairs] < 0.5).any()):
+        return ""  # all wrong, none, or a few elements here and there (rounding, not an offset)
+    b, h = pairs.shape
+    if b > 1 and not bool(pairs[0].any()) and bool(pairs[1:].all()):
+        others = "batch item 1" if b == 2 else f"batch items 1 to {b - 1}"
+        return (f"every head of batch item 0 is right and every head of {others} is wrong: the "
+                f"(batch, head) offset covers the heads but not the batch. The grid's second axis must be B * H "
+                f"(tl.program_id(1) = b * H + h), and each program's data starts at pid_bh * S * D.")
+    wrong = [(int(i), int(j)) for i, j in pairs.nonzero()]
+    return (f"some (batch, head) pairs are right and others wrong (wrong: {wrong[:6]}"
+            f"{' ...' if len(wrong) > 6 else ''} of B={b}, H={h}): check the offset of each (batch, head) pair "
+            f"and that the grid covers all B * H of them.")
 
 
 def _expect_pair(checker, result, case) -> tuple[object, object]:
@@ -295,33 +402,61 @@ def _expect_pair(checker, result, case) -> tuple[object, object]:
 def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=None, limit_memory=False,
                require_triton=False):
     dev = device()
+    passed_noncausal = set()  # shapes whose causal=False case passed: a causal failure there is the causal part's
+    loaded = {}  # interpreter, Triton exercise: bytes loaded per (shape, causal), for the causal skip
     for fields in _cases():
         kwargs = dict(extra_kwargs(fields)) if extra_kwargs else {}
         case = _case(fields, **kwargs)
         q, k, v = _make_inputs(fields, dev)
         before = [t.clone() for t in (q, k, v)]
         watch = limit_memory and fields["S"] == max(SEQ_LENS)
+        shape = tuple(fields.get(key) for key in ("B", "H", "S", "D", "dtype", "layout", "sigma", "pattern"))
 
         @functools.wraps(fn)
         def watched(*args, **kw):
             return peak_tensor_memory(fn, *args, **kw)
 
-        with triton_launches() as launches, (torch_calls(COMPUTES) if require_triton else contextlib.nullcontext()) as calls:
+        with contextlib.ExitStack() as stack:
+            launches = stack.enter_context(triton_launches())
+            calls = stack.enter_context(torch_calls(COMPUTES)) if require_triton else None
+            guard = counted = None
+            if require_triton:  # a kernel may read or write past a tensor: give it guard space (see _guard)
+                guard = guarded_memory(nan_empty=True)
+                q, k, v = (guard.guard(t, name) for t, name in zip((q, k, v), "qkv"))
+                stack.enter_context(guard)
+                if interpreter_mode() and not count_bytes._active:
+                    try:
+                        counted = stack.enter_context(count_bytes())
+                    except BytesNotCountable:
+                        counted = None
             if watch:
                 result, report = checker.call(watched, q, k, v, causal=fields["causal"], case=case,
                                               forbid=FORBID, **kwargs)
             else:
                 result = checker.call(fn, q, k, v, causal=fields["causal"], case=case, forbid=FORBID, **kwargs)
+        if guard is not None:
+            _expect_within_bounds(checker, case, guard, counted)
         if not all(torch.equal(t, b) for t, b in zip((q, k, v), before)):
             checker.fail(case, "your function changed q, k or v.", "never write into the inputs; allocate new tensors.")
         want_out, want_lse = attention_spec(q, k, v, fields["causal"])
         large = bool(fields.get("sigma"))
-        atol, rtol, lse_atol, lse_rtol = _tolerances(fields["dtype"], large)
+        atol, rtol, lse_atol, lse_rtol = _tolerances(fields["dtype"], large, bool(fields.get("precise")))
         out, lse = _expect_pair(checker, result, case) if returns_lse else (result, None)
         returned_lse = lse  # before any conversion below: the tensor the function returned
+        causal_at_fault = fields["causal"] and shape in passed_noncausal
+        hint = (CAUSAL_HINT_KERNEL if require_triton else CAUSAL_HINT_TORCH) if causal_at_fault else (
+            FP16_SCORES_HINT if fields.get("precise") else BLOCKWISE_HINT if diagnose else "")
+        if fields.get("precise"):  # float16 logits in the hundreds: the same numbers in float32 tell
+            first = functools.partial(_float32_diagnosis, functools.partial(fn, **kwargs), q, k, v, fields["causal"],
+                                      want_out, atol, rtol, guarded=require_triton)
+        else:
+            first = None
         _compare(checker, out, want_out, case=case, atol=atol, rtol=rtol, what="output",
-                 mistakes=_output_mistakes(q, k, v, fields["causal"]), hint=BLOCKWISE_HINT if diagnose else "",
-                 diagnose=(lambda f=fields, kw=kwargs: diagnose(f, kw)) if diagnose else None, large=large)
+                 mistakes=functools.partial(_output_mistakes, q, k, v, fields["causal"], fields,
+                                            kwargs.get("block_n")),
+                 hint=hint, first_diagnose=first,
+                 diagnose=(lambda f=fields, kw=kwargs: diagnose(f, kw)) if diagnose and not causal_at_fault
+                 else None, large=large)
         if returns_lse:
             lse_hint = ("lse[b, h, i] = log(sum_j exp(s_ij)) over the keys query i sees, with "
                         "s = q.k / sqrt(D): in a blockwise loop, m + log(l) at the end.")
@@ -331,7 +466,7 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
                                  f"the inputs: return it in float32.")
                 lse = lse.float()
             _compare(checker, lse, want_lse, case=case, atol=lse_atol, rtol=lse_rtol, what="log-sum-exp",
-                     mistakes=_lse_mistakes(q, k, v, fields["causal"], want_lse), hint=lse_hint)
+                     mistakes=functools.partial(_lse_mistakes, q, k, v, fields["causal"], want_lse), hint=lse_hint)
         if require_triton and launches.count == 0:
             checker.fail(case, "the result is right, but no Triton kernel was launched: it was computed some "
                                "other way (in torch?).", TRITON_HINT)
@@ -344,6 +479,43 @@ def _run_cases(fn, checker, *, returns_lse: bool, extra_kwargs=None, diagnose=No
                                    f"({report.largest_numel:,} numbers, at least S x S = {limit:,}).",
                              "the point of the online softmax is never to hold the S x S score matrix: "
                              "compute scores for one block of block_n keys at a time, (B, H, S, block_n).")
+        if not fields["causal"]:
+            passed_noncausal.add(shape)
+        if counted is not None:
+            loaded[shape, fields["causal"]] = counted.loaded
+            if fields["causal"] and fields["S"] == max(SEQ_LENS) and (shape, False) in loaded:
+                _expect_causal_skip(checker, case, loaded[shape, True], loaded[shape, False])
+
+
+def _expect_within_bounds(checker, case, guard, counted) -> None:
+    """Fail when the kernel wrote into the guard space around a tensor, or (counted in the interpreter)
+    loaded or stored outside every tensor it was given."""
+    touched = guard.touched()
+    if touched:
+        names = touched_names(touched)
+        checker.fail(case, f"your kernel wrote outside {names}: some lanes of a partial block stored past the end "
+                           f"(or before the start) of the tensor. On a GPU that silently corrupts other tensors; in "
+                           f"the interpreter it can crash Python.", BOUNDS_HINT)
+    outside = counted.by_argument.get(OTHER) if counted is not None else None
+    if outside is not None and (outside.stored or outside.loaded):
+        what = " and ".join(f"{verb} {n:,} bytes" for verb, n in (("stored", outside.stored),
+                                                                   ("loaded", outside.loaded)) if n)
+        checker.fail(case, f"your kernel {what} outside every tensor it was given (counted in the interpreter): "
+                           f"past the end of q, k, v, out or lse.", BOUNDS_HINT)
+
+
+def _expect_causal_skip(checker, case, causal_bytes: int, full_bytes: int) -> None:
+    """Interpreter only: a causal kernel must load less than the same kernel without the mask does."""
+    if causal_bytes < full_bytes:
+        return
+    checker.fail(case, f"the values are right, but your causal kernel loaded {causal_bytes:,} bytes, as many as "
+                       f"for the same shape with causal=False ({full_bytes:,}; counted in the interpreter): it visits "
+                       f"key blocks that lie entirely in the future of every query of the program, and masks them "
+                       f"away. Skipping them is the point of the causal loop (almost half the work).",
+                 "stop the loop over key blocks at the end of this program's query tile: "
+                 "`stop = tl.minimum((pid_m + 1) * BLOCK_M, S)` and `for start_n in range(0, stop, BLOCK_N)`. "
+                 "(Tiles from kernel_config are smaller than S here; a tile covering the whole sequence skips "
+                 "nothing.)")
 
 
 def _close(got, want, atol, rtol) -> bool:
@@ -370,11 +542,12 @@ def _probe_diagnosis(call, fields, probe_len: int = 256, tail_hint: str = TAIL_H
     """
     atol, rtol, _, _ = _tolerances(fields["dtype"], False)
     probe = dict(fields, S=probe_len, seed=fields["seed"] + 1000)  # same B, H, dtype, layout
-    probe.pop("sigma", None)
+    for special in ("sigma", "precise", "pattern"):
+        probe.pop(special, None)
 
     def right(q, k, v) -> bool:
         try:
-            result = call(q, k, v, fields["causal"])
+            result = _guarded_call(call, q, k, v, fields["causal"])
         except Exception:
             return False
         out = result[0] if isinstance(result, (tuple, list)) else result
@@ -397,6 +570,32 @@ def _probe_diagnosis(call, fields, probe_len: int = 256, tail_hint: str = TAIL_H
     return ""
 
 
+def _float32_diagnosis(fn, q, k, v, causal, want, atol, rtol, *, guarded=False) -> str:
+    """The learner's function on float32 copies of the same float16 inputs: right there and wrong in
+    float16 means it computes in the inputs' dtype. "" when the float32 run is wrong too (or raises)."""
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    try:
+        result = (_guarded_call(lambda a, b, c, causal: fn(a, b, c, causal=causal), q32, k32, v32, causal)
+                  if guarded else fn(q32, k32, v32, causal=causal))
+    except Exception:
+        return ""
+    out = result[0] if isinstance(result, (tuple, list)) else result
+    if not (isinstance(out, torch.Tensor) and out.shape == want.shape and _close(out, want, atol, rtol)):
+        return ""
+    return ("the same inputs converted to float32 give the right output, so the scores (or the softmax) are "
+            "computed in float16, the inputs' dtype: at logits in the hundreds float16 keeps a score only to "
+            "within about 0.1, and the softmax weights move by as much. Compute q @ k^T and the softmax in float32 "
+            "(q.float() @ k.float().transpose(-2, -1)) and cast only the output back to the inputs' dtype.")
+
+
+def _guarded_call(call, q, k, v, causal):
+    """A probe run of the learner's function, its tensors in guard space (see :mod:`._guard`)."""
+    guard = guarded_memory(nan_empty=True)
+    q, k, v = (guard.guard(t, name) for t, name in zip((q, k, v), "qkv"))
+    with guard:
+        return call(q, k, v, causal)
+
+
 TF32_TOLERANCE = 2e-2  # float32 through tf32 tensor cores (10-bit mantissas) lands within this
 
 
@@ -412,7 +611,7 @@ def _tf32_diagnosis(call, fields) -> str:
         return ""
     q, k, v = _make_inputs(fields, _device())
     try:
-        result = call(q, k, v, fields["causal"])
+        result = _guarded_call(call, q, k, v, fields["causal"])
     except Exception:
         return ""
     out = result[0] if isinstance(result, (tuple, list)) else result
@@ -423,6 +622,19 @@ def _tf32_diagnosis(call, fields) -> str:
             "tl.dot (both q @ k^T and p @ v) for full float32 products.")
 
 
+BOUNDS_HINT = ("mask every load and store of a partial block: rows at or past S (offs_m < S for q, out and lse; "
+               "offs_n < S for k and v), with `other=0.0` on the loads, and keep the (batch, head) offset within "
+               "the tensor.")
+CAUSAL_HINT_KERNEL = ("the same shape passes with causal=False, so the causal part is at fault: query i may see key "
+                      "j when j <= i (offs_n[None, :] <= offs_m[:, None]), and the loop over key blocks must run up "
+                      "to (pid_m + 1) * BLOCK_M, the end of this program's query tile: BLOCK_M, not the key tile "
+                      "BLOCK_N (the two differ, here as on a GPU).")
+CAUSAL_HINT_TORCH = ("the same shape passes with causal=False, so the causal mask is at fault: key j is visible to "
+                     "query i when j <= i, with j the key's position in the whole sequence (start + its index in "
+                     "the block), and a loop that stops early must still visit every key up to the last query.")
+FP16_SCORES_HINT = ("this case has float16 inputs with logits in the hundreds: compute the scores and the softmax "
+                    "in float32 (q.float() @ k.float().transpose(-2, -1)) and cast only the output back; float16 "
+                    "rounds a score of 200 to a multiple of 0.125.")
 BLOCKWISE_HINT = (
     "common causes: the accumulator or running sum not rescaled by exp(m_old - m_new) when the maximum "
     "grows; keys past the end of the sequence not masked to -inf; a stride or batch/head offset wrong "

@@ -7,7 +7,8 @@ The three functions a learner writes, and how the checks call them:
   ``(S,)`` int64, ``layout`` ``"halves"`` or ``"interleaved"``; returns ``x``'s shape and dtype.
 * ``llama3_inv_freq(head_dim, theta, scaling) -> tensor``: ``scaling`` a Hugging Face
   ``rope_scaling`` dict of type ``"llama3"``; returns the ``(head_dim // 2,)`` inverse frequencies
-  (float32 or float64).
+  (float32: the fused kernel of exercise 4 reads them as float32; compute in float64 if you like and
+  cast at the end).
 * ``fused_rope(q, k, positions, inv_freq) -> (q_rot, k_rot)``: ``q`` ``(B, H, S, D)``, ``k``
   ``(B, Hkv, S, D)`` (grouped-query: fewer key heads), ``positions`` ``(S,)`` int64, ``inv_freq``
   ``(D/2,)`` float32; halves layout; one Triton launch writes both results (in place or not).
@@ -25,7 +26,7 @@ import math
 import torch
 
 from ..device import cuda_available, device, gpu_has_bf16, interpreter_mode
-from ..interpreter_bytes import count_bytes
+from ..interpreter_bytes import OTHER, count_bytes
 from ..position import (
     LLAMA3_THETA,
     LLAMA31_ROPE_SCALING,
@@ -38,6 +39,7 @@ from ..position import (
     rotate,
 )
 from ..transformer import apply_rope as model_apply_rope
+from ._guard import guarded_memory, touched_names
 from .framework import Case, graded, torch_calls, triton_launches
 
 # The course's RoPE, whole or in parts: a learner's rotation may not be, wrap or call any of them
@@ -195,8 +197,13 @@ def check_llama3_inv_freq(fn, checker):
         case = Case(config=name, head_dim=head_dim, theta=theta, scaling=dict(scaling))
         got = checker.call(fn, head_dim, theta, dict(scaling), case=case)
         want = llama3_inv_freq.__wrapped__(head_dim, theta, scaling)
-        if isinstance(got, torch.Tensor) and got.dtype not in (torch.float32, torch.float64):
-            checker.fail(case, f"the frequencies have dtype {got.dtype}, expected float32 (or float64).",
+        if isinstance(got, torch.Tensor) and got.dtype == torch.float64:
+            checker.fail(case, "the frequencies have dtype torch.float64, expected float32: the fused kernel of "
+                               "exercise 4 takes inv_freq as a float32 pointer and would read these bytes as "
+                               "other numbers.",
+                         "computing in float64 is fine; return `.float()` of the result.")
+        if isinstance(got, torch.Tensor) and got.dtype != torch.float32:
+            checker.fail(case, f"the frequencies have dtype {got.dtype}, expected float32.",
                          "compute in floating point: make the exponents floats before dividing by head_dim.")
         mistakes = {}
         for description, mistake in LLAMA3_MISTAKES.items():
@@ -265,13 +272,21 @@ def _diagnose_kernel(got_q, got_k, want_q, want_k, q_in, k_in, atol, rtol) -> st
             and not torch.equal(want_k.cpu(), k_in.cpu()):
         return "k came back unrotated: the kernel must rotate the keys as well as the queries (both in one launch)."
     hints = []
-    for name, got, want in (("q", got_q, want_q), ("k", got_k, want_k)):
+    for name, got, want, given in (("q", got_q, want_q, q_in), ("k", got_k, want_k, k_in)):
         if not (isinstance(got, torch.Tensor) and got.shape == want.shape):
             continue
         bad = ~torch.isclose(got.double().cpu(), want.double().cpu(), atol=atol, rtol=rtol)  # (B, H, S, D)
         if not bool(bad.any()):
             continue
+        g = got.detach().double().cpu()
+        # never written: still 0 (zeros_like), NaN (empty_like, in the check) or the input (in place)
+        unwritten = (g == 0) | g.isnan() | (g == given.detach().double().cpu())
         by_sequence = bad.any(dim=(1, 2, 3))  # (B,)
+        if len(by_sequence) > 1 and not bool(by_sequence[0]) and bool(unwritten[bad].all()):
+            hints.append(f"{name} is right for sequence 0 and never written for sequences "
+                         f"{by_sequence.nonzero().flatten().tolist()}: the grid must cover every sequence of the "
+                         f"batch (a grid axis of B programs, tl.program_id(1) = b, and b's data at b * H * S * D).")
+            continue
         if len(by_sequence) > 1 and not bool(by_sequence[0]):
             hints.append(f"{name} is right for sequence 0 and wrong for sequences "
                          f"{by_sequence.nonzero().flatten().tolist()}: each sequence has its own positions; read "
@@ -280,6 +295,13 @@ def _diagnose_kernel(got_q, got_k, want_q, want_k, q_in, k_in, atol, rtol) -> st
         by_position = bad.any(dim=(0, 1, 3))  # (S,)
         by_head = bad.any(dim=(0, 2, 3))  # (H,)
         first = int(by_position.nonzero()[0])
+        if bool(by_position[first:].all()) and bool(by_head.all()) and not bool(unwritten[bad].all()):
+            if first == 0:
+                hints.append(f"{name} is wrong at every position (and the kernel did write there, so the grid and "
+                             f"the mask are not what is missing): check the angle positions * inv_freq (in "
+                             f"float32, with each token's own position), the pairs (i, i + D/2) of the halves "
+                             f"layout, the rotation's signs, and that the grid covers every sequence of the batch.")
+                continue
         if bool(by_position[first:].all()) and bool(by_head.all()):
             hints.append(f"{name} is wrong at every position from index {first} on (the last {len(by_position) - first} "
                          f"of S = {len(by_position)}){' and right before it' if first else ''}: the grid or the mask drops the last positions "
@@ -320,6 +342,28 @@ def _kernel_mistakes(q, k, positions, inv_freq):
     return mistakes
 
 
+BOUNDS_HINT = ("mask every load and store with the rows that exist (offs_s < S), loop over each tensor's own "
+               "heads (q has H, k has Hkv: fewer), and compute each head's base from its own tensor's head count "
+               "(k's (batch, head) base is (b * Hkv + h) * S * D).")
+
+
+def _expect_within_bounds(checker, case, guard, counted) -> None:
+    """Fail when the kernel wrote into the guard space around a tensor, or (counted in the interpreter)
+    loaded or stored outside every tensor it was given."""
+    touched = guard.touched()
+    if touched:
+        names = touched_names(touched)
+        checker.fail(case, f"your kernel wrote outside {names}: past the end (or before the start) of the tensor. "
+                           f"On a GPU that silently corrupts other tensors; in the interpreter it can crash Python.",
+                     BOUNDS_HINT)
+    outside = counted.by_argument.get(OTHER) if counted is not None else None
+    if outside is not None and (outside.stored or outside.loaded):
+        what = " and ".join(f"{verb} {n:,} bytes" for verb, n in (("stored", outside.stored),
+                                                                   ("loaded", outside.loaded)) if n)
+        checker.fail(case, f"your kernel {what} outside every tensor it was given (counted in the interpreter): "
+                           f"past the end of q, k, positions, inv_freq or the outputs.", BOUNDS_HINT)
+
+
 @graded(points=5, bans=ROPE_ANSWERS)
 def check_fused_rope(fn, checker):
     """``fn(q, k, positions, inv_freq)`` must return (q, k) rotated (halves layout), written by one
@@ -339,15 +383,20 @@ def check_fused_rope(fn, checker):
                     positions=f"{fields['positions']} ({starts}...)")
         cos, sin = _per_token_cos_sin(positions, inv_freq, b, s)
         want_q, want_k = rotate(q, cos, sin), rotate(k, cos, sin)
-        q_in, k_in = q.clone(), k.clone()
-        launched = None
-        with triton_launches() as launches, torch_calls(COMPUTES) as calls:
+        # copies in guard space (see _guard): a kernel that reads or writes past a tensor fails with a
+        # message instead of crashing Python
+        guard = guarded_memory(nan_empty=True)
+        q_in, k_in = guard.guard(q, "q"), guard.guard(k, "k")
+        pos_in, freq_in = guard.guard(positions, "positions"), guard.guard(inv_freq, "inv_freq")
+        launched = counted = None
+        with triton_launches() as launches, torch_calls(COMPUTES) as calls, guard:
             if interpreter_mode():
                 with count_bytes() as counted:
-                    result = checker.call(fn, q_in, k_in, positions.clone(), inv_freq.clone(), case=case)
+                    result = checker.call(fn, q_in, k_in, pos_in, freq_in, case=case)
                 launched = counted.launches
             else:
-                result = checker.call(fn, q_in, k_in, positions.clone(), inv_freq.clone(), case=case)
+                result = checker.call(fn, q_in, k_in, pos_in, freq_in, case=case)
+        _expect_within_bounds(checker, case, guard, counted)
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
             checker.fail(case, f"your function returned a {type(result).__name__}, expected a pair (q_rot, k_rot).",
                          "return q_rot, k_rot.")

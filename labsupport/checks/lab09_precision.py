@@ -350,6 +350,16 @@ def _matmul_cases() -> list[dict]:
         dict(M=33, N=130, K=128, group=None, dtype=torch.float16),
         dict(M=64, N=72, K=256, group=128, dtype=torch.float16),
         dict(M=2, N=64, K=2048, group=128, dtype=torch.float16, cancel=True),
+        # cases that each change one thing the decode shapes above share, with the hint that names it
+        dict(M=80, N=64, K=256, group=64, dtype=torch.float16, hint=(
+            "this case has M = 80 rows, more than one BLOCK_M tile (at most 64): launch a grid of "
+            "(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)) programs, each taking its own rows, and mask the rows past M.")),
+        dict(M=2, N=64, K=512, group=256, dtype=torch.float32, hint=(
+            "this case's groups (256) are longer than a K tile (BLOCK_K is at most 128): the tile starting at k0 "
+            "takes scales[n, k0 // group_size], the group it lies in, not the tile number k0 // BLOCK_K.")),
+        dict(M=5, N=64, K=128, group=64, dtype=torch.float16, x_view=True, hint=(
+            "this case's x is a column slice of a wider tensor, so its row stride (x.stride(0)) is not K: make x "
+            "contiguous in the wrapper, or pass x.stride(0) to the kernel.")),
     ]
     if _gpu_compiles():
         plan += [dict(M=m, N=1000, K=1024, group=128, dtype=torch.float16) for m in (1, 64)]
@@ -377,7 +387,12 @@ def _matmul_inputs(f: dict, dev):
         w = torch.randn(n, k, generator=gen)
         x = torch.randn(m, k, generator=gen)
     w_q, scales = quantize_groupwise(w, 8, group)
-    return x.to(device=dev, dtype=f["dtype"]), w_q.to(dev), scales.to(dev)
+    x = x.to(device=dev, dtype=f["dtype"])
+    if f.get("x_view"):  # the same values as a view into a wider buffer: row stride K + 16
+        wide = torch.zeros(m, k + 16, device=dev, dtype=f["dtype"])
+        wide[:, :k] = x
+        x = wide[:, :k]
+    return x, w_q.to(dev), scales.to(dev)
 
 
 def _matmul_tolerance(x, w_q, scales, want) -> tuple[float, float]:
@@ -436,7 +451,8 @@ def check_int8_matmul(fn, checker):
     for f in _matmul_cases():
         group = f["group"] or f["K"]
         case = Case(M=f["M"], N=f["N"], K=f["K"], group_size=group if f["group"] else f"{group} (per channel)",
-                    dtype=f["dtype"], seed=f["seed"], **({"partial_sums": "large, cancelling"} if f.get("cancel") else {}))
+                    dtype=f["dtype"], seed=f["seed"], **({"partial_sums": "large, cancelling"} if f.get("cancel") else {}),
+                    **({"x": "a column slice, row stride K + 16"} if f.get("x_view") else {}))
         x, w_q, scales = _matmul_inputs(f, dev)
         before = [t.clone() for t in (x, w_q, scales)]
 
@@ -455,6 +471,7 @@ def check_int8_matmul(fn, checker):
         if f.get("cancel"):
             hint = ("this case's partial sums climb past 1,000 and cancel: accumulate in float32 "
                     "(tl.zeros(..., dtype=tl.float32)) and cast to x's dtype only when storing.")
+        hint = f.get("hint", hint)
         checker.expect_tensor(y, want, case=case, atol=atol, rtol=rtol, what="output",
                               mistakes=_matmul_mistakes(x, w_q, scales, f, y), hint=hint)
         if launches.count == 0:

@@ -25,8 +25,13 @@ in place, or a block freed while shared and handed to someone else, shows up as 
 seq_lens) -> out`` (shapes in :mod:`labsupport.paged_attention`) and compares it with the course's
 torch spec on block tables whose physical blocks are shuffled, partly filled last blocks (whose
 unused slots hold random values), sequences of length 1, grouped-query heads (groups of 1, 2, 3
-and 4) and float32 and float16 (bfloat16 too on a GPU that computes in it). The result must be
-written by a Triton kernel the function launched, with no torch matmul, softmax or exp.
+and 4) and float32 and float16 (bfloat16 too on a GPU that computes in it); then five cases that
+each change one thing (scores near +110, every score -120, 1,200 float16 values near 64, a block
+table that is a slice of a wider one, a v_cache whose strides differ from k_cache's), so a softmax
+without a running maximum, a maximum started at 0, float16 arithmetic and strides taken from the
+wrong tensor fail with a message naming them. The result must be written by a Triton kernel the
+function launched, with no torch matmul, softmax or exp. Not checked: block ids multiplied by a
+stride in 32 bits (the overflow needs a cache of more than 2**31 elements).
 """
 
 from __future__ import annotations
@@ -150,6 +155,7 @@ class _Driver:
                       f"{self._expected_free()} are free, and it did not raise MemoryError.",
                       "check that enough blocks are free before taking any, and raise MemoryError otherwise "
                       "(leaving the allocator unchanged).")
+        self.returned = table  # what allocate handed back, as it was (the check edits it later)
         table = _ints(self.checker, table, self.case(), f"allocate({seq}, {n})")
         m.tokens[seq] = m.fresh(n)
         self._write_prompt(seq, table)
@@ -362,6 +368,55 @@ def _directed(checker, cls) -> None:
     d.verify("append")
 
 
+def _copies_and_forgetting(checker, cls) -> None:
+    """The lists handed out are copies, and free forgets the sequence (so a second free(0), or a
+    lookup of it, cannot touch blocks that now belong to others)."""
+    d = _Driver(checker, cls, 8, 4, "tables handed out are copies; free forgets the sequence")
+    d.allocate(0, 6)
+    d.verify("allocate")
+    before = d.table(0)
+    for what, handed in (("allocate", d.returned), ("block_table", checker.call(d.alloc.block_table, 0, case=d.case()))):
+        if isinstance(handed, list):
+            handed.append(handed[0])  # the caller edits the list it was given
+            if d.table(0) != before:
+                d.fail(f"{what} returned the allocator's own list: when the caller appended to it, block_table(0) "
+                       f"changed too ({before} became {d.table(0)}).",
+                       "return a copy of the table (`list(table)`), as the interface says, so no caller can edit "
+                       "the allocator's state.")
+    d.fork(0, 1)
+    d.free(0)
+    d.verify("free")
+
+    def lookup(seq_id):  # raising is an answer here: the id is unknown
+        try:
+            return d.alloc.block_table(seq_id)
+        except Exception:  # noqa: BLE001 - any error means the id is gone
+            return None
+
+    stale = d.call(lookup, 0, op="block_table(0)")
+    if stale is not None and (not hasattr(stale, "__len__") or len(stale)):
+        d.fail(f"after free(0), block_table(0) still returns {stale!r}: free kept the sequence's table.",
+               "free must forget the sequence (drop its table and length): a later free(0) or fork(0, ...) "
+               "would otherwise act on blocks that now belong to other sequences.")
+    counts = [checker.call(d.alloc.ref_count, b, case=d.case()) for b in range(d.model.num_blocks)]
+
+    def free_again(seq_id):  # raising is an answer here too
+        try:
+            d.alloc.free(seq_id)
+        except Exception:  # noqa: BLE001
+            pass
+
+    d.call(free_again, 0, op="free(0) again")
+    after = [checker.call(d.alloc.ref_count, b, case=d.case()) for b in range(d.model.num_blocks)]
+    changed = [b for b in range(d.model.num_blocks) if after[b] != counts[b]]
+    if changed:
+        d.fail(f"a second free(0), of a sequence already freed, changed the reference counts of block(s) "
+               f"{changed}, which sequence 1 holds ({counts} became {after}).",
+               "free must forget the sequence, so that freeing it again changes nothing (raising KeyError is "
+               "fine).")
+    d.verify("free")
+
+
 def _random(checker, cls, seed: int, steps: int) -> None:
     rng = random.Random(seed)
     num_blocks, block_size = rng.choice([(24, 4), (20, 3), (32, 2)])
@@ -411,9 +466,10 @@ def check_block_allocator(cls, checker):
                      "your class is, or derives from, labsupport.paged_cache.BlockAllocator, the course's answer.",
                      "write your own class; the check compares its behaviour with what the interface promises.")
     _directed(checker, cls)
+    _copies_and_forgetting(checker, cls)
     for seed in range(3):
         _random(checker, cls, seed, steps=120)
-    checker.cases = 5 + 3  # scenarios, not the thousands of calls they make
+    checker.cases = 6 + 3  # scenarios, not the thousands of calls they make
 
 
 # --- paged decode attention ----------------------------------------------------------------------
@@ -475,6 +531,92 @@ def _tolerance(dtype) -> tuple[float, float]:
     return {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3)}.get(dtype, (2e-2, 2e-2))
 
 
+def _paged_queries(fields, seed: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(len(fields["lens"]), fields["H"], fields["D"], generator=gen)).to(dtype)
+
+
+def _paged_cache(fields, seed: int, dtype=torch.float32):
+    return random_paged_cache(fields["lens"], fields["Hkv"], fields["D"], fields["bs"], dtype=dtype, seed=seed)
+
+
+def _large_scores(f):
+    k, v, t, n = _paged_cache(f, 90)
+    return _paged_queries(f, 91, scale=50.0), k, v, t, n  # scores up to about 110: exp overflows float32
+
+
+def _negative_scores(f):
+    k, v, t, n = _paged_cache(f, 92)
+    return torch.full((len(f["lens"]), f["H"], f["D"]), -30.0), torch.ones_like(k), v, t, n  # every score -120
+
+
+def _long_fp16(f):
+    k, v, t, n = _paged_cache(f, 93, dtype=torch.float16)
+    v = (64 + v.float()).to(torch.float16)  # values about 64: 1,200 of them sum past 65,504
+    return torch.zeros(len(f["lens"]), f["H"], f["D"], dtype=torch.float16), k, v, t, n  # every weight exp(0)
+
+
+def _sliced_table(f):
+    k, v, t, n = _paged_cache(f, 95)
+    wide = torch.full((t.shape[0], t.shape[1] + 3), -1, dtype=t.dtype)
+    wide[:, :t.shape[1]] = t
+    return _paged_queries(f, 96), k, v, wide[:, :t.shape[1]], n  # row stride: width + 3, not the width
+
+
+def _padded_v(f):
+    k, v, t, n = _paged_cache(f, 97)
+    buf = torch.zeros(*v.shape[:-1], v.shape[-1] + 8)
+    buf[..., :v.shape[-1]] = v
+    return _paged_queries(f, 98), k, buf[..., :v.shape[-1]], t, n  # v's strides differ from k's
+
+
+# Cases after the plan, each aimed at one mistake the plan's random caches cannot show: (fields,
+# what the case changes, how to make its inputs, the hint naming the mistake). The plan's cases
+# passed first, so what fails here is what the case changes.
+HARD_PAGED_CASES = [
+    (dict(lens=[40, 7], H=4, Hkv=2, D=16, bs=8, dtype=torch.float32), "scores up to about +110", _large_scores,
+     "this case's scores reach about +110, where exp overflows float32: keep a running maximum m and compute "
+     "exp(s - m) (the online softmax), rescaling l and acc by exp(m_old - m_new)."),
+    (dict(lens=[21, 3], H=2, Hkv=2, D=16, bs=8, dtype=torch.float32), "every score -120", _negative_scores,
+     "every score in this case is -120: a running maximum that starts at 0 (instead of -inf) makes every "
+     "exp(s - m) underflow to 0, and 0 / 0 is NaN. Start m at float('-inf')."),
+    (dict(lens=[1200], H=2, Hkv=1, D=16, bs=64, dtype=torch.float16), "1,200 values about 64", _long_fp16,
+     "this case's 1,200 float16 values average about 64, so their weighted sum passes float16's largest number, "
+     "65,504: do the arithmetic in float32 (`.to(tl.float32)` after loading; float32 m, l and acc) and convert "
+     "only when storing."),
+    (dict(lens=[9, 20, 5], H=4, Hkv=2, D=16, bs=4, dtype=torch.float32), "block_tables a column slice",
+     _sliced_table,
+     "this case's block_tables is a slice of a wider tensor, so its row stride (stride(0)) is not its width "
+     "(shape[1]): pass block_tables.stride(0) to the kernel, or make the table contiguous first."),
+    (dict(lens=[13, 6], H=4, Hkv=2, D=16, bs=4, dtype=torch.float32), "v_cache a view of a wider buffer",
+     _padded_v,
+     "this case's v_cache is a view of a wider buffer, so its strides differ from k_cache's: pass v_cache's own "
+     "strides (or make both caches contiguous first)."),
+]
+
+
+def _run_paged_case(fn, checker, case, inputs, mistakes, dtype, hint):
+    """One case: the learner's function, its inputs untouched, the output against the spec."""
+    q, k_cache, v_cache, tables, lens = inputs
+    before = [t.clone() for t in inputs]
+    with triton_launches() as launches, torch_calls(COMPUTES) as calls:
+        out = checker.call(fn, *inputs, case=case, forbid=FORBID)
+    if not all(torch.equal(t, b) for t, b in zip(inputs, before)):
+        checker.fail(case, "your function changed one of its inputs.", "never write into q, the caches or tables.")
+    want = _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu()).to(q.device)
+    if isinstance(out, torch.Tensor) and out.shape == want.shape and not torch.isfinite(out).all():
+        bad = int((~torch.isfinite(out)).sum())
+        checker.fail(case, f"the output holds {bad} NaN or infinite values of {out.numel()}; the spec's are all "
+                           f"finite.", hint)
+    atol, rtol = _tolerance(dtype)
+    checker.expect_tensor(out, want, case=case, atol=atol, rtol=rtol, what="output",
+                          mistakes={k: v.to(q.device) for k, v in mistakes.items()}, hint=hint)
+    if launches.count == 0:
+        checker.fail(case, "the result is right, but no Triton kernel was launched: it was computed some other "
+                           "way (in torch?).", TRITON_HINT)
+    checker.expect_kernel_work(case, launches, calls, {"output": out}, TRITON_HINT)
+
+
 @graded(points=25, bans=(paged_decode_attention, paged_decode_attention_triton))
 def check_paged_attention(fn, checker):
     """``fn(q, k_cache, v_cache, block_tables, seq_lens)`` must return ``(B, H, D)`` decode attention
@@ -488,12 +630,6 @@ def check_paged_attention(fn, checker):
         case = Case(seq_lens=fields["lens"], H=fields["H"], Hkv=fields["Hkv"], D=fields["D"],
                     block_size=fields["bs"], dtype=fields["dtype"], num_blocks=k_cache.shape[0])
         inputs = (q, k_cache, v_cache, tables, lens)
-        before = [t.clone() for t in inputs]
-        with triton_launches() as launches, torch_calls(COMPUTES) as calls:
-            out = checker.call(fn, *inputs, case=case, forbid=FORBID)
-        if not all(torch.equal(t, b) for t, b in zip(inputs, before)):
-            checker.fail(case, "your function changed one of its inputs.", "never write into q, the caches or tables.")
-        want = _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu()).to(dev)
         mistakes = {
             "the logical block index is used as the physical block (block_tables not read)":
                 _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), logical=True),
@@ -503,10 +639,9 @@ def check_paged_attention(fn, checker):
         if fields["H"] != fields["Hkv"] and fields["Hkv"] > 1:
             mistakes["query head h reads KV head h % Hkv instead of h // (H // Hkv) (GQA group mapped wrongly)"] = \
                 _paged_variant(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), gqa="mod")
-        atol, rtol = _tolerance(fields["dtype"])
-        checker.expect_tensor(out, want, case=case, atol=atol, rtol=rtol, what="output",
-                              mistakes={k: v.to(dev) for k, v in mistakes.items()}, hint=ATTENTION_HINT)
-        if launches.count == 0:
-            checker.fail(case, "the result is right, but no Triton kernel was launched: it was computed some other "
-                               "way (in torch?).", TRITON_HINT)
-        checker.expect_kernel_work(case, launches, calls, {"output": out}, TRITON_HINT)
+        _run_paged_case(fn, checker, case, inputs, mistakes, fields["dtype"], ATTENTION_HINT)
+    for fields, what, make, hint in HARD_PAGED_CASES:
+        inputs = tuple(t.to(dev) for t in make(fields))
+        case = Case(seq_lens=fields["lens"], H=fields["H"], Hkv=fields["Hkv"], D=fields["D"], block_size=fields["bs"],
+                    dtype=fields["dtype"], inputs=what)
+        _run_paged_case(fn, checker, case, inputs, {}, fields["dtype"], hint)

@@ -17,10 +17,11 @@ be within ``atol = 1e-5`` and ``rtol = 1e-4`` of it (observed differences are be
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
+from torch.distributed import ProcessGroup
 
 from .._answers import banning, course_checks_its_answers, course_is_checking
 from ..collectives import ring_all_reduce, ring_chunk_bounds
@@ -33,12 +34,9 @@ from ..tensor_parallel import (
     shard_slices,
     tp_layer_forward,
 )
-from ..transformer import Transformer, rope_cos_sin
+from ..transformer import RMSNorm, Transformer, rope_cos_sin
 from .framework import Case, CheckFailed, ForbiddenCall, graded
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
-               "all_gather_object", "reduce", "broadcast", "all_to_all", "all_to_all_single", "scatter", "gather",
-               "_all_gather_base", "_reduce_scatter_base")
 RING_WORLD_SIZES = (2, 3, 4)
 TP_WORLD_SIZE = 2
 CALL_TIMEOUT = 20.0  # seconds the learner's function may run on each rank (it needs milliseconds)
@@ -59,69 +57,105 @@ TP_RULE = (
 FORWARD_RULE = (
     "attention and SwiGLU run on this rank's heads and features with no communication; the two row-parallel "
     "products (after wo, after w2) are partial sums: all-reduce each once, then add the output bias (if "
-    "any) and the residual."
+    "any) and the residual. Each norm has its own weights: attention_norm before attention, ffn_norm before "
+    "the feed-forward, q_norm on the queries and k_norm on the keys, both before RoPE."
 )
+
+
+# The collectives as torch.distributed names them, by the ProcessGroup methods that carry them. The
+# watchers patch the ProcessGroup class, which every path goes through once: ``dist.all_reduce``, a
+# name imported with ``from torch.distributed import all_reduce`` before the check started, and the
+# group object's own ``allreduce``; ``dist.send`` (which calls ``dist.isend``) is seen once, not twice.
+PG_COLLECTIVES = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor", "reduce_scatter_single": "reduce_scatter_tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor",
+    "allgather": "all_gather", "_allgather_base": "all_gather_into_tensor", "allgather_coalesced": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor", "all_gather_single": "all_gather_into_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor",
+    "reduce": "reduce", "broadcast": "broadcast", "alltoall": "all_to_all", "alltoall_base": "all_to_all_single",
+    "all_to_all_single": "all_to_all_single", "scatter": "scatter", "gather": "gather",
+}
+
+
+def _first_tensor(value):
+    """The first tensor of a ProcessGroup method's tensor argument (a tensor or a list of them)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        return _first_tensor(value[0])
+    return None
+
+
+@contextlib.contextmanager
+def _patched_process_group(wrap: dict):
+    """Replace the ProcessGroup methods named in ``wrap`` (name -> function(original) -> method)
+    while active."""
+    saved = []
+    for method, make in wrap.items():
+        original = getattr(ProcessGroup, method, None)
+        if original is None:
+            continue
+        # the class's own entry (pybind11's instancemethod), put back as it was: the function that
+        # getattr returns does not bind self once stored on the class
+        saved.append((method, ProcessGroup.__dict__.get(method)))
+        setattr(ProcessGroup, method, make(original))
+    try:
+        yield
+    finally:
+        for method, entry in reversed(saved):
+            if entry is None:
+                delattr(ProcessGroup, method)
+            else:
+                setattr(ProcessGroup, method, entry)
 
 
 @contextlib.contextmanager
 def watched_collectives(forbid: bool, numels: list | None = None):
-    """Count (or, with ``forbid``, refuse) calls to torch.distributed's collectives while active.
-    Yields a dict name -> calls. Patches ``torch.distributed`` and ``distributed_c10d`` alike.
-    With ``numels``, appends the element count of each ``all_reduce``'s tensor to it."""
+    """Count (or, with ``forbid``, refuse) collectives while active, however they are called.
+    Yields a dict name -> calls (torch.distributed's names: ``all_reduce``, ``all_gather``, ...).
+    With ``numels``, appends the element count of each all-reduce's tensor to it."""
     counts: dict[str, int] = {}
-    saved = []
-    for name in COLLECTIVES:
-        for module in (dist, distributed_c10d):
-            original = getattr(module, name, None)
-            if original is None:
-                continue
 
-            def wrapper(*args, __name=name, __original=original, **kwargs):
-                counts[__name] = counts.get(__name, 0) + 1
-                if numels is not None and __name == "all_reduce" and args and isinstance(args[0], torch.Tensor):
-                    numels.append(int(args[0].numel()))
+    def make(method):
+        name = PG_COLLECTIVES[method]
+
+        def factory(original):
+            def wrapper(self, *args, **kwargs):
+                counts[name] = counts.get(name, 0) + 1
+                tensor = _first_tensor(args[0]) if args else None
+                if numels is not None and name == "all_reduce" and tensor is not None:
+                    numels.append(int(tensor.numel()))
                 if forbid:
                     raise ForbiddenCall(
-                        f"your function called `dist.{__name}`, a collective this exercise asks you to build "
-                        f"from point-to-point dist.send / dist.recv (or isend / irecv).")
-                return __original(*args, **kwargs)
+                        f"your function called `dist.{name}` (or the process group's `{method}`), a collective "
+                        f"this exercise asks you to build from point-to-point dist.send / dist.recv (or isend / "
+                        f"irecv).")
+                return original(self, *args, **kwargs)
+            return wrapper
+        return factory
 
-            saved.append((module, name, original))
-            setattr(module, name, wrapper)
-    try:
+    with _patched_process_group({method: make(method) for method in PG_COLLECTIVES}):
         yield counts
-    finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
-
-
-P2P_SENDS = ("send", "isend")
 
 
 @contextlib.contextmanager
 def watched_sends():
-    """Record every point-to-point send while active: a list of (destination, elements) pairs.
-    Patches ``torch.distributed`` and ``distributed_c10d`` alike (``P2POp(dist.isend, ...)`` built
-    inside the block goes through the wrapper too)."""
+    """Record every point-to-point send while active: a list of (destination, elements) pairs,
+    one per message, however it was sent (``dist.send``, ``dist.isend``, ``P2POp``, the group's own
+    ``send``). The destination is the rank in the default group."""
     sent: list[tuple[int, int]] = []
-    saved = []
-    for name in P2P_SENDS:
-        for module in (dist, distributed_c10d):
-            original = getattr(module, name, None)
-            if original is None:
-                continue
 
-            def wrapper(tensor, dst=None, *args, __original=original, **kwargs):
-                sent.append((-1 if dst is None else int(dst), int(tensor.numel())))
-                return __original(tensor, dst, *args, **kwargs)
+    def factory(original):
+        def wrapper(self, tensors, dst, *args, **kwargs):
+            tensor = _first_tensor(tensors)
+            sent.append((int(dst), 0 if tensor is None else int(tensor.numel())))
+            return original(self, tensors, dst, *args, **kwargs)
+        return wrapper
 
-            saved.append((module, name, original))
-            setattr(module, name, wrapper)
-    try:
+    with _patched_process_group({"send": factory}):
         yield sent
-    finally:
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
 
 
 def ring_send_limit(numel: int, world_size: int) -> int:
@@ -140,26 +174,35 @@ def _plain(value):
 # --- exercise 1: the ring all-reduce --------------------------------------------------------------
 
 
-def ring_sizes(world_size: int) -> list[int]:
+def ring_sizes(world_size: int) -> list[int | tuple[int, ...]]:
     """The tensor sizes checked at ``world_size``: divisible ones first, then ones that are not
-    (remainders 1 and n - 1), one smaller than the world (empty chunks) and a larger one."""
+    (remainders 1 and n - 1), one smaller than the world (empty chunks), a larger one, and a 2-D
+    tensor (3, 2n + 1), whose result must keep its shape."""
     n = world_size
-    return [4 * n, 64 * n, 4 * n + 1, 7 * n + n - 1, 1, 1000 * n + 1]
+    return [4 * n, 64 * n, 4 * n + 1, 7 * n + n - 1, 1, 1000 * n + 1, (3, 2 * n + 1)]
+
+
+def _shape(size) -> tuple[int, ...]:
+    return tuple(size) if isinstance(size, tuple) else (size,)
 
 
 def _ring_worker(fn, sizes, self_check):
-    """On every rank: the learner's ring on each size, and dist.all_reduce's answer."""
+    """On every rank: the learner's ring on each size, and dist.all_reduce's answer; whether the
+    learner's function changed its input."""
     rank = dist.get_rank()
     rows = []
     with course_checks_its_answers(self_check), banning((ring_all_reduce,)):
-        for numel in sizes:
-            gen = torch.Generator().manual_seed(7919 * rank + numel)
-            x = torch.randint(-100, 100, (numel,), generator=gen).float()  # integers: sums are exact
+        for size in sizes:
+            shape = _shape(size)
+            gen = torch.Generator().manual_seed(7919 * rank + math.prod(shape))
+            x = torch.randint(-100, 100, shape, generator=gen).float()  # integers: sums are exact
             expected = x.clone()
             dist.all_reduce(expected)
+            given = x.clone()
             with watched_collectives(forbid=True), watched_sends() as sent:
-                got = fn(x.clone())
-            rows.append(dict(numel=numel, got=_plain(got), expected=expected, mine=x, sent=list(sent)))
+                got = fn(given)
+            rows.append(dict(numel=x.numel(), got=_plain(got), expected=expected, mine=x, sent=list(sent),
+                             input_changed=not torch.equal(given, x)))
     return rows
 
 
@@ -202,9 +245,10 @@ def check_ring_all_reduce(fn, checker):
                               timeout=LAUNCH_TIMEOUT, call_timeout=CALL_TIMEOUT)
         except (RankFailed, RankHung) as exc:
             _launch_failure(name, exc, case, getattr(fn, "__name__", "your function"))
-        for index, numel in enumerate(sizes):
+        for index, size in enumerate(sizes):
             checker.cases += 1
-            case = Case(world_size=n, numel=numel, divisible=numel % n == 0)
+            numel = math.prod(_shape(size))
+            case = Case(world_size=n, shape=_shape(size), divisible=numel % n == 0)
             for rank in range(n):
                 row = per_rank[rank][index]
                 got, expected = row["got"], row["expected"]
@@ -212,9 +256,18 @@ def check_ring_all_reduce(fn, checker):
                     checker.fail(case, f"rank {rank} returned a {got}, expected a torch.Tensor.",
                                  "return the reduced tensor (a new one, shaped like x).")
                 if tuple(got.shape) != tuple(expected.shape) or got.dtype != expected.dtype:
+                    flat = got.dim() == 1 and got.numel() == expected.numel() and expected.dim() > 1
                     checker.fail(case, f"rank {rank} returned shape {tuple(got.shape)} and dtype {got.dtype}, "
-                                       f"expected {tuple(expected.shape)} and {expected.dtype}.",
+                                       f"expected {tuple(expected.shape)} and {expected.dtype}."
+                                 + (" That is the flattened working buffer: reshape it back to x.shape before "
+                                    "returning (`out.view(x.shape)`)." if flat else ""),
                                  "return a tensor shaped like x (reshape the flat result back).")
+                got, expected = got.reshape(-1), expected.reshape(-1)
+                if torch.equal(got, expected) and row["input_changed"]:
+                    checker.fail(case, f"the sum is right, but your function changed x on rank {rank}: it "
+                                       f"summed into the caller's tensor. Return a new tensor and leave x as it "
+                                       f"was: work on `x.clone()` (x.view or x.reshape share x's memory).",
+                                 RING_RULE)
                 if torch.equal(got, expected):
                     _check_ring_traffic(checker, case, rank, n, numel, row["sent"])
                     continue
@@ -262,6 +315,18 @@ SHARD_CONFIGS = (
 )
 
 
+def _varied_norms(model: Transformer, seed: int) -> Transformer:
+    """Give every RMSNorm of ``model`` its own weights, 1 + 0.1 * randn (a new model's are all 1.0,
+    so a norm swapped for another, used twice, or applied after RoPE, which keeps each pair's length,
+    could not be seen)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=gen))
+    return model
+
+
 def unguarded_shard(layer, rank, n):
     """The course's shards (the course's own answer, which the checks compare with)."""
     return shard_layer.__wrapped__(layer, rank, n)
@@ -272,6 +337,12 @@ def _shard_mistakes(key, layer, cfg, rank, n) -> dict[str, torch.Tensor]:
     attn, ffn = layer.attention, layer.feed_forward
     weights = {"wq": attn.wq.weight, "wk": attn.wk.weight, "wv": attn.wv.weight, "wo": attn.wo.weight,
                "w1": ffn.w1.weight, "w3": ffn.w3.weight, "w2": ffn.w2.weight}
+    norms = {"attention_norm": layer.attention_norm, "ffn_norm": layer.ffn_norm,
+             "q_norm": layer.attention.q_norm, "k_norm": layer.attention.k_norm}
+    if key in norms:
+        return {f"{key} holds {other}'s weight (each norm has its own: attention_norm before attention, ffn_norm "
+                f"before the feed-forward, q_norm on the queries, k_norm on the keys)": norm.weight.detach()
+                for other, norm in norms.items() if other != key and norm is not None}
     if key not in weights:
         return {}
     w = weights[key].detach()
@@ -299,19 +370,39 @@ def _shard_mistakes(key, layer, cfg, rank, n) -> dict[str, torch.Tensor]:
     return wrong
 
 
+def _strided_ffn(layer, rank: int, n: int) -> dict[str, torch.Tensor]:
+    """The SwiGLU features dealt round-robin (rank r: features r, r + n, ...): another partition
+    that gives the same sums, since each feature's gate, up and down weights stay together."""
+    ffn = layer.feed_forward
+    return {"w1": ffn.w1.weight[rank::n].detach().clone(), "w3": ffn.w3.weight[rank::n].detach().clone(),
+            "w2": ffn.w2.weight[:, rank::n].detach().clone()}
+
+
+def _ffn_layout(got: dict, layer, rank: int, n: int) -> str:
+    """"strided" when the learner's w1 holds the round-robin features, else "blocks" (Megatron's)."""
+    have, strided = got.get("w1"), _strided_ffn(layer, rank, n)["w1"]
+    if isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(strided.shape) and \
+            torch.equal(have.detach(), strided) and n > 1:
+        return "strided"
+    return "blocks"
+
+
 @graded(points=10, bans=(shard_layer,))
 def check_shard_layer(fn, checker):
     """``fn(layer, rank, world_size)`` must return this rank's shards of a decoder layer as a dict
     (keys as :func:`labsupport.tensor_parallel.shard_layer` documents), for every rank, at world
-    sizes 2 and 4, on a grouped-query model with biases and q/k norms and on ``tiny-2m``."""
+    sizes 2 and 4, on a grouped-query model with biases and q/k norms and on ``tiny-2m``. The SwiGLU
+    features may be split in contiguous blocks (Megatron's) or dealt round-robin, the same way on
+    every rank."""
     for cfg_spec in SHARD_CONFIGS:
-        model = Transformer(cfg_spec, seed=5)
+        model = _varied_norms(Transformer(cfg_spec, seed=5), seed=6)
         cfg = model.cfg
         for n in (2, 4):
             try:
                 check_divisible(cfg, n)
             except ValueError:
                 continue
+            ffn_layout = None  # rank 0's split of the SwiGLU features: every rank must use the same
             for rank in range(n):
                 case = Case(model=cfg.name, world_size=n, rank=rank, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads)
                 layer = model.layers[0]
@@ -320,6 +411,9 @@ def check_shard_layer(fn, checker):
                 if not isinstance(got, dict):
                     checker.fail(case, f"your function returned a {type(got).__name__}, expected a dict of "
                                        f"tensors.", TP_RULE)
+                ffn_layout = _ffn_layout(got, layer, rank, n) if ffn_layout is None else ffn_layout
+                if ffn_layout == "strided":
+                    expected.update(_strided_ffn(layer, rank, n))
                 missing = [k for k in expected if k not in got]
                 if missing:
                     checker.fail(case, f"the dict has no {', '.join(missing)}; this model needs {sorted(expected)}.",
@@ -360,7 +454,7 @@ def _tp_worker(fn, self_check):
     results = []
     with course_checks_its_answers(self_check), banning((tp_layer_forward,)):
         for spec in FORWARD_CONFIGS:
-            model = Transformer(spec, seed=11)
+            model = _varied_norms(Transformer(spec, seed=11), seed=12)
             cfg = model.cfg
             tokens = model.random_prompt(2, 5, seed=3)
             cos, sin = rope_cos_sin(torch.arange(5), cfg.head_dim, model.dtype, cfg.rope_theta, cfg.rope_scaling)

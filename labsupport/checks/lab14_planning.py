@@ -22,6 +22,7 @@ from ..planning import (
     replicas_for_rate,
     time_in_system,
 )
+from ._mistakes import merge_alike
 from .framework import Case, graded
 
 CONCURRENCY_RULE = (
@@ -52,7 +53,12 @@ COST_RULE = (
 
 
 def _concurrency_mistakes(rate, ttft, tpot, out) -> dict[str, float]:
+    mean = rate * (ttft + (out - 1) * tpot)
     return {
+        "the mean number in the system is rounded up to a whole number (Little's L is a mean: 24.8 requests "
+        "in flight on average is not 25)": math.ceil(mean),
+        "the mean number in the system is rounded to a whole number (Little's L is a mean, not a count)":
+            round(mean),
         "the output tokens are left out of the time in system (only the TTFT counted)": rate * ttft,
         "the TTFT is left out of the time in system": rate * (out - 1) * tpot,
         "output_tokens decode steps are counted instead of output_tokens - 1 (the prefill yields the first token)":
@@ -84,8 +90,8 @@ def check_concurrency(fn, checker):
         case = Case(arrival_rate=rate, ttft_s=ttft, tpot_s=tpot, output_tokens=out)
         got = checker.call(fn, rate, ttft, tpot, out, case=case)
         expected = concurrency(rate, ttft, tpot, out)
-        mistakes = {d: v for d, v in _concurrency_mistakes(rate, ttft, tpot, out).items()
-                    if not math.isclose(v, expected, rel_tol=1e-9)}
+        mistakes = merge_alike({d: v for d, v in _concurrency_mistakes(rate, ttft, tpot, out).items()
+                                if not math.isclose(v, expected, rel_tol=1e-9)}, rel=1e-9)
         checker.expect_number(got, expected, case=case, rel=1e-9, what="concurrency", hint=CONCURRENCY_RULE,
                               mistakes=mistakes)
 
@@ -111,12 +117,12 @@ def batch_variant(cfg, context, tpot, *, memory_gib, bandwidth_gb_s, peak_tflops
                   memory_utilization=0.9, tensor_parallel=1, heads=None, memory_unit=GIB, bandwidth_unit=GB,
                   fixed_kv_bytes=None, fixed_weight_bytes=None, kv_factor=2, overhead_scale=1.0, efficiency=True,
                   compute=True, memory_limit=True, time_limit=True, utilization=True, tp_time=True, tp_memory=True,
-                  first_miss=False) -> int:
+                  first_miss=False, head_dim=None) -> int:
     """:func:`labsupport.planning.max_batch` written out, with one step optionally done wrong (the
     defaults give the right answer)."""
     kvb = fixed_kv_bytes or kv_dtype_bytes
     wb = fixed_weight_bytes or weight_dtype_bytes
-    per_token = kv_factor * cfg.n_layers * (heads or cfg.n_kv_heads) * cfg.head_dim * kvb
+    per_token = kv_factor * cfg.n_layers * (heads or cfg.n_kv_heads) * (head_dim or cfg.head_dim) * kvb
     weights = param_count(cfg) * wb
     tp_t = tensor_parallel if tp_time else 1
     bw = tp_t * bandwidth_gb_s * bandwidth_unit * (bandwidth_efficiency if efficiency else 1)
@@ -141,6 +147,9 @@ def _batch_mistakes(cfg, context, tpot, kw) -> dict[str, int]:
     wrong = {
         "the KV cache is sized from the query heads (n_heads) instead of the KV heads (n_kv_heads)":
             dict(heads=cfg.n_heads),
+        f"the head width is derived as d_model // n_heads = {cfg.d_model // cfg.n_heads} instead of read from "
+        f"cfg.head_dim = {cfg.head_dim} (this model's heads are wider than d_model / n_heads)":
+            dict(head_dim=cfg.d_model // cfg.n_heads),
         "memory_gib is read as gigabytes (10**9 bytes) instead of GiB (2**30 bytes)": dict(memory_unit=GB),
         "bandwidth_gb_s is read as GiB/s (2**30 bytes) instead of GB/s (10**9 bytes)": dict(bandwidth_unit=GIB),
         "kv_dtype_bytes is ignored (2 bytes per cached element assumed)": dict(fixed_kv_bytes=2),
@@ -167,7 +176,8 @@ def batch_cases() -> list[tuple]:
     """(label, cfg, context_tokens, tpot_s, keyword arguments): numbers as a planner would take them
     from :mod:`labsupport.hardware` (memory in GiB as reported, bandwidth in GB/s, TFLOP/s)."""
     m8, m70, qwen, tiny = (get_model(n) for n in ("llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "tiny-20m"))
-    h200, h100 = get_gpu("H200"), get_gpu("H100 SXM")
+    small_qwen = get_model("qwen3-0.6b")
+    h200, h100, l4 = get_gpu("H200"), get_gpu("H100 SXM"), get_gpu("L4")
 
     def card(gpu):
         return dict(memory_gib=gpu.usable_bytes / GIB, bandwidth_gb_s=gpu.hbm_bandwidth / GB,
@@ -178,7 +188,7 @@ def batch_cases() -> list[tuple]:
          dict(**card(h200), bandwidth_efficiency=0.72, compute_efficiency=0.5, step_overhead_s=0.0027)),
         ("8B on an H100, long context, memory-bound", m8, 32768, 0.2,
          dict(**card(h100), bandwidth_efficiency=0.7, compute_efficiency=0.5, step_overhead_s=0.003)),
-        ("Qwen3 8B (explicit head width), fp8 cache, 95% of memory", qwen, 8192, 0.05,
+        ("Qwen3 8B, fp8 cache, 95% of memory", qwen, 8192, 0.05,
          dict(**card(h200), bandwidth_efficiency=0.65, compute_efficiency=0.45, step_overhead_s=0.002,
               kv_dtype_bytes=1, memory_utilization=0.95)),
         ("70B, fp8 weights, tensor-parallel over 4 H100s", m70, 4096, 0.04,
@@ -193,6 +203,9 @@ def batch_cases() -> list[tuple]:
          dict(**card(h100), bandwidth_efficiency=0.7, compute_efficiency=0.5)),
         ("8B, a TPOT target no batch meets", m8, 1024, 0.004,
          dict(**card(h200), bandwidth_efficiency=0.72, compute_efficiency=0.5, step_overhead_s=0.0027)),
+        # head_dim 128 where d_model / n_heads is 64: a derived head width halves the cache per token
+        ("Qwen3-0.6B (head width 128, not d_model / n_heads) on an L4, long context", small_qwen, 16384, 0.05,
+         dict(**card(l4), bandwidth_efficiency=0.7, compute_efficiency=0.5, step_overhead_s=0.002)),
     ]
 
 
@@ -209,7 +222,7 @@ def check_max_batch(fn, checker):
         expected = max_batch(cfg, context, tpot, **kw)
         if batch_variant(cfg, context, tpot, **kw) != expected:  # the check's own arithmetic must agree
             raise AssertionError(f"check_max_batch: its written-out reference disagrees on [{case}]")
-        mistakes = {d: v for d, v in _batch_mistakes(cfg, context, tpot, kw).items() if v != expected}
+        mistakes = merge_alike({d: v for d, v in _batch_mistakes(cfg, context, tpot, kw).items() if v != expected})
         checker.expect_number(got, expected, case=case, rel=1e-12, what="batch", hint=BATCH_RULE,
                               mistakes=mistakes)
         if not isinstance(got, int):
@@ -223,6 +236,8 @@ def check_max_batch(fn, checker):
 def _replica_mistakes(rate, t, batch, headroom) -> dict[str, float]:
     load = rate * t
     return {
+        "the floor of one replica is missing (max(1, ...)): with no traffic the service still keeps one replica up":
+            math.ceil(load * (1 + headroom) / batch),
         "the count is rounded down (or to the nearest whole number) instead of up: some requests would have no "
         "replica": math.floor(load * (1 + headroom) / batch),
         "the headroom is ignored": max(1, math.ceil(load / batch)),
@@ -243,6 +258,7 @@ def replica_cases() -> list[tuple[float, float, int, float | None]]:
         (50.0, 12.6, 256, 0.25),
         (2.0, 3.0, 2, 0.0),  # exactly 3 replicas' worth: 3, not 4
         (0.05, 4.0, 64, 0.1),  # a trickle still needs one replica
+        (0.0, 4.0, 64, 0.1),  # and so does a quiet hour: ceil(0) is 0
         (400.0, 7.5, 96, 0.6),
     ]
 
@@ -260,7 +276,7 @@ def check_replicas(fn, checker):
             got = checker.call(fn, rate, t, batch, headroom, case=case)
         room = headroom or 0.0
         expected = replicas_for_rate(rate, t, batch, room)
-        mistakes = {d: v for d, v in _replica_mistakes(rate, t, batch, room).items() if v != expected}
+        mistakes = merge_alike({d: v for d, v in _replica_mistakes(rate, t, batch, room).items() if v != expected})
         hint = REPLICAS_RULE + (" With no headroom given, use 0." if headroom is None else "")
         checker.expect_number(got, expected, case=case, rel=1e-12, what="replica count", hint=hint, mistakes=mistakes)
         if not isinstance(got, int):

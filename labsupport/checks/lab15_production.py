@@ -3,13 +3,16 @@ slow real service, and the goodput and percentiles of a run against an SLO."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+import threading
 import time
 
 from ..bench_serving import arrival_times
 from ..latency import percentile
 from ..load_testing import SlowService, _nearest_rank, open_loop, poisson_arrivals, slo_report
+from ._mistakes import merge_alike as _merge_alike
 from .framework import Case, graded
 
 POISSON_RULE = (
@@ -119,11 +122,26 @@ def check_poisson_arrivals(fn, checker):
 # holds (``concurrent.futures.ThreadPoolExecutor`` makes at most 32 workers, 6 on a 2-core machine), then
 # a straggler. The service holds every one of the 34 until 0.8 s (odd i) or 0.9 s (even i) after the
 # check starts, so the answers come back out of order and all 34 must be in flight at once: a closed
-# loop, or a pool of fewer than 34 threads, sends request k only after an answer is back, at 0.8 s or
+# loop, or a pool of fewer than 34 threads, calls send(k) only after an answer is back, at 0.8 s or
 # later, at least 0.8 - 0.165 = 0.635 s late. Once released, requests take 0.05 s, so those run fast.
+# A send is judged by when the learner's thread called ``send`` (not when the service saw it: on a
+# loaded machine the connection itself can take 0.4 s), and a late one fails only when it came after
+# an earlier answer (waiting for completions), or when it is later than any machine's load explains.
 OPEN_SCHEDULE = [round(0.005 * i, 3) for i in range(34)] + [1.0]
 HELD = len(OPEN_SCHEDULE) - 1
-LATE_S = 0.4  # how late (seconds) a send may reach the service on a loaded machine; too few threads: 0.635 s
+LATE_S = 0.4  # how late a send after an earlier answer may be; too few threads: at least 0.635 s
+LOST_S = 1.0  # how late any send may be (a busy 2-core machine delays a thread by tenths of a second)
+
+# The pacing case: 6 sends 0.2 s apart to a plain function, while ``time.sleep`` oversleeps by
+# OVERSLEEP_S and every ``threading.Thread.start`` takes START_S (what a loaded machine does, made
+# certain). Aiming every send at start + times_s[i] keeps each one within about one oversleep
+# (0.05 s; the first 0.15 s); relative sleeps between sends add both delays at every send (request 5:
+# 0.9 s late), and sleeping times_s[i] from each thread's own start adds the start-up (0.65 s).
+# Judged by the drift, the median lateness of the last three sends minus that of the first three:
+# 0 for an absolute aim, 0.3 s or more for the two mistakes.
+PACED_SCHEDULE = [round(0.2 * i, 3) for i in range(6)]
+OVERSLEEP_S, START_S = 0.05, 0.1
+DRIFT_S = 0.15
 
 
 def _held_until(start: list[float]):
@@ -147,16 +165,76 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(parts)
 
 
+@contextlib.contextmanager
+def _slowed_machine():
+    """While active, ``time.sleep`` oversleeps by OVERSLEEP_S and ``threading.Thread.start`` takes
+    START_S longer (both patched on their modules, restored after)."""
+    sleep, start = time.sleep, threading.Thread.start
+
+    def oversleep(seconds):
+        sleep(seconds)
+        sleep(OVERSLEEP_S)
+
+    def slow_start(self, *args, **kwargs):
+        sleep(START_S)
+        return start(self, *args, **kwargs)
+
+    time.sleep, threading.Thread.start = oversleep, slow_start
+    try:
+        yield
+    finally:
+        time.sleep, threading.Thread.start = sleep, start
+
+
+def _check_pacing(fn, checker):
+    """The pacing case (PACED_SCHEDULE): sends must not drift later and later."""
+    n = len(PACED_SCHEDULE)
+    case = Case(times_s=f"{n} sends 0.2 s apart", send="a plain function",
+                machine=f"time.sleep oversleeps by {OVERSLEEP_S} s, Thread.start takes {START_S} s")
+    called: dict[int, float] = {}
+
+    def send(i):
+        called[int(i)] = time.perf_counter()
+        return {"i": i}
+
+    with _slowed_machine():
+        start = time.perf_counter()
+        checker.call(fn, list(PACED_SCHEDULE), send, case=case)
+    if sorted(called) != list(range(n)):
+        checker.fail(case, f"send was called for i = {sorted(called)}, expected each of 0..{n - 1} once.",
+                     OPEN_LOOP_RULE)
+    late = [called[i] - start - at for i, at in enumerate(PACED_SCHEDULE)]
+    half = n // 2
+    drift = sorted(late[half:])[len(late[half:]) // 2] - sorted(late[:half])[half // 2]
+    if drift > DRIFT_S:
+        step = (late[-1] - late[1]) / (n - 2)
+        likely = ("relative sleeps between sends (time.sleep(gap)), which add every oversleep and every thread's "
+                  "start-up to all the sends after it" if step > 0.8 * (OVERSLEEP_S + START_S) else
+                  "each thread waiting times_s[i] (or a delay computed before it started) from its own start, which "
+                  "adds the time it took to start the threads before it started")
+        checker.fail(case, f"the sends drift later and later: {', '.join(f'{x:.2f}' for x in late)} s late for "
+                           f"requests 0-{n - 1}, on a machine where every sleep oversleeps by {OVERSLEEP_S} s and "
+                           f"every thread takes {START_S} s to start (a loaded machine does both). An open loop "
+                           f"aims each send at one start time plus times_s[i], so a delay never carries over. "
+                           f"This drift is what we get from {likely}.", OPEN_LOOP_RULE)
+
+
 @graded(points=3, bans=(open_loop,))
 def check_open_loop(fn, checker):
     """``fn(times_s, send)`` must call ``send(i)`` at each scheduled time against a slow real service,
-    without waiting for earlier calls, and return the results in order."""
+    without waiting for earlier calls, and return the results in order; and keep to a schedule on a
+    machine where sleeps oversleep and threads start slowly (no drift)."""
     case = Case(times_s=f"{HELD} sends 5 ms apart, then one at 1.0 s",
                 send=f"a GET to a real HTTP service that holds the first {HELD} until 0.8 or 0.9 s")
     started = [math.inf]
+    called: dict[int, float] = {}
     with SlowService(_held_until(started)) as service:
+        def send(i):
+            called.setdefault(i, time.perf_counter())
+            return service.send(i)
+
         start = started[0] = time.perf_counter()
-        got = checker.call(fn, list(OPEN_SCHEDULE), service.send, case=case)
+        got = checker.call(fn, list(OPEN_SCHEDULE), send, case=case)
         returned = time.perf_counter()
         finished_then = dict(service.finished)
         deadline = returned + 3.0  # let stray calls end before the service closes
@@ -167,20 +245,19 @@ def check_open_loop(fn, checker):
     if len(finished_then) < n:
         checker.fail(case, f"your function returned when {len(finished_then)} of the {n} calls to send had "
                            f"returned: join the threads before returning the results.", OPEN_LOOP_RULE)
-    missing = [i for i in range(n) if i not in arrived]
+    missing = [i for i in range(n) if i not in arrived or i not in called]
     if missing:
         checker.fail(case, f"send was never called for i = {missing}.", OPEN_LOOP_RULE)
     for i, at in enumerate(OPEN_SCHEDULE):
-        offset = arrived[i] - start
+        offset = called[i] - start
         if offset < at - 1e-3:
-            checker.fail(case, f"request {i} reached the service {offset:.3f} s after the start, before its "
-                               f"scheduled time {at:.3f} s: sleep until start + times_s[i] before sending.",
-                         OPEN_LOOP_RULE)
+            checker.fail(case, f"send({i}) was called {offset:.3f} s after the start, before its scheduled time "
+                               f"{at:.3f} s: sleep until start + times_s[i] before sending.", OPEN_LOOP_RULE)
     for i, at in enumerate(OPEN_SCHEDULE):
-        offset = arrived[i] - start
-        if offset > at + LATE_S:
-            waited = [j for j in range(i) if finished.get(j, math.inf) <= arrived[i]]
-            problem = (f"request {i}, scheduled at {at:.3f} s, reached the service at {offset:.3f} s: "
+        offset = called[i] - start
+        waited = [j for j in range(i) if finished.get(j, math.inf) <= called[i]]
+        if offset > at + LOST_S or (offset > at + LATE_S and waited):
+            problem = (f"send({i}), scheduled at {at:.3f} s, was called at {offset:.3f} s: "
                        f"{offset - at:.3f} s late.")
             if waited:
                 problem += (f" It was sent only after the answers to requests {_ranges(waited)} had come back: "
@@ -196,6 +273,7 @@ def check_open_loop(fn, checker):
         if sorted(map(repr, got)) == sorted(map(repr, want)):
             problem += " They are in the order the answers came back, not the order of i."
         checker.fail(case, problem, OPEN_LOOP_RULE)
+    _check_pacing(fn, checker)
 
 
 def _slo_cases():
@@ -219,6 +297,11 @@ def _slo_cases():
         {"ttft": 0.1, "tpot": 0.02},
         {"ttft": 0.25, "tpot": 0.04},
     ]
+    # 100 completed requests at p = 7: the rank is ceil(7 * 100 / 100) = 7, but p / 100 * n is
+    # 7.000000000000001 in floats, so dividing first (or numpy's inverted_cdf) takes the 8th
+    hundred = [{"ttft": round(0.05 + 0.004 * i + 0.001 * rng.random(), 5), "tpot": round(0.01 + 0.0002 * (i * 37 % 100), 5)}
+               for i in range(100)]
+    rng.shuffle(hundred)
     return [
         ("nine requests, two on a target, one refused", small, {"ttft_s": 0.5, "tpot_s": 0.05, "p": 90}, 2.0),
         ("same, median", small, {"ttft_s": 0.5, "tpot_s": 0.05, "p": 50}, 4.0),
@@ -226,6 +309,7 @@ def _slo_cases():
         ("57 requests, p90", run, {"ttft_s": 0.25, "tpot_s": 0.03, "p": 90}, 9.5),
         ("four requests, p75 lands on a whole rank", [{"ttft": t, "tpot": 0.01} for t in (0.4, 0.1, 0.3, 0.2)],
          {"ttft_s": 0.35, "tpot_s": 0.05, "p": 75}, 1.0),
+        ("100 requests, p7: the rank is exactly 7", hundred, {"ttft_s": 0.3, "tpot_s": 0.02, "p": 7}, 20.0),
     ]
 
 
@@ -235,10 +319,15 @@ def _percentile_mistakes(values: list[float], p: float) -> dict[str, float]:
     pos = p / 100 * (n - 1)
     lo = math.floor(pos)
     return {
+        f"the rank is computed as ceil(p / 100 * n): p / 100 is rounded in floats first ({p:g} / 100 * {n} = "
+        f"{p / 100 * n!r}, rank {math.ceil(p / 100 * n)}; numpy's percentile with method='inverted_cdf' does the "
+        f"same). Multiply first: ceil(p * n / 100)": data[min(n, max(1, math.ceil(p / 100 * n))) - 1],
         "the percentile is interpolated between two ranks (numpy's default, np.percentile), not taken at the nearest rank":
             data[lo] + (data[min(lo + 1, n - 1)] - data[lo]) * (pos - lo),
         "the rank ceil(p * n / 100) is used as a 0-based index (one rank too high)": data[min(n - 1, rank)],
         "the rank is rounded down (floor(p * n / 100)) instead of up": data[max(0, math.floor(p * n / 100) - 1)],
+        "the rank is rounded to the nearest whole number (round(p * n / 100)) instead of up":
+            data[min(n, max(1, round(p * n / 100))) - 1],
         "the values are not sorted before the rank is taken": values[rank - 1],
     }
 
@@ -280,20 +369,6 @@ def _attainment_mistakes(requests, slo) -> dict[str, float]:
         "a request counts when it meets any one target; attainment counts requests that meet every target":
             sum(_met(r, slo, any_target=True) for r in requests) / len(requests),
     }
-
-
-def _merge_alike(mistakes: dict[str, float]) -> dict[str, float]:
-    """Mistakes that give the same value on this case, named together: on a small case a rank
-    mistake and a wrong set of values can agree, and the message should not pick one at random."""
-    groups: list[tuple[float, list[str]]] = []
-    for description, value in mistakes.items():
-        for v, names in groups:
-            if math.isclose(v, value, rel_tol=1e-12):
-                names.append(description)
-                break
-        else:
-            groups.append((value, [description]))
-    return {"; or when ".join(names): v for v, names in groups}
 
 
 @graded(points=4, bans=(slo_report, percentile))

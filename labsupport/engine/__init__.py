@@ -48,8 +48,10 @@ machine-independent, for figures that must not depend on the CPU).
 """
 
 from .llm_engine import CLOCKS, Engine, StepRecord, TokenEvent
+from .model_runner import ScheduledSeq
+from .paged_batch import StepMetadata
 from .sequence import Request
 from .trace import TraceRequest, poisson_trace, run_trace, trace_summary
 
 __all__ = ["Engine", "Request", "TokenEvent", "StepRecord", "TraceRequest", "run_trace", "trace_summary",
-           "poisson_trace", "CLOCKS"]
+           "poisson_trace", "CLOCKS", "ScheduledSeq", "StepMetadata"]

@@ -69,9 +69,8 @@ class BlockManager:
         to make first, ``(src, dst)`` blocks (none in this engine: it never shares a partly filled
         block, but the allocator's contract says what to do if it did)."""
         copies = []
-        ids = req.all_ids
-        for pos in range(start, start + count):
-            _, _, copy = self.allocator.append_token(req.request_id, ids[pos])
+        for token in req.token_ids(start, start + count):
+            _, _, copy = self.allocator.append_token(req.request_id, token)
             if copy is not None:
                 copies.append(copy)
         return copies

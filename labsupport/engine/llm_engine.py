@@ -49,6 +49,7 @@ class StepRecord:
     waiting: int
     kv_tokens: int = 0  # tokens of cache the step's attention read (each sequence's length after it)
     attention_pairs: int = 0  # query-key pairs its attention scored (causal: a token sees itself and earlier)
+    sampled: int = 0  # sequences that sampled a token: the rows the output head ran on
 
 
 class _Clock:
@@ -207,10 +208,16 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One iteration: schedule, run (one forward pass and the sampler), postprocess. Returns the
-        tokens made."""
+        tokens made. If the forward pass or the sampler raises, the step's requests finish with
+        reason ``"error"``, the prefix cache is cleared, and the exception propagates; the other
+        requests carry on at the next step."""
         started = time.perf_counter()
         batch = self.scheduler.schedule()
-        tokens = self.runner.run(batch.seqs, self.sampler, batch.copies) if batch.seqs else []
+        try:
+            tokens = self.runner.run(batch.seqs, self.sampler, batch.copies) if batch.seqs else []
+        except BaseException:
+            self._fail_step(batch)
+            raise
         return self._postprocess(batch, tokens, started)
 
     def stream(self) -> Iterator[TokenEvent]:
@@ -253,8 +260,21 @@ class Engine:
         kv = sum(r.num_computed for r, _ in batch.seqs)  # after the step: each sequence's cached length
         pairs = sum(n * (r.num_computed - n) + n * (n + 1) // 2 for r, n in batch.seqs)
         self.steps.append(StepRecord(len(self.steps), now, duration, len(batch.seqs), prefill, decode,
-                                     batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs))
+                                     batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs,
+                                     len(sampled)))
         return events
+
+    def _fail_step(self, batch: ScheduledBatch) -> None:
+        """The forward pass or the sampler raised. The step's requests end with finish reason
+        ``"error"`` (their blocks go back; the cache slots the step gave them were never filled
+        for sure, so they cannot simply run again), and the prefix cache forgets every hash: a block
+        that filled in this step was made findable when its slots were handed out, before any
+        layer wrote its keys and values, and a later request with the same prefix (a client's
+        retry) would otherwise read whatever the block held."""
+        for req, _ in batch.seqs:
+            if not req.finished:
+                self._retire(req, "error")
+        self.allocator.reset_prefix_cache()
 
     def _stop_reason(self, req: Request) -> str | None:
         p = req.params

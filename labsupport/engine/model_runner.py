@@ -6,7 +6,11 @@
    the tokens laid end to end, their positions and cache slots, each sequence's block table,
    length and query range, and the rows whose logits are sampled. It is built once per step on
    the host into persistent buffers (pinned memory on a GPU, copied without blocking), the way
-   vLLM's ``GPUModelRunner._prepare_inputs`` fills its ``CpuGpuBuffer``\\ s;
+   vLLM's ``GPUModelRunner._prepare_inputs`` fills its ``CpuGpuBuffer``\\ s. The scheduler's batch is
+   first read as :class:`ScheduledSeq` rows (tokens, block table, cached and new counts), and
+   :func:`prepare_step` turns them into the metadata. ``ModelRunner.assemble`` plugs in another
+   function with :func:`prepare_step`'s signature (lab 12's exercise: ``engine.runner.assemble =
+   my_prepare_step``); its tensors are moved to the model's device;
 2. **runs** the model once over the flat batch with a :class:`~labsupport.engine.paged_batch.PagedBatch`:
    every layer stores its keys and values and attends in one call each;
 3. **samples** the rows of the sequences whose known tokens are now all computed.
@@ -26,11 +30,14 @@ bf16 cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .._answers import answer
 from ..batch_attention import query_tiles
 from ..device import interpreter_mode
 from ..flash_decoding import num_kv_splits
@@ -73,11 +80,141 @@ def padded_batch_size(batch: int, sizes: Sequence[int]) -> int | None:
     return next((s for s in sizes if s >= batch), None)
 
 
+@dataclass(frozen=True, eq=False)
+class ScheduledSeq:
+    """One sequence of a step, as :func:`prepare_step` reads it (the runner builds these from the
+    scheduler's batch, with fresh lists each step: changing them changes nothing in the engine; lab
+    12's exercise takes the same)."""
+
+    token_ids: list[int]  # every token it knows: its prompt, then what it has generated
+    block_table: list[int]  # its cache blocks, logical block 0 first (enough for the step's tokens)
+    num_cached: int  # leading tokens whose keys and values are already in the cache
+    num_new: int  # tokens it computes this step: a prompt chunk, or 1 for a decode
+
+    @property
+    def samples(self) -> bool:
+        """Whether its logits are sampled this step: the step computes its last known token."""
+        return self.num_cached + self.num_new == len(self.token_ids)
+
+
+AssembleFn = Callable[[Sequence[ScheduledSeq], int], StepMetadata]
+
+
+class StepBuffers:
+    """The persistent host buffers :func:`prepare_step` fills, with their device twins; they grow
+    when a step needs more and are never allocated otherwise."""
+
+    def __init__(self, device: torch.device, max_blocks: int, tokens: int = 256, seqs: int = 32):
+        self.device, self.max_blocks = torch.device(device), max_blocks
+        self.b: dict[str, _Buffer] = {}
+        self.ensure(tokens, seqs)
+
+    def ensure(self, tokens: int, seqs: int) -> dict[str, _Buffer]:
+        """The buffers, (re)allocated to hold at least ``tokens`` tokens and ``seqs`` sequences."""
+        have, dev = self.b, self.device
+        if have and len(have["input_ids"]) >= tokens and len(have["seq_lens"]) >= seqs:
+            return have
+        tokens = max(tokens, len(have["input_ids"]) if have else 0)
+        seqs = max(seqs, len(have["seq_lens"]) if have else 0)
+        self.b = {
+            "input_ids": _Buffer((tokens,), torch.long, dev),
+            "positions": _Buffer((tokens,), torch.long, dev),
+            "slot_mapping": _Buffer((tokens,), torch.long, dev),
+            "block_tables": _Buffer((seqs, self.max_blocks), torch.int32, dev, fill=-1),
+            "seq_lens": _Buffer((seqs,), torch.int32, dev),
+            "cu_seqlens_q": _Buffer((seqs + 1,), torch.int32, dev),
+            "logits_indices": _Buffer((seqs,), torch.long, dev),
+            "tile_seq": _Buffer((tokens + seqs,), torch.int32, dev),
+            "tile_first": _Buffer((tokens + seqs,), torch.int32, dev),
+        }
+        return self.b
+
+    def tiles(self, tile_seq: Sequence[int], tile_first: Sequence[int], block_q: int) -> tuple:
+        """The Triton prefill kernel's query tiles (:func:`~labsupport.batch_attention.query_tiles`) on
+        the device."""
+        n = len(tile_seq)
+        buf = self.ensure(n, 0) if n > len(self.b["tile_seq"]) else self.b
+        buf["tile_seq"].np[:n], buf["tile_first"].np[:n] = tile_seq, tile_first
+        return buf["tile_seq"].to_device(n), buf["tile_first"].to_device(n), block_q
+
+
+@answer
+def prepare_step(seqs: Sequence[ScheduledSeq], block_size: int, buffers: StepBuffers | None = None) -> StepMetadata:
+    """A step's flat metadata (:class:`~labsupport.engine.paged_batch.StepMetadata`) from its
+    scheduled sequences (lab 12's exercise; chapter 13 explains it). Sequence ``b`` runs tokens
+    ``num_cached .. num_cached + num_new - 1`` of its ``token_ids``, laid end to end after the
+    sequences before it:
+
+    * ``input_ids``, ``positions`` (int64): those tokens and their positions in their sequence;
+    * ``slot_mapping`` (int64): ``block_table[p // block_size] * block_size + p % block_size``;
+    * ``block_tables`` (int32, ``(B, W)``, ``W`` the most blocks a sequence holds, at least 1):
+      each sequence's table, padded with -1 (a block id no sequence owns);
+    * ``seq_lens`` (int32): ``num_cached + num_new``; ``cu_seqlens_q`` (int32, ``B + 1``): 0, then
+      the running total of ``num_new``;
+    * ``logits_indices`` (int64): the flat row of the last token of every sequence that samples
+      (:attr:`ScheduledSeq.samples`), in batch order;
+    * ``max_q_len``, the largest ``num_new``; ``decode_only``, whether every ``num_new`` is 1.
+
+    Built with numpy into ``buffers`` (the runner's persistent ones; fresh ones on the CPU when
+    None) and copied to their device without blocking."""
+    if buffers is None:
+        buffers = StepBuffers(torch.device("cpu"), max([1, *(len(s.block_table) for s in seqs)]), 1, 1)
+    n_tokens = sum(s.num_new for s in seqs)
+    buf = buffers.ensure(n_tokens, len(seqs))
+    ids, pos, slots = buf["input_ids"].np, buf["positions"].np, buf["slot_mapping"].np
+    tables, lens, cu, rows = buf["block_tables"].np, buf["seq_lens"].np, buf["cu_seqlens_q"].np, []
+    width = max([1, *(len(s.block_table) for s in seqs)])
+    row = 0
+    cu[0] = 0
+    for b, s in enumerate(seqs):
+        start, n = s.num_cached, s.num_new
+        table = np.asarray(s.block_table, dtype=np.int64)
+        p = np.arange(start, start + n)
+        ids[row:row + n] = s.token_ids[start:start + n]
+        pos[row:row + n] = p
+        slots[row:row + n] = table[p // block_size] * block_size + p % block_size
+        tables[b, :len(table)] = table
+        tables[b, len(table):width] = -1  # padding: no block (the buffers are reused step after step)
+        lens[b] = start + n
+        row += n
+        cu[b + 1] = row
+        if s.samples:
+            rows.append(row - 1)
+    buf["logits_indices"].np[:len(rows)] = rows
+    max_q = max(s.num_new for s in seqs)
+    return StepMetadata(
+        input_ids=buf["input_ids"].to_device(n_tokens), positions=buf["positions"].to_device(n_tokens),
+        slot_mapping=buf["slot_mapping"].to_device(n_tokens),
+        block_tables=buf["block_tables"].to_device(len(seqs))[:, :width],
+        seq_lens=buf["seq_lens"].to_device(len(seqs)), cu_seqlens_q=buf["cu_seqlens_q"].to_device(len(seqs) + 1),
+        logits_indices=buf["logits_indices"].to_device(len(rows)), max_q_len=int(max_q), decode_only=max_q == 1)
+
+
+TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q",
+                 "logits_indices")
+
+
+def on_device(meta: StepMetadata, device: torch.device) -> StepMetadata:
+    """A plugged-in step assembly's result with its tensors on ``device``; a ValueError saying what
+    is wrong when it is not a :class:`StepMetadata` of tensors."""
+    if not isinstance(meta, StepMetadata):
+        raise ValueError(f"the step assembly returned a {type(meta).__name__}; it must return a "
+                         f"labsupport.engine.StepMetadata (fields: {', '.join(TENSOR_FIELDS)}, max_q_len, decode_only)")
+    moved = {}
+    for name in TENSOR_FIELDS:
+        value = getattr(meta, name)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"StepMetadata.{name} is a {type(value).__name__}; it must be a torch.Tensor")
+        moved[name] = value.to(device)
+    return dataclasses.replace(meta, **moved, tiles=None)
+
+
 class ModelRunner:
     """The model, its paged cache and the step's buffers (module docstring)."""
 
     def __init__(self, model: Transformer, block_manager: BlockManager, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_model_len: int, attention: str = "auto", cuda_graphs: bool | None = None):
+                 max_num_seqs: int, max_model_len: int, attention: str = "auto", cuda_graphs: bool | None = None,
+                 assemble: AssembleFn | None = None):
         self.model, self.device = model, model.device
         self.block_manager, self.block_size = block_manager, block_size
         self.max_model_len = max_model_len
@@ -93,8 +230,8 @@ class ModelRunner:
         self.store = PagedKVStore(model.cfg, num_blocks, block_size, device=self.device, dtype=model.dtype)
         cfg = model.cfg
         self.group = cfg.n_heads // cfg.n_kv_heads
-        self._buffers: dict[str, _Buffer] = {}
-        self._alloc(tokens=256, seqs=max_num_seqs)
+        self.buffers = StepBuffers(self.device, self.max_blocks, tokens=256, seqs=max_num_seqs)
+        self.assemble: AssembleFn | None = assemble  # None: the engine's own prepare_step
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_vars: dict[str, torch.Tensor] = {}
@@ -105,63 +242,25 @@ class ModelRunner:
 
     # -- 1. the step's metadata ------------------------------------------------------------------
 
-    def _alloc(self, tokens: int, seqs: int) -> None:
-        """(Re)allocate the eager path's persistent buffers for up to ``tokens`` tokens and ``seqs``
-        sequences (they grow when a step needs more; a step never allocates them otherwise)."""
-        dev = self.device
-        have = self._buffers
-        if have and len(have["input_ids"]) >= tokens and len(have["seq_lens"]) >= seqs:
-            return
-        tokens = max(tokens, len(have["input_ids"]) if have else 0)
-        seqs = max(seqs, len(have["seq_lens"]) if have else 0)
-        self._buffers = {
-            "input_ids": _Buffer((tokens,), torch.long, dev),
-            "positions": _Buffer((tokens,), torch.long, dev),
-            "slot_mapping": _Buffer((tokens,), torch.long, dev),
-            "block_tables": _Buffer((seqs, self.max_blocks), torch.int32, dev),
-            "seq_lens": _Buffer((seqs,), torch.int32, dev),
-            "cu_seqlens_q": _Buffer((seqs + 1,), torch.int32, dev),
-            "logits_indices": _Buffer((seqs,), torch.long, dev),
-            "tile_seq": _Buffer((tokens + seqs,), torch.int32, dev),
-            "tile_first": _Buffer((tokens + seqs,), torch.int32, dev),
-        }
+    def scheduled(self, batch: Sequence[tuple[Request, int]]) -> list[ScheduledSeq]:
+        """The step as :func:`prepare_step` reads it: each request's tokens, block table, cached and
+        new token counts (the block tables already cover the step's tokens)."""
+        return [ScheduledSeq(req.all_ids, self.block_manager.block_table(req.request_id), req.num_computed, n)
+                for req, n in batch]  # all_ids and block_table are new lists: nothing of the engine's is shared
 
     def prepare(self, batch: Sequence[tuple[Request, int]]) -> StepMetadata:
-        """Build the step's metadata in the persistent buffers and copy it to the device."""
-        n_tokens = sum(n for _, n in batch)
-        self._alloc(n_tokens, len(batch))
-        buf, bs = self._buffers, self.block_size
-        ids, pos, slots = buf["input_ids"].np, buf["positions"].np, buf["slot_mapping"].np
-        tables, lens, cu, rows = buf["block_tables"].np, buf["seq_lens"].np, buf["cu_seqlens_q"].np, []
-        width, row = 1, 0
-        cu[0] = 0
-        for b, (req, n) in enumerate(batch):
-            start = req.num_computed
-            table = np.asarray(self.block_manager.block_table(req.request_id), dtype=np.int64)
-            p = np.arange(start, start + n)
-            ids[row:row + n] = req.all_ids[start:start + n]
-            pos[row:row + n] = p
-            slots[row:row + n] = table[p // bs] * bs + p % bs
-            tables[b, :len(table)] = table
-            width = max(width, len(table))
-            lens[b] = start + n
-            row += n
-            cu[b + 1] = row
-            if start + n == req.num_tokens:  # all its known tokens computed: it samples this step
-                rows.append(row - 1)
-        buf["logits_indices"].np[:len(rows)] = rows
-        q_lens = [n for _, n in batch]
-        meta = StepMetadata(
-            input_ids=buf["input_ids"].to_device(n_tokens), positions=buf["positions"].to_device(n_tokens),
-            slot_mapping=buf["slot_mapping"].to_device(n_tokens),
-            block_tables=buf["block_tables"].to_device(len(batch))[:, :width],
-            seq_lens=buf["seq_lens"].to_device(len(batch)), cu_seqlens_q=buf["cu_seqlens_q"].to_device(len(batch) + 1),
-            logits_indices=buf["logits_indices"].to_device(len(rows)), max_q_len=max(q_lens),
-            decode_only=max(q_lens) == 1)
+        """Build the step's metadata and copy it to the device: the engine's own
+        :func:`prepare_step` into the persistent buffers, or :attr:`assemble` where one is plugged in
+        (lab 12's exercise), whose tensors are moved to the model's device."""
+        seqs = self.scheduled(batch)
+        if self.assemble is None:
+            meta = prepare_step(seqs, self.block_size, self.buffers)
+        else:
+            meta = on_device(self.assemble(seqs, self.block_size), self.device)
         if self.attention == "triton" and not meta.decode_only:  # the prefill kernel's query tiles
-            seqs, firsts, block_q = query_tiles(q_lens, self.group)
-            buf["tile_seq"].np[:len(seqs)], buf["tile_first"].np[:len(seqs)] = seqs, firsts
-            meta.tiles = (buf["tile_seq"].to_device(len(seqs)), buf["tile_first"].to_device(len(seqs)), block_q)
+            q_lens = [s.num_new for s in seqs]
+            tile_seq, tile_first, block_q = query_tiles(q_lens, self.group)
+            meta.tiles = self.buffers.tiles(tile_seq, tile_first, block_q)
         return meta
 
     # -- 2. the forward pass -----------------------------------------------------------------------

@@ -14,6 +14,15 @@ compute; its ``num_blocks`` stays 0, so a decision counts the cached blocks amon
 (an overestimate: they cost no free block when another request holds them, or one evictable block
 when none does). Cached blocks are claimed for every admitted request before any new block is
 taken in the step, so no allocation of the step can evict a prefix a decision counted on.
+
+**Preempting a request that shares blocks.** A decision counts a preempted request's
+``num_blocks`` as given back, but with prefix caching some of them may be shared with requests
+that keep running: those stay referenced and free nothing. So after carrying out a decision's
+preemptions the scheduler checks that the blocks its scheduled requests need are really free;
+when they are not, it asks the decision again, on the counts as they now are and with no waiting
+request (a step that preempts admits nobody, as in :func:`~labsupport.scheduler.schedule_step`),
+until a decision fits. Each round preempts at least one more request, so this ends. vLLM's and
+nano-vllm's schedulers avoid the miscount by asking the block pool itself, one allocation at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..scheduler import SeqView, check_decision
+from ..scheduler import SeqView, blocks_for, check_decision
 from .block_manager import BlockManager
 from .sequence import Request
 
@@ -59,24 +68,33 @@ class Scheduler:
         """Decide the step, check the decision, preempt, admit and allocate; return the work."""
         bm = self.block_manager
         cached = {r.request_id: bm.cached_prefix(r) for r in self.waiting}
-        running = [SeqView(r.request_id, r.num_tokens, r.num_computed, bm.num_blocks_of(r.request_id))
-                   for r in self.running]
         waiting = [SeqView(r.request_id, r.num_tokens, cached[r.request_id], 0) for r in self.waiting]
-        args = (running, waiting, self.token_budget, bm.num_free_blocks, bm.block_size, self.max_running)
-        scheduled, preempted = check_decision(self.decide(*args), *args)
-        if not scheduled and not preempted and self.has_unfinished():
+        preempted_all: list = []
+        while True:
+            running = [SeqView(r.request_id, r.num_tokens, r.num_computed, bm.num_blocks_of(r.request_id))
+                       for r in self.running]
+            args = (running, waiting, self.token_budget, bm.num_free_blocks, bm.block_size, self.max_running)
+            scheduled, preempted = check_decision(self.decide(*args), *args)
+            views = {v.request_id: v for v in running + waiting}
+            by_id = {r.request_id: r for r in self.running + self.waiting}
+            for rid in preempted:  # the newest first: each goes back to the front of the queue
+                self._preempt(by_id[rid])
+            preempted_all += preempted
+            need = sum(blocks_for(views[rid].num_computed + n, bm.block_size) - views[rid].num_blocks
+                       for rid, n in scheduled.items())
+            if need <= bm.num_free_blocks:  # always so unless a preempted request shared blocks
+                break
+            waiting = []  # decide again on the real counts (module docstring)
+        if not scheduled and not preempted_all and self.has_unfinished():
             raise RuntimeError(f"the scheduler ran nothing although {len(self.running)} sequences run and "
                                f"{len(self.waiting)} wait, with {bm.num_free_blocks} free blocks: the engine "
                                f"would loop forever")
-        by_id = {r.request_id: r for r in self.running + self.waiting}
-        for rid in preempted:  # the newest first: each goes back to the front of the queue
-            self._preempt(by_id[rid])
         batch = [(by_id[rid], n) for rid, n in scheduled.items()]
         for req, _ in batch:  # admitted: claim its cached prefix before any block is taken
             if req in self.waiting:
                 self._admit(req, cached[req.request_id])
         copies = [c for req, n in batch for c in bm.append(req, req.num_computed, n)]
-        return ScheduledBatch(batch, len(preempted), copies)
+        return ScheduledBatch(batch, len(preempted_all), copies)
 
     def finish(self, req: Request) -> None:
         """Take a finished (or aborted) request out of the queues; its blocks go back."""

@@ -30,7 +30,7 @@ class Request:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     token_times_s: list[float] = field(default_factory=list)
     first_scheduled_s: float | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", or "error" (its step raised)
     preemptions: int = 0
     steps_run: int = 0
     cached_tokens: int = 0  # prefix-cache hits of its latest admission
@@ -38,6 +38,16 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids`` (a step needs a few tokens of a long
+        sequence: copying all of it for every request every step costs milliseconds at batch 128)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
     def num_tokens(self) -> int:

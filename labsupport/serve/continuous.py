@@ -130,7 +130,8 @@ class ContinuousEngine(Backend):
         try:
             events = await asyncio.to_thread(eng.step)
         except Exception as exc:  # fail the requests of this step (all in the engine if none ran); go on
-            blamed = [r.request_id for r in eng.running] or [rid for rid in self._handles if rid in eng.requests]
+            blamed = [rid for rid in self._handles if rid in eng.requests and eng.requests[rid].finish_reason == "error"]
+            blamed = blamed or [r.request_id for r in eng.running] or [rid for rid in self._handles if rid in eng.requests]
             for rid in blamed:
                 if rid in self._handles:
                     self._fail(self._handles[rid], exc, log_it=rid == blamed[0])

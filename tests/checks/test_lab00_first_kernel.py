@@ -18,7 +18,14 @@ def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
 
 
+def _checked(x, y):
+    """The wrapper's input check, as the exercise asks: same length, contiguous."""
+    assert x.shape == y.shape and x.dim() == 1, "x and y must be 1-D and the same length"
+    return x.contiguous(), y.contiguous()
+
+
 def triton_add(x, y, block=128):
+    x, y = _checked(x, y)
     out = torch.empty_like(x)
     _add_kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
     return out
@@ -48,6 +55,7 @@ def _add_kernel_pid_offsets(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def _launch_new_empty(kernel, block=128):
     def add(x, y):
+        x, y = _checked(x, y)
         out = x.new_empty(x.shape)
         kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
         return out
@@ -57,6 +65,7 @@ def _launch_new_empty(kernel, block=128):
 
 def _launch(kernel, block=128):
     def add(x, y):
+        x, y = _checked(x, y)
         out = torch.zeros_like(x)
         kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
         return out
@@ -66,6 +75,7 @@ def _launch(kernel, block=128):
 
 def triton_add_floor_grid(x, y, block=128):
     """Mutation: the grid rounds down, so the last partial block is never computed."""
+    x, y = _checked(x, y)
     out = torch.zeros_like(x)
     if x.numel() // block:
         _add_kernel[(x.numel() // block,)](x, y, out, x.numel(), BLOCK=block)
@@ -145,6 +155,7 @@ def test_a_named_mistake_gets_no_misleading_block_hint():
 def test_kernels_launched_any_way_count():
     """kernel.run(...), a helper, new_empty: a right answer from a Triton kernel passes."""
     def via_run(x, y):
+        x, y = _checked(x, y)
         out = x.new_empty(x.shape)
         _add_kernel.run(x, y, out, x.numel(), grid=(triton.cdiv(x.numel(), 64),), warmup=False, BLOCK=64)
         return out
@@ -187,9 +198,65 @@ def test_a_torch_sum_written_into_a_launched_tensor_fails():
 
 def test_a_kernel_writing_a_view_of_its_output_passes(capsys):
     def through_views(x, y):
+        x, y = _checked(x, y)
         out = torch.empty(x.numel() + 8, dtype=x.dtype)[: x.numel()]  # a view; the kernel writes its storage
         _add_kernel[(triton.cdiv(x.numel(), 64),)](x, y, out, x.numel(), BLOCK=64)
         return out.view(x.shape)
 
     check_vector_add(through_views)
     assert "PASSED check_vector_add" in capsys.readouterr().out
+
+
+# --- the inputs: strided views and different lengths (issue 26, red team) ------------------------
+
+
+def triton_add_assumes_contiguous(x, y, block=256):
+    """Mutation: checks the shapes but not the layout; a strided view is read as if it were adjacent."""
+    assert x.shape == y.shape
+    out = torch.empty_like(x)
+    _add_kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
+    return out
+
+
+def triton_add_no_input_check(x, y, block=256):
+    """Mutation: no input check at all; a shorter y is read past its end."""
+    x, y = x.contiguous(), y.contiguous()
+    out = torch.empty_like(x)
+    _add_kernel[(triton.cdiv(x.numel(), block),)](x, y, out, x.numel(), BLOCK=block)
+    return out
+
+
+def triton_add_grid_of_fixed_block(x, y, block=256):
+    """Mutation: the grid is cdiv(n, 1024) while the kernel runs 256 lanes per program."""
+    x, y = _checked(x, y)
+    out = torch.empty_like(x)
+    _add_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, out, x.numel(), BLOCK=block)
+    return out
+
+
+def test_a_kernel_that_assumes_contiguous_inputs_fails():
+    with pytest.raises(CheckFailed, match=r"(?s)x\[::2\].*not contiguous.*as if their elements were adjacent"):
+        check_vector_add(triton_add_assumes_contiguous)
+
+
+def test_a_function_without_an_input_check_fails_on_different_lengths():
+    with pytest.raises(CheckFailed, match="(?s)x of 1000 elements and y of 10.*must refuse"):
+        check_vector_add(triton_add_no_input_check)
+
+
+def test_a_function_that_makes_strided_inputs_contiguous_or_refuses_them_passes(capsys):
+    def refuses_strided(x, y):
+        assert x.is_contiguous() and y.is_contiguous(), "x and y must be contiguous"
+        return triton_add(x, y)
+
+    check_vector_add(triton_add)  # .contiguous()
+    check_vector_add(refuses_strided)
+    assert capsys.readouterr().out.count("PASSED") == 2
+
+
+def test_a_grid_too_small_is_named_as_the_grid():
+    with pytest.raises(CheckFailed) as info:
+        check_vector_add(triton_add_grid_of_fixed_block)
+    message = str(info.value)
+    assert "elements 0..255 are right" in message and "The grid is too small" in message
+    assert "not the start of a block" not in message

@@ -46,6 +46,8 @@ def learner_merges(text, vocab_size, *, across_chunks=False, choose=None, per_ch
         if not counts:
             break
         pair = choose(counts) if choose else min(counts, key=lambda p: (-counts[p], p))
+        if pair is None:  # a planted mistake that stops early
+            break
         merges.append(pair)
         words = [merge(w, pair, 255 + len(merges)) for w in words]
     return merges
@@ -350,3 +352,90 @@ def test_the_random_cases_are_new_each_run():
 
     assert len({_merge_cases_now()[-1][1] for _ in range(5)}) > 1
     assert len({_decode_cases()[-1][0] for _ in range(5)}) > 1
+
+
+# --- the red team's cases (issue 26) ------------------------------------------------------------------------
+
+
+def _lead_byte_rule(lead_bytes):
+    """A learner's detokenizer that holds a trailing lead byte from ``lead_bytes`` (byte -> length)."""
+
+    class Detokenizer(LearnerDetokenizer):
+        def push(self, token_id):
+            self.pending += self.tokenizer.token_bytes(token_id)
+            keep = 0
+            for back in range(1, min(4, len(self.pending)) + 1):
+                byte = self.pending[-back]
+                if 0x80 <= byte <= 0xBF:
+                    continue
+                need = lead_bytes(byte)
+                keep = back if need and back < need else 0
+                break
+            cut = len(self.pending) - keep
+            text, self.pending = self.pending[:cut].decode("utf-8", "replace"), self.pending[cut:]
+            return text
+
+    return Detokenizer
+
+
+# lead bytes read off the bit patterns (110xxxxx, 1110xxxx, 11110xxx): holds C0, C1 and F5-F7, which never start one
+BitPatternLeadBytes = _lead_byte_rule(lambda b: 2 if 0xC0 <= b <= 0xDF else 3 if 0xE0 <= b <= 0xEF
+                                      else 4 if 0xF0 <= b <= 0xF7 else 0)
+
+
+class HoldsWhileItEndsInReplacement(LearnerDetokenizer):
+    """vLLM's older rule: decode everything not yet emitted, emit nothing while it ends in U+FFFD."""
+
+    def push(self, token_id):
+        self.pending += self.tokenizer.token_bytes(token_id)
+        text = self.pending.decode("utf-8", "replace")
+        if text.endswith("\ufffd"):
+            return ""
+        self.pending = b""
+        return text
+
+
+class ReleasesImpossibleSecondBytes(LearnerDetokenizer):
+    """The chapter's (and Python's decoder's) stricter rule: E0 80, F4 90 and the like come out at once."""
+
+    def push(self, token_id):
+        from labsupport.tokenizer import utf8_incomplete_tail
+
+        self.pending += self.tokenizer.token_bytes(token_id)
+        cut = len(self.pending) - unguarded(utf8_incomplete_tail)(self.pending)
+        text, self.pending = self.pending[:cut].decode("utf-8", "replace"), self.pending[cut:]
+        return text
+
+
+def test_either_rule_for_impossible_second_bytes_passes(capsys):
+    check_incremental_detokenizer(LearnerDetokenizer)  # the lab's rule: held until the next byte
+    check_incremental_detokenizer(ReleasesImpossibleSecondBytes)
+    assert capsys.readouterr().out.count("PASSED") == 2
+
+
+def test_a_detokenizer_holding_bytes_that_never_start_a_character_fails():
+    message = failure(check_incremental_detokenizer, BitPatternLeadBytes)
+    assert "0xC0" in message and "can never start a character" in message and "not wait" in message
+
+
+def test_holding_complete_characters_with_an_unfinished_one_is_named():
+    message = failure(check_incremental_detokenizer, HoldsWhileItEndsInReplacement)
+    assert "already complete, and the start of a character after it" in message
+    assert "waits for flush" not in message
+
+
+def test_a_trainer_that_stops_at_count_one_is_named():
+    def stops_at_count_one(text, vocab_size):
+        return learner_merges(text, vocab_size, choose=lambda c: min(c, key=lambda p: (-c[p], p))
+                              if max(c.values()) > 1 else None)
+
+    assert "a pair seen once is merged too" in failure(check_bpe_merges, stops_at_count_one)
+
+
+def test_a_decoder_raising_key_error_is_told_to_raise_value_error():
+    def key_error(ids, merges):
+        vocab = vocab_of(merges)
+        return b"".join(vocab[i] for i in ids).decode("utf-8", "replace")
+
+    message = failure(check_bpe_decode, key_error)
+    assert "raised KeyError" in message and "must raise ValueError" in message

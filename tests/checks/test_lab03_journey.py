@@ -119,7 +119,7 @@ def ref_percentile(values, p):
 def test_percentile_references_pass(capsys):
     check_percentile(ref_percentile)
     check_percentile(unguarded(percentile))
-    check_percentile(lambda v, p: np.percentile(v, p, method="inverted_cdf"))  # numpy's nearest-rank method
+    check_percentile(lambda v, p: sorted(v)[max(1, -(-p * len(v) // 100)) - 1])  # in integers
     assert "PASSED check_percentile" in capsys.readouterr().out
 
 
@@ -130,7 +130,14 @@ PERCENTILE_MUTANTS = {
     "0-based rank": (lambda v, p: sorted(v)[min(len(v) - 1, math.ceil(p / 100 * len(v)))], "0-based index"),
     "unsorted": (lambda v, p: v[max(1, math.ceil(p / 100 * len(v))) - 1], "not sorted"),
     "the mean": (lambda v, p: sum(v) / len(v), "mean"),
-    "p = 0 not handled": (lambda v, p: sorted(v)[math.ceil(p * len(v) / 100) - 1], "p0"),
+    "p = 0 not handled": (lambda v, p: sorted(v)[math.ceil(p * len(v) / 100) - 1],
+                          "(?s)p0 is 0.5, expected 0.1.*p = 0 gives rank 0.*LARGEST"),
+    # p / 100 rounded first: 7 / 100 * 100 = 7.000000000000001, one rank too high (red team, issue 26)
+    # numpy's nearest-rank method computes p / 100 * n in floating point too (issue 26)
+    "numpy's inverted_cdf": (lambda v, p: float(np.percentile(v, p, method="inverted_cdf")),
+                             r"(?s)p7 is 8, expected 7.*p / 100 is rounded before"),
+    "p / 100 before n": (lambda v, p: sorted(v)[max(1, math.ceil(p / 100 * len(v))) - 1],
+                         r"(?s)p7 is 8, expected 7.*p / 100 is rounded before it is multiplied by n"),
     "numpy's nearest method (rounds half to even)": (
         lambda v, p: float(np.percentile(v, p, method="nearest")), r"the p\d+ is .*, expected"),
 }

@@ -85,3 +85,13 @@ def test_stub_says_not_implemented():
 def test_passing_a_value_instead_of_the_function():
     with pytest.raises(CheckFailed, match="takes your function itself"):
         check_arithmetic_intensity(3.0)
+
+
+def test_a_float32_output_is_named_beside_c_counted_twice():
+    """At dtype_bytes = 2 a float32 C (4 bytes) and C read and written (2 x 2 bytes) give the same count:
+    the message names both (red team, issue 26)."""
+    def fp32_output(m, k, n, dtype_bytes):
+        return 2 * m * k * n / (dtype_bytes * (m * k + k * n) + 4 * m * n)
+
+    with pytest.raises(CheckFailed, match="(?s)C is counted twice.*, or C is charged 4 bytes per element"):
+        check_arithmetic_intensity(fp32_output)

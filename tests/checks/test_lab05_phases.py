@@ -8,7 +8,7 @@ from labsupport.costs import param_count
 
 
 def prefill_reference(cfg, prompt_tokens, causal=False):
-    n, L, d, p = param_count(cfg), cfg.n_layers, cfg.d_model, prompt_tokens
+    n, L, d, p = param_count(cfg), cfg.n_layers, cfg.n_heads * cfg.head_dim, prompt_tokens
     attention = 4 * L * p * p * d
     return 2 * n * p + (attention / 2 if causal else attention)
 
@@ -42,7 +42,7 @@ def _n(cfg):
 PREFILL_MUTANTS = {
     "no_attention": (
         lambda cfg, p, causal=False: 2 * _n(cfg) * p,
-        "attention term 4\\*L\\*P\\*\\*2\\*d is left out",
+        "attention term 4\\*L\\*P\\*\\*2\\*d_q is left out",
     ),
     "no_factor_2_linear": (
         lambda cfg, p, causal=False: (
@@ -62,7 +62,7 @@ PREFILL_MUTANTS = {
         lambda cfg, p, causal=False: (
             2 * _n(cfg) * p + 4 * cfg.n_layers * p * p * cfg.head_dim / (2 if causal else 1)
         ),
-        "head width",
+        "width of one head",
     ),
     "one_layer": (
         lambda cfg, p, causal=False: 2 * _n(cfg) * p + 4 * p * p * cfg.d_model / (2 if causal else 1),
@@ -93,6 +93,26 @@ PREFILL_MUTANTS = {
         "n_heads instead of n_kv_heads",
     ),
     "no_causal_argument": (lambda cfg, p: prefill_reference(cfg, p), "TypeError"),
+    # the red team's (issue 26): right wherever n_heads * head_dim = d_model, which every Llama has
+    "attention_width_d_model": (
+        lambda cfg, p, causal=False: 2 * _n(cfg) * p + 4 * cfg.n_layers * p * p * cfg.d_model / (2 if causal else 1),
+        r"(?s)model=qwen3-0.6b.*attention uses d_model \(1,024\) instead of the query width n_heads \* head_dim "
+        r"\(2,048\)",
+    ),
+    "head_dim_derived": (
+        lambda cfg, p, causal=False: 2 * _n(cfg) * p + 4 * cfg.n_layers * p * p * cfg.n_heads * (
+            cfg.d_model // cfg.n_heads) / (2 if causal else 1),
+        r"(?s)model=qwen3-0.6b.*derived as d_model // n_heads \(64\)",
+    ),
+    "causal_halves_everything": (
+        lambda cfg, p, causal=False: prefill_reference(cfg, p) / (2 if causal else 1),
+        r"(?s)causal=True\].*causal=True halved the whole count, the weights' 2\*N\*P as well",
+    ),
+    "causal_exact_triangle": (
+        lambda cfg, p, causal=False: 2 * _n(cfg) * p + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * (
+            p * (p + 1) / 2 if causal else p * p),
+        "exact triangle, P\\*\\(P\\+1\\)/2 scores per head",
+    ),
     "returns_a_string": (lambda cfg, p, causal=False: "34.2 TFLOP", "expected a number"),
 }
 
@@ -142,6 +162,16 @@ DECODE_MUTANTS = {
         "dtype_bytes is ignored",
     ),
     "returns_a_dict": (lambda cfg, batch, ctx: {"weights": _n(cfg) * 2}, "expected a number"),
+    # the red team's (issue 26)
+    "head_dim_derived": (
+        lambda cfg, batch, ctx: _n(cfg) * 2 + batch * ctx * 2 * cfg.n_layers * cfg.n_kv_heads * (
+            cfg.d_model // cfg.n_heads) * 2,
+        r"(?s)model=qwen3-0.6b.*derived as d_model // n_heads \(64\) instead of cfg.head_dim \(128\)",
+    ),
+    "context_plus_one": (
+        lambda cfg, batch, ctx: _n(cfg) * 2 + batch * (ctx + 1) * _kv(cfg),
+        "context \\+ 1 tokens of cache are counted per sequence",
+    ),
 }
 
 

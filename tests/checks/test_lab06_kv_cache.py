@@ -278,3 +278,34 @@ def test_concurrency_stub_says_not_implemented():
 
     with pytest.raises(CheckFailed, match="NotImplementedError"):
         check_max_concurrency(stub)
+
+
+# --- the red team's (issue 26): an explicit head width, a fractional dtype_bytes ---------------------------
+
+
+def _kv_derived_head_dim(cfg, dtype_bytes=2):
+    return 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.d_model // cfg.n_heads) * dtype_bytes
+
+
+def test_kv_bytes_with_a_derived_head_width_fails_on_qwen3():
+    with pytest.raises(CheckFailed, match=r"(?s)model=qwen3-0.6b.*derived as d_model // n_heads \(64\) instead "
+                                          r"of cfg.head_dim \(128\)"):
+        check_kv_bytes_per_token(_kv_derived_head_dim)
+
+
+def test_kv_bytes_with_a_whole_number_of_bytes_fails_on_a_4_bit_cache():
+    def int_bytes(cfg, dtype_bytes=2):
+        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * int(dtype_bytes)
+
+    with pytest.raises(CheckFailed, match=r"(?s)dtype_bytes=0.5.*rounded to a whole number \(int\(0.5\) = 0\)"):
+        check_kv_bytes_per_token(int_bytes)
+
+
+def test_max_concurrency_with_a_derived_head_width_fails_on_qwen3():
+    def derived(cfg, gpu_memory_bytes, context_tokens, weight_dtype_bytes=2, kv_dtype_bytes=2, reserve_bytes=0):
+        free = gpu_memory_bytes - param_count(cfg) * weight_dtype_bytes - reserve_bytes
+        return max(0, int(free // (_kv_derived_head_dim(cfg, kv_dtype_bytes) * context_tokens)))
+
+    with pytest.raises(CheckFailed, match=r"(?s)model=qwen3-0.6b.*the number of sequences is 52, expected 26.*"
+                                          r"derived as d_model // n_heads"):
+        check_max_concurrency(derived)

@@ -36,7 +36,7 @@ pytestmark = [
 
 
 def naive(q, k, v, causal=False, *, scale="sqrt", axis=-1, shift=0, transposed=False, ignore_causal=False,
-          subtract_max=True, normalise=True, dtype=None):
+          subtract_max=True, normalise=True, dtype=None, fill=float("-inf")):
     """Naive attention in the inputs' dtype, with one optional planted mistake."""
     d, s = q.shape[-1], q.shape[-2]
     factor = {"sqrt": 1 / math.sqrt(d), "none": 1.0, "d": 1 / d}[scale]
@@ -44,7 +44,7 @@ def naive(q, k, v, causal=False, *, scale="sqrt", axis=-1, shift=0, transposed=F
     if causal and not ignore_causal:
         rows, cols = torch.arange(s)[:, None], torch.arange(s)[None, :]
         visible = cols >= rows - shift if transposed else cols <= rows + shift
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(~visible, fill)
     if axis != -1:  # torch.softmax over another dimension (it subtracts that dimension's max)
         return (torch.softmax(scores, dim=axis) @ v.float()).to(dtype or q.dtype)
     if subtract_max:
@@ -83,13 +83,45 @@ NAIVE_MUTANTS = {
     "returns_fp32": (lambda q, k, v, causal=False: naive(q, k, v, causal, dtype=torch.float32), "dtype"),
     "changes_inputs": (naive_scales_q_in_place, "changed q, k or v"),
     "returns_out_and_lse": (naive_returns_pair, "expected a torch.Tensor"),
+    # the red team's (issue 26)
+    "mask_minus_1e4": (lambda q, k, v, causal=False: naive(q, k, v, causal, fill=-1e4),
+                       "masked scores are set to -1e4"),
+    "scores_in_input_dtype": (lambda q, k, v, causal=False: naive_scores_in_input_dtype(q, k, v, causal),
+                              "computed in float16, the inputs' dtype"),
 }
 
 
+def naive_scores_in_input_dtype(q, k, v, causal=False):
+    """The red team's naive_wrong_input_dtype: q @ k^T, the softmax and @ v all in the inputs' dtype."""
+    s, d = q.shape[-2], q.shape[-1]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def naive_prescaled_q(q, k, v, causal=False):
+    """Honest: q scaled by 1/sqrt(D) and rounded to the inputs' dtype first (as older Triton tutorials
+    do), then the scores and the softmax in float32."""
+    s, d = q.shape[-2], q.shape[-1]
+    scores = (q * (1 / math.sqrt(d))).to(q.dtype).float() @ k.float().transpose(-2, -1)
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+
+
 def test_naive_reference_passes(capsys):
-    check_naive_attention(naive_attention_reference)
+    check_naive_attention(lambda q, k, v, causal=False: attention_spec(q, k, v, causal)[0])
     check_naive_attention(naive)  # the mutant harness itself, with no mutation, is correct
-    assert "PASSED check_naive_attention" in capsys.readouterr().out
+    check_naive_attention(naive_prescaled_q)  # float16 q / sqrt(D) is not float16 scores: it must pass
+    assert capsys.readouterr().out.count("PASSED check_naive_attention") == 3
+
+
+def test_the_eager_baseline_rounds_its_scores_to_float16():
+    """The benchmarks' eager attention, as model code writes it, takes q @ k^T in the inputs' dtype: with
+    float16 logits in the hundreds that is visibly wrong, and the check says so (issue 26)."""
+    with pytest.raises(CheckFailed, match="computed in float16, the inputs' dtype"):
+        check_naive_attention(naive_attention_reference)
 
 
 @pytest.mark.parametrize("name", NAIVE_MUTANTS)
@@ -113,13 +145,13 @@ def test_naive_check_reports_unfinished_exercise():
 
 def online(q, k, v, causal=False, block_n=16, *, rescale_acc=True, rescale_sum=True, drop_tail=False,
            subtract_max=True, normalise=True, lse_mode="natural", shift=0, whole_matrix=False, scaled=True,
-           out_dtype=None):
+           out_dtype=None, m_start=float("-inf"), local_mask=False, max_of_raw=False):
     """Blockwise attention with a running max and sum, with one optional planted mistake."""
     b, h, s, d = q.shape
     if whole_matrix:
         block_n = s  # one block: the S x S score matrix, what the exercise must avoid
     qf = q.float() / (math.sqrt(d) if scaled else 1.0)
-    m = torch.full((b, h, s), float("-inf"))
+    m = torch.full((b, h, s), m_start)
     denom = torch.zeros((b, h, s))
     acc = torch.zeros((b, h, s, d))
     rows = torch.arange(s)[:, None]
@@ -128,9 +160,10 @@ def online(q, k, v, causal=False, block_n=16, *, rescale_acc=True, rescale_sum=T
         kb, vb = k[:, :, start:start + block_n].float(), v[:, :, start:start + block_n].float()
         scores = qf @ kb.transpose(-2, -1)  # (B, H, S, n)
         if causal:
-            cols = torch.arange(start, start + kb.shape[2])[None, :]
+            cols = torch.arange(0 if local_mask else start, (0 if local_mask else start) + kb.shape[2])[None, :]
             scores = scores.masked_fill(cols > rows + shift, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(dim=-1)) if subtract_max else torch.zeros_like(m)
+        block_max = (scores * math.sqrt(d) if max_of_raw else scores).amax(dim=-1)  # raw q.k: the wrong maximum
+        m_new = torch.maximum(m, block_max) if subtract_max else torch.zeros_like(m)
         alpha = torch.exp(m - m_new)
         p = torch.exp(scores - m_new[..., None])
         denom = (denom * alpha if rescale_sum else denom) + p.sum(dim=-1)
@@ -165,6 +198,10 @@ ONLINE_MUTANTS = {
     "calls_sdpa": (lambda q, k, v, causal=False, block_n=16: (
         F.scaled_dot_product_attention(q, k, v, is_causal=causal), attention_spec(q, k, v, causal)[1]),
         "scaled_dot_product_attention"),
+    # the red team's (issue 26)
+    "max_starts_at_zero": (online_mutant(m_start=0.0), "running maximum starts at 0 instead of -inf"),
+    "block_local_mask": (online_mutant(local_mask=True), "index within its block (0 .. block_n - 1)"),
+    "max_of_unscaled_scores": (online_mutant(max_of_raw=True), "the maximum of the very scores you exponentiate"),
 }
 
 
@@ -190,25 +227,38 @@ def _mutant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_len, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                    RESCALE: tl.constexpr, TAIL_MASK: tl.constexpr, LSE_NATURAL: tl.constexpr,
                    AXIS: tl.constexpr, CAUSAL_SHIFT: tl.constexpr, SUBTRACT_MAX: tl.constexpr,
-                   NORMALISE: tl.constexpr, LSE_WITH_MAX: tl.constexpr):
+                   NORMALISE: tl.constexpr, LSE_WITH_MAX: tl.constexpr, M_FROM_ZERO: tl.constexpr,
+                   STOP_BY_BLOCK_N: tl.constexpr, SKIP_FUTURE: tl.constexpr, ROW_MASK: tl.constexpr):
     """A single-loop FlashAttention forward on contiguous inputs; the flags plant mistakes.
 
     AXIS=0 reduces the score tile over its query rows instead of its keys (tiles are square);
     CAUSAL_SHIFT moves the diagonal; SUBTRACT_MAX=False exponentiates raw scores; NORMALISE=False
-    skips acc / l; LSE_WITH_MAX=False returns log(l) alone.
+    skips acc / l; LSE_WITH_MAX=False returns log(l) alone; M_FROM_ZERO starts the running max at 0;
+    STOP_BY_BLOCK_N ends the causal loop at (pid_m + 1) * BLOCK_N; SKIP_FUTURE=False never stops it early;
+    ROW_MASK=False loads q and stores out without the row mask.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     base = pid_bh.to(tl.int64) * seq_len * HEAD_DIM
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < seq_len, other=0.0)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    if ROW_MASK:
+        q = tl.load(q_ptr + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < seq_len,
+                    other=0.0)
+    else:
+        q = tl.load(q_ptr + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
+    if M_FROM_ZERO:
+        m_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     stop = seq_len
-    if CAUSAL:
-        stop = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
+    if CAUSAL and SKIP_FUTURE:
+        if STOP_BY_BLOCK_N:
+            stop = tl.minimum((pid_m + 1) * BLOCK_N, seq_len)
+        else:
+            stop = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
     for start_n in range(0, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = tl.load(k_ptr + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=offs_n[None, :] < seq_len,
@@ -235,8 +285,11 @@ def _mutant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_len, qk_scale,
         out = acc / l_i[:, None]
     else:
         out = acc
-    tl.store(out_ptr + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=offs_m[:, None] < seq_len)
+    if ROW_MASK:
+        tl.store(out_ptr + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=offs_m[:, None] < seq_len)
+    else:
+        tl.store(out_ptr + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
     lse = tl.log(l_i)
     if LSE_WITH_MAX:
         lse += m_i
@@ -246,18 +299,24 @@ def _mutant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seq_len, qk_scale,
 
 
 def triton_flash(rescale=True, tail_mask=True, lse_natural=True, contiguous=True, scaled=True, axis=1,
-                 causal_shift=0, subtract_max=True, normalise=True, lse_with_max=True):
+                 causal_shift=0, subtract_max=True, normalise=True, lse_with_max=True, m_from_zero=False,
+                 stop_by_block_n=False, skip_future=True, row_mask=True, grid_heads_only=False, tiles=None):
+    """The mutant kernel's wrapper; ``tiles`` (block_m, block_n) default to kernel_config's, as a learner's do."""
     def flash_attention(q, k, v, causal=False):
         if contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, h, s, d = q.shape
         out = torch.empty_like(q)
         lse = torch.empty((b, h, s), dtype=torch.float32)
-        grid = (triton.cdiv(s, 64), b * h)
-        _mutant_kernel[grid](q, k, v, out, lse, s, 1 / math.sqrt(d) if scaled else 1.0, HEAD_DIM=d, BLOCK_M=64,
-                             BLOCK_N=64, CAUSAL=causal, RESCALE=rescale, TAIL_MASK=tail_mask,
+        config = A.kernel_config(s, s, d, q.dtype, interpreter=True)
+        block_m, block_n = tiles or (config.block_m, config.block_n)
+        grid = (triton.cdiv(s, block_m), h if grid_heads_only else b * h)
+        _mutant_kernel[grid](q, k, v, out, lse, s, 1 / math.sqrt(d) if scaled else 1.0, HEAD_DIM=d, BLOCK_M=block_m,
+                             BLOCK_N=block_n, CAUSAL=causal, RESCALE=rescale, TAIL_MASK=tail_mask,
                              LSE_NATURAL=lse_natural, AXIS=axis, CAUSAL_SHIFT=causal_shift,
-                             SUBTRACT_MAX=subtract_max, NORMALISE=normalise, LSE_WITH_MAX=lse_with_max)
+                             SUBTRACT_MAX=subtract_max, NORMALISE=normalise, LSE_WITH_MAX=lse_with_max,
+                             M_FROM_ZERO=m_from_zero, STOP_BY_BLOCK_N=stop_by_block_n, SKIP_FUTURE=skip_future,
+                             ROW_MASK=row_mask)
         return out, lse
 
     return flash_attention
@@ -272,12 +331,21 @@ FLASH_MUTANTS = {
     "triton_no_scale": (lambda: triton_flash(scaled=False), "1/sqrt(D)"),
     # max and sum over the tile's query rows (axis 0): not a row-wise softmax of the whole matrix,
     # so no named mistake matches; the check must still fail it
-    "triton_reduces_over_queries": (lambda: triton_flash(axis=0), "the output is wrong"),
+    "triton_reduces_over_queries": (lambda: triton_flash(axis=0, tiles=(64, 64)), "the output is wrong"),
     "triton_causal_hides_diagonal": (lambda: triton_flash(causal_shift=-1), "hides the diagonal"),
     "triton_causal_one_future_key": (lambda: triton_flash(causal_shift=1), "one key in its future"),
     "triton_no_max_subtraction": (lambda: triton_flash(subtract_max=False), "subtract the (running) maximum"),
     "triton_unnormalised": (lambda: triton_flash(normalise=False), "unnormalised"),
     "triton_lse_without_max": (lambda: triton_flash(lse_with_max=False), "leaves out the running maximum"),
+    # the red team's (issue 26)
+    "triton_max_starts_at_zero": (lambda: triton_flash(m_from_zero=True), "running maximum starts at 0 instead of -inf"),
+    "triton_causal_stop_by_block_n": (lambda: triton_flash(stop_by_block_n=True),
+                                      "the loop over key blocks must run up to (pid_m + 1) * BLOCK_M"),
+    "triton_never_skips_future_blocks": (lambda: triton_flash(skip_future=False),
+                                         "as many as for the same shape with causal=False"),
+    "triton_store_unmasked": (lambda: triton_flash(row_mask=False), "your kernel wrote outside"),
+    "triton_grid_heads_only": (lambda: triton_flash(grid_heads_only=True),
+                               "every head of batch item 0 is right and every head of batch item 1 is wrong"),
     # the same interface in torch, for mistakes that do not need a kernel to show
     "torch_not_triton": (lambda: lambda q, k, v, causal=False: online_softmax_reference(q, k, v, causal),
                          "no Triton kernel was launched"),
@@ -463,8 +531,16 @@ def naive_in_input_dtype(q, k, v, causal=False):
 def test_other_correct_implementations_pass(capsys):
     check_flash_attention(other_flash)  # strided, exp2, reverse key order, 128 x 64 tiles
     check_online_softmax(online_by_query_blocks)
-    check_naive_attention(naive_in_input_dtype)
-    assert capsys.readouterr().out.count("PASSED") == 3
+    assert capsys.readouterr().out.count("PASSED") == 2
+
+
+def test_attention_in_the_input_dtype_fails_on_float16_logits_in_the_hundreds():
+    """What many people write, everything in the inputs' dtype, passes every ordinary case but rounds
+    scores of 200 to multiples of 0.125 in float16 (red team, issue 26)."""
+    with pytest.raises(CheckFailed) as info:
+        check_naive_attention(naive_in_input_dtype)
+    assert "large_logits=in the hundreds, in float16" in str(info.value)
+    assert "computed in float16" in str(info.value)
 
 
 def test_bfloat16_cases_accept_naive_attention_computed_in_bfloat16(monkeypatch, capsys):

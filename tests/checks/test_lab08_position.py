@@ -132,6 +132,13 @@ def test_llama3_accepts_the_reference_and_matches_transformers(capsys):
     assert capsys.readouterr().out.count("PASSED check_llama3_inv_freq") == 2
 
 
+def test_llama3_rejects_float64_frequencies():
+    """The red team's inv_wrong_float64_out (issue 26): computed in double and never cast back."""
+    check_llama3_inv_freq(lambda d, t, s: llama3_inv_freq(d, t, s).double().float())  # cast back: passes
+    with pytest.raises(CheckFailed, match="dtype torch.float64, expected float32: the fused kernel"):
+        check_llama3_inv_freq(lambda d, t, s: llama3_inv_freq(d, t, s).double())
+
+
 def test_llama3_rejects_the_stub():
     def stub(head_dim, theta, scaling):
         raise NotImplementedError
@@ -180,7 +187,8 @@ BLOCK = 16
 def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_len, n_heads, n_kv_heads,
                 HALF: tl.constexpr, BLOCK_S: tl.constexpr, ROTATE_K: tl.constexpr, INTERLEAVED: tl.constexpr,
                 SHIFT: tl.constexpr, USE_INDEX: tl.constexpr, MASK_LEN: tl.constexpr, K_HEADS_FROM_Q: tl.constexpr,
-                POS_FP16: tl.constexpr, SHARED_POS: tl.constexpr):
+                POS_FP16: tl.constexpr, SHARED_POS: tl.constexpr, K_ALL_HEADS: tl.constexpr = False,
+                STORE_UNMASKED: tl.constexpr = False):
     """The reference design with switches that plant one mistake each (all default to correct)."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1)
@@ -205,15 +213,19 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_l
         first = offs_s[:, None] * (2 * HALF) + offs_f[None, :]
         step = HALF
     mask = row_ok[:, None]
+    store_mask = offs_s[:, None] < (1 << 30) if STORE_UNMASKED else mask  # STORE_UNMASKED: every lane stores
     for h in range(n_heads):
         base = (b.to(tl.int64) * n_heads + h) * seq_len * (2 * HALF)
         a = tl.load(q_ptr + base + first, mask=mask, other=0.0).to(tl.float32)
         c = tl.load(q_ptr + base + first + step, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_out_ptr + base + first, (a * cos - c * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(q_out_ptr + base + first + step, (a * sin + c * cos).to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_out_ptr + base + first, (a * cos - c * sin).to(q_out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(q_out_ptr + base + first + step, (a * sin + c * cos).to(q_out_ptr.dtype.element_ty),
+                 mask=store_mask)
     k_heads = n_kv_heads
     if K_HEADS_FROM_Q:  # the key loop stops at the group count H // Hkv... of the wrong tensor
         k_heads = tl.minimum(n_kv_heads, n_heads // n_kv_heads)
+    if K_ALL_HEADS:  # the key loop runs over q's H heads: past the end of k when Hkv < H
+        k_heads = n_heads
     for h in range(k_heads):
         base = (b.to(tl.int64) * n_kv_heads + h) * seq_len * (2 * HALF)
         a = tl.load(k_ptr + base + first, mask=mask, other=0.0).to(tl.float32)
@@ -226,21 +238,23 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, inv_freq_ptr, seq_l
 
 def fused(q, k, positions, inv_freq, *, rotate_k=True, interleaved=False, shift=0, use_index=False,
           mask_len=0, k_heads_from_q=False, floor_grid=False, two_launches=False, pos_fp16=False,
-          shared_positions=False):
+          shared_positions=False, k_all_heads=False, store_unmasked=False, one_sequence=False):
     b, h, s, d = q.shape
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.zeros_like(q), torch.zeros_like(k)
     blocks = s // BLOCK if floor_grid else triton.cdiv(s, BLOCK)
     switches = dict(HALF=d // 2, BLOCK_S=BLOCK, ROTATE_K=rotate_k, INTERLEAVED=interleaved, SHIFT=shift,
                     USE_INDEX=use_index, MASK_LEN=mask_len, K_HEADS_FROM_Q=k_heads_from_q,
-                    POS_FP16=pos_fp16, SHARED_POS=shared_positions)
+                    POS_FP16=pos_fp16, SHARED_POS=shared_positions, K_ALL_HEADS=k_all_heads,
+                    STORE_UNMASKED=store_unmasked)
     if blocks == 0:
         return q_out, k_out
     if two_launches:
         rope_kernel[(blocks, b)](q, q, q_out, q_out, positions, inv_freq, s, h, 0, **switches)
         rope_kernel[(blocks, b)](k, k, k_out, k_out, positions, inv_freq, s, k.shape[1], 0, **switches)
     else:
-        rope_kernel[(blocks, b)](q, k, q_out, k_out, positions, inv_freq, s, h, k.shape[1], **switches)
+        rope_kernel[(blocks, 1 if one_sequence else b)](q, k, q_out, k_out, positions, inv_freq, s, h, k.shape[1],
+                                                        **switches)
     return q_out, k_out
 
 
@@ -296,6 +310,33 @@ def test_fused_rejects_a_grid_without_the_partial_block():
 def test_fused_rejects_a_wrong_head_count_for_k():
     with pytest.raises(CheckFailed, match=r"k is wrong only for heads"):
         check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, k_heads_from_q=True))
+
+
+def test_fused_wrong_everywhere_does_not_blame_the_grid():
+    """Red team (issue 26): every position wrong but written is not a grid or mask that drops positions."""
+    with pytest.raises(CheckFailed) as info:
+        check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, interleaved=True))
+    assert "drops the last positions" not in str(info.value)
+    assert "the kernel did write there" in str(info.value)
+
+
+def test_fused_names_a_grid_without_the_batch_axis():
+    """Red team (issue 26): sequences never written are the grid's batch axis, not the positions."""
+    with pytest.raises(CheckFailed, match=r"never written for sequences \[1\]: the grid must cover every sequence"):
+        check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, one_sequence=True))
+
+
+def test_fused_names_a_key_loop_past_the_end_of_k():
+    """The red team's fused_wrong_k_loop_n_heads (issue 26): it crashed Python; now it is named."""
+    with pytest.raises(CheckFailed, match=r"(?s)your kernel wrote outside the .* tensor your function allocated.*"
+                                          r"k has Hkv"):
+        check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, k_all_heads=True))
+
+
+def test_fused_names_an_unmasked_store():
+    """The red team's fused_wrong_store_unmasked (issue 26): it crashed Python; now it is named."""
+    with pytest.raises(CheckFailed, match=r"(?s)your kernel wrote outside .*offs_s < S"):
+        check_fused_rope(lambda q, k, p, f: fused(q, k, p, f, store_unmasked=True))
 
 
 def test_fused_rejects_positions_rounded_to_float16():

@@ -16,6 +16,7 @@ from labsupport.checks import (
     check_int8_matmul,
     check_quantize_groupwise,
 )
+from labsupport.checks import lab09_precision as lab09
 
 quantize_groupwise = unguarded(Q.quantize_groupwise)
 dequantize_groupwise = unguarded(Q.dequantize_groupwise)
@@ -176,9 +177,9 @@ def test_dequantize_check_rejects(name):
 
 
 @triton.jit
-def mutant_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, GROUPS, GROUP_SIZE,
+def mutant_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, GROUPS, GROUP_SIZE, LDX,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                  SCALE_ALONG_K: tl.constexpr, FP16_ACC: tl.constexpr):
+                  SCALE_ALONG_K: tl.constexpr, FP16_ACC: tl.constexpr, SCALE_BY_TILE: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -190,12 +191,15 @@ def mutant_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, GROUPS, GROUP_SIZE,
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * LDX + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptr + offs_n[None, :] * K + (k0 + offs_k)[:, None], mask=n_ok[None, :], other=0)
         if SCALE_ALONG_K:  # the planted mistake: the scale of input channel k, not output channel n
             kk = k0 + offs_k
             scale = tl.load(s_ptr + kk * GROUPS + k0 // GROUP_SIZE, mask=kk < N, other=0.0)
             w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
+        elif SCALE_BY_TILE:  # the planted mistake: the K tile's number, not its group's
+            scale = tl.load(s_ptr + offs_n * GROUPS + tl.minimum(k0 // BLOCK_K, GROUPS - 1), mask=n_ok, other=0.0)
+            w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
         else:
             scale = tl.load(s_ptr + offs_n * GROUPS + k0 // GROUP_SIZE, mask=n_ok, other=0.0)
             w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
@@ -208,20 +212,22 @@ def mutant_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, GROUPS, GROUP_SIZE,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def matmul(x, w_q, scales, *, scale_along_k=False, fp16_acc=False):
+def matmul(x, w_q, scales, *, scale_along_k=False, fp16_acc=False, one_m_tile=False, scale_by_tile=False,
+           x_as_given=False):
     """The kernel's wrapper; ``fp16_acc`` accumulates in x's dtype when that is float16 (the usual
-    slip: ``tl.zeros(..., dtype=x.dtype)``)."""
+    slip: ``tl.zeros(..., dtype=x.dtype)``); ``one_m_tile`` launches one row of programs;
+    ``x_as_given`` reads x with K as its row stride, contiguous or not."""
     m, k = x.shape
     n = w_q.shape[0]
     groups = scales.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = IM.int8_matmul_config(m, n, k, k // groups, interpreter=True)
     block_k = min(cfg.block_k, 64)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    mutant_kernel[grid](x.contiguous(), w_q.contiguous(), scales.float().contiguous(), out, m, n, k, groups,
-                        k // groups, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+    grid = (1 if one_m_tile else triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    mutant_kernel[grid](x if x_as_given else x.contiguous(), w_q.contiguous(), scales.float().contiguous(), out,
+                        m, n, k, groups, k // groups, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                         IEEE=x.dtype == torch.float32, SCALE_ALONG_K=scale_along_k,
-                        FP16_ACC=fp16_acc and x.dtype == torch.float16)
+                        FP16_ACC=fp16_acc and x.dtype == torch.float16, SCALE_BY_TILE=scale_by_tile)
     return out
 
 
@@ -337,6 +343,24 @@ def test_int8_matmul_check_rejects(name):
     fn, expected = MATMUL_MUTANTS[name]
     with pytest.raises(CheckFailed) as info:
         check_int8_matmul(fn)
+    assert expected in str(info.value), str(info.value)
+
+
+AIMED_CASE_MUTANTS = {  # results_b's kernels that passed every decode shape
+    "one_row_of_programs": (dict(one_m_tile=True), "M = 80 rows, more than one BLOCK_M tile"),
+    "scale_indexed_by_k_tile": (dict(scale_by_tile=True), "not the tile number k0 // BLOCK_K"),
+    "x_read_as_contiguous": (dict(x_as_given=True), "row stride (x.stride(0)) is not K"),
+}
+
+
+@pytest.mark.parametrize("name", AIMED_CASE_MUTANTS)
+def test_int8_matmul_aimed_cases_reject(name, monkeypatch):
+    """Each fails one of the cases aimed at it; the decode shapes are left out here (time)."""
+    cases = lab09._matmul_cases
+    monkeypatch.setattr(lab09, "_matmul_cases", lambda: [c for c in cases() if "hint" in c])
+    flags, expected = AIMED_CASE_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_int8_matmul(matmul_mutant(**flags))
     assert expected in str(info.value), str(info.value)
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 from labsupport import paged_attention as P
 from labsupport._answers import course_checks_its_answers, unguarded
 from labsupport.checks import CheckFailed, check_block_allocator, check_paged_attention
+from labsupport.checks import lab10_cache_ops as lab10
 from labsupport.paged_cache import BlockAllocator
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -39,6 +40,8 @@ class Allocator:
     copy_only_shared = True
     fork_shares = True
     atomic_copy_on_write = True
+    free_forgets = True
+    hands_out_copies = True
 
     def __init__(self, num_blocks, block_size):
         self.block_size = block_size
@@ -63,7 +66,7 @@ class Allocator:
             table.append(self._take())  # the non-atomic mutant raises halfway, keeping what it took
         self.tables[seq_id] = table
         self.lengths[seq_id] = num_tokens
-        return list(table)
+        return list(table) if self.hands_out_copies else table
 
     def append_token(self, seq_id):
         table, n = self.tables[seq_id], self.lengths[seq_id]
@@ -94,15 +97,16 @@ class Allocator:
                 self.refs[b] += 1
 
     def free(self, seq_id):
-        for b in self.tables.pop(seq_id):
+        for b in self.tables.pop(seq_id) if self.free_forgets else self.tables[seq_id]:
             self.refs[b] = max(0, self.refs[b] - 1)
             if self.free_returns_blocks and (self.refs[b] == 0 or not self.free_checks_refcount):
                 if b not in self.free_list:
                     self.free_list.append(b)
-        del self.lengths[seq_id]
+        if self.free_forgets:
+            del self.lengths[seq_id]
 
     def block_table(self, seq_id):
-        return list(self.tables[seq_id])
+        return list(self.tables[seq_id]) if self.hands_out_copies else self.tables[seq_id]
 
     def ref_count(self, block):
         return self.refs[block]
@@ -129,6 +133,8 @@ ALLOCATOR_MUTANTS = {
     "copy_on_every_write": (mutant(copy_only_shared=False), "copies a block nobody else holds"),
     "fork_copies_instead_of_sharing": (mutant(fork_shares=False), "the child shares the parent's blocks"),
     "copy_on_write_not_atomic": (mutant(atomic_copy_on_write=False), "append_token raised MemoryError but had"),
+    "free_keeps_the_table": (mutant(free_forgets=False), "block_table(0) still returns"),
+    "tables_handed_out_are_the_internal_list": (mutant(hands_out_copies=False), "returned the allocator's own list"),
 }
 
 
@@ -184,7 +190,8 @@ def test_allocator_check_names_a_wrong_offset():
 def _mutant_paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, max_blocks, sm_scale,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          LOGICAL: tl.constexpr, TAIL_MASK: tl.constexpr, GQA_MOD: tl.constexpr,
-                         ROW0: tl.constexpr, MASK_EVERY_BLOCK: tl.constexpr):
+                         ROW0: tl.constexpr, MASK_EVERY_BLOCK: tl.constexpr, UNSAFE: tl.constexpr,
+                         MAX_FROM_ZERO: tl.constexpr, IN_DTYPE: tl.constexpr):
     """One program per (sequence, query head), contiguous inputs; the flags plant mistakes."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -194,11 +201,16 @@ def _mutant_paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, max_bloc
         kvh = h // (H // HKV)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BS)
-    q = tl.load(q_ptr + (b * H + h) * D + offs_d).to(tl.float32)
+    q = tl.load(q_ptr + (b * H + h) * D + offs_d)
+    if not IN_DTYPE:
+        q = q.to(tl.float32)
     n = tl.load(len_ptr + b)
-    m_i = float("-inf")
+    m_i = 0.0 if MAX_FROM_ZERO else float("-inf")
     l_i = 0.0
-    acc = tl.zeros((D,), dtype=tl.float32)
+    if IN_DTYPE:  # the arithmetic in the cache's dtype (float16 sums)
+        acc = tl.zeros((D,), dtype=q_ptr.dtype.element_ty)
+    else:
+        acc = tl.zeros((D,), dtype=tl.float32)
     for i in range(0, tl.cdiv(n, BS)):
         if LOGICAL:
             phys = i
@@ -214,29 +226,40 @@ def _mutant_paged_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, max_bloc
         else:
             valid = pos >= 0
         base = (phys * BS + offs_t[:, None]) * HKV * D + kvh * D + offs_d[None, :]
-        k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0)
+        if not IN_DTYPE:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1) * sm_scale
         s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        if UNSAFE:  # no running maximum: exp(s) straight
+            m_new = 0.0
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        if IN_DTYPE:
+            acc = acc.to(q_ptr.dtype.element_ty)
         m_i = m_new
     tl.store(out_ptr + (b * H + h) * D + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
-def triton_paged(logical=False, tail_mask=True, gqa_mod=False, row0=False, mask_every_block=False):
+def triton_paged(logical=False, tail_mask=True, gqa_mod=False, row0=False, mask_every_block=False, unsafe=False,
+                 max_from_zero=False, in_dtype=False, table_as_given=False, v_as_given=False):
     def paged_attention(q, k_cache, v_cache, block_tables, seq_lens):
-        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
+        q, k_cache = q.contiguous(), k_cache.contiguous()
+        v_cache = v_cache if v_as_given else v_cache.contiguous()  # read with k's layout
+        tables = block_tables.to(torch.int32)
+        tables = tables if table_as_given else tables.contiguous()  # its width taken as its row stride
         b, h, d = q.shape
         out = torch.empty_like(q)
         _mutant_paged_kernel[(b, h)](q, k_cache, v_cache, tables, seq_lens, out, tables.shape[1],
                                      1 / math.sqrt(d), H=h, HKV=k_cache.shape[2], D=d, BS=k_cache.shape[1],
                                      LOGICAL=logical, TAIL_MASK=tail_mask, GQA_MOD=gqa_mod, ROW0=row0,
-                                     MASK_EVERY_BLOCK=mask_every_block)
+                                     MASK_EVERY_BLOCK=mask_every_block, UNSAFE=unsafe, MAX_FROM_ZERO=max_from_zero,
+                                     IN_DTYPE=in_dtype)
         return out
 
     return paged_attention
@@ -274,6 +297,25 @@ PAGED_MUTANTS = {
     "torch_beside_an_idle_kernel": (lambda: torch_beside_an_idle_kernel, "the result is right, but your function "
                                                                          "called"),
 }
+
+
+HARD_CASE_MUTANTS = {  # results_b's kernels that passed every case of the plan
+    "softmax_without_running_max": (dict(unsafe=True), "scores reach about +110"),
+    "running_max_starts_at_zero": (dict(max_from_zero=True), "Start m at float('-inf')"),
+    "float16_arithmetic": (dict(in_dtype=True), "passes float16's largest number"),
+    "table_width_as_row_stride": (dict(table_as_given=True), "row stride (stride(0)) is not its width"),
+    "v_read_with_k_strides": (dict(v_as_given=True), "strides differ from k_cache's"),
+}
+
+
+@pytest.mark.parametrize("name", HARD_CASE_MUTANTS)
+def test_paged_check_rejects_on_its_hard_cases(name, monkeypatch):
+    """Each fails one of the cases after the plan; the plan is cut to its first case here (time)."""
+    monkeypatch.setattr(lab10, "PAGED_PLAN", lab10.PAGED_PLAN[:1])
+    flags, expected = HARD_CASE_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_paged_attention(triton_paged(**flags))
+    assert expected in str(info.value), str(info.value)
 
 
 def _contiguous(q, k_cache, v_cache, block_tables, seq_lens):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import all_reduce
 
 from labsupport.checks import CheckFailed, check_ring_all_reduce, check_shard_layer, check_tp_layer_forward
 from labsupport.checks import lab11_many_gpus as lab
@@ -130,9 +131,80 @@ def ring_calls_the_answer(x):
     return ring_all_reduce(x)
 
 
+def ring_even_odd_blocking(x):
+    """A right ring with blocking calls only, deadlock-free by parity: even ranks send, then receive."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = x.clone().reshape(-1)
+    chunks = list(out.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def exchange(send, recv, add):
+        incoming = torch.empty_like(chunks[recv])
+        if rank % 2 == 0:
+            dist.send(chunks[send].contiguous(), right)
+            dist.recv(incoming, left)
+        else:
+            dist.recv(incoming, left)
+            dist.send(chunks[send].contiguous(), right)
+        if add:
+            chunks[recv] += incoming
+        else:
+            chunks[recv].copy_(incoming)
+
+    for step in range(n - 1):
+        exchange((rank - step) % n, (rank - step - 1) % n, True)
+    for step in range(n - 1):
+        exchange((rank - step + 1) % n, (rank - step) % n, False)
+    return out.view(x.shape)
+
+
+def ring_in_place(x):
+    """Right sums, but into the caller's tensor: x.view(-1) shares x's memory."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = x.view(-1)
+    chunks = list(flat.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for phase, add in ((0, True), (1, False)):
+        for step in range(n - 1):
+            send, recv = (rank - step + phase) % n, (rank - step - 1 + phase) % n
+            request = dist.isend(chunks[send].contiguous(), right)
+            incoming = torch.empty_like(chunks[recv])
+            dist.recv(incoming, left)
+            request.wait()
+            if add:
+                chunks[recv] += incoming
+            else:
+                chunks[recv].copy_(incoming)
+    return x
+
+
+def ring_returns_flat(x):
+    return _ring(x).reshape(-1)
+
+
+def ring_process_group_allreduce(x):
+    y = x.clone()
+    dist.distributed_c10d._get_default_group().allreduce([y]).wait()  # what dist.all_reduce calls
+    return y
+
+
 def test_ring_reference_and_course_answer_pass(capsys):
     check_ring_all_reduce(ring_reference)
-    assert "PASSED check_ring_all_reduce: 18 cases" in capsys.readouterr().out
+    assert "PASSED check_ring_all_reduce: 21 cases" in capsys.readouterr().out
+
+
+def test_ring_blocking_send_recv_by_parity_passes(monkeypatch, capsys):
+    """dist.send calls dist.isend inside torch: one message must be counted once (a false reject)."""
+    monkeypatch.setattr(lab, "RING_WORLD_SIZES", (3,))  # an odd ring: the parity order matters most
+    check_ring_all_reduce(ring_even_odd_blocking)
+    assert "PASSED check_ring_all_reduce" in capsys.readouterr().out
+
+
+def test_ring_mistakes_seen_on_two_ranks(monkeypatch):
+    monkeypatch.setattr(lab, "RING_WORLD_SIZES", (2,))
+    fails(check_ring_all_reduce, ring_in_place, "changed x on rank", "x.clone()")
+    fails(check_ring_all_reduce, ring_returns_flat, "flattened working buffer", "x.shape")
+    fails(check_ring_all_reduce, ring_process_group_allreduce, "process group's `allreduce`")
 
 
 def test_ring_stub():
@@ -215,9 +287,38 @@ def shard_keeps_everything(layer, rank, world_size):
     return s
 
 
+def shard_norms_swapped(layer, rank, world_size):
+    s = shard_ref(layer, rank, world_size)
+    s["attention_norm"], s["ffn_norm"] = s["ffn_norm"], s["attention_norm"]
+    return s
+
+
+def shard_ffn_round_robin(layer, rank, world_size):
+    """Another right split: the SwiGLU features dealt round-robin, gate, up and down kept together."""
+    s, ffn = shard_ref(layer, rank, world_size), layer.feed_forward
+    s["w1"], s["w3"] = ffn.w1.weight[rank::world_size].detach().clone(), ffn.w3.weight[rank::world_size].detach().clone()
+    s["w2"] = ffn.w2.weight[:, rank::world_size].detach().clone()
+    return s
+
+
+def shard_ffn_round_robin_w2_blocks(layer, rank, world_size):
+    s = shard_ffn_round_robin(layer, rank, world_size)
+    s["w2"] = shard_ref(layer, rank, world_size)["w2"]  # not the same features as w1 and w3
+    return s
+
+
 def test_shard_reference_passes(capsys):
     check_shard_layer(shard_ref)
-    assert "PASSED check_shard_layer" in capsys.readouterr().out
+    check_shard_layer(shard_ffn_round_robin)
+    assert capsys.readouterr().out.count("PASSED check_shard_layer") == 2
+
+
+def test_shard_norms_swapped():
+    fails(check_shard_layer, shard_norms_swapped, "attention_norm holds ffn_norm's weight")
+
+
+def test_shard_ffn_features_split_two_ways():
+    fails(check_shard_layer, shard_ffn_round_robin_w2_blocks, "w2 on rank 0 holds the wrong part")
 
 
 def test_shard_stub():
@@ -246,7 +347,7 @@ def test_shard_holding_more_than_its_share():
 # --- exercise 3: the tensor-parallel layer -----------------------------------------------------------
 
 
-def _layer(shards, x, cos, sin, cfg, reduces=(True, True), reduce_up=False):
+def _layer(shards, x, cos, sin, cfg, reduces=(True, True), reduce_up=False, norms="right", extra_pg=False):
     n = dist.get_world_size()
     B, S, _ = x.shape
     D, hq, hkv = cfg.head_dim, cfg.n_heads // n, cfg.n_kv_heads // n
@@ -254,14 +355,19 @@ def _layer(shards, x, cos, sin, cfg, reduces=(True, True), reduce_up=False):
     q = F.linear(h, shards["wq"], shards.get("bq")).view(B, S, hq, D).transpose(1, 2)
     k = F.linear(h, shards["wk"], shards.get("bk")).view(B, S, hkv, D).transpose(1, 2)
     v = F.linear(h, shards["wv"], shards.get("bv")).view(B, S, hkv, D).transpose(1, 2)
+    if norms == "rope first":
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if "q_norm" in shards:
         q, k = rms_norm(q, shards["q_norm"]), rms_norm(k, shards["k_norm"])
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if norms != "rope first":
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     y = F.linear(causal_attention(q, k, v).transpose(1, 2).reshape(B, S, hq * D), shards["wo"])
     if reduces[0]:
-        dist.all_reduce(y)
+        all_reduce(y)  # the name imported from torch.distributed: the watcher must see it too
     x = x + y + shards.get("bo", 0)
-    h = rms_norm(x, shards["ffn_norm"])
+    h = rms_norm(x, shards["attention_norm" if norms == "one for both" else "ffn_norm"])
+    if extra_pg:
+        dist.group.WORLD.allreduce([torch.zeros(1)]).wait()  # a third all-reduce, by the group object
     up = F.linear(h, shards["w3"])
     if reduce_up:
         dist.all_reduce(up)  # the planted mistake: summing a column-parallel output
@@ -347,6 +453,30 @@ def test_layer_missing_all_reduce():
 
 def test_layer_rebuilding_whole_weights_by_all_reduce():
     fails(check_tp_layer_forward, layer_rebuilds_the_weights, "all-reduced tensors of", "not tensor parallelism")
+
+
+def layer_one_norm_for_both(shards, x, cos, sin, cfg):
+    return _layer(shards, x, cos, sin, cfg, norms="one for both")
+
+
+def layer_rope_before_qk_norm(shards, x, cos, sin, cfg):
+    return _layer(shards, x, cos, sin, cfg, norms="rope first")
+
+
+def layer_extra_group_all_reduce(shards, x, cos, sin, cfg):
+    return _layer(shards, x, cos, sin, cfg, extra_pg=True)
+
+
+def test_layer_attention_norm_before_the_ffn_too():
+    fails(check_tp_layer_forward, layer_one_norm_for_both, "layer output is wrong", "ffn_norm before the feed-forward")
+
+
+def test_layer_rope_before_the_qk_norms():
+    fails(check_tp_layer_forward, layer_rope_before_qk_norm, "layer output is wrong", "both before RoPE")
+
+
+def test_layer_third_all_reduce_through_the_group_object():
+    fails(check_tp_layer_forward, layer_extra_group_all_reduce, "3 times per layer")
 
 
 def test_layer_all_reduce_after_column_parallel():

@@ -10,6 +10,7 @@ import torch
 
 from labsupport._answers import unguarded
 from labsupport.checks import CheckFailed, check_sample, check_schedule_step, check_speculative_accept
+from labsupport.checks import lab13_decode_loop as lab
 from labsupport.checks.lab13_decode_loop import (
     FALSE_FAIL,
     _sampling_cases,
@@ -121,26 +122,58 @@ def test_sample_ignores_the_generator():
     fails(check_sample, fn, "do not come from `generator`")
 
 
-def _sample_with(keep_rule=None, temperature_after_softmax=False, no_temperature=False):
+def _sample_with(keep_rule=None, temperature_after_softmax=False, top_p_first=False, temperature_last=False,
+                 greedy_as=None, no_temperature=False):
     def fn(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
         if temperature == 0:
-            return logits.argmax(-1)
-        z = logits if temperature_after_softmax or no_temperature else logits / temperature
-        if 0 < top_k < z.shape[-1]:
-            kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
-            z = z.masked_fill(z < kth, float("-inf"))
+            if greedy_as is None:
+                return logits.argmax(-1)
+            temperature = greedy_as  # a tiny temperature still draws
+        scale = 1.0 if temperature_after_softmax or temperature_last or no_temperature else temperature
+        z = logits / scale
         probs = torch.softmax(z, -1)
+
+        def top_k_filter(probs):
+            if 0 < top_k < z.shape[-1]:
+                kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+                probs = probs.masked_fill(z < kth, 0.0)
+            return probs / probs.sum(-1, keepdim=True)
+
+        def top_p_filter(probs):
+            if top_p < 1.0:
+                sp, order = torch.sort(probs, -1, descending=True)
+                cum = torch.cumsum(sp, -1)
+                keep = keep_rule(cum, sp, top_p)
+                sp = torch.where(keep, sp, torch.zeros_like(sp))
+                probs = torch.zeros_like(probs).scatter(-1, order, sp)
+            return probs
+
+        probs = top_k_filter(top_p_filter(probs)) if top_p_first else top_p_filter(top_k_filter(probs))
         if temperature_after_softmax:
             probs = probs / temperature
-        if top_p < 1.0:
-            sp, order = torch.sort(probs, -1, descending=True)
-            cum = torch.cumsum(sp, -1)
-            keep = keep_rule(cum, sp, top_p)
-            sp = torch.where(keep, sp, torch.zeros_like(sp))
-            probs = torch.zeros_like(probs).scatter(-1, order, sp)
+        if temperature_last:  # the kept tokens, reweighted by the temperature only now
+            probs = torch.softmax((logits / temperature).masked_fill(probs == 0, float("-inf")), -1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
     return fn
+
+
+SPEC_KEEP = lambda cum, sp, p: cum - sp < p  # noqa: E731 - the spec's rule: the crossing token is kept
+
+
+def test_sample_top_p_before_top_k():
+    # the red team's sample_wrong_topp_before_topk and sample_wrong_topp_full_mass (the same distribution)
+    fails(check_sample, _sample_with(SPEC_KEEP, top_p_first=True), "top-k 4 first", "top-p is applied before top-k")
+
+
+def test_sample_temperature_after_the_filters():
+    fails(check_sample, _sample_with(SPEC_KEEP, temperature_last=True), "temperature 0.5 first",
+          "the temperature is applied after top-p chose its tokens")
+
+
+def test_sample_greedy_as_a_tiny_temperature():
+    # right on every frequency case and every argmax row; but it draws, and a near-tie comes out either way
+    fails(check_sample, _sample_with(SPEC_KEEP, greedy_as=1e-6), "temperature=0.0", "drew from `generator`")
 
 
 def test_sample_written_independently_passes():
@@ -263,6 +296,71 @@ def test_schedule_never_preempts():
     fails(check_schedule_step, no_preemption, "too few blocks")
 
 
+def planted_scheduler(mistake):
+    """A learner's scheduler with one of results_b's mistakes, each of which kept every invariant."""
+    def step(running, waiting, token_budget, free_blocks, block_size, max_running):
+        scheduled, preempted, budget, free = {}, [], token_budget, free_blocks
+        order = list(running)
+        if mistake == "newest first":
+            order = order[::-1]
+        if mistake == "decodes first":
+            order = [s for s in order if s.left == 1] + [s for s in order if s.left != 1]
+        while order and budget > 0:
+            seq = order.pop(0)
+            n = min(seq.left, budget)
+            need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+            room = (seq.num_blocks + free) * block_size - seq.num_computed
+            if mistake == "shrink the chunk" and need > free and room > 0:
+                n, need = min(n, room), blocks_for(seq.num_computed + min(n, room), block_size) - seq.num_blocks
+            while need > free and order:
+                victim = order.pop(0) if mistake == "victim from the front" else order.pop()
+                if mistake != "freed blocks not credited":
+                    free += victim.num_blocks
+                preempted.append(victim.request_id)
+            if need > free:
+                preempted.append(seq.request_id)
+                free += seq.num_blocks
+                break
+            scheduled[seq.request_id] = n
+            budget, free = budget - n, free - need
+        if preempted:
+            return scheduled, preempted
+        count = len(running)
+        for seq in waiting:
+            if budget <= 0 or count >= max_running:
+                break
+            n = min(seq.left, budget)
+            need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+            if need > free:
+                if mistake == "skip a prompt that does not fit":
+                    continue
+                break
+            scheduled[seq.request_id] = n
+            budget, free, count = budget - n, free - need, count + 1
+        return scheduled, preempted
+    return step
+
+
+SCHEDULER_MISTAKES = {  # results_b's fooled schedulers -> what the message must say
+    "victim from the front": "victim taken from the wrong end",
+    "freed blocks not credited": "blocks were not counted as free again",
+    "newest first": "served newest first",
+    "decodes first": "decodes served before older unfinished prefills",
+    "shrink the chunk": "chunk shrunk to what the free blocks hold",
+    "skip a prompt that does not fit": "starve a long prompt",
+}
+
+
+def test_schedule_planted_scheduler_without_mistakes_passes(capsys):
+    check_schedule_step(planted_scheduler(None))
+    assert "PASSED check_schedule_step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", list(SCHEDULER_MISTAKES))
+def test_schedule_decision_mistakes_are_named(mistake):
+    fails(check_schedule_step, planted_scheduler(mistake), SCHEDULER_MISTAKES[mistake], "the rule gives")
+
+
 # --- exercise 4: speculative acceptance ------------------------------------------------------------
 
 
@@ -278,20 +376,41 @@ def test_accept_stub():
     fails(check_speculative_accept, stub, "NotImplementedError", reason="not done")
 
 
-def _accept_with(ratio_test=True, residual=True, bonus=True, row=None, bonus_row=None):
+def _accept_with(ratio_test=True, residual=True, bonus=True, row=None, bonus_row=None, ratio="p/q",
+                 one_uniform=False, stop=True, own_generator=False):
     """A rule written apart from the course's; ``row`` fixes the row of draft_probs/target_probs every
     position reads (a rule that is right only when all positions share one distribution), ``bonus_row``
-    the row the bonus token is drawn from."""
+    the row the bonus token is drawn from; ``ratio`` "q/p" turns the test upside down, "threshold"
+    accepts exactly when p >= q; ``residual`` "abs" takes |p - q|, "position0" position 0's residual;
+    ``one_uniform`` reuses one r for the step; ``stop=False`` goes on after a rejection;
+    ``own_generator`` draws from the global random state."""
     def fn(draft_tokens, draft_probs, target_probs, generator=None):
+        generator = None if own_generator else generator
         out = []
+        r_step = float(torch.rand((), generator=generator))
         for i, x in enumerate(draft_tokens.tolist()):
             i = i if row is None else row
-            ratio = float(target_probs[i, x] / draft_probs[i, x]) if ratio_test else 1.0
-            if float(torch.rand((), generator=generator)) < min(1.0, ratio):
+            p, q = float(target_probs[i, x]), float(draft_probs[i, x])
+            if ratio == "threshold":
+                r, limit = 0.0, 1.0 if p >= q else 0.0
+            else:
+                r = r_step if one_uniform else float(torch.rand((), generator=generator))
+                limit = min(1.0, (q / p if p > 0 else 1.0) if ratio == "q/p" else p / q) if ratio_test else 1.0
+            if r < limit:
                 out.append(x)
                 continue
-            dist = residual_distribution(target_probs[i], draft_probs[i]) if residual else target_probs[i]
-            out.append(int(torch.multinomial(dist, 1, generator=generator)))
+            j = 0 if residual == "position0" else i
+            if residual == "abs":
+                dist = (target_probs[j] - draft_probs[j]).abs()
+            elif residual:
+                dist = residual_distribution(target_probs[j], draft_probs[j])
+            else:
+                dist = target_probs[j]
+            out.append(int(torch.multinomial(dist / dist.sum(), 1, generator=generator)))
+            if stop:
+                return torch.tensor(out)
+        if not stop and len(out) == draft_tokens.numel():
+            out.append(int(torch.multinomial(target_probs[len(out)], 1, generator=generator)))
             return torch.tensor(out)
         if bonus:
             out.append(int(torch.multinomial(target_probs[len(out) if bonus_row is None else bonus_row], 1,
@@ -322,7 +441,36 @@ def test_accept_reads_the_first_row_at_every_position():
 
 
 def test_accept_draws_the_bonus_from_the_wrong_row():
-    fails(check_speculative_accept, _accept_with(bonus_row=0), "bonus token", "another row of target_probs")
+    fails(check_speculative_accept, _accept_with(bonus_row=0), "bonus token", "row 0 of target_probs")
+
+
+@pytest.mark.parametrize("flags, needles", [
+    # the red team's spec_wrong_ignores_generator: right in distribution, but a seed does not repeat a step
+    (dict(own_generator=True), ("two runs with equally seeded generators", "not drawn from `generator`")),
+    (dict(stop=False), ("yet 1 more token(s) follow it", "stops at its first rejection")),
+    (dict(one_uniform=True), ("one uniform is drawn for the whole step",)),
+    (dict(ratio="q/p"), ("the ratio test is upside down",)),
+])
+def test_accept_mistakes_named(flags, needles):
+    fails(check_speculative_accept, _accept_with(**flags), *needles)
+
+
+@pytest.mark.parametrize("case, position, flags, needle", [
+    (0, 0, dict(ratio="threshold"), "accepted exactly when p(x) >= q(x)"),
+    (0, 0, dict(residual="abs"), "the residual is |p - q|"),
+    (2, 1, dict(residual="position0"), "built from position 0's distributions"),
+    (1, 1, dict(one_uniform=True), "one uniform is drawn"),
+    (0, 0, dict(ratio="inverted"), "upside down"),
+])
+def test_accept_diagnoses(case, position, flags, needle):
+    """The message's diagnosis, from frequencies like a learner's 4,000 steps (a simulation of the
+    mistake with other random numbers than the check's own), without running 4,000 steps."""
+    _, k, p, q = lab._accept_cases()[case]
+    freq = lab._emitted(k, p, q, n=4000, seed=1, **flags)[position]
+    trials = 4000 if position == 0 else 2000
+    assert needle in lab._accept_mistake(freq, trials, position, k, p, q)
+    right = lab._emitted(k, p, q, n=4000, seed=1)[position]  # and a right rule's frequencies name nothing
+    assert lab._accept_mistake(right, trials, position, k, p, q) is None
 
 
 def test_residual_distribution():

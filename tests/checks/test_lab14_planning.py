@@ -32,11 +32,12 @@ def stub(*args, **kwargs):
 
 
 def planted_concurrency(*, drop_output=False, drop_ttft=False, all_steps=False, tpot_scale=1.0, scale=1.0,
-                        divide=False):
+                        divide=False, whole=None):
     def concurrency(arrival_rate, ttft_s, tpot_s, output_tokens):
         steps = output_tokens if all_steps else output_tokens - 1
         t = (0 if drop_ttft else ttft_s) + (0 if drop_output else steps * tpot_s * tpot_scale)
-        return (t / arrival_rate if divide else arrival_rate * t) * scale
+        value = (t / arrival_rate if divide else arrival_rate * t) * scale
+        return whole(value) if whole else value
 
     return concurrency
 
@@ -52,6 +53,10 @@ def test_concurrency_passes():
     (dict(tpot_scale=1e-3), "read as milliseconds"),
     (dict(scale=1e3), "converted to milliseconds"),
     (dict(divide=True), "divided by the arrival rate"),
+    # a mean rounded to a whole number of requests (the red team's concurrency_wrong_ceil): its 25 for 24.8 is
+    # also what counting every output token as a step gives, so the message names both
+    (dict(whole=math.ceil), "rounded up to a whole number (Little's L is a mean"),
+    (dict(whole=round), "rounded to a whole number"),
 ])
 def test_concurrency_mistakes(flags, needle):
     fails(check_concurrency, planted_concurrency(**flags), needle)
@@ -75,7 +80,7 @@ def test_concurrency_stub_and_answer():
 
 def planted_batch(*, heads=False, memory_unit=2**30, bandwidth_unit=1e9, kv_bytes=None, weight_bytes=None, bits=False,
                   kv_factor=2, overhead_scale=1.0, efficiency=True, compute=True, memory_limit=True, time_limit=True,
-                  utilization=True, tp_time=True, tp_memory=True, first_miss=False):
+                  utilization=True, tp_time=True, tp_memory=True, first_miss=False, derived_head_dim=False):
     """max_batch written in closed form (the check's reference searches), one step optionally wrong."""
 
     def max_batch(cfg, context_tokens, tpot_s, *, memory_gib, bandwidth_gb_s, peak_tflops, bandwidth_efficiency,
@@ -83,7 +88,8 @@ def planted_batch(*, heads=False, memory_unit=2**30, bandwidth_unit=1e9, kv_byte
                   memory_utilization=0.9, tensor_parallel=1):
         kvb = kv_bytes or kv_dtype_bytes * (8 if bits else 1)
         wb = weight_bytes or weight_dtype_bytes * (8 if bits else 1)
-        per_token = kv_factor * cfg.n_layers * (cfg.n_heads if heads else cfg.n_kv_heads) * cfg.head_dim * kvb
+        head_dim = cfg.d_model // cfg.n_heads if derived_head_dim else cfg.head_dim
+        per_token = kv_factor * cfg.n_layers * (cfg.n_heads if heads else cfg.n_kv_heads) * head_dim * kvb
         weights = param_count(cfg) * wb
         tp = tensor_parallel if tp_time else 1
         bw = tp * bandwidth_gb_s * bandwidth_unit * (bandwidth_efficiency if efficiency else 1)
@@ -128,6 +134,8 @@ def test_max_batch_passes_and_agrees_with_the_closed_form():
     (dict(tp_time=False), "tensor_parallel is ignored in the step time"),
     (dict(tp_memory=False), "tensor_parallel is ignored in the memory"),
     (dict(first_miss=True), "first batch that misses the target"),
+    # right for Llama (4096 / 32 = 128), half the cache per token for Qwen3-0.6B (1024 / 16 = 64, head_dim 128)
+    (dict(derived_head_dim=True), "the head width is derived as d_model // n_heads = 64"),
 ])
 def test_max_batch_mistakes(flags, needle):
     fails(check_max_batch, planted_batch(**flags), needle)
@@ -239,6 +247,7 @@ def test_replicas_passes():
     (dict(little=False), "time in system is missing"),
     (dict(rounding=lambda x: int(x) + 1), "int(x) + 1"),
     (dict(per_batch=False), "not divided by the batch"),
+    (dict(floor_min=False), "the floor of one replica is missing"),  # right for every positive rate
 ])
 def test_replicas_mistakes(kwargs, needle):
     fails(check_replicas, planted_replicas(**kwargs), needle)
