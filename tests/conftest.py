@@ -114,3 +114,15 @@ def page(browser):
     pg.on("response", lambda r: pg.js_errors.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
     yield pg
     context.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (the course's real model, installed by ``make setup``), loaded once per
+    test worker from its cached conversion."""
+    from labsupport.checkpoints import CheckpointError, load
+
+    try:
+        return load("smollm2-135m-instruct", verbose=False)
+    except CheckpointError as exc:
+        _missing(f"the course's real model is not installed: {exc}")

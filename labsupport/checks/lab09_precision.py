@@ -31,6 +31,7 @@ import torch
 
 from ..attention import peak_tensor_memory
 from ..device import cuda_available, device, gpu_has_bf16, interpreter_mode
+from ..gguf_blocks import BLOCK_BYTES, dequantize_q4_1, dequantize_q8_0
 from ..int8_matmul import int8_matmul_reference, int8_matmul_spec
 from ..quantize import dequantize_groupwise, pack_int4, qmax, quantize_groupwise, unpack_int4
 from .framework import Case, graded, torch_calls, triton_launches
@@ -493,3 +494,174 @@ def check_int8_matmul(fn, checker):
         if not codes.received(launches):
             checker.fail(case, "no Triton kernel you launched received w_q (or a tensor holding its codes).",
                          TRITON_HINT)
+
+
+# --- the checks: GGUF's Q8_0 and Q4_1 blocks ------------------------------------------------------
+#
+# ``dequantize_q8_0(raw)`` and ``dequantize_q4_1(raw)`` (labsupport.gguf_blocks states the formats):
+# ``raw`` is a tensor's bytes as gguf.GGUFReader maps them, uint8 (rows, bytes per row); the result is
+# float32 (rows, weights per row). The reference is the gguf package's own reading of the same bytes,
+# on real rows of the shipped SmolLM2 file (its Q8_0 token embedding, Q4_1 projections of the first
+# and last layers) and on blocks written here: negative scales, a zero and a subnormal scale, every
+# code from the smallest to the largest, several rows of several blocks whose last block differs.
+
+GGUF_ANSWERS = (dequantize_q8_0, dequantize_q4_1)
+GGUF_REAL_ROWS = {  # tensor -> rows read from the shipped file
+    "Q8_0": (("token_embd.weight", (0, 1, 2, 1000, 49151)),),
+    "Q4_1": (("blk.0.attn_q.weight", (0, 1, 575)), ("blk.29.ffn_down.weight", (0, 288, 575))),
+}
+GGUF_HINTS = {
+    "Q8_0": "a Q8_0 block is 34 bytes: a little-endian float16 scale d (bytes 0-1, read with .view(torch.float16)), "
+            "then 32 signed int8 codes q (.view(torch.int8)); weight i = d * q[i]. A row is several blocks.",
+    "Q4_1": "a Q4_1 block is 20 bytes: float16 d, float16 m, then 16 bytes of 4-bit codes; byte j holds weight j "
+            "in its low nibble (& 0xF) and weight j + 16 in its high nibble (>> 4); weight i = d * q[i] + m.",
+}
+
+
+def _f16_bytes(values) -> torch.Tensor:
+    """float16 numbers -> their little-endian bytes, (n, 2) uint8."""
+    return torch.tensor(values, dtype=torch.float16).view(torch.uint8).reshape(-1, 2)
+
+
+def _made_q8_0() -> torch.Tensor:
+    """3 rows of 4 blocks: negative, zero, subnormal and large scales; codes -128 .. 127."""
+    gen = torch.Generator().manual_seed(9)
+    scales = [[-0.5, 0.0078125, 2.0 ** -20, 3.25], [1.0, -1.5, 0.0, 0.001], [0.125, 0.25, -0.0625, 7.0]]
+    rows = []
+    for r, row_scales in enumerate(scales):
+        blocks = []
+        for b, d in enumerate(row_scales):
+            codes = torch.randint(-128, 128, (32,), generator=gen, dtype=torch.int16).to(torch.int8)
+            if r == 0 and b == 0:
+                codes = torch.arange(-128, 128, 8, dtype=torch.int16).to(torch.int8)  # the extremes included
+            blocks.append(torch.cat([_f16_bytes([d])[0], codes.view(torch.uint8)]))
+        rows.append(torch.cat(blocks))
+    return torch.stack(rows)  # (3, 4 * 34)
+
+
+def _made_q4_1() -> torch.Tensor:
+    """3 rows of 5 blocks: negative minima, a negative scale, every nibble 0x0 .. 0xF in both halves."""
+    gen = torch.Generator().manual_seed(4)
+    params = [[(0.1, -0.75), (0.02, -0.15), (-0.05, 0.4), (0.5, 0.0), (0.003, 1.5)],
+              [(0.25, -2.0), (0.0, 0.3), (1.0, -7.5), (0.125, -1.0), (0.07, -0.5)],
+              [(0.01, 0.0), (0.3, -2.2), (0.2, 1.0), (-0.4, 3.0), (0.0625, -0.5)]]
+    rows = []
+    for r, row in enumerate(params):
+        blocks = []
+        for b, (d, m) in enumerate(row):
+            qs = torch.randint(0, 256, (16,), generator=gen, dtype=torch.int16).to(torch.uint8)
+            if r == 0 and b == 0:  # low nibbles 0..15, high nibbles 15..0: weights 0..15 and 16..31 differ
+                qs = (torch.arange(16, dtype=torch.int16) | ((15 - torch.arange(16, dtype=torch.int16)) << 4))
+                qs = qs.to(torch.uint8)
+            blocks.append(torch.cat([_f16_bytes([d, m]).reshape(-1), qs]))
+        rows.append(torch.cat(blocks))
+    return torch.stack(rows)  # (3, 5 * 20)
+
+
+@functools.lru_cache(maxsize=1)
+def _real_rows() -> dict:
+    """Raw rows of the shipped model file, by type: ``{kind: [(label, raw)]}`` (read once per process)."""
+    from ..checkpoints import CheckpointError, registered_path
+    from ..gguf_blocks import gguf_rows
+
+    try:
+        path = registered_path("smollm2-135m-instruct")
+    except CheckpointError as exc:
+        return {"missing": str(exc)}
+    out: dict = {}
+    for kind, tensors in GGUF_REAL_ROWS.items():
+        for name, rows in tensors:
+            raw, stored = gguf_rows(path, name, rows)
+            if stored != kind:
+                raise RuntimeError(f"{path.name}: {name} is stored as {stored}, the check expected {kind}")
+            out.setdefault(kind, []).append((f"{path.name}: {name}, rows {list(rows)}", raw))
+    return out
+
+
+def _gguf_mistakes(raw: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """What the usual mistakes make of ``raw``: description -> float32 (rows, weights)."""
+    b = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[kind])
+    f16 = lambda two: two.contiguous().view(torch.float16)[..., 0].float()  # noqa: E731
+    swapped = lambda two: f16(two.flip(-1))  # noqa: E731  (the two bytes in the other order)
+    flat = lambda t: t.reshape(raw.shape[0], -1)  # noqa: E731
+    if kind == "Q8_0":
+        d, q = f16(b[..., 0:2]), b[..., 2:].contiguous().view(torch.int8).float()
+        return {
+            "the codes are read as unsigned bytes (0 .. 255) instead of signed int8 (-128 .. 127): "
+            "use .view(torch.int8)": flat(d[..., None] * b[..., 2:].float()),
+            "the float16 scale is read with its two bytes swapped (big-endian); GGUF is little-endian":
+                flat(swapped(b[..., 0:2])[..., None] * q),
+            "the scale's sign is lost (|d| instead of d)": flat(d.abs()[..., None] * q),
+            "every block uses the first block's scale instead of its own": flat(d[:, :1, None] * q),
+        }
+    d, m = f16(b[..., 0:2]), f16(b[..., 2:4])
+    qs = b[..., 4:].to(torch.int16)
+    blocked = torch.cat([qs & 0xF, qs >> 4], -1).float()  # (rows, blocks, 32): the right order
+    interleaved = torch.stack([qs & 0xF, qs >> 4], -1).reshape(*qs.shape[:-1], 32).float()
+    high_first = torch.cat([qs >> 4, qs & 0xF], -1).float()
+    return {
+        "the nibbles are interleaved (weight 2j in the low nibble of byte j, 2j + 1 in its high nibble, as in "
+        "exercise 1's int4 packing); in Q4_1 byte j holds weight j (low nibble) and weight j + 16 (high nibble)":
+            flat(d[..., None] * interleaved + m[..., None]),
+        "the high nibbles are taken first (weights 0-15 from bits 4-7); the low nibbles are weights 0-15":
+            flat(d[..., None] * high_first + m[..., None]),
+        "the minimum m is not added (Q4_1's grid starts at m, not at 0)": flat(d[..., None] * blocked),
+        "the codes are centred as in Q4_0 (q - 8); Q4_1's codes are unsigned and the minimum m does the shifting":
+            flat(d[..., None] * (blocked - 8) + m[..., None]),
+        "d and m are swapped: the scale d is the block's first float16, the minimum m its second":
+            flat(m[..., None] * blocked + d[..., None]),
+        "m is subtracted instead of added": flat(d[..., None] * blocked - m[..., None]),
+        "the float16 numbers are read with their two bytes swapped (big-endian); GGUF is little-endian":
+            flat(swapped(b[..., 0:2])[..., None] * blocked + swapped(b[..., 2:4])[..., None]),
+    }
+
+
+def _check_gguf(fn, checker, kind: str) -> None:
+    from ..gguf_blocks import reference_dequantize
+
+    real = _real_rows()
+    if "missing" in real:
+        checker.fail(Case(model_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+                     f"this check reads real blocks from the course's model file, which is not installed "
+                     f"({real['missing']}).",
+                     "run `from labsupport.checkpoints import install_model; install_model()` (the lab's cell "
+                     "after the setup does), then this check again.")
+    made = _made_q8_0() if kind == "Q8_0" else _made_q4_1()
+    cases = [*real[kind], (f"blocks written here: {made.shape[0]} rows of {made.shape[1] // BLOCK_BYTES[kind]} "
+                           f"blocks, negative and zero scales{', negative minima' if kind == 'Q4_1' else ''}", made)]
+    for label, raw in cases:
+        case = Case(type=kind, raw=f"uint8 {tuple(raw.shape)}", source=label)
+        before = raw.clone()
+        got = checker.call(fn, raw, case=case)
+        if not torch.equal(raw, before):
+            checker.fail(case, "your function changed raw.", "never write into the input; work on a copy.")
+        want = reference_dequantize(raw, kind)
+        if isinstance(got, torch.Tensor) and got.dtype != torch.float32:
+            checker.fail(case, f"the weights are {str(got.dtype).replace('torch.', '')}, expected float32.",
+                         "compute in float32: convert d, m and the codes with .float() before multiplying.")
+        atol = 1e-6 * float(want.abs().max().clamp(min=1e-30))
+        mistakes = _gguf_mistakes(raw, kind)
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and not bool(torch.isfinite(got).all()):
+            # bytes read in the wrong order can spell NaN or inf: name the mistake before the NaN
+            for description, wrong in mistakes.items():
+                if torch.allclose(got.double(), wrong.double(), atol=atol, rtol=1e-6, equal_nan=True):
+                    checker.fail(case, f"the dequantised {kind} weights hold NaN or inf where the gguf package "
+                                       f"reads finite numbers: they match what we get when {description}.",
+                                 GGUF_HINTS[kind])
+        checker.expect_tensor(got, want, case=case, atol=atol, rtol=1e-6, what=f"dequantised {kind} weights",
+                              mistakes=mistakes, hint=GGUF_HINTS[kind])
+
+
+
+@graded(points=5, bans=GGUF_ANSWERS)
+def check_dequantize_q8_0(fn, checker):
+    """``fn(raw)`` must read Q8_0 blocks as the gguf package does: raw uint8 (rows, 34 * blocks) ->
+    float32 (rows, 32 * blocks), weight i of a block = d * q[i]."""
+    _check_gguf(fn, checker, "Q8_0")
+
+
+@graded(points=5, bans=GGUF_ANSWERS)
+def check_dequantize_q4_1(fn, checker):
+    """``fn(raw)`` must read Q4_1 blocks as the gguf package does: raw uint8 (rows, 20 * blocks) ->
+    float32 (rows, 32 * blocks), weight i = d * q[i] + m, byte j holding weights j and j + 16."""
+    _check_gguf(fn, checker, "Q4_1")

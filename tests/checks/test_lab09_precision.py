@@ -380,3 +380,115 @@ def test_int8_matmul_check_refuses_the_course_answer():
 def test_calling_the_course_answer_is_rejected(check, fn):
     with pytest.raises(CheckFailed, match="the course's own answer"):
         check(fn)
+
+
+# --- GGUF block mutants (Q8_0, Q4_1) -----------------------------------------------------------------
+
+from labsupport import gguf_blocks as GB  # noqa: E402
+from labsupport.checks import check_dequantize_q4_1, check_dequantize_q8_0  # noqa: E402
+
+dequantize_q8_0 = unguarded(GB.dequantize_q8_0)
+dequantize_q4_1 = unguarded(GB.dequantize_q4_1)
+
+
+def _blocks(raw, size):
+    return raw.reshape(raw.shape[0], -1, size)
+
+
+def _half(two, swap=False):
+    return (two.flip(-1) if swap else two).contiguous().view(torch.float16)[..., 0].float()
+
+
+def q8_0(raw, *, unsigned=False, swap=False, absolute=False, first_scale=False, drop_last=False):
+    b = _blocks(raw, 34)
+    if drop_last:
+        b = b[:, :-1]
+    d = _half(b[..., 0:2], swap)
+    d = d.abs() if absolute else d
+    d = d[:, :1].expand_as(d) if first_scale else d
+    q = b[..., 2:].float() if unsigned else b[..., 2:].contiguous().view(torch.int8).float()
+    return (d[..., None] * q).reshape(raw.shape[0], -1)
+
+
+def q4_1(raw, *, order="blocked", add_min=True, centred=False, swap_dm=False, minus_min=False, swap=False):
+    b = _blocks(raw, 20)
+    d, m = _half(b[..., 0:2], swap), _half(b[..., 2:4], swap)
+    m = -m if minus_min else m
+    if swap_dm:
+        d, m = m, d
+    qs = b[..., 4:].to(torch.int16)
+    if order == "blocked":
+        q = torch.cat([qs & 0xF, qs >> 4], -1)
+    elif order == "high_first":
+        q = torch.cat([qs >> 4, qs & 0xF], -1)
+    else:  # interleaved: the course's own int4 packing
+        q = torch.stack([qs & 0xF, qs >> 4], -1).reshape(*qs.shape[:-1], 32)
+    q = q.float() - (8 if centred else 0)
+    return (d[..., None] * q + (m[..., None] if add_min else 0)).reshape(raw.shape[0], -1)
+
+
+def gguf_stub(raw):
+    raise NotImplementedError("Exercise: read the blocks")
+
+
+Q8_0_MUTANTS = {
+    "codes_unsigned": (lambda raw: q8_0(raw, unsigned=True), "unsigned bytes"),
+    "scale_big_endian": (lambda raw: q8_0(raw, swap=True), "big-endian"),
+    "scale_sign_lost": (lambda raw: q8_0(raw, absolute=True), "sign is lost"),
+    "first_block_scale": (lambda raw: q8_0(raw, first_scale=True), "first block's scale"),
+    "last_block_dropped": (lambda raw: q8_0(raw, drop_last=True), "has shape"),
+    "float16_result": (lambda raw: q8_0(raw).half(), "expected float32"),
+    "stub": (gguf_stub, "NotImplementedError"),
+}
+Q4_1_MUTANTS = {
+    "nibbles_interleaved": (lambda raw: q4_1(raw, order="interleaved"), "interleaved"),
+    "min_not_added": (lambda raw: q4_1(raw, add_min=False), "minimum m is not added"),
+    "centred_like_q4_0": (lambda raw: q4_1(raw, centred=True), "centred as in Q4_0"),
+    "d_and_m_swapped": (lambda raw: q4_1(raw, swap_dm=True), "d and m are swapped"),
+    "high_nibbles_first": (lambda raw: q4_1(raw, order="high_first"), "high nibbles are taken first"),
+    "min_subtracted": (lambda raw: q4_1(raw, minus_min=True), "m is subtracted"),
+    "big_endian": (lambda raw: q4_1(raw, swap=True), "big-endian"),
+    "float64_result": (lambda raw: q4_1(raw).double(), "expected float32"),
+    "stub": (gguf_stub, "NotImplementedError"),
+}
+
+
+def test_gguf_block_references_pass(capsys):
+    check_dequantize_q8_0(dequantize_q8_0)
+    check_dequantize_q8_0(q8_0)  # the mutant harness, with no mutation, is right
+    check_dequantize_q4_1(dequantize_q4_1)
+    check_dequantize_q4_1(q4_1)
+    out = capsys.readouterr().out
+    assert "PASSED check_dequantize_q8_0" in out and "PASSED check_dequantize_q4_1" in out
+
+
+@pytest.mark.parametrize("name", Q8_0_MUTANTS)
+def test_q8_0_check_rejects(name):
+    fn, expected = Q8_0_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_dequantize_q8_0(fn)
+    assert expected in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", Q4_1_MUTANTS)
+def test_q4_1_check_rejects(name):
+    fn, expected = Q4_1_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_dequantize_q4_1(fn)
+    assert expected in str(info.value), str(info.value)
+
+
+def test_gguf_checks_read_real_blocks_of_both_types():
+    from labsupport.checks.lab09_precision import _real_rows
+
+    real = _real_rows()
+    assert set(real) == {"Q8_0", "Q4_1"}, real  # the shipped file is installed (make setup) and holds both
+    assert all(raw.dtype == torch.uint8 and raw.shape[1] % (34 if kind == "Q8_0" else 20) == 0
+               for kind, rows in real.items() for _, raw in rows)
+
+
+def test_gguf_checks_refuse_the_course_answers():
+    from labsupport._answers import course_checks_its_answers
+
+    with course_checks_its_answers(False), pytest.raises(CheckFailed, match="course's own answer"):
+        check_dequantize_q4_1(GB.dequantize_q4_1)
