@@ -39,8 +39,8 @@ LOGIT_ATOL = 1e-3
 
 
 @pytest.fixture(scope="session")
-def real():
-    return load("smollm2-135m-instruct", verbose=False)
+def real(smollm2):
+    return smollm2  # conftest's: one load per test worker, shared with the other real-model tests
 
 
 @pytest.fixture(scope="session")
