@@ -51,16 +51,20 @@ serve: $(STAMP)  ## serve the built book on http://127.0.0.1:$(PORT) (search nee
 # lives elsewhere) run. Any part failing fails `make test`; Ctrl+C stops all of it.
 BOOK_LOG ?= _build/book.log
 BOOK_TESTS := tests/book tests/scripts
+BOOK_TESTS_LOG ?= _build/book_tests.log
 
 test: $(STAMP)  ## lint, release drift, unit tests, every notebook, the built book in Chromium
 	$(VENV)/bin/ruff check .
 	$(PY) -m labsupport release --check
-	mkdir -p _build; OMP_NUM_THREADS=1 $(MAKE) --no-print-directory book > $(BOOK_LOG) 2>&1 & book=$$!; \
+	mkdir -p _build; rm -f $(BOOK_TESTS_LOG); \
+	( OMP_NUM_THREADS=1 $(MAKE) --no-print-directory book > $(BOOK_LOG) 2>&1 || exit 97; \
+	  $(PY) -m pytest -p no:cacheprovider --durations=5 -m book $(BOOK_TESTS) > $(BOOK_TESTS_LOG) 2>&1 ) & book=$$!; \
 	trap 'kill 0' INT TERM; \
 	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=15 $(NBVAL) -m "not book" tests solutions labs; status=$$?; \
-	if wait $$book; then echo "make book: built (log in $(BOOK_LOG))"; \
-	else tail -n 60 $(BOOK_LOG); echo "make book failed (log in $(BOOK_LOG))"; exit 1; fi; \
-	$(PY) -m pytest -n $(JOBS) --dist loadscope --durations=5 -m book $(BOOK_TESTS) || status=1; exit $$status
+	wait $$book; book_status=$$?; \
+	if [ $$book_status = 97 ]; then tail -n 60 $(BOOK_LOG); echo "make book failed (log in $(BOOK_LOG))"; exit 1; fi; \
+	echo "make book: built (log in $(BOOK_LOG)); its tests, run as soon as it was built:"; cat $(BOOK_TESTS_LOG); \
+	[ $$book_status = 0 ] || status=1; exit $$status
 
 test-fast: $(STAMP)  ## unit tests only (no notebooks, no book)
 	$(PY) -m pytest -m "not notebook and not book"

@@ -45,7 +45,6 @@ from .attention import (
     config_name,
     flash_attention_reference,
     kernel_config,
-    naive_attention_reference,
     online_softmax_reference,
 )
 from .costs import attention_flops
@@ -481,7 +480,12 @@ def run_checks() -> bool:
     # The answers refuse to run inside the checks that ban them, and the checks refuse a function
     # that is or holds one (learners may not hand them in); here the course checks its own answers,
     # so it hands in the unguarded functions, in the sanctioned context that lets a check take them.
-    for check, fn in ((checks.check_naive_attention, unguarded(naive_attention_reference)),
+    # check_naive_attention takes the definition's output: the eager baseline (naive_attention_reference)
+    # rounds its scores to the inputs' dtype, as model code does, and that check rejects it on purpose
+    def spec_out(q, k, v, causal=False):
+        return unguarded(attention_spec)(q, k, v, causal)[0]
+
+    for check, fn in ((checks.check_naive_attention, spec_out),
                       (checks.check_online_softmax, unguarded(online_softmax_reference)),
                       (checks.check_flash_attention, unguarded(flash_attention_reference))):
         try:

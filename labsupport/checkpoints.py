@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from . import families
+from ._answers import answer
 from .families import GGUF_PERMUTED_QK
 from .model_tokenizer import ModelTokenizer
 from .models import ModelConfig, from_hf_config
@@ -621,14 +622,30 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder} has no model.safetensors nor model.safetensors.index.json")
 
 
-def hf_state_dict(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The course model's weights from a Hugging Face folder's safetensors, renamed by
-    :data:`labsupport.families.WEIGHTS` (Hugging Face's q/k rows are already in the course's order)."""
-    safe_open = _lazy("safetensors").safe_open
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """``{transformers' name: the course model's name}`` for every tensor a model of ``cfg`` holds
+    (from :data:`labsupport.families.WEIGHTS`)."""
     by_hf = {}
     for key, (row, _) in families.weights(cfg).items():
         layer = key.split(".")[1] if row.per_layer else None
         by_hf[row.hf.format(i=layer)] = key
+    return by_hf
+
+
+@answer
+def rename_hf_weights(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``transformers`` state dict in the course model's names, tensors unchanged (Hugging Face's
+    q/k rows are already in the course's order); ``lm_head.weight`` of a tied model and RoPE's
+    ``inv_freq`` buffers are left out. The course's answer to lab 02's exercise."""
+    by_hf = hf_names(cfg)
+    return {by_hf[name]: tensor for name, tensor in hf_state.items() if name in by_hf}
+
+
+def hf_state_dict(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The course model's weights from a Hugging Face folder's safetensors, renamed by
+    :func:`hf_names` (Hugging Face's q/k rows are already in the course's order)."""
+    safe_open = _lazy("safetensors").safe_open
+    by_hf = hf_names(cfg)
     state: dict[str, torch.Tensor] = {}
     unexpected = []
     for file in safetensors_files(folder):

@@ -15,7 +15,9 @@
 # 4. train Hugging Face `tokenizers` on the same text with the same vocabulary size, and compare
 #    compression and speed in the same run;
 # 5. write the incremental detokenizer a server needs to stream text, which must never emit half
-#    a character; it is checked on characters whose bytes are split across tokens.
+#    a character; it is checked on characters whose bytes are split across tokens;
+# 6. write the filter that holds back text that may still become a stop string, checked on stop
+#    strings split across pieces.
 #
 # Everything runs on a CPU in seconds; no GPU is needed.
 #
@@ -42,6 +44,7 @@ from labsupport.checks import (
     check_bpe_encode,
     check_bpe_merges,
     check_incremental_detokenizer,
+    check_stop_strings,
 )
 from labsupport.timing import benchmark
 from labsupport.tokenizer import (
@@ -486,6 +489,81 @@ print(pieces)
 print("joined equals decode:", "".join(pieces) == tok.decode(ids))
 
 # %% [markdown]
+# ## 6. Stop strings, held back
+#
+# A request may name **stop strings** (`"stop": ["\n\nUser:"]` in an OpenAI request): the answer
+# ends where one first appears, and the stop string is not part of it. A stop string can arrive
+# split across tokens (`"\n"`, `"\nUs"`, `"er:"`), so a streaming server cannot send every piece as
+# it comes: text that may still become the start of a stop string waits until a later piece says
+# whether it does. Wait for too little and the client receives half a stop string it must never
+# see; wait for too much and every token reaches the client late.
+#
+# ### Exercise 4: hold back exactly what may begin a stop string
+#
+# Write the class `StopStringFilter(stops)` (`stops`: a list of non-empty strings, maybe empty):
+#
+# * `push(text)` adds a piece of the answer and returns a tuple `(text_to_send, stopped)`. Look for
+#   every stop string in *the text you hold plus the new piece*. If one occurs, return what comes
+#   before the **earliest** occurrence (whichever stop string it is) and `stopped=True`; the stop
+#   string and everything after it are dropped, and the stream ends there. Otherwise hold the
+#   **longest end** of that text that is the beginning of some stop string (`"\n"` for
+#   `"\n\nUser:"`, `"\n\nUs"` after another piece), send all the rest, and return `stopped=False`.
+# * `flush()` is called when the answer ends another way (end of sequence, length limit): return
+#   the text you still hold (it belongs to the answer) and empty it.
+#
+# The check pushes streams whose stop strings are split over several pieces, false starts
+# (`"</b>"` before `"</s>"`), two stop strings at once, and a real stream from the course
+# tokenizer, and compares what you have sent after every call with the rule.
+
+# %%
+class StopStringFilter:
+    def __init__(self, stops):
+        self.stops = list(stops)
+        self.held = ""  # text received but not yet sent
+
+    def push(self, text):
+        # BEGIN SOLUTION: find the earliest stop in held + text; else hold the longest end that begins a stop
+        text = self.held + text
+        hits = [text.find(s) for s in self.stops if s in text]
+        if hits:
+            self.held = ""
+            return text[:min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), keep, -1):
+                if text.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+        # END SOLUTION
+
+    def flush(self):
+        # BEGIN SOLUTION: return what is still held and empty it
+        text, self.held = self.held, ""
+        return text
+        # END SOLUTION
+
+
+# %%
+check_stop_strings(StopStringFilter)
+
+# %% [markdown]
+# Your detokenizer and your filter together, as a server streams an answer that meets a stop
+# string: each line is one token's piece and what the client received for it.
+
+# %% tags=["nbval-check-output"]
+answer_ids = tok.encode("The answer is 4.\n\nUser: and what else?")
+detok, stops = StreamDetokenizer(tok), StopStringFilter(["\n\nUser:"])
+for i in answer_ids:
+    piece = detok.push(i)
+    sent, stopped = stops.push(piece)
+    print(f"piece {piece!r:12} sent {sent!r}")
+    if stopped:
+        print("stopped: the stop string and what follows are never sent")
+        break
+
+# %% [markdown]
 # ## What you measured
 #
 # * Byte-level BPE never meets an unknown character: the worst case is one token per byte.
@@ -498,3 +576,6 @@ print("joined equals decode:", "".join(pieces) == tok.decode(ids))
 # * Streaming needs a detokenizer that holds back the bytes of an unfinished character; the server
 #   of chapter 03 uses the course's `labsupport.tokenizer.IncrementalDetokenizer`, which does what
 #   yours does.
+# * Stop strings can arrive split across tokens, so a server holds back exactly the text that may
+#   still begin one: less leaks a piece of it, more delays every token. The course server's back
+#   ends do it with `labsupport.stop_strings.split_at_stop`, the same rule as yours.

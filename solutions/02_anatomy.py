@@ -62,6 +62,7 @@ from labsupport.anatomy import (
 )
 from labsupport.checks import (
     check_decode_bytes_from_config,
+    check_hf_weight_names,
     check_param_count_by_component,
     check_params_from_config,
 )
@@ -568,6 +569,82 @@ print(f"predicted {predicted_s * 1e3:.2f} ms from the bytes, measured {measured_
 # step as the output matrix) is 151,936 x 1,024 weights, about a quarter of the model, so about a
 # quarter of each step's weight reads. The larger models spread the same kind of table over many more layer weights.
 # <!-- END SOLUTION -->
+
+# %% [markdown]
+# ## 9. Exercise: a checkpoint's names, read into the course model
+#
+# A checkpoint is a dict of tensors named by the code that trained it. transformers names Llama's query
+# projection of layer 3 `model.layers.3.self_attn.q_proj.weight`; the course model, whose module tree you
+# printed in section 1, calls it `layers.3.attention.wq.weight`. Loading a real model (chapter 02's last
+# section, `labsupport.checkpoints.load`) starts with this renaming. The tree below is transformers' own
+# for a small Qwen3 (q/k norms) next to the course model of the same shape.
+
+# %% tags=["nbval-check-output"]
+qwen3_tiny = ModelConfig("tiny-qwen3", 2, 64, 4, 2, 96, 160, head_dim=32, qk_norm=True)
+torch.manual_seed(0)
+hf_tiny = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**to_hf_config(qwen3_tiny)))
+course_tiny = Transformer(qwen3_tiny, seed=0)
+def layer0_and_top(state):  # (name, shape) of the tensors outside the layers and of layer 0
+    return [(k, tuple(v.shape)) for k, v in state.items() if ".layers." not in f".{k}" or ".0." in k]
+
+
+for title, state in (("transformers", hf_tiny.state_dict()), ("course model", course_tiny.state_dict())):
+    print(f"{title}:")
+    for name, shape in layer0_and_top(state):
+        print(f"  {name:48s} {shape}")
+
+# %% [markdown]
+# Write `course_state_dict(hf_state, cfg)`: the same tensors, unchanged (no transposing, no dtype change),
+# under the course model's names.
+#
+# * `model.embed_tokens` is `tok_embeddings`, `model.norm` is `norm`, and `lm_head` is `output`; a model whose
+#   embeddings are **tied** (`cfg.tied_embeddings`) has no `output`: its output layer reads `tok_embeddings`,
+#   and transformers' `lm_head.weight` (the same tensor) is left out.
+# * In `model.layers.{i}.` (which becomes `layers.{i}.`): `input_layernorm` is `attention_norm`,
+#   `post_attention_layernorm` is `ffn_norm`; `self_attn.q_proj`, `k_proj`, `v_proj`, `o_proj` are
+#   `attention.wq`, `wk`, `wv`, `wo` (their `.bias` too, where the model has them: Qwen2); `self_attn.q_norm`
+#   and `k_norm` (Qwen3) are `attention.q_norm` and `k_norm`; `mlp.gate_proj`, `up_proj`, `down_proj` are
+#   `feed_forward.w1`, `w3`, `w2` (the gate is the one passed through SiLU).
+#
+# The check renames the state dicts of four small models (Llama tied and untied, Qwen2 with biases, Qwen3
+# with q/k norms, every norm and bias set to distinct values), tells you which tensor went where, then loads
+# your dict into the course's `Transformer` and compares its logits with transformers'.
+
+# %%
+def course_state_dict(hf_state, cfg):
+    # BEGIN SOLUTION: rename each transformers tensor; leave lm_head out when the embeddings are tied
+    parts = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+             "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+             "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
+             "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}
+    top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+    out = {}
+    for name, tensor in hf_state.items():
+        if name in top:
+            if not (name == "lm_head.weight" and cfg.tied_embeddings):
+                out[top[name]] = tensor
+            continue
+        _, _, layer, rest = name.split(".", 3)  # model, layers, i, the module's path
+        module, _, kind = rest.rpartition(".")
+        out[f"layers.{layer}.{parts[module]}.{kind}"] = tensor
+    return out
+    # END SOLUTION
+
+
+# %%
+check_hf_weight_names(course_state_dict)
+
+# %% [markdown]
+# With your renaming, the small Qwen3 above runs in the course model and predicts what transformers predicts:
+
+# %% tags=["nbval-check-output"]
+course_tiny.load_state_dict(course_state_dict(hf_tiny.state_dict(), qwen3_tiny), strict=True)
+tokens = torch.tensor([[1, 5, 9, 2]])
+with torch.no_grad():
+    print("course model's next token:", int(course_tiny.forward_no_cache(tokens).argmax()),
+          "| transformers':", int(hf_tiny(tokens).logits[0, -1].argmax()))
 
 # %% [markdown]
 # ## What you measured

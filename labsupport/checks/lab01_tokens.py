@@ -9,6 +9,8 @@ import numbers
 import random
 from collections import Counter
 
+from .._answers import unguarded
+from ..stop_strings import split_at_stop
 from ..tokenizer import (
     END_OF_TEXT,
     BPETokenizer,
@@ -503,3 +505,142 @@ def _check_reuse(cls, tok, checker) -> None:
     if "".join(pieces) != tok.decode(second):
         checker.fail(case, f"the second stream came out as {''.join(pieces)!r}, expected {tok.decode(second)!r}: "
                            f"flush() must empty the buffer as well as return it.", STREAM_RULE)
+
+
+# --- stop strings in a stream (exercise 4) ---------------------------------------------------------------
+
+STOP_RULE = (
+    "keep the text you have not sent; after adding a piece, look for every stop string in the held text plus "
+    "the piece: if one occurs, send what comes before the earliest occurrence and return stopped=True; otherwise "
+    "hold the longest end of that text that is the beginning of some stop string and send the rest. flush() "
+    "returns what is still held and empties it."
+)
+
+
+def _run_stops(cls, stops, pieces):
+    """Push ``pieces`` into ``cls(stops)`` until it reports a stop, then flush if it never did: what
+    each call returned, as returned."""
+    filt = cls(list(stops))
+    out = []
+    for piece in pieces:
+        out.append(filt.push(piece))
+        if isinstance(out[-1], tuple) and len(out[-1]) == 2 and out[-1][1] is True:
+            return out
+    out.append(filt.flush())
+    return out
+
+
+def _reference_stops(stops, pieces) -> list[tuple[str, bool]]:
+    """The rule, call by call: ``(text sent, stopped)``; a last ``(flush, False)`` when no stop came."""
+    held, out = "", []
+    for piece in pieces:
+        send, held, stopped = unguarded(split_at_stop)(held + piece, stops)
+        out.append((send, stopped))
+        if stopped:
+            return out
+    out.append((held, False))
+    return out
+
+
+def _stop_cases(tok) -> list[tuple[str, list[str], list[str]]]:
+    """(label, stops, pieces): hand-made streams, a real one from the course tokenizer, random ones."""
+    detok = IncrementalDetokenizer(tok)
+    text = "The answer is 4.\n\nUser: and then?"
+    real = [detok.push(i) for i in bpe_encode(text, tok)] + [detok.flush()]
+    cases = [
+        ("a stop split over three pieces", ["\n\nUser:"], ["Sure.", "\n", "\nUs", "er:", " more"]),
+        ("a false start, then the stop", ["</s>"], ["a <", "/b> c", "</", "s>"]),
+        ("the earliest occurrence wins, not the first stop listed", ["world", "o"], ["hell", "o world"]),
+        ("a stop whose start repeats", ["aab"], ["xa", "a", "a", "b!"]),
+        ("two stops, each partly held in turn", ["###", "\nQ:"], ["A", "#", "\n", "Q", "uite"]),
+        ("no stop strings", [], ["a", "b", ""]),
+        ("the stop and text after it in one piece", ["STOP"], ["go STOP and more"]),
+        ("the stop at the very start", ["<|im_end|>"], ["<|im", "_end|>", "ignored"]),
+        ("no stop comes: flush sends what is held", ["END"], ["the E", "N"]),
+        ("empty pieces", ["ab"], ["", "a", "", "b"]),
+        ("characters beyond ASCII", ["。\n"], ["東京。", "\n次"]),
+        ("the course tokenizer's pieces", ["\n\nUser:"], real),
+    ]
+    rng = random.Random(1)  # fixed: a failure names the same case every run
+    for n in range(120):
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 2))]
+        text = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 12)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 5))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        cases.append((f"random stream {n}", stops, pieces))
+    return cases
+
+
+def _stop_problem(stops, pieces, got, want) -> str | None:
+    """What is wrong with the learner's calls ``got`` (``(text, stopped)`` each), or None."""
+    sent_got = sent_want = ""
+    for k, ((g_text, g_stop), (w_text, w_stop)) in enumerate(zip(got, want)):
+        call = f"push {k + 1}" if k < len(pieces) else "flush()"
+        sent_got, sent_want = sent_got + g_text, sent_want + w_text
+        so_far = "".join(pieces[:k + 1])
+        if w_stop and not g_stop:
+            found = min((s for s in stops if s in so_far), key=so_far.find)
+            where = ("it is inside this piece alone" if found in pieces[k]
+                     else "it began in text you held from earlier pieces: look in the held text plus the piece")
+            return f"after {call} the text so far is {so_far!r}: the stop string {found!r} is complete ({where}), " \
+                   f"but you did not return stopped=True."
+        if g_stop and not w_stop:
+            return f"you returned stopped=True at {call}, but no stop string of {stops} occurs in {so_far!r}."
+        if sent_got == sent_want:
+            continue
+        if w_stop:
+            firsts = [so_far[:so_far.find(s)] for s in stops if s in so_far]
+            listed = next(iter(firsts))
+            if sent_got == listed:
+                return (f"at {call} you cut {so_far!r} at the first stop string in the list that occurs, but another "
+                        f"occurs earlier: send {sent_want!r}, what comes before the earliest occurrence.")
+            if sent_got.startswith(sent_want) and any(sent_got[len(sent_want):].startswith(s) for s in stops):
+                return f"at {call} you sent {sent_got!r}: the stop string is not part of the answer; send {sent_want!r}."
+            return f"at {call} (a stop string completed) you had sent {sent_got!r} in all, expected {sent_want!r}."
+        if call == "flush()":
+            return (f"flush() returned {g_text!r}, expected {w_text!r}: when no stop string came, the text you "
+                    f"still hold belongs to the answer.")
+        if sent_got.startswith(sent_want):
+            extra = sent_got[len(sent_want):]
+            return (f"after {call} you had sent {sent_got!r}, but {extra!r} at its end could still become the start "
+                    f"of a stop string ({stops}): hold it until a later piece says whether it does.")
+        if sent_want.startswith(sent_got):
+            held = so_far[len(sent_got):]
+            return (f"after {call} you were holding {held!r}, but only {so_far[len(sent_want):]!r} can still begin a "
+                    f"stop string of {stops}: send the rest now; a client is waiting for it.")
+        return f"after {call} you had sent {sent_got!r} in all, expected {sent_want!r}."
+    return None
+
+
+@graded(points=8, bans=(split_at_stop,))
+def check_stop_strings(cls, checker):
+    """``cls(stops)`` must give an object whose ``push(text)`` returns ``(text to send, stopped)`` and
+    whose ``flush()`` returns what is held: it holds back exactly the text that may still begin a stop
+    string, and ends the answer before the earliest stop string."""
+    tok = course_tokenizer()
+    for label, stops, pieces in _stop_cases(tok):
+        shown = pieces if sum(map(len, pieces)) <= 40 else f"{len(pieces)} pieces"
+        case = Case(stream=label, stops=stops, pieces=shown)
+        runner = functools.partial(_run_stops, cls)
+        runner.__name__ = f"{getattr(cls, '__name__', 'your class')}.push"
+        raw = checker.call(runner, stops, pieces, case=case)
+        want = _reference_stops(stops, pieces)
+        got = []
+        for k, value in enumerate(raw):
+            is_flush = k == len(raw) - 1 and not (isinstance(value, tuple) and len(value) == 2 and value[1] is True)
+            if is_flush and k == len(pieces):
+                if not isinstance(value, str):
+                    checker.fail(case, f"flush() returned {type(value).__name__}, expected str (the text held).",
+                                 STOP_RULE)
+                got.append((value, False))
+            elif (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
+                  and isinstance(value[1], bool)):
+                got.append(value)
+            else:
+                checker.fail(case, f"push returned {value!r}, expected a tuple (text to send: str, stopped: bool).",
+                             STOP_RULE)
+        problem = _stop_problem(stops, pieces, got, want)
+        if problem is None and len(got) != len(want):
+            problem = f"your filter made {len(got)} calls' worth of output, expected {len(want)}."
+        if problem:
+            checker.fail(case, problem, STOP_RULE)

@@ -9,9 +9,18 @@ import random
 from collections.abc import Mapping
 
 from ..anatomy import COMPONENTS, param_count_by_component
+from ..checkpoints import hf_names, rename_hf_weights
 from ..config_costs import decode_bytes_from_config, params_from_config
 from ..costs import decode_step_bytes, param_count
-from ..models import HF_ARCHITECTURES, HF_CONFIGS, ModelConfig, from_hf_config, get_model, hf_config
+from ..models import (
+    HF_ARCHITECTURES,
+    HF_CONFIGS,
+    ModelConfig,
+    from_hf_config,
+    get_model,
+    hf_config,
+    to_hf_config,
+)
 from .framework import Case, ForbiddenCall, graded
 
 COUNT_RULE = (
@@ -345,3 +354,101 @@ def check_decode_bytes_from_config(fn, checker):
         expected = decode_bytes_from_config.__wrapped__(config, batch, context, dtype)
         checker.expect_number(got, float(expected), case=case, rel=1e-12, what="bytes read", hint=BYTES_RULE,
                               mistakes=_bytes_mistakes(config, batch, context, dtype))
+
+
+# --- transformers' weight names to the course model's (exercise 5) -----------------------------------
+
+HF_NAME_RULE = (
+    "rename every tensor of the transformers state dict, tensors unchanged: model.embed_tokens -> tok_embeddings, "
+    "model.layers.{i}.input_layernorm -> layers.{i}.attention_norm, self_attn.q_proj/k_proj/v_proj/o_proj -> "
+    "attention.wq/wk/wv/wo (weights and biases), self_attn.q_norm/k_norm -> attention.q_norm/k_norm, "
+    "post_attention_layernorm -> ffn_norm, mlp.gate_proj/up_proj/down_proj -> feed_forward.w1/w3/w2, model.norm -> "
+    "norm, lm_head -> output (left out when the embeddings are tied: the output reuses tok_embeddings)."
+)
+
+
+def _hf_name_cases() -> list[tuple[str, ModelConfig]]:
+    """Small models of each shape of state dict the four families produce."""
+    return [
+        ("Llama, tied embeddings", ModelConfig("tiny-llama-tied", 2, 64, 4, 2, 96, 160, tied_embeddings=True)),
+        ("Llama, untied: lm_head is its own tensor", ModelConfig("tiny-llama", 2, 64, 4, 2, 96, 160)),
+        ("Qwen2: q/k/v biases", ModelConfig("tiny-qwen2", 2, 64, 4, 2, 96, 160, tied_embeddings=True, qkv_bias=True)),
+        ("Qwen3: q/k norms, head width 32 on d_model 64",
+         ModelConfig("tiny-qwen3", 3, 64, 4, 2, 96, 160, head_dim=32, qk_norm=True)),
+    ]
+
+
+def _tiny_hf_model(cfg: ModelConfig, seed: int):
+    """A randomly initialised transformers model of ``cfg`` (its own architecture code), in eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(**{**to_hf_config(cfg), "initializer_range": 0.2})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: every one made distinct, so a swap shows
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+    return model
+
+
+def _which_hf_tensor(value, hf_state) -> str | None:
+    """The name of the transformers tensor equal to ``value``, if any."""
+    for name, tensor in hf_state.items():
+        if tuple(tensor.shape) == tuple(getattr(value, "shape", ())) and bool((tensor == value).all()):
+            return name
+    return None
+
+
+@graded(points=6, bans=(rename_hf_weights,))
+def check_hf_weight_names(fn, checker):
+    """``fn(hf_state, cfg)`` must return the course model's state dict: every tensor renamed, none
+    changed, ``lm_head`` left out when tied; loaded into the course's ``Transformer``, it must give
+    transformers' logits."""
+    import torch
+
+    from ..transformer import Transformer
+
+    for n, (label, cfg) in enumerate(_hf_name_cases()):
+        hf = _tiny_hf_model(cfg, seed=n)
+        hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+        case = Case(model=label, tensors=len(hf_state))
+        got = checker.call(fn, dict(hf_state), cfg, case=case)
+        if not isinstance(got, Mapping):
+            checker.fail(case, f"returned {type(got).__name__}, expected a dict {{course name: tensor}}.", HF_NAME_RULE)
+        want = rename_hf_weights.__wrapped__(hf_state, cfg)
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        if extra:
+            hint = (" lm_head.weight has no place in a tied model: the output layer is tok_embeddings.weight."
+                    if "output.weight" in extra and cfg.tied_embeddings else "")
+            checker.fail(case, f"your dict has names the course model does not: {extra[:4]}.{hint}", HF_NAME_RULE)
+        if missing:
+            source = {v: k for k, v in hf_names(cfg).items()}
+            checker.fail(case, f"your dict lacks {missing[:4]} (from transformers' "
+                               f"{[source[m] for m in missing[:4]]}).", HF_NAME_RULE)
+        for key, tensor in want.items():
+            value = got[key]
+            if isinstance(value, torch.Tensor) and value.dtype != tensor.dtype:
+                checker.fail(case, f"{key} is {str(value.dtype).replace('torch.', '')}, transformers' tensor is "
+                                   f"{str(tensor.dtype).replace('torch.', '')}: rename the tensors, do not convert "
+                                   f"them (the loader chooses the dtype later).", HF_NAME_RULE)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(tensor.shape) \
+                    or not bool((value == tensor).all()):
+                held = _which_hf_tensor(value, hf_state) if isinstance(value, torch.Tensor) else None
+                source = {v: k for k, v in hf_names(cfg).items()}[key]
+                what = (f"holds transformers' {held}" if held else
+                        f"holds a tensor of shape {tuple(value.shape)} equal to no tensor of the state dict"
+                        if isinstance(value, torch.Tensor) else f"holds a {type(value).__name__}")
+                checker.fail(case, f"{key} {what}; it should be {source}, unchanged (shape {tuple(tensor.shape)}).",
+                             HF_NAME_RULE)
+        model = Transformer(cfg)
+        model.load_state_dict(dict(got), strict=True, assign=True)
+        prompt = torch.randint(0, cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            ours = model.forward_no_cache(prompt)[0]
+            theirs = hf(prompt).logits[0, -1].float()
+        error = float((ours - theirs).abs().max())
+        if error > 1e-3:
+            checker.fail(case, f"the course model with your weights gives logits {error:.3g} away from transformers' "
+                               f"(tolerance 1e-3).", HF_NAME_RULE)

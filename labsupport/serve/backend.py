@@ -36,6 +36,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..stop_strings import split_at_stop
 from .served_model import BASE_PRESET, ServedModel, course_model
 
 TIMELINES_KEPT = 256  # the most recent requests whose timelines stay available
@@ -172,19 +173,8 @@ class _StopStrings:
         it is sent; the stop string and what follows are dropped)."""
         if not self.stops:
             return text, False
-        buffer = self.held + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return buffer[:min(hits)], True
-        keep = 0  # the longest end of the buffer that begins some stop string
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buffer)), keep, -1):
-                if buffer.endswith(s[:k]):
-                    keep = k
-                    break
-        self.held = buffer[len(buffer) - keep:]
-        return buffer[:len(buffer) - keep], False
+        send, self.held, stopped = split_at_stop(self.held + text, self.stops)
+        return send, stopped
 
     def flush(self) -> str:
         text, self.held = self.held, ""

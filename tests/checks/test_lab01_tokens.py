@@ -14,6 +14,7 @@ from labsupport.checks import (
     check_bpe_encode,
     check_bpe_merges,
     check_incremental_detokenizer,
+    check_stop_strings,
 )
 from labsupport.checks.framework import Checker
 from labsupport.tokenizer import IncrementalDetokenizer, bpe_decode, bpe_encode, bpe_merges, pretokenize
@@ -439,3 +440,172 @@ def test_a_decoder_raising_key_error_is_told_to_raise_value_error():
 
     message = failure(check_bpe_decode, key_error)
     assert "raised KeyError" in message and "must raise ValueError" in message
+
+
+# --- check_stop_strings ---------------------------------------------------------------------------------
+
+
+class LearnerStops:
+    """Exercise 4 as the lab asks: hold exactly what may still begin a stop string."""
+
+    def __init__(self, stops):
+        self.stops, self.held = list(stops), ""
+
+    def push(self, text):
+        buf = self.held + text
+        hits = [buf.find(s) for s in self.stops if s in buf]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self):
+        text, self.held = self.held, ""
+        return text
+
+
+def _stop_found(self, buf):
+    hits = [buf.find(s) for s in self.stops if s in buf]
+    return min(hits) if hits else None
+
+
+def _hold(self, buf, keep):
+    self.held = buf[len(buf) - keep:]
+    return buf[:len(buf) - keep], False
+
+
+def _no_hold(self, text):
+    buf, self.held = self.held + text, ""
+    i = _stop_found(self, buf)
+    return (buf[:i], True) if i is not None else (buf, False)
+
+
+def _piece_only(self, text):  # looks for a stop in the new piece alone
+    i = _stop_found(self, text)
+    if i is not None:
+        out, self.held = self.held + text[:i], ""
+        return out, True
+    buf = self.held + text
+    keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+    return _hold(self, buf, keep)
+
+
+def _fixed_tail(self, text):  # holds len(longest stop) - 1 characters whatever they are
+    buf = self.held + text
+    i = _stop_found(self, buf)
+    if i is not None:
+        self.held = ""
+        return buf[:i], True
+    return _hold(self, buf, min(len(buf), max(map(len, self.stops), default=1) - 1))
+
+
+def _first_listed(self, text):
+    buf = self.held + text
+    for s in self.stops:
+        if s in buf:
+            self.held = ""
+            return buf[:buf.find(s)], True
+    return LearnerStops.push(self, text)
+
+
+def _with_the_stop(self, text):
+    buf = self.held + text
+    hits = [(buf.find(s), s) for s in self.stops if s in buf]
+    if hits:
+        i, s = min(hits)
+        self.held = ""
+        return buf[:i + len(s)], True
+    return LearnerStops.push(self, text)
+
+
+def _longest_prefix_only(self, text):  # holds only an end equal to all of a stop but its last character
+    buf = self.held + text
+    i = _stop_found(self, buf)
+    if i is not None:
+        self.held = ""
+        return buf[:i], True
+    keep = max((len(s) - 1 for s in self.stops if len(s) > 1 and buf.endswith(s[:-1])), default=0)
+    return _hold(self, buf, keep)
+
+
+def _first_stop_held_only(self, text):  # holds back for the first stop string only
+    buf = self.held + text
+    i = _stop_found(self, buf)
+    if i is not None:
+        self.held = ""
+        return buf[:i], True
+    first = self.stops[:1]
+    keep = max((k for s in first for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+    return _hold(self, buf, keep)
+
+
+def _stopped_as_text(self, text):
+    sent, stopped = LearnerStops.push(self, text)
+    return sent, ("stop" if stopped else None)
+
+
+def _flush_keeps(self):
+    return ""
+
+
+STOP_MUTANTS = {
+    "no_hold_back": ({"push": _no_hold}, "could still become the start of a stop string"),
+    "the_new_piece_alone": ({"push": _piece_only}, "look in the held text plus the piece"),
+    "a_fixed_tail": ({"push": _fixed_tail}, "send the rest now; a client is waiting"),
+    "the_first_stop_listed": ({"push": _first_listed}, "the first stop string in the list that occurs"),
+    "the_stop_string_sent": ({"push": _with_the_stop}, "the stop string is not part of the answer"),
+    "only_a_whole_stop_but_one": ({"push": _longest_prefix_only}, "could still become the start"),
+    "held_for_the_first_stop_only": ({"push": _first_stop_held_only}, "could still become the start"),
+    "stopped_as_a_string": ({"push": _stopped_as_text}, "expected a tuple (text to send: str, stopped: bool)"),
+    "flush_returns_nothing": ({"flush": _flush_keeps}, "the text you still hold belongs to the answer"),
+}
+
+
+def test_stop_strings_reference_passes(capsys):
+    check_stop_strings(LearnerStops)
+    assert "PASSED check_stop_strings" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(STOP_MUTANTS))
+def test_stop_strings_mistakes_are_named(name):
+    methods, message = STOP_MUTANTS[name]
+    assert message in failure(check_stop_strings, type(name, (LearnerStops,), methods))
+
+
+def test_stop_strings_stub_and_course_answer_are_refused():
+    from labsupport.stop_strings import split_at_stop
+
+    class Stub:
+        def __init__(self, stops):
+            pass
+
+        def push(self, text):
+            raise NotImplementedError("exercise 4")
+
+        def flush(self):
+            raise NotImplementedError("exercise 4")
+
+    assert "still raises NotImplementedError" in failure(check_stop_strings, Stub)
+
+    class CourseAnswer(LearnerStops):
+        def push(self, text):
+            sent, self.held, stopped = split_at_stop(self.held + text, self.stops)
+            return sent, stopped
+
+    assert "the course's own answer" in failure(check_stop_strings, CourseAnswer)
+
+
+def test_the_servers_stop_strings_are_the_rule():
+    """The course server's back ends hold back text by the same rule the check grades."""
+    from labsupport.serve.backend import _StopStrings
+
+    out = _StopStrings(("\n\nUser:",))
+    assert out.push("Sure.") == ("Sure.", False) and out.push("\n") == ("", False)
+    assert out.push("\nUs") == ("", False) and out.push("er: more") == ("", True)

@@ -298,3 +298,106 @@ def test_the_random_configs_differ_between_runs_and_are_valid():
     drawn = [config for _ in range(10) for label, config in config_cases() if label.startswith("random")]
     assert len({str(sorted(c.items())) for c in drawn}) == len(drawn) == 20
     assert all(from_hf_config(c) for c in drawn)
+
+
+# --- check_hf_weight_names ------------------------------------------------------------------------------
+
+_HF_PARTS = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+             "self_attn.o_proj": "attention.wo", "self_attn.q_norm": "attention.q_norm",
+             "self_attn.k_norm": "attention.k_norm", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+             "mlp.down_proj": "feed_forward.w2"}
+_HF_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+
+
+def learner_rename(hf_state, cfg, keep_tied_head=False):
+    out = {}
+    for name, tensor in hf_state.items():
+        if name in _HF_TOP:
+            if keep_tied_head or not (name == "lm_head.weight" and cfg.tied_embeddings):
+                out[_HF_TOP[name]] = tensor
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, _, kind = rest.rpartition(".")
+        out[f"layers.{layer}.{_HF_PARTS[module]}.{kind}"] = tensor
+    return out
+
+
+def _swapped(a, b):
+    def rename(hf_state, cfg):
+        out = learner_rename(hf_state, cfg)
+        for key in [k for k in out if k.endswith(f"{a}.weight")]:
+            other = key.replace(a, b)
+            out[key], out[other] = out[other], out[key]
+        return out
+    return rename
+
+
+def _layers_shifted(hf_state, cfg):
+    out = {}
+    for key, tensor in learner_rename(hf_state, cfg).items():
+        if key.startswith("layers."):
+            _, i, rest = key.split(".", 2)
+            key = f"layers.{(int(i) + 1) % cfg.n_layers}.{rest}"
+        out[key] = tensor
+    return out
+
+
+HF_NAME_MUTANTS = {
+    "gate_and_up_swapped": (_swapped("w1", "w3"), "holds transformers' model.layers.0.mlp.up_proj.weight"),
+    "the_two_norms_swapped": (_swapped("attention_norm", "ffn_norm"), "post_attention_layernorm.weight"),
+    "q_and_k_norms_swapped": (_swapped("q_norm", "k_norm"), "holds transformers' model.layers.0.self_attn.k_norm"),
+    "a_tied_head_kept": (lambda s, c: learner_rename(s, c, keep_tied_head=True), "has no place in a tied model"),
+    "an_untied_head_dropped": (lambda s, c: {k: v for k, v in learner_rename(s, c).items() if k != "output.weight"},
+                               "lacks ['output.weight']"),
+    "biases_dropped": (lambda s, c: {k: v for k, v in learner_rename(s, c).items() if not k.endswith(".bias")},
+                       "lacks ['layers.0.attention.wk.bias'"),
+    "weights_transposed": (lambda s, c: {k: v.T if v.ndim == 2 else v for k, v in learner_rename(s, c).items()},
+                           "equal to no tensor of the state dict"),
+    "layers_off_by_one": (_layers_shifted, "holds transformers' model.layers.1."),
+    "converted_to_float64": (lambda s, c: {k: v.double() for k, v in learner_rename(s, c).items()},
+                             "rename the tensors, do not convert them"),
+}
+
+
+def test_hf_weight_names_reference_passes(capsys):
+    from labsupport.checks import check_hf_weight_names
+
+    check_hf_weight_names(learner_rename)
+    assert "PASSED check_hf_weight_names" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(HF_NAME_MUTANTS))
+def test_hf_weight_names_mistakes_are_named(name):
+    from labsupport.checks import check_hf_weight_names
+
+    fn, message = HF_NAME_MUTANTS[name]
+    with pytest.raises(CheckFailed) as info:
+        check_hf_weight_names(fn)
+    assert message in str(info.value)
+
+
+def test_hf_weight_names_refuses_the_course_answer_and_the_stub():
+    from labsupport.checkpoints import rename_hf_weights
+    from labsupport.checks import check_hf_weight_names
+
+    with pytest.raises(CheckFailed, match="the course's own answer"):
+        check_hf_weight_names(lambda s, c: rename_hf_weights(s, c))
+
+    def stub(hf_state, cfg):
+        raise NotImplementedError("exercise")
+
+    with pytest.raises(CheckFailed, match="still raises NotImplementedError"):
+        check_hf_weight_names(stub)
+
+
+def test_the_loaders_renaming_is_the_table():
+    """checkpoints.hf_state_dict and the exercise's answer read one table: every row's names."""
+    from labsupport.checkpoints import hf_names
+    from labsupport.models import ModelConfig
+
+    cfg = ModelConfig("t", 2, 64, 4, 2, 96, 160, qkv_bias=True)
+    names = hf_names(cfg)
+    assert names["model.layers.1.mlp.gate_proj.weight"] == "layers.1.feed_forward.w1.weight"
+    assert names["lm_head.weight"] == "output.weight" and names["model.layers.0.self_attn.q_proj.bias"].endswith("wq.bias")

@@ -59,6 +59,8 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + o, tl.load(x_ptr + o, mask=m) + tl.load(y_ptr + o, mask=m), mask=m)
 
 def add(x, y):
+    assert x.shape == y.shape, "x and y must have the same length"
+    x, y = x.contiguous(), y.contiguous()
     out = torch.empty_like(x)
     add_kernel[(triton.cdiv(x.numel(), 128),)](x, y, out, x.numel(), BLOCK=128)
     return out"""
