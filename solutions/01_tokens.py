@@ -509,7 +509,8 @@ print("joined equals decode:", "".join(pieces) == tok.decode(ids))
 #   **longest end** of that text that is the beginning of some stop string (`"\n"` for
 #   `"\n\nUser:"`, `"\n\nUs"` after another piece), send all the rest, and return `stopped=False`.
 # * `flush()` is called when the answer ends another way (end of sequence, length limit): return
-#   the text you still hold (it belongs to the answer) and empty it.
+#   the text you still hold (it belongs to the answer) and empty it. After a stop nothing is held (what
+#   followed the stop string is dropped), so a `flush()` then returns `""`.
 #
 # The check pushes streams whose stop strings are split over several pieces, false starts
 # (`"</b>"` before `"</s>"`), two stop strings at once, and a real stream from the course

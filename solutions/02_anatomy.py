@@ -606,9 +606,10 @@ for title, state in (("transformers", hf_tiny.state_dict()), ("course model", co
 #   and `k_norm` (Qwen3) are `attention.q_norm` and `k_norm`; `mlp.gate_proj`, `up_proj`, `down_proj` are
 #   `feed_forward.w1`, `w3`, `w2` (the gate is the one passed through SiLU).
 #
-# The check renames the state dicts of four small models (Llama tied and untied, Qwen2 with biases, Qwen3
-# with q/k norms, every norm and bias set to distinct values), tells you which tensor went where, then loads
-# your dict into the course's `Transformer` and compares its logits with transformers'.
+# The check renames the state dicts of five small models (Llama tied and untied, Qwen2 with biases, Qwen3
+# with q/k norms, a 12-layer Llama in bfloat16; every norm and bias set to distinct values), tells you which
+# tensor went where, then loads your dict into the course's `Transformer` and compares its logits with
+# transformers'.
 
 # %%
 def course_state_dict(hf_state, cfg):

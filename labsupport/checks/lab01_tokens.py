@@ -560,6 +560,9 @@ def _stop_cases(tok) -> list[tuple[str, list[str], list[str]]]:
         ("empty pieces", ["ab"], ["", "a", "", "b"]),
         ("characters beyond ASCII", ["。\n"], ["東京。", "\n次"]),
         ("the course tokenizer's pieces", ["\n\nUser:"], real),
+        ("the longer hold of two stops wins", ["\nA", "\n\nUser:"], ["hi\n\n", "User: x"]),
+        ("letter case matters", ["STOP"], ["please stop here"]),
+        ("a stop that starts first but is completed last", ["abcd", "bc"], ["abcd"]),
     ]
     rng = random.Random(1)  # fixed: a failure names the same case every run
     for n in range(120):
@@ -644,3 +647,25 @@ def check_stop_strings(cls, checker):
             problem = f"your filter made {len(got)} calls' worth of output, expected {len(want)}."
         if problem:
             checker.fail(case, problem, STOP_RULE)
+    _check_nothing_left(cls, checker)
+
+
+def _check_nothing_left(cls, checker) -> None:
+    """flush() empties what it returns, and after a stop nothing is held (what followed is dropped)."""
+    for label, pieces, extra in (("a second flush()", ["the E"], "flush() once more"),
+                                 ("flush() after a stop", ["go STOP and more"], "flush() after the stop")):
+        case = Case(stream=label, stops=["END", "STOP"], pieces=pieces)
+
+        def run(pieces=pieces, label=label):
+            filt = cls(["END", "STOP"])
+            for piece in pieces:
+                filt.push(piece)
+            if label == "a second flush()":
+                filt.flush()
+            return filt.flush()
+
+        run.__name__ = f"{getattr(cls, '__name__', 'your class')}.flush"
+        left = checker.call(run, case=case)
+        if left != "":
+            checker.fail(case, f"{extra} returned {left!r}, expected '': flush() empties what it returns, and the "
+                               f"text after a stop string is dropped, never held.", STOP_RULE)

@@ -555,7 +555,45 @@ def _flush_keeps(self):
     return ""
 
 
+def _case_blind(self, text):
+    buf = self.held + text
+    low = buf.lower()
+    hits = [low.find(s.lower()) for s in self.stops if s.lower() in low]
+    if hits:
+        self.held = ""
+        return buf[:min(hits)], True
+    return LearnerStops.push(self, text)
+
+
+def _flush_keeps_it(self):
+    return self.held
+
+
+def _held_after_the_stop(self, text):
+    buf = self.held + text
+    hits = [(buf.find(s), s) for s in self.stops if s in buf]
+    if hits:
+        i, s = min(hits)
+        self.held = buf[i + len(s):]
+        return buf[:i], True
+    return LearnerStops.push(self, text)
+
+
+def _first_complete(self, text):  # one character at a time: the stop completed first, not the one begun first
+    sent = ""
+    for ch in text:
+        sent_part, stopped = LearnerStops.push(self, ch)
+        sent += sent_part
+        if stopped:
+            return sent, True
+    return sent, False
+
+
 STOP_MUTANTS = {
+    "letter_case_ignored": ({"push": _case_blind}, "no stop string of ['STOP'] occurs in 'please stop here'"),
+    "flush_does_not_empty": ({"flush": _flush_keeps_it}, "flush() once more returned 'E'"),
+    "text_after_the_stop_held": ({"push": _held_after_the_stop}, "flush() after the stop returned"),
+    "the_stop_completed_first": ({"push": _first_complete}, "a stop that starts first but is completed last"),
     "no_hold_back": ({"push": _no_hold}, "could still become the start of a stop string"),
     "the_new_piece_alone": ({"push": _piece_only}, "look in the held text plus the piece"),
     "a_fixed_tail": ({"push": _fixed_tail}, "send the rest now; a client is waiting"),

@@ -344,7 +344,17 @@ def _layers_shifted(hf_state, cfg):
     return out
 
 
+def _one_digit_layers(hf_state, cfg):  # a pattern that reads one digit: layers 10 and up are lost
+    import re
+
+    return {k: v for k, v in learner_rename(hf_state, cfg).items()
+            if not k.startswith("layers.") or re.fullmatch(r"layers\.\d\..*", k)}
+
+
 HF_NAME_MUTANTS = {
+    "layers_10_and_up_lost": (_one_digit_layers, "your dict lacks ['layers.10."),
+    "converted_to_float32": (lambda s, c: {k: v.float() for k, v in learner_rename(s, c).items()},
+                             "is float32, transformers' tensor is bfloat16"),
     "gate_and_up_swapped": (_swapped("w1", "w3"), "holds transformers' model.layers.0.mlp.up_proj.weight"),
     "the_two_norms_swapped": (_swapped("attention_norm", "ffn_norm"), "post_attention_layernorm.weight"),
     "q_and_k_norms_swapped": (_swapped("q_norm", "k_norm"), "holds transformers' model.layers.0.self_attn.k_norm"),
