@@ -40,9 +40,10 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from ._answers import answer
+from ._loopback import LoopbackService, reply_json
 from ._optional import OptionalModule
 from ._validate import positive_int, positive_number
 from .bench_serving import _run_sync, random_prompts, run_benchmark
@@ -176,14 +177,7 @@ def closed_loop_latencies(duration_s: float, service_s: float, stall: tuple[floa
     return out
 
 
-class _Server(ThreadingHTTPServer):
-    # a class attribute, read when the socket starts listening: http.server's default backlog of 5
-    # drops connections when dozens arrive at once on a busy machine, and the client retries 1 s later
-    request_queue_size = 128
-    daemon_threads = True
-
-
-class SlowService:
+class SlowService(LoopbackService):
     """A real HTTP service on 127.0.0.1 that answers ``GET /work?i=I`` after ``delay_s(i)`` seconds
     (a number, or a function of ``i``) with ``{"i": I}``, from a thread per request, and records when
     each request arrived and finished (``time.perf_counter``; "finished" is taken just before the answer
@@ -196,7 +190,6 @@ class SlowService:
         self.finished: dict[int, float] = {}
         self.max_in_flight = 0
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
 
     def __enter__(self) -> SlowService:
         service = self
@@ -213,27 +206,15 @@ class SlowService:
                     service.arrived[i] = now
                     service.max_in_flight = max(service.max_in_flight, len(service.arrived) - len(service.finished))
                 time.sleep(service.delay(i))
-                body = json.dumps({"i": i}).encode()
                 with service._lock:  # before the answer leaves: a client holding it always sees this
                     service.finished[i] = time.perf_counter()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                reply_json(self, 200, {"i": i})
 
             def log_message(self, *args):  # quiet
                 pass
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True, name="SlowService").start()
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._start(Handler, "SlowService")
         return self
-
-    def __exit__(self, *exc) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
 
     def send(self, i: int) -> dict:
         """One request for ``i``, blocking until its answer: ``{"i": i}``."""

@@ -34,16 +34,16 @@ up to a quarter at random.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from ._answers import answer
+from ._loopback import LoopbackService, reply_json
 from ._validate import non_negative_number, positive_int, positive_number
 
 __all__ = ["RETRYABLE", "Attempt", "RetryAfterService", "backoff_wait", "retry_after_seconds", "send_with_backoff"]
@@ -102,12 +102,7 @@ class Attempt:
     retry_after_s: float | None  # what a 429 asked for
 
 
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 128  # a burst of clients must not be dropped by the listen backlog
-    daemon_threads = True
-
-
-class RetryAfterService:
+class RetryAfterService(LoopbackService):
     """A real HTTP service on 127.0.0.1 with ``slots`` slots: ``GET /work?client=NAME`` takes a free
     slot, holds it ``service_s`` seconds and answers 200 ``{"client": NAME}``; when every slot is
     taken it answers 429 at once with ``Retry-After: retry_after_s``. ``attempts`` is the log of
@@ -121,7 +116,6 @@ class RetryAfterService:
         self.attempts: list[Attempt] = []
         self._busy = 0
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
 
     def __enter__(self) -> RetryAfterService:
         service = self
@@ -146,27 +140,13 @@ class RetryAfterService:
                 with service._lock:  # logged before the answer leaves: a client holding it finds it here
                     service.attempts.append(Attempt(client, arrived, status, time.perf_counter(),
                                                     float(service.retry_after_s) if status == 429 else None))
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply_json(self, status, body, headers)
 
             def log_message(self, *args):  # quiet
                 pass
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True, name="RetryAfterService").start()
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._start(Handler, "RetryAfterService")
         return self
-
-    def __exit__(self, *exc) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
 
     def send(self, client: str, timeout_s: float = 30.0):
         """One request as ``client``: the ``httpx.Response`` (200 or 429)."""
