@@ -22,11 +22,16 @@ each line prefixed with ``[rank r]``.
 
 Functions defined in a notebook
 -------------------------------
-Each rank is a fresh Python interpreter (``python -c`` through :mod:`subprocess`, as torchrun
-starts its workers), never a fork: a fork after CUDA is initialised is an error, and a fork of a
-multi-threaded Jupyter kernel can deadlock. Unlike multiprocessing's ``spawn`` it does not re-run
-the parent's main script in the child, so a script without ``if __name__ == "__main__":`` works
-too. The function reaches the child pickled, and pickle sends a function by name: the child
+Each rank is a fresh Python process, never a fork of the caller: a fork after CUDA is initialised
+is an error, and a fork of a multi-threaded Jupyter kernel can deadlock. On Linux the ranks are
+forked from a *zygote*: one helper process per caller, started with ``python -c`` on the first
+launch, which imports torch (and the course module whose function is launched) once, never touches
+CUDA, runs a single thread, and forks a rank on request, as multiprocessing's ``forkserver`` does.
+Importing torch takes a CPU a couple of seconds; a ring check that starts nine ranks no longer pays
+it nine times. Elsewhere, or with ``LABSUPPORT_LAUNCH=subprocess`` in the environment, each rank is
+started with ``python -c`` through :mod:`subprocess`, as torchrun starts its workers. Either way,
+unlike multiprocessing's ``spawn``, the parent's main script is not re-run in the child, so a script
+without ``if __name__ == "__main__":`` works too. The function reaches the child pickled, and pickle sends a function by name: the child
 imports its module and looks it up. A function defined in a notebook lives in ``__main__``,
 which the child does not have. So :func:`launch` pickles such functions *by source*: their text (from
 ``inspect.getsource``, which works in Jupyter and IPython), plus the globals they name: modules
@@ -39,14 +44,17 @@ importable modules (the course's own, or a ``.py`` file of yours) travel by name
 from __future__ import annotations
 
 import ast
+import atexit
 import builtins
 import contextlib
 import datetime
 import importlib
 import inspect
 import io
+import json
 import os
 import pickle
+import select
 import shutil
 import signal
 import socket
@@ -295,6 +303,225 @@ def _show_output(outdir: str, ranks: int) -> None:
 CHILD_COMMAND = "from labsupport.distributed import _child_main; _child_main()"
 
 
+# --- the zygote: ranks forked from a process that has imported torch ---------------------------
+
+ZYGOTE_COMMAND = "from labsupport.distributed import _zygote_main; _zygote_main()"
+ZYGOTE_PRELOAD = ("torch", "torch.distributed")
+ZYGOTE_START_TIMEOUT = 120.0  # seconds the zygote may take to import torch (a loaded two-core machine)
+
+
+def _zygote_main() -> None:
+    """The zygote's loop: one request per line on stdin, answers on stdout; it forks each rank.
+
+    Requests are JSON: ``{"id": N, "argv": [...], "env": {...}, "cwd": ..., "stdout": path,
+    "stderr": path, "preload": [module, ...]}``. Answers: ``ready``, ``started ID PID``, ``failed ID
+    MESSAGE`` and ``exited PID CODE`` (``CODE`` as :attr:`subprocess.Popen.returncode` has it). One
+    thread only, so that a fork copies no lock another thread holds; it exits at the end of stdin.
+    """
+    for name in ZYGOTE_PRELOAD:
+        importlib.import_module(name)
+
+    def say(line: str) -> None:
+        os.write(1, (line + "\n").encode())
+
+    say("ready")
+    pending = b""
+    children: set[int] = set()
+    while True:
+        ready, _, _ = select.select([0], [], [], POLL if children else None)
+        if ready:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                os._exit(0)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                for name in request.get("preload", ()):
+                    with contextlib.suppress(Exception):
+                        importlib.import_module(name)
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    say(f"failed {request['id']} {exc}")
+                    continue
+                if pid == 0:
+                    _zygote_child(request)
+                children.add(pid)
+                say(f"started {request['id']} {pid}")
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            say(f"exited {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def _zygote_child(request: dict) -> None:
+    """In the forked rank: its own session, files for its output, the caller's environment and folder,
+    then :func:`_child_main` as ``python -c`` would run it. Never returns."""
+    code = 1
+    try:
+        os.setsid()  # its own session: a kill reaches anything the rank started too
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
+                                (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = ["-c", *request["argv"]]
+        _child_main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 (shown in the rank's stderr, read back by the parent)
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+class _ForkedRank:
+    """A rank the zygote forked, with the part of :class:`subprocess.Popen` that :func:`launch` uses."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout)
+            time.sleep(POLL)
+        return self.returncode
+
+
+class _Zygote:
+    """The launching side of one zygote: starts it, asks it for ranks, learns how they exited."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.started: dict[int, str] = {}
+        self.exits: dict[int, int] = {}
+        self.alive = True
+        self.next_id = 0
+        self.process = subprocess.Popen([sys.executable, "-c", ZYGOTE_COMMAND], env=env, start_new_session=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True, name="labsupport-zygote").start()
+
+    def _read(self) -> None:
+        for raw in self.process.stdout:
+            word, _, rest = raw.decode().strip().partition(" ")
+            with self.changed:
+                if word == "ready":
+                    self.ready.set()
+                elif word in ("started", "failed"):
+                    key, _, value = rest.partition(" ")
+                    self.started[int(key)] = f"{word} {value}"
+                elif word == "exited":
+                    pid, _, code = rest.partition(" ")
+                    self.exits[int(pid)] = int(code)
+                self.changed.notify_all()
+        with self.changed:
+            self.alive = False
+            self.ready.set()
+            self.changed.notify_all()
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdout: str, stderr: str, preload: list[str]) -> _ForkedRank:
+        """Fork one rank; raises OSError if the zygote cannot (the caller then starts it itself)."""
+        if not self.ready.wait(ZYGOTE_START_TIMEOUT) or not self.alive:
+            raise OSError("the zygote did not start")
+        with self.lock:
+            request_id, self.next_id = self.next_id, self.next_id + 1
+            line = json.dumps({"id": request_id, "argv": argv, "env": env, "cwd": os.getcwd(), "stdout": stdout,
+                               "stderr": stderr, "preload": preload}) + "\n"
+            try:
+                self.process.stdin.write(line.encode())
+                self.process.stdin.flush()
+            except (OSError, ValueError) as exc:
+                raise OSError(f"the zygote is gone: {exc}") from exc
+        with self.changed:
+            self.changed.wait_for(lambda: request_id in self.started or not self.alive, timeout=30)
+            answer = self.started.pop(request_id, "failed the zygote did not answer")
+        word, _, value = answer.partition(" ")
+        if word != "started":
+            raise OSError(value)
+        return _ForkedRank(self, int(value))
+
+    def exit_code(self, pid: int) -> int | None:
+        with self.changed:
+            if pid in self.exits:
+                return self.exits.pop(pid)
+            if self.alive:
+                return None
+        try:  # the zygote is gone, and with it the exit codes of its ranks
+            os.kill(pid, 0)
+            return None
+        except ProcessLookupError:
+            return -signal.SIGKILL
+        except PermissionError:
+            return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+_ZYGOTE: _Zygote | None = None
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _use_zygote() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("LABSUPPORT_LAUNCH", "") != "subprocess"
+
+
+def _zygote_for(env: dict[str, str]) -> _Zygote:
+    """This process's zygote, started (or restarted) for ``env``: a rank gets the environment its zygote
+    imported torch under, so another environment needs another zygote."""
+    global _ZYGOTE
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is not None and (_ZYGOTE.env != env or not _ZYGOTE.alive or _ZYGOTE.process.poll() is not None):
+            _ZYGOTE.close()
+            _ZYGOTE = None
+        if _ZYGOTE is None:
+            _ZYGOTE = _Zygote(env)
+            atexit.register(_ZYGOTE.close)
+        return _ZYGOTE
+
+
+def _start_rank(argv: list[str], env: dict[str, str], stdout: str, stderr: str, preload: list[str]):
+    """Start one rank: forked by the zygote where it works, else ``python -c`` through subprocess."""
+    if _use_zygote():
+        with contextlib.suppress(OSError):
+            return _zygote_for(env).spawn(argv, env, stdout, stderr, preload)
+    with open(stdout, "wb") as out, open(stderr, "wb") as err:
+        return subprocess.Popen([sys.executable, "-c", CHILD_COMMAND, *argv], env=env, start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+
 def _end(processes) -> None:
     """Kill every process still alive (and anything it started, its process group) and reap them."""
     for p in processes:
@@ -334,9 +561,13 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | No
     if not isinstance(args, (tuple, list)):
         raise ValueError(f"args must be a tuple of arguments, got {type(args).__name__}")
     payload = _dumps((fn, tuple(args), dict(kwargs or {}), call_timeout))
+    # the course's own module of fn is imported once by the zygote; a learner's file is imported by
+    # each rank, so an edit to it is always seen
+    module = getattr(fn, "__module__", None) or ""
+    preload = [module] if module.startswith("labsupport.") else []
     for attempt in range(PORT_ATTEMPTS):
         try:
-            return _launch_once(payload, world_size, backend, timeout, call_timeout, free_port())
+            return _launch_once(payload, world_size, backend, timeout, call_timeout, free_port(), preload)
         except RankFailed as exc:
             # the port was free when chosen, but another program took it before rank 0 listened (or
             # gloo's pairwise connections failed while the group was being joined)
@@ -353,7 +584,7 @@ PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use", 
 
 
 def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, call_timeout: float | None,
-                 port: int) -> list:
+                 port: int, preload: list[str] = ()) -> list:
     """One try of :func:`launch` on ``port``: start, wait, collect, and always end every process."""
     outdir = tempfile.mkdtemp(prefix="labsupport-launch-")
     with open(os.path.join(outdir, "payload.pkl"), "wb") as f:
@@ -362,15 +593,11 @@ def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, 
     processes = []
     try:
         for rank in range(world_size):
-            argv = [sys.executable, "-c", CHILD_COMMAND, str(rank), str(world_size), str(port), backend,
-                    outdir, repr(float(timeout))]
-            # its own session: a kill reaches anything the rank started too
+            argv = [str(rank), str(world_size), str(port), backend, outdir, repr(float(timeout))]
             # what the rank prints is shown here afterwards (in a notebook a child's own output would
             # go to the kernel's terminal, not the cell); stderr is also read back if the rank dies
-            with open(os.path.join(outdir, f"rank{rank}.stdout"), "wb") as out, \
-                    open(os.path.join(outdir, f"rank{rank}.stderr"), "wb") as err:
-                processes.append(subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                                  stdout=out, stderr=err))
+            processes.append(_start_rank(argv, env, os.path.join(outdir, f"rank{rank}.stdout"),
+                                         os.path.join(outdir, f"rank{rank}.stderr"), preload))
         deadline = time.monotonic() + timeout
         reports: dict[int, tuple] = {}
         first_error = None

@@ -23,11 +23,12 @@ from labsupport.transformer import Transformer
 def _children() -> set[int]:
     """The live descendants of this test worker, except those under a process it already had: a
     browser another test module started (the planner page's Chromium) spawns helpers of its own at
-    any time, and they are not the launcher's."""
+    any time, and they are not the launcher's. The launcher's zygote (one per process, kept between
+    launches on purpose) is not counted, but the ranks it forked are."""
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() == psutil.STATUS_ZOMBIE:
+            if p.status() == psutil.STATUS_ZOMBIE or "_zygote_main" in " ".join(p.cmdline()):
                 continue
             ancestors = {a.pid for a in p.parents()}
             if not ancestors & _BEFORE:
@@ -195,6 +196,50 @@ def test_a_notebook_style_script_without_main_guard(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert "RESULT [1, 11]" in done.stdout, done.stdout + done.stderr
+
+
+def parent_and_environment():
+    return os.getppid(), os.environ.get("LABSUPPORT_TEST_MARK"), os.getcwd(), os.getsid(0) == os.getpid()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is used on Linux only")
+def test_ranks_are_forked_by_one_zygote_in_the_callers_environment_and_folder(tmp_path, monkeypatch):
+    import labsupport.distributed as launcher
+
+    monkeypatch.setenv("LABSUPPORT_TEST_MARK", "first")
+    monkeypatch.chdir(tmp_path)
+    first = launch(parent_and_environment, 2, backend="gloo")
+    zygote = launcher._ZYGOTE.process.pid
+    assert [row[0] for row in first] == [zygote, zygote]  # forked by the zygote, not started by this process
+    assert all(row[1:] == ("first", str(tmp_path), True) for row in first)  # its env, its folder, own session
+    assert launch(parent_and_environment, 2, backend="gloo")[0][0] == zygote  # the same zygote again
+    monkeypatch.setenv("LABSUPPORT_TEST_MARK", "second")  # torch was imported under the old environment
+    second = launch(parent_and_environment, 2, backend="gloo")
+    assert second[0][0] != zygote and second[0][1] == "second" and not psutil.pid_exists(zygote)
+    monkeypatch.setenv("LABSUPPORT_LAUNCH", "subprocess")
+    assert launch(parent_and_environment, 1, backend="gloo")[0][0] == os.getpid()  # started directly
+    assert no_children_left()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is used on Linux only")
+def test_the_zygote_ends_with_the_process_that_started_it(tmp_path):
+    script = tmp_path / "one_launch.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        import torch.distributed as dist
+        import labsupport.distributed as launcher
+
+        print(launcher.launch(dist.get_rank, 2, backend="gloo"), launcher._ZYGOTE.process.pid, flush=True)
+        os._exit(0)  # no atexit: the zygote must notice its caller is gone on its own
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    ranks, _, pid = done.stdout.strip().rpartition(" ")
+    assert ranks == "[0, 1]", done.stdout + done.stderr
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(int(pid)) and psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the zygote outlived its caller"
+        time.sleep(0.1)
 
 
 def test_ring_arithmetic():

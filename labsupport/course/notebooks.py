@@ -117,7 +117,15 @@ def _kernel_manager(spec_root: Path, sandbox=None, writable: list[str] = (), cwd
     (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
     specs = KernelSpecManager(kernel_dirs=[str(spec_root)], ensure_native_kernel=False)
     if sandbox is None:
-        return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
+        if os.name != "posix":  # no Unix sockets: TCP on localhost, ports picked by jupyter_client
+            return AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
+        # Unix sockets in the private folder, not TCP: jupyter_client picks free ports by binding and
+        # releasing them, and a kernel started at the same moment elsewhere (the grader's -j workers,
+        # another test) can take one first; this kernel then dies before its first reply.
+        km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs, transport="ipc",
+                                ip=str(spec_root / "ipc"))
+        km.connection_file = str(spec_root / "connection.json")
+        return km
 
     class SandboxedKernelManager(AsyncKernelManager):
         async def _async_cleanup_resources(self, restart: bool = False) -> None:

@@ -106,14 +106,14 @@ def _notebook(path: Path, *cells: str) -> None:
 
 
 def _class(folder: Path) -> list[str]:
-    """Seven submissions, four of which start a kernel (the two fastest labs); the same file name in
+    """Seven submissions, four of which start a kernel (two of the fastest labs); the same file name in
     two folders; a file that is not a notebook, one of no lab, one missing."""
     for group in ("g1", "g2"):
         (folder / group).mkdir(parents=True)
     shutil.copy(ROOT / "solutions" / "04_roofline.ipynb", folder / "g1" / "alice_04_roofline.ipynb")
     shutil.copy(ROOT / "labs" / "04_roofline.ipynb", folder / "g2" / "alice_04_roofline.ipynb")
-    shutil.copy(ROOT / "labs" / "05_phases.ipynb", folder / "bob_05_phases.ipynb")
-    shutil.copy(ROOT / "solutions" / "05_phases.ipynb", folder / "carol_05_phases.ipynb")
+    shutil.copy(ROOT / "labs" / "00_first_kernel.ipynb", folder / "bob_00_first_kernel.ipynb")
+    shutil.copy(ROOT / "solutions" / "00_first_kernel.ipynb", folder / "carol_00_first_kernel.ipynb")
     (folder / "dave_04_roofline.ipynb").write_text("this is not json")
     _notebook(folder / "erin_notes.ipynb", "print('my notes')")
     return [str(folder), str(folder / "zed_05_phases.ipynb")]  # zed's is missing
@@ -163,7 +163,8 @@ def test_sharded_then_merged_is_the_single_machine_run(sharded):
     # the same file name in two folders, graded in two shards: told apart as on one machine
     assert by_student[("g1/alice", "check_arithmetic_intensity")] == ("5", "passed")
     assert by_student[("g2/alice", "check_arithmetic_intensity")] == ("0", "not done")
-    assert by_student[("carol", "check_prefill_flops")] == ("5", "passed")
+    assert by_student[("carol", "check_vector_add")] == ("10", "passed")
+    assert by_student[("bob", "check_vector_add")] == ("0", "not done")
     assert by_student[("dave", "-")] == ("0", "not a notebook")
     assert by_student[("zed", "-")] == ("0", "missing")
 
