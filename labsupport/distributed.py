@@ -232,9 +232,12 @@ def _child_main() -> None:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         fn, args, kwargs, call_timeout = pickle.loads(payload)
-        if call_timeout is not None:
-            _watchdog(call_timeout, path)
-        result = fn(*args, **kwargs)
+        watchdog = _watchdog(call_timeout, path) if call_timeout is not None else None
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            if watchdog is not None:
+                watchdog.disarm()  # fn has ended (or raised): this rank reports for itself
         data = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
         ok = True
     except BaseException as exc:  # noqa: BLE001 (every failure is reported to the parent)
@@ -250,21 +253,40 @@ def _child_main() -> None:
             dist.destroy_process_group()
 
 
-def _watchdog(seconds: float, path: str) -> None:
-    """After ``seconds``, report this rank as hung, with where its main thread is, and exit."""
-    main = threading.main_thread().ident
+class _Watchdog:
+    """After ``seconds``, report this rank as hung, with where its main thread is, and exit, unless
+    :meth:`disarm` was called first. The two never overlap (one lock): a function that raised just
+    as the time ran out (its peer hung and was ended) is reported by its own error, not as hung with
+    a stack in the error handler."""
 
-    def fire():
-        frame = sys._current_frames().get(main)
-        where = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        with open(path + ".tmp", "wb") as f:
-            f.write(pickle.dumps(("hung", f"still running after {seconds:g} s", where)))
-        os.replace(path + ".tmp", path + ".pkl")
-        os._exit(3)
+    def __init__(self, seconds: float, path: str) -> None:
+        self.seconds, self.path, self.main = seconds, path, threading.main_thread().ident
+        self.lock = threading.Lock()
+        self.armed = True
+        self.timer = threading.Timer(seconds, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
+    def _fire(self) -> None:
+        with self.lock:
+            if not self.armed:
+                return
+            frame = sys._current_frames().get(self.main)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else ""
+            with open(self.path + ".tmp", "wb") as f:
+                f.write(pickle.dumps(("hung", f"still running after {self.seconds:g} s", where)))
+            os.replace(self.path + ".tmp", self.path + ".pkl")
+            os._exit(3)
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.armed = False
+        self.timer.cancel()
+
+
+def _watchdog(seconds: float, path: str) -> _Watchdog:
+    """Start a :class:`_Watchdog` for the rank's function."""
+    return _Watchdog(seconds, path)
 
 
 # --- the parent --------------------------------------------------------------------------------
@@ -498,12 +520,23 @@ def _use_zygote() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("LABSUPPORT_LAUNCH", "") != "subprocess"
 
 
+# the variables read while Python starts and torch is imported (the search path, thread pools, the
+# allocator, libraries): a rank gets every variable of its caller, but one of these changed means
+# the zygote imported torch under other settings, so another zygote is started
+IMPORT_TIME_VARIABLES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_",
+                         "CUDA_", "TRITON_", "LABSUPPORT_")
+
+
+def _import_settings(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_VARIABLES)}
+
+
 def _zygote_for(env: dict[str, str]) -> _Zygote:
-    """This process's zygote, started (or restarted) for ``env``: a rank gets the environment its zygote
-    imported torch under, so another environment needs another zygote."""
+    """This process's zygote, started (or restarted) for ``env``'s import-time settings."""
     global _ZYGOTE
     with _ZYGOTE_LOCK:
-        if _ZYGOTE is not None and (_ZYGOTE.env != env or not _ZYGOTE.alive or _ZYGOTE.process.poll() is not None):
+        if _ZYGOTE is not None and (_import_settings(_ZYGOTE.env) != _import_settings(env) or not _ZYGOTE.alive
+                                    or _ZYGOTE.process.poll() is not None):
             _ZYGOTE.close()
             _ZYGOTE = None
         if _ZYGOTE is None:

@@ -212,8 +212,9 @@ def test_ranks_are_forked_by_one_zygote_in_the_callers_environment_and_folder(tm
     zygote = launcher._ZYGOTE.process.pid
     assert [row[0] for row in first] == [zygote, zygote]  # forked by the zygote, not started by this process
     assert all(row[1:] == ("first", str(tmp_path), True) for row in first)  # its env, its folder, own session
-    assert launch(parent_and_environment, 2, backend="gloo")[0][0] == zygote  # the same zygote again
-    monkeypatch.setenv("LABSUPPORT_TEST_MARK", "second")  # torch was imported under the old environment
+    monkeypatch.setenv("TEST_MARK_OF_THE_CALLER", "x")  # read by no import: the same zygote serves it
+    assert launch(parent_and_environment, 2, backend="gloo")[0][0] == zygote
+    monkeypatch.setenv("LABSUPPORT_TEST_MARK", "second")  # an import-time setting: torch was imported without it
     second = launch(parent_and_environment, 2, backend="gloo")
     assert second[0][0] != zygote and second[0][1] == "second" and not psutil.pid_exists(zygote)
     monkeypatch.setenv("LABSUPPORT_LAUNCH", "subprocess")
