@@ -1,6 +1,7 @@
 """What a sampler does to the logits besides temperature, top-k and top-p (chapter 13).
 
-* :func:`min_p_filter`, **min-p** (Nguyen et al., "Turning Up the Heat: Min-p Sampling for Creative and
+* :func:`min_p_filter` (defined in :mod:`labsupport.sampling`, where the engine's sampler applies it
+  after the temperature), **min-p** (Nguyen et al., "Turning Up the Heat: Min-p Sampling for Creative and
   Coherent LLM Outputs", arXiv:2407.01082, ICLR 2025): keep the tokens whose probability is at least
   ``min_p`` times the most likely token's. The cut follows the model's confidence: one dominant token
   leaves few candidates, a flat distribution many, where top-p keeps a fixed mass whatever the shape.
@@ -10,7 +11,8 @@
   of every token already in the prompt or the output, so it always makes them less likely; the
   *frequency* penalty subtracts ``penalty * count`` for each token generated so far, the *presence*
   penalty subtracts ``penalty`` once for any token generated at all (OpenAI's two parameters).
-  Prompt tokens count for the first only.
+  Prompt tokens count for the first only. The repetition part is
+  :func:`labsupport.sampling.penalize_repetition`, the rule the engine's batched sampler applies.
 * :func:`regex_token_mask` and :func:`constrained_sample`, **structured output**: a token is allowed
   only if the text so far followed by the token's text can still be completed into a match of a
   pattern; every other logit is set to minus infinity before sampling. Engines compile the grammar to
@@ -27,17 +29,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._validate import non_negative_number, positive_int, positive_number
+from .sampling import min_p_filter, penalize_repetition
 
 __all__ = ["apply_penalties", "constrained_sample", "min_p_filter", "regex_token_mask"]
-
-
-def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """``logits`` (..., V) with every token below ``min_p`` times the top probability set to -inf."""
-    if not 0 <= min_p <= 1:
-        raise ValueError(f"min_p is a fraction of the most likely token's probability, from 0 to 1; got {min_p!r}")
-    probs = torch.softmax(logits.float(), dim=-1)
-    keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(~keep, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int], *,
@@ -48,12 +42,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids:
     out = logits.clone().float()
     vocab = out.shape[-1]
     counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
-    seen = counts > 0
-    if prompt_ids:
-        seen = seen | (torch.bincount(torch.tensor(list(prompt_ids), dtype=torch.long), minlength=vocab)[:vocab] > 0)
-    if repetition_penalty != 1.0:
-        penalised = torch.where(out > 0, out / repetition_penalty, out * repetition_penalty)
-        out = torch.where(seen, penalised, out)
+    if repetition_penalty != 1.0:  # the engine's own rule: prompt and output tokens count as seen
+        out = penalize_repetition(out[None], [[*prompt_ids, *output_ids]], [repetition_penalty])[0]
     out = out - frequency_penalty * counts - presence_penalty * (counts > 0)
     return out
 

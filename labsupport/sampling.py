@@ -14,6 +14,18 @@ Chapter 13 explains it. For one sequence's logits ``z`` (a vector of V values):
    Hugging Face transformers do.
 4. The kept probabilities are renormalised and one token is drawn.
 
+Two more settings, off by default, follow vLLM's sampler (``vllm/v1/sample/sampler.py``: penalties,
+then greedy, then temperature, then min-p, then top-k and top-p):
+
+* **Repetition penalty** ``r`` (Keskar et al., CTRL, 2019; ``repetition_penalty`` in vLLM and
+  transformers): before anything else, every token already in the sequence (prompt or output) has
+  its logit divided by ``r`` where it is positive and multiplied by ``r`` where it is not, so ``r > 1``
+  makes a repeat less likely either way. It changes the logits, so it changes greedy decoding too.
+  :func:`penalize_repetition`.
+* **Min-p** ``m`` (Nguyen et al., 2024): after the temperature, a token is kept only if its
+  probability is at least ``m`` times the most likely token's, a cut that tightens when the model is
+  sure and loosens when it is not. ``m = 0`` keeps every token; the cut comes before top-k and top-p.
+
 Ties (equal logits) are broken by token id, lowest first, through a stable sort.
 
 A request's draws come from its own ``torch.Generator``, seeded from the request's ``seed``: a
@@ -31,7 +43,7 @@ import torch
 
 from ._answers import answer, unguarded
 
-__all__ = ["SamplingParams", "sampling_probs", "sample", "request_generator"]
+__all__ = ["SamplingParams", "sampling_probs", "sample", "min_p_filter", "penalize_repetition", "request_generator"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class SamplingParams:
     ``seed`` (an int) makes the request's draws reproducible; ``None`` draws a fresh seed.
     A request stops after ``max_tokens`` generated tokens, or when it generates one of
     ``stop_token_ids`` (that token is returned, and the finish reason is ``"stop"``).
+    ``min_p`` 0 and ``repetition_penalty`` 1.0 change nothing (module docstring).
     """
 
     temperature: float = 1.0
@@ -50,9 +63,12 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: Sequence[int] = field(default=())
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        _check_params(self.temperature, self.top_k, self.top_p)
+        _check_params(self.temperature, self.top_k, self.top_p, self.min_p)
+        _check_penalty(self.repetition_penalty)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
@@ -65,7 +81,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _check_params(temperature, top_k, top_p) -> None:
+def _check_penalty(penalty) -> None:
+    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not math.isfinite(penalty) \
+            or penalty <= 0:
+        raise ValueError(f"repetition_penalty must be a number > 0 (1.0 changes nothing), got {penalty!r}")
+
+
+def _check_params(temperature, top_k, top_p, min_p=0.0) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
             or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
@@ -73,6 +95,8 @@ def _check_params(temperature, top_k, top_p) -> None:
         raise ValueError(f"top_k must be an int >= 0 (0 keeps every token), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1.0 keeps every token), got {top_p!r}")
+    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 keeps every token), got {min_p!r}")
 
 
 def _check_logits(logits) -> torch.Tensor:
@@ -83,17 +107,20 @@ def _check_logits(logits) -> torch.Tensor:
 
 
 @answer
-def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> torch.Tensor:
     """The distribution :func:`sample` draws from: ``(B, V)`` float32 probabilities, rows summing
     to 1, zero outside the kept tokens (module docstring). ``temperature=0`` puts all the mass on
     the argmax."""
-    _check_params(temperature, top_k, top_p)
+    _check_params(temperature, top_k, top_p, min_p)
     logits = _check_logits(logits).float()
     B, V = logits.shape
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), V).float()  # (B, V)
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # (B, V) best first
     sorted_logits = torch.gather(logits / temperature, -1, order)  # (B, V)
+    if min_p > 0:
+        sorted_logits = min_p_filter(sorted_logits, min_p)  # after the temperature, before top-k
     if 0 < top_k < V:
         sorted_logits[:, top_k:] = float("-inf")
     probs = torch.softmax(sorted_logits, dim=-1)  # (B, V), sorted
@@ -106,16 +133,54 @@ def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
 
 @answer
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
     """One token per row of ``logits`` (B, V): ``(B,)`` int64 token ids, drawn from
     :func:`sampling_probs` with ``generator``. ``temperature=0`` returns the argmax and draws
-    nothing."""
+    nothing. A repetition penalty, which needs the sequence so far, is applied to ``logits``
+    before this call: :func:`penalize_repetition`."""
     logits = _check_logits(logits)
     if temperature == 0:
-        _check_params(temperature, top_k, top_p)
+        _check_params(temperature, top_k, top_p, min_p)
         return logits.argmax(-1)
-    probs = unguarded(sampling_probs)(logits, temperature, top_k, top_p)  # one answer using another
+    probs = unguarded(sampling_probs)(logits, temperature, top_k, top_p, min_p)  # one answer using another
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
+def min_p_filter(logits: torch.Tensor, min_p) -> torch.Tensor:
+    """``logits`` (..., V) with every token whose probability is below ``min_p`` times the most
+    likely token's set to -inf: ``min_p`` a number in [0, 1], or a tensor of one per row (shape
+    ``logits.shape[:-1]``). Called on logits already divided by the temperature, as vLLM does."""
+    if isinstance(min_p, torch.Tensor):
+        if min_p.shape != logits.shape[:-1]:
+            raise ValueError(f"min_p needs one value per row, shape {tuple(logits.shape[:-1])}, got {tuple(min_p.shape)}")
+        if bool(((min_p < 0) | (min_p > 1)).any()):
+            raise ValueError("min_p is a fraction of the most likely token's probability, from 0 to 1")
+        min_p = min_p.unsqueeze(-1)
+    elif isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1:
+        raise ValueError(f"min_p is a fraction of the most likely token's probability, from 0 to 1; got {min_p!r}")
+    probs = torch.softmax(logits.float(), dim=-1)
+    keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def penalize_repetition(logits: torch.Tensor, seen: Sequence[Sequence[int]], penalty: Sequence[float]) -> torch.Tensor:
+    """The logits with each row's already-seen tokens penalised (module docstring): ``logits`` (B, V),
+    ``seen[b]`` the token ids of row ``b``'s sequence so far (prompt and output; repeats count once),
+    ``penalty[b]`` its repetition penalty (1.0 leaves the row as it is). Returns a new float32
+    (B, V) tensor: where a seen token's logit is positive it is divided by the penalty, elsewhere
+    multiplied by it, as vLLM's and transformers' repetition penalty do."""
+    logits = _check_logits(logits).float()
+    B, V = logits.shape
+    if len(seen) != B or len(penalty) != B:
+        raise ValueError(f"seen and penalty need one entry per row of logits ({B}), got {len(seen)} and {len(penalty)}")
+    for p in penalty:
+        _check_penalty(p)
+    mask = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+    for b, ids in enumerate(seen):
+        if penalty[b] != 1 and len(ids):
+            mask[b, torch.as_tensor(list(ids), dtype=torch.long, device=logits.device)] = True
+    r = torch.tensor([float(p) for p in penalty], dtype=torch.float32, device=logits.device)[:, None]  # (B, 1)
+    return torch.where(mask, torch.where(logits > 0, logits / r, logits * r), logits)
 
 
 def request_generator(seed: int | None, device="cpu") -> torch.Generator:

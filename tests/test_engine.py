@@ -14,7 +14,7 @@ from labsupport.engine.model_runner import graph_batch_sizes, padded_batch_size
 from labsupport.engine.sampler import BatchedSampler
 from labsupport.models import get_model
 from labsupport.phases import cpu_threads
-from labsupport.sampling import SamplingParams, request_generator, sample
+from labsupport.sampling import SamplingParams, penalize_repetition, request_generator, sample, sampling_probs
 from labsupport.scheduler import static_batch_step
 from labsupport.transformer import Transformer
 
@@ -291,6 +291,64 @@ def test_the_batched_sampler_gives_each_request_the_tokens_of_sample_with_its_ow
     one_by_one = [int(sample(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generator=request_generator(p.seed))[0])
                   for i, p in enumerate(params)]
     assert batched == one_by_one
+
+
+def test_min_p_and_repetition_penalties_batched_give_each_row_what_the_rule_gives_it_alone():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(36, 61, generator=gen) * 3
+    histories = [torch.randint(0, 61, (i % 7,), generator=gen).tolist() for i in range(36)]
+    params = [SamplingParams(temperature=[0.0, 0.6, 1.0, 1.7][i % 4], top_k=[0, 9, 3][i % 3], top_p=[1.0, 0.8][i % 2],
+                             min_p=[0.0, 0.05, 0.3][(i // 2) % 3], repetition_penalty=[1.0, 1.3, 0.8, 2.0][(i // 3) % 4],
+                             seed=i) for i in range(36)]
+    batched = BatchedSampler()(logits, params, [request_generator(p.seed) for p in params], histories)
+    one_by_one = []
+    for i, p in enumerate(params):
+        row = penalize_repetition(logits[i:i + 1], [histories[i]], [p.repetition_penalty])
+        one_by_one.append(int(sample(row, p.temperature, p.top_k, p.top_p, generator=request_generator(p.seed),
+                                     min_p=p.min_p)[0]))
+    assert batched == one_by_one
+    with pytest.raises(ValueError, match="histories"):
+        BatchedSampler()(logits, params, [request_generator(p.seed) for p in params])
+
+
+def test_the_repetition_penalty_comes_before_greedy_and_treats_signs_as_vllm_does():
+    logits = torch.tensor([[4.0, 3.0, -1.0, -0.5]])
+    out = penalize_repetition(logits, [[0, 2, 2]], [2.0])  # tokens 0 and 2 seen (a repeat counts once)
+    assert out.tolist() == [[2.0, 3.0, -2.0, -0.5]]  # positive divided, negative multiplied, unseen kept
+    greedy = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert BatchedSampler()(logits, [greedy], [request_generator(0)], [[0]]) == [1]  # token 0 no longer wins
+    assert BatchedSampler()(logits, [SamplingParams(temperature=0)], [request_generator(0)]) == [0]
+
+
+def test_min_p_cuts_after_the_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    for temperature in (0.5, 1.0, 3.0):
+        probs = torch.softmax(logits / temperature, dim=-1)[0]
+        kept = (probs >= 0.2 * probs.max()).tolist()
+        got = sampling_probs(logits, temperature, min_p=0.2)[0] > 0
+        assert got.tolist() == kept, temperature
+    # the cut on the raw logits would keep 2 at every temperature (ratios e^-1 and e^-2 to the best)
+    assert [int((sampling_probs(logits, t, min_p=0.2)[0] > 0).sum()) for t in (0.5, 1.0, 3.0)] == [1, 2, 4]
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)
+
+
+def test_the_engine_penalises_what_its_requests_have_seen(model):
+    prompt = [5, 6, 7, 5, 6]
+    engine = Engine(model, num_blocks=16, block_size=4, token_budget=16, clock="steps")
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.8))
+    plain = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6))
+    for _ in engine.stream():
+        pass
+    ids = list(prompt)
+    for _ in range(6):  # the rule by hand: greedy on penalised logits, the sequence so far seen
+        logits = model.forward_no_cache(torch.tensor([ids]))  # (1, V), the last position
+        ids.append(int(penalize_repetition(logits, [ids], [1.8]).argmax()))
+    assert engine.requests[rid].output_ids == ids[len(prompt):]
+    assert engine.requests[plain].output_ids == alone(model, prompt, 6)
+    assert engine.requests[rid].output_ids != engine.requests[plain].output_ids  # the penalty changed something
 
 
 def test_the_gpu_path_runs_in_the_interpreter_and_gives_the_same_tokens(model):

@@ -363,10 +363,10 @@ def test_a_failure_mid_stream_is_an_error_event_and_the_stream_still_ends():
     from labsupport.serve.fifo import FifoEngine
 
     class Failing(FifoEngine):
-        def _choose(self, logits, generator, request):
+        def _choose(self, logits, generator, request, seen):
             if self._outputs[request.request_id].produced >= 1:
                 raise RuntimeError("the model broke")
-            return super()._choose(logits, generator, request)
+            return super()._choose(logits, generator, request, seen)
 
     backend = Failing(context_tokens=64, max_tokens_limit=8)
     app = create_app(backend)

@@ -137,11 +137,31 @@ BAD_PARAMETERS = {
     "ignore_eos a number": ({"ignore_eos": 1}, "ignore_eos"),
     "n above 1": ({"n": 2}, "n"),
     "logit_bias set": ({"logit_bias": {"5": 10}}, "logit_bias"),
-    "repetition_penalty other than 1": ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    "repetition_penalty zero": ({"repetition_penalty": 0}, "repetition_penalty"),
+    "repetition_penalty a string": ({"repetition_penalty": "1.2"}, "repetition_penalty"),
+    "min_p above 1": ({"min_p": 1.5}, "min_p"),
+    "min_p negative": ({"min_p": -0.1}, "min_p"),
+    "presence_penalty set": ({"presence_penalty": 0.5}, "presence_penalty"),
     "an unknown field": ({"max_token": 5}, "max_token"),
     "model a number": ({"model": 5}, "model"),
     "user not a string": ({"user": 5}, "user"),
 }
+
+
+def test_min_p_and_the_repetition_penalty_are_honoured(server, http):
+    """Both back ends: a repetition penalty changes a greedy answer (a repeated token is less likely),
+    the same request twice gives the same tokens, and min_p 1 (only the most likely token kept)
+    samples what greedy decoding picks."""
+    def tokens(**change):
+        body = {**GREEDY, "max_tokens": LIMIT, "prompt": "a a a a a a a a", **change}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    plain = tokens()
+    penalised = tokens(repetition_penalty=3.0)
+    assert penalised != plain and tokens(repetition_penalty=3.0) == penalised
+    assert tokens(temperature=1.5, min_p=1, seed=4) == plain
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
@@ -154,7 +174,8 @@ def test_parameters_outside_what_the_engine_accepts_are_400s(server, http, endpo
     # what must pass: the extremes of each range, and fields sent at their neutral values
     for change in ({"seed": 2**64 - 1}, {"seed": -(2**63)}, {"temperature": 1e-30}, {"temperature": 2, "seed": 1},
                    {"top_p": 1e-9, "temperature": 1}, {"top_k": -1, "temperature": 1}, {"repetition_penalty": 1.0,
-                   "logprobs": None, "n": 1}, {"user": "learner"}, {"ignore_eos": True, "stop": None}):
+                   "logprobs": None, "n": 1}, {"user": "learner"}, {"ignore_eos": True, "stop": None},
+                   {"min_p": 1, "temperature": 1, "seed": 2}, {"repetition_penalty": 1e-3}):
         body = {**GREEDY, **change} if endpoint == "/v1/completions" else {**as_chat(GREEDY), **change}
         assert http.post(endpoint, json=body).status_code == 200, change
     assert http.post(endpoint, json={**(GREEDY if "chat" not in endpoint else as_chat(GREEDY)),

@@ -275,7 +275,11 @@ class ModelRunner:
         hidden = self.forward(meta)  # (N, d) or (R, d): see forward
         logits = self.model.logits(hidden)  # (R, V)
         sampling = [req for req, n in batch if req.num_computed + n == req.num_tokens]
-        return sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        params = [r.params for r in sampling]
+        if all(p.repetition_penalty == 1 for p in params):  # the usual case: no sequence is copied
+            return sampler(logits, params, [r.generator for r in sampling])
+        histories = [r.all_ids if p.repetition_penalty != 1 else () for r, p in zip(sampling, params)]
+        return sampler(logits, params, [r.generator for r in sampling], histories)
 
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """The hidden states of the rows ``meta.logits_indices`` names, (R, d): replayed from a

@@ -1,14 +1,17 @@
 """Turning a step's logits into tokens: the batched sampler, and a per-row adapter (chapter 13).
 
-:class:`BatchedSampler` samples every row of a step at once on the logits' device: greedy rows
-(temperature 0) by one ``argmax``; the others through :func:`batched_sampling_probs`, which applies
-each row's own temperature, top-k and top-p held in per-row tensors, then one draw per row from the
+:class:`BatchedSampler` samples every row of a step at once on the logits' device. Rows with a
+repetition penalty first have their seen tokens penalised (one masked ``where`` over the batch,
+:func:`labsupport.sampling.penalize_repetition`); then greedy rows (temperature 0) take one
+``argmax``, and the others go through :func:`batched_sampling_probs`, which applies each row's own
+temperature, min-p, top-k and top-p held in per-row tensors, then one draw per row from the
 request's own seeded generator. The sampled ids come back to the host in one transfer, the step's
-only device-to-host sync.
+only device-to-host sync. The order is vLLM's (penalties, greedy, temperature, min-p, top-k and top-p).
 
 Each request still gets exactly the tokens :func:`labsupport.sampling.sample` gives it with its own
-generator: the probabilities are computed with the same operations in the same order (a sort, the
-division by the temperature, the top-k cut on the sorted row, a softmax, the top-p cut with a
+generator (after :func:`~labsupport.sampling.penalize_repetition` where it has a penalty): the
+probabilities are computed with the same operations in the same order (a sort, the division by the
+temperature, the min-p cut, the top-k cut on the sorted row, a softmax, the top-p cut with a
 renormalisation only where ``top_p < 1``), row by row the same numbers, and the draw is the same
 ``torch.multinomial`` call on the same row with the same generator (the tests compare both
 bit for bit on the CPU). What is batched is everything but the draw: a generator per request
@@ -28,19 +31,22 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._answers import answer
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, min_p_filter, penalize_repetition
 
 
 @answer
 def batched_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                           top_p: torch.Tensor) -> torch.Tensor:
+                           top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`labsupport.sampling.sampling_probs` for a batch whose rows have their own settings:
     ``logits`` (R, V); ``temperature`` (R,) float32, every one > 0; ``top_k`` (R,) int64, ``V``
-    where a row keeps every token; ``top_p`` (R,) float32. Returns (R, V) float32 probabilities."""
+    where a row keeps every token; ``top_p`` (R,) float32; ``min_p`` (R,) float32 or None (no row
+    cut). Returns (R, V) float32 probabilities."""
     logits = logits.float()
     V = logits.shape[-1]
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # (R, V) best first
     sorted_logits = torch.gather(logits / temperature[:, None], -1, order)  # (R, V)
+    if min_p is not None:  # a row with min_p 0 loses nothing: no probability is below 0
+        sorted_logits = min_p_filter(sorted_logits, min_p)  # (R, V)
     ranks = torch.arange(V, device=logits.device)
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)  # (R, V), sorted
@@ -55,7 +61,10 @@ class BatchedSampler:
     """Sample every row of a step in one pass (module docstring)."""
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator]) -> list[int]:
+                 generators: Sequence[torch.Generator], histories: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """One token per row. ``histories[i]``, row ``i``'s token ids so far (prompt and output), is
+        read only for rows with a repetition penalty; the others may give ``()``."""
+        logits = _penalized(logits, params, histories)
         rows, V = logits.shape
         dev = logits.device
         tokens = torch.empty(rows, dtype=torch.long, device=dev)
@@ -70,19 +79,37 @@ class BatchedSampler:
             temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
             top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)
             top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
-            probs = batched_sampling_probs(logits[idx], temperature, top_k, top_p)  # (R', V)
+            min_p = (torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
+                     if any(p.min_p > 0 for p in ps) else None)
+            probs = batched_sampling_probs(logits[idx], temperature, top_k, top_p, min_p)  # (R', V)
             for j, i in enumerate(drawn):  # each request's own generator: one draw per row
                 tokens[i] = torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0]
         return tokens.tolist()  # the step's one device-to-host sync
 
 
+def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams],
+               histories: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """The logits with each penalised row's seen tokens penalised; the same tensor when no row has one."""
+    if all(p.repetition_penalty == 1 for p in params):
+        return logits
+    if histories is None or len(histories) != len(params):
+        raise ValueError("a request has a repetition_penalty: pass histories, one sequence of token ids per row")
+    return penalize_repetition(logits, histories, [p.repetition_penalty for p in params])
+
+
 class PerRowSampler:
-    """A function with :func:`labsupport.sampling.sample`'s interface, called once per row."""
+    """A function with :func:`labsupport.sampling.sample`'s interface, called once per row (after the
+    repetition penalty, which needs the sequence). Lab 13's ``sample`` has no ``min_p``: a request with
+    one is refused rather than sampled without it."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         self.fn = fn
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator]) -> list[int]:
+                 generators: Sequence[torch.Generator], histories: Sequence[Sequence[int]] | None = None) -> list[int]:
+        if any(p.min_p > 0 for p in params):
+            raise ValueError("this engine samples with your own sample(), which takes no min_p: send min_p=0, "
+                             "or use the engine's own sampler (Engine(..., sampler=None))")
+        logits = _penalized(logits, params, histories)
         return [int(self.fn(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generator=generators[i])[0])
                 for i, p in enumerate(params)]

@@ -95,6 +95,8 @@ class GenerationRequest:
     timeline: Timeline = field(default_factory=lambda: Timeline(new_request_id()))
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # the prompt's tokens and the output's count as seen
     stop: tuple[str, ...] = ()  # stop strings
     stop_token_ids: tuple[int, ...] = ()  # ids that end the request besides the model's end of sequence
     ignore_eos: bool = False
@@ -299,7 +301,7 @@ class Backend:
                 timeline: Timeline | None = None, **options) -> GenerationRequest:
         """Tokenise ``prompt`` (a string, or a list of token ids) and check it fits the context.
         ``max_tokens`` None means the rest of the context (at most ``max_tokens_limit``);
-        ``options``: ``top_p``, ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
+        ``options``: ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
         ``add_bos`` (put the tokenizer's BOS id first, if it has one)."""
         timeline = timeline or Timeline(new_request_id())
         add_bos = options.pop("add_bos", False)

@@ -109,6 +109,7 @@ class ContinuousEngine(Backend):
             try:
                 stops = req.stop_token_ids + (() if req.ignore_eos else tuple(sorted(self.eos_ids)))
                 params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                                        min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                                         max_tokens=req.max_tokens, stop_token_ids=stops,
                                         seed=req.seed if req.seed is not None else self.seed)
                 self.engine.add_request(req.prompt_ids, params, request_id=req.request_id)

@@ -18,7 +18,7 @@ import asyncio
 
 import torch
 
-from ..sampling import sample
+from ..sampling import penalize_repetition, sample
 from .backend import Backend, RequestHandle
 
 
@@ -62,13 +62,18 @@ class FifoEngine(Backend):
             finally:
                 self._running = None
 
-    def _choose(self, logits: torch.Tensor, generator: torch.Generator | None, request) -> int:
+    def _choose(self, logits: torch.Tensor, generator: torch.Generator | None, request, seen: list[int]) -> int:
+        """The next token: ``seen`` is the sequence so far (prompt and output), read for a repetition penalty."""
+        if request.repetition_penalty != 1:  # before everything, greedy included (vLLM's order)
+            logits = penalize_repetition(logits, [seen], [request.repetition_penalty])
         if request.temperature <= 0:
             return int(logits[0].argmax())
-        if request.top_p >= 1 and request.top_k == 0:  # chapter 03's own draw, kept so its seeded samples stay
+        if request.top_p >= 1 and request.top_k == 0 and request.min_p == 0:
+            # chapter 03's own draw, kept so its seeded samples stay
             probs = torch.softmax(logits[0] / request.temperature, dim=-1)
             return int(torch.multinomial(probs, 1, generator=generator))
-        return int(sample(logits, request.temperature, request.top_k, request.top_p, generator=generator)[0])
+        return int(sample(logits, request.temperature, request.top_k, request.top_p, generator=generator,
+                          min_p=request.min_p)[0])
 
     async def _generate(self, handle: RequestHandle) -> None:
         request, timeline, model = handle.request, handle.request.timeline, self.model
@@ -92,6 +97,7 @@ class FifoEngine(Backend):
 
         logits = await asyncio.to_thread(prefill)
         token = -1
+        seen = list(request.prompt_ids) if request.repetition_penalty != 1 else []
         for index in range(request.max_tokens):
             if handle.cancelled:
                 return self._finish(handle, f"cancelled after {index} tokens")
@@ -103,7 +109,9 @@ class FifoEngine(Backend):
                 logits = await asyncio.to_thread(decode, token, index)
                 if handle.cancelled:
                     return self._finish(handle, f"cancelled after {index} tokens")
-            token = self._choose(logits, generator, request)
+            token = self._choose(logits, generator, request, seen)
+            if request.repetition_penalty != 1:
+                seen.append(token)
             if self._emit(handle, index, token, "length" if index + 1 == request.max_tokens else None):
                 break
         self._finish(handle, "completed")

@@ -7,8 +7,8 @@ of ``/v1/completions`` and ``/v1/chat/completions`` and return a :class:`Call`.
 **The rule for fields.** Every field a request may carry is in one of three tables:
 
 * honoured: OpenAI's parameters the server implements, and vLLM's sampling extensions it implements
-  (``top_k``, ``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``, ``add_generation_prompt``,
-  ``stream_options.continuous_usage_stats``);
+  (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``,
+  ``add_generation_prompt``, ``stream_options.continuous_usage_stats``);
 * accepted only at their neutral value (:data:`NEUTRAL`): parameters of OpenAI's API or vLLM's
   extensions the server does not implement. Sent with that value (or ``null``) they change nothing;
   with any other value the request is refused (HTTP 400 naming the field), so a client never
@@ -23,7 +23,8 @@ of ``/v1/completions`` and ``/v1/chat/completions`` and return a :class:`Call`.
 
 **Ranges** are the ones the engine really accepts: ``temperature`` 0 to 2 (below 1e-5 it is greedy,
 as in vLLM, since dividing logits by a tinier number overflows), ``top_p`` in (0, 1], ``top_k`` -1
-(or 0: every token) or more, ``seed`` from -2**63 to 2**64 - 1 (what ``torch.Generator.manual_seed``
+(or 0: every token) or more, ``min_p`` in [0, 1], ``repetition_penalty`` above 0 (1 is off; the
+prompt's tokens count as seen, as in vLLM), ``seed`` from -2**63 to 2**64 - 1 (what ``torch.Generator.manual_seed``
 takes; a negative seed ``s`` draws as ``s + 2**64`` does; vLLM takes -2**63 to 2**63 - 1), token ids
 inside the vocabulary, ``max_tokens`` from 1 to the server's limit, at most
 :data:`MAX_STOP_STRINGS` stop strings of at most :data:`MAX_STOP_CHARS` characters. Text must be
@@ -54,7 +55,7 @@ NEUTRAL: dict[str, tuple] = {
     "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": (), "verbosity": (),
     "store": (False,), "parallel_tool_calls": (True, False),
     # vLLM's sampling extensions
-    "min_p": (0,), "repetition_penalty": (1,), "length_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
+    "length_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
@@ -64,8 +65,8 @@ NEUTRAL: dict[str, tuple] = {
 }
 #: Fields taken as they come and not used: who the end user is, labels for stored completions.
 IGNORED = {"user": str, "metadata": dict, "service_tier": str}
-SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-            "stream", "stream_options"}
+SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+            "stop_token_ids", "ignore_eos", "stream", "stream_options"}
 COMPLETION_FIELDS = SAMPLING | {"prompt", "add_special_tokens"}
 CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "add_generation_prompt", "add_special_tokens"}
 MESSAGE_FIELDS = {"role", "content", "name"}
@@ -243,6 +244,9 @@ def _sampling(body: dict, vocab_size: int, max_tokens_limit: int, max_tokens_fie
         "temperature": 0.0 if temperature < GREEDY_BELOW else temperature,
         "top_p": _number(body.get("top_p", 1), "top_p", 0, 1, low_open=True),
         "top_k": max(top_k, 0),
+        "min_p": _number(body.get("min_p", 0), "min_p", 0, 1),
+        "repetition_penalty": _number(body.get("repetition_penalty", 1), "repetition_penalty", 0, math.inf,
+                                      low_open=True),
         "seed": None if body.get("seed") is None else _integer(body["seed"], "seed", *SEED_RANGE),
         "stop": _stops(body.get("stop", [])),
         "stop_token_ids": tuple(_integer(t, "stop_token_ids", 0, vocab_size - 1) for t in stop_ids),
