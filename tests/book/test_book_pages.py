@@ -44,6 +44,18 @@ VISIBLE_SEARCHES = """Array.from(document.querySelectorAll('.search-button-field
   .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0).length"""
 
 
+LINKS = "Array.from(document.querySelectorAll('a')).map(a => a.href)"
+_LINKS_SEEN: dict[str, list[str]] = {}  # each page's links, read while test_page_renders had it open
+
+
+def _links(source: str, page, book_url: str) -> list[str]:
+    """The page's links: as test_page_renders read them, or from the page opened now (a test run alone)."""
+    if source not in _LINKS_SEEN:
+        page.goto(f"{book_url}/{source}.html", wait_until="load")
+        _LINKS_SEEN[source] = page.evaluate(LINKS)
+    return _LINKS_SEEN[source]
+
+
 def test_toc_lists_only_existing_sources():
     for f in PAGES:
         assert any((ROOT / f"{f}{ext}").exists() for ext in (".md", ".ipynb")), f"{f} is in _toc.yml but missing"
@@ -78,13 +90,13 @@ def test_page_renders(source, page, book_url):
     assert searches == 1, f"{source}: {searches} search boxes visible, expected one"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"{source.replace('/', '__')}.png"), full_page=False)
+    _LINKS_SEEN[source] = page.evaluate(LINKS)  # the launch-link tests below read them
     assert not page.js_errors, f"{source}: JavaScript errors: {page.js_errors}"
 
 
 @pytest.mark.parametrize("source", [p for p in PAGES if p.startswith("labs/")])
 def test_lab_pages_have_a_colab_launch_link(source, page, book_url):
-    page.goto(f"{book_url}/{source}.html", wait_until="load")
-    links = page.evaluate("Array.from(document.querySelectorAll('a')).map(a => a.href)")
+    links = _links(source, page, book_url)
     colab = [link for link in links if "colab.research.google.com" in link]
     assert colab, f"{source}: no Colab launch link"
     assert any(link.endswith(f"/{source}.ipynb") for link in colab), f"{source}: Colab link does not open the notebook: {colab}"
@@ -123,8 +135,7 @@ def test_attention_results_show_what_was_measured(page, book_url):
 @pytest.mark.parametrize("source", [p for p in PAGES if p.startswith("book/")])
 def test_chapter_pages_offer_no_launch_button(source, page, book_url):
     """A chapter's launch button would open its MyST source in Colab, which cannot run it."""
-    page.goto(f"{book_url}/{source}.html", wait_until="load")
-    links = page.evaluate("Array.from(document.querySelectorAll('a')).map(a => a.href)")
+    links = _links(source, page, book_url)
     assert not [link for link in links if "colab.research.google.com" in link], source
 
 
