@@ -23,13 +23,15 @@ each line prefixed with ``[rank r]``.
 Functions defined in a notebook
 -------------------------------
 Each rank is a fresh Python process, never a fork of the caller: a fork after CUDA is initialised
-is an error, and a fork of a multi-threaded Jupyter kernel can deadlock. On Linux the ranks are
-forked from a *zygote*: one helper process per caller, started with ``python -c`` on the first
-launch, which imports torch (and the course module whose function is launched) once, never touches
-CUDA, runs a single thread, and forks a rank on request, as multiprocessing's ``forkserver`` does.
-Importing torch takes a CPU a couple of seconds; a ring check that starts nine ranks no longer pays
-it nine times. Elsewhere, or with ``LABSUPPORT_LAUNCH=subprocess`` in the environment, each rank is
-started with ``python -c`` through :mod:`subprocess`, as torchrun starts its workers. Either way,
+is an error, and a fork of a multi-threaded Jupyter kernel can deadlock. On Linux, gloo ranks (CPU
+tensors) are forked from a *zygote*: one helper process per caller, started with ``python -c`` on the
+first launch, which imports torch (and the course module whose function is launched) once, asks
+about CUDA only through NVML (so the CUDA driver is never initialised in it), forks only while it has
+a single thread, and ends the ranks it forked when its caller goes, much as multiprocessing's
+``forkserver`` does. Importing torch takes a CPU a couple of seconds; a ring check that starts nine
+ranks no longer pays it nine times. NCCL ranks (one GPU each), other platforms, and
+``LABSUPPORT_LAUNCH=subprocess`` in the environment start each rank with ``python -c`` through
+:mod:`subprocess`, as torchrun starts its workers. Either way,
 unlike multiprocessing's ``spawn``, the parent's main script is not re-run in the child, so a script
 without ``if __name__ == "__main__":`` works too. The function reaches the child pickled, and pickle sends a function by name: the child
 imports its module and looks it up. A function defined in a notebook lives in ``__main__``,
@@ -327,7 +329,11 @@ CHILD_COMMAND = "from labsupport.distributed import _child_main; _child_main()"
 
 # --- the zygote: ranks forked from a process that has imported torch ---------------------------
 
-ZYGOTE_COMMAND = "from labsupport.distributed import _zygote_main; _zygote_main()"
+# PYTORCH_NVML_BASED_CUDA_CHECK: the package's import asks torch.cuda.is_available(), which would
+# otherwise initialise CUDA's driver (its threads, and torch's "no CUDA after fork" guard); with it torch
+# asks NVML instead, which leaves the process forkable. The ranks get the caller's environment, not this.
+ZYGOTE_COMMAND = ("import os; os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'] = '1'; "
+                  "from labsupport.distributed import _zygote_main; _zygote_main()")
 ZYGOTE_PRELOAD = ("torch", "torch.distributed")
 ZYGOTE_START_TIMEOUT = 120.0  # seconds the zygote may take to import torch (a loaded two-core machine)
 
@@ -340,11 +346,15 @@ def _zygote_main() -> None:
     MESSAGE`` and ``exited PID CODE`` (``CODE`` as :attr:`subprocess.Popen.returncode` has it). One
     thread only, so that a fork copies no lock another thread holds; it exits at the end of stdin.
     """
+    proto = os.dup(1)  # the answers; fd 1 itself goes to /dev/null, so a stray print cannot corrupt them
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
     for name in ZYGOTE_PRELOAD:
         importlib.import_module(name)
 
     def say(line: str) -> None:
-        os.write(1, (line + "\n").encode())
+        os.write(proto, (line + "\n").encode())
 
     say("ready")
     pending = b""
@@ -353,7 +363,10 @@ def _zygote_main() -> None:
         ready, _, _ = select.select([0], [], [], POLL if children else None)
         if ready:
             chunk = os.read(0, 1 << 16)
-            if not chunk:
+            if not chunk:  # the caller is gone or done: so are the ranks it did not end
+                for pid in children:
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
                 os._exit(0)
             pending += chunk
             while b"\n" in pending:
@@ -362,12 +375,18 @@ def _zygote_main() -> None:
                 for name in request.get("preload", ()):
                     with contextlib.suppress(Exception):
                         importlib.import_module(name)
+                if _thread_count() != 1:  # a fork copies one thread; never fork beside another
+                    say(f"failed {request['id']} the zygote has {_thread_count()} threads")
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
                 try:
                     pid = os.fork()
                 except OSError as exc:
                     say(f"failed {request['id']} {exc}")
                     continue
                 if pid == 0:
+                    os.close(proto)
                     _zygote_child(request)
                 children.add(pid)
                 say(f"started {request['id']} {pid}")
@@ -377,6 +396,15 @@ def _zygote_main() -> None:
                 break
             children.discard(pid)
             say(f"exited {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def _thread_count() -> int:
+    """This process's threads, native ones included (Linux's /proc; 1 where it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return 1
 
 
 def _zygote_child(request: dict) -> None:
@@ -394,6 +422,7 @@ def _zygote_child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        importlib.invalidate_caches()  # files written since the zygote started (a learner's module) are found
         sys.argv = ["-c", *request["argv"]]
         _child_main()
         code = 0
@@ -437,7 +466,7 @@ class _Zygote:
     """The launching side of one zygote: starts it, asks it for ranks, learns how they exited."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
+        self.env, self.owner = env, os.getpid()
         self.lock = threading.Lock()
         self.changed = threading.Condition()
         self.started: dict[int, str] = {}
@@ -450,22 +479,24 @@ class _Zygote:
         threading.Thread(target=self._read, daemon=True, name="labsupport-zygote").start()
 
     def _read(self) -> None:
-        for raw in self.process.stdout:
-            word, _, rest = raw.decode().strip().partition(" ")
+        try:
+            for raw in self.process.stdout:
+                word, _, rest = raw.decode(errors="replace").strip().partition(" ")
+                with self.changed:
+                    if word == "ready":
+                        self.ready.set()
+                    elif word in ("started", "failed"):
+                        key, _, value = rest.partition(" ")
+                        self.started[int(key)] = f"{word} {value}"
+                    elif word == "exited":
+                        pid, _, code = rest.partition(" ")
+                        self.exits[int(pid)] = int(code)
+                    self.changed.notify_all()
+        finally:  # the end of the pipe, or an answer this side cannot read: no more ranks from this zygote
             with self.changed:
-                if word == "ready":
-                    self.ready.set()
-                elif word in ("started", "failed"):
-                    key, _, value = rest.partition(" ")
-                    self.started[int(key)] = f"{word} {value}"
-                elif word == "exited":
-                    pid, _, code = rest.partition(" ")
-                    self.exits[int(pid)] = int(code)
+                self.alive = False
+                self.ready.set()
                 self.changed.notify_all()
-        with self.changed:
-            self.alive = False
-            self.ready.set()
-            self.changed.notify_all()
 
     def spawn(self, argv: list[str], env: dict[str, str], stdout: str, stderr: str, preload: list[str]) -> _ForkedRank:
         """Fork one rank; raises OSError if the zygote cannot (the caller then starts it itself)."""
@@ -480,9 +511,12 @@ class _Zygote:
                 self.process.stdin.flush()
             except (OSError, ValueError) as exc:
                 raise OSError(f"the zygote is gone: {exc}") from exc
-        with self.changed:
-            self.changed.wait_for(lambda: request_id in self.started or not self.alive, timeout=30)
-            answer = self.started.pop(request_id, "failed the zygote did not answer")
+        with self.changed:  # a preload may import a module first: as long as the zygote's own start
+            self.changed.wait_for(lambda: request_id in self.started or not self.alive, timeout=ZYGOTE_START_TIMEOUT)
+            answer = self.started.pop(request_id, None)
+        if answer is None:  # no answer: end this zygote (and any rank it forks late) before starting one here
+            self.close()
+            raise OSError("the zygote did not answer")
         word, _, value = answer.partition(" ")
         if word != "started":
             raise OSError(value)
@@ -503,6 +537,10 @@ class _Zygote:
             return None
 
     def close(self) -> None:
+        """End the zygote: the end of its stdin makes it end its ranks and exit."""
+        with self.changed:
+            self.alive = False
+            self.changed.notify_all()
         with contextlib.suppress(OSError, ValueError):
             self.process.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -516,15 +554,18 @@ _ZYGOTE: _Zygote | None = None
 _ZYGOTE_LOCK = threading.Lock()
 
 
-def _use_zygote() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("LABSUPPORT_LAUNCH", "") != "subprocess"
+def _use_zygote(backend: str) -> bool:
+    """Linux, gloo: NCCL ranks each start CUDA, and are started with ``python -c`` as torchrun does."""
+    return (backend == "gloo" and sys.platform.startswith("linux")
+            and os.environ.get("LABSUPPORT_LAUNCH", "") != "subprocess")
 
 
 # the variables read while Python starts and torch is imported (the search path, thread pools, the
 # allocator, libraries): a rank gets every variable of its caller, but one of these changed means
 # the zygote imported torch under other settings, so another zygote is started
-IMPORT_TIME_VARIABLES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH_",
-                         "CUDA_", "TRITON_", "LABSUPPORT_")
+IMPORT_TIME_VARIABLES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "MALLOC_", "TORCH",
+                         "PYTORCH_", "CUDA_", "TRITON_", "LABSUPPORT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_",
+                         "LANG", "LC_", "TMPDIR")
 
 
 def _import_settings(env: dict[str, str]) -> dict[str, str]:
@@ -535,6 +576,8 @@ def _zygote_for(env: dict[str, str]) -> _Zygote:
     """This process's zygote, started (or restarted) for ``env``'s import-time settings."""
     global _ZYGOTE
     with _ZYGOTE_LOCK:
+        if _ZYGOTE is not None and _ZYGOTE.owner != os.getpid():  # a forked caller: the zygote is its parent's
+            _ZYGOTE = None
         if _ZYGOTE is not None and (_import_settings(_ZYGOTE.env) != _import_settings(env) or not _ZYGOTE.alive
                                     or _ZYGOTE.process.poll() is not None):
             _ZYGOTE.close()
@@ -547,7 +590,7 @@ def _zygote_for(env: dict[str, str]) -> _Zygote:
 
 def _start_rank(argv: list[str], env: dict[str, str], stdout: str, stderr: str, preload: list[str]):
     """Start one rank: forked by the zygote where it works, else ``python -c`` through subprocess."""
-    if _use_zygote():
+    if _use_zygote(argv[3]):  # argv: rank, world size, port, backend, folder, timeout
         with contextlib.suppress(OSError):
             return _zygote_for(env).spawn(argv, env, stdout, stderr, preload)
     with open(stdout, "wb") as out, open(stderr, "wb") as err:

@@ -17,11 +17,13 @@ Chapter 13 explains it. For one sequence's logits ``z`` (a vector of V values):
 Two more settings, off by default, follow vLLM's sampler (``vllm/v1/sample/sampler.py``: penalties,
 then greedy, then temperature, then min-p, then top-k and top-p):
 
-* **Repetition penalty** ``r`` (Keskar et al., CTRL, 2019; ``repetition_penalty`` in vLLM and
-  transformers): before anything else, every token already in the sequence (prompt or output) has
-  its logit divided by ``r`` where it is positive and multiplied by ``r`` where it is not, so ``r > 1``
-  makes a repeat less likely either way. It changes the logits, so it changes greedy decoding too.
-  :func:`penalize_repetition`.
+* **Repetition penalty** ``r`` (``repetition_penalty`` in vLLM and transformers): before the
+  temperature, every token already in the sequence (prompt or output) has its logit divided by ``r``
+  where it is positive and multiplied by ``r`` where it is not, so ``r > 1`` makes a repeat less
+  likely either way. It changes the logits, so it changes greedy decoding too. (CTRL, Keskar et al.,
+  2019, introduced the penalty as a division of the generated tokens' logits; the sign rule and the
+  prompt's tokens are transformers' and vLLM's.) :func:`penalize_repetition`. The course takes ``r``
+  from 0.01 to 100, where float32 logits stay finite (vLLM takes any ``r > 0``).
 * **Min-p** ``m`` (Nguyen et al., 2024): after the temperature, a token is kept only if its
   probability is at least ``m`` times the most likely token's, a cut that tightens when the model is
   sure and loosens when it is not. ``m = 0`` keeps every token; the cut comes before top-k and top-p.
@@ -81,10 +83,14 @@ class SamplingParams:
         return self.temperature == 0
 
 
+PENALTY_RANGE = (0.01, 100.0)  # repetition penalties a float32 logit survives (divided or multiplied)
+
+
 def _check_penalty(penalty) -> None:
-    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not math.isfinite(penalty) \
-            or penalty <= 0:
-        raise ValueError(f"repetition_penalty must be a number > 0 (1.0 changes nothing), got {penalty!r}")
+    low, high = PENALTY_RANGE
+    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not low <= penalty <= high:
+        raise ValueError(f"repetition_penalty must be a number from {low:g} to {high:g} (1.0 changes nothing), "
+                         f"got {penalty!r}")
 
 
 def _check_params(temperature, top_k, top_p, min_p=0.0) -> None:
@@ -107,7 +113,7 @@ def _check_logits(logits) -> torch.Tensor:
 
 
 @answer
-def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, *,
                    min_p: float = 0.0) -> torch.Tensor:
     """The distribution :func:`sample` draws from: ``(B, V)`` float32 probabilities, rows summing
     to 1, zero outside the kept tokens (module docstring). ``temperature=0`` puts all the mass on
@@ -133,7 +139,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
 
 @answer
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
+           generator: torch.Generator | None = None, *, min_p: float = 0.0) -> torch.Tensor:
     """One token per row of ``logits`` (B, V): ``(B,)`` int64 token ids, drawn from
     :func:`sampling_probs` with ``generator``. ``temperature=0`` returns the argmax and draws
     nothing. A repetition penalty, which needs the sequence so far, is applied to ``logits``
@@ -142,19 +148,19 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     if temperature == 0:
         _check_params(temperature, top_k, top_p, min_p)
         return logits.argmax(-1)
-    probs = unguarded(sampling_probs)(logits, temperature, top_k, top_p, min_p)  # one answer using another
+    probs = unguarded(sampling_probs)(logits, temperature, top_k, top_p, min_p=min_p)  # one answer using another
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
 
 
 def min_p_filter(logits: torch.Tensor, min_p) -> torch.Tensor:
     """``logits`` (..., V) with every token whose probability is below ``min_p`` times the most
     likely token's set to -inf: ``min_p`` a number in [0, 1], or a tensor of one per row (shape
-    ``logits.shape[:-1]``). Called on logits already divided by the temperature, as vLLM does."""
+    ``logits.shape[:-1]``; its values are not read back to check them, which would cost a GPU step a
+    sync: :class:`SamplingParams` checked them). Called on logits already divided by the
+    temperature, as vLLM does."""
     if isinstance(min_p, torch.Tensor):
         if min_p.shape != logits.shape[:-1]:
             raise ValueError(f"min_p needs one value per row, shape {tuple(logits.shape[:-1])}, got {tuple(min_p.shape)}")
-        if bool(((min_p < 0) | (min_p > 1)).any()):
-            raise ValueError("min_p is a fraction of the most likely token's probability, from 0 to 1")
         min_p = min_p.unsqueeze(-1)
     elif isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1:
         raise ValueError(f"min_p is a fraction of the most likely token's probability, from 0 to 1; got {min_p!r}")
@@ -175,11 +181,18 @@ def penalize_repetition(logits: torch.Tensor, seen: Sequence[Sequence[int]], pen
         raise ValueError(f"seen and penalty need one entry per row of logits ({B}), got {len(seen)} and {len(penalty)}")
     for p in penalty:
         _check_penalty(p)
+    rows, ids = [], []  # one flat (row, token) index for every penalised row: one transfer, one write
+    for b, row_ids in enumerate(seen):
+        if penalty[b] != 1:
+            rows += [b] * len(row_ids)
+            ids += row_ids
+    if ids and (min(ids) < 0 or max(ids) >= V):
+        raise ValueError(f"seen holds token ids outside the vocabulary [0, {V - 1}]")
     mask = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
-    for b, ids in enumerate(seen):
-        if penalty[b] != 1 and len(ids):
-            mask[b, torch.as_tensor(list(ids), dtype=torch.long, device=logits.device)] = True
-    r = torch.tensor([float(p) for p in penalty], dtype=torch.float32, device=logits.device)[:, None]  # (B, 1)
+    if ids:
+        index = torch.tensor([rows, ids], dtype=torch.long).to(logits.device)  # (2, n)
+        mask[index[0], index[1]] = True
+    r = torch.tensor([float(p) for p in penalty], dtype=torch.float32).to(logits.device)[:, None]  # (B, 1)
     return torch.where(mask, torch.where(logits > 0, logits / r, logits * r), logits)
 
 

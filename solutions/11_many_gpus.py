@@ -32,9 +32,10 @@
 # the top of a cell, and import what they use at the top of the notebook. A rank that raises ends
 # the launch with its traceback; a rank stuck for longer than a time limit (a deadlock) ends it
 # with a message saying where it was stuck; no process is left behind either way. The first launch
-# costs a few seconds of start-up (importing torch); on Linux the ranks are forked from a helper
-# process that imported torch once, as Python's `multiprocessing` "forkserver" does, so later
-# launches skip that import. The helper never touches the GPU, and it ends with this kernel.
+# costs a few seconds of start-up (importing torch); on Linux, CPU (gloo) ranks are then forked from
+# a helper process that imported torch once, as Python's `multiprocessing` "forkserver" does, so
+# later launches skip that import. The helper never initialises CUDA, and it ends with this kernel;
+# NCCL ranks, one GPU each, always start as fresh processes.
 #
 # **Run All** (*Run > Run All Cells*) stops at the first exercise you have not written: its check
 # cell raises with a short message saying so, nothing below it runs, and JupyterLab scrolls back to

@@ -199,6 +199,7 @@ def test_a_notebook_style_script_without_main_guard(tmp_path):
 
 
 def parent_and_environment():
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # the zygote's own setting is not the rank's
     return os.getppid(), os.environ.get("LABSUPPORT_TEST_MARK"), os.getcwd(), os.getsid(0) == os.getpid()
 
 
@@ -219,6 +220,7 @@ def test_ranks_are_forked_by_one_zygote_in_the_callers_environment_and_folder(tm
     assert second[0][0] != zygote and second[0][1] == "second" and not psutil.pid_exists(zygote)
     monkeypatch.setenv("LABSUPPORT_LAUNCH", "subprocess")
     assert launch(parent_and_environment, 1, backend="gloo")[0][0] == os.getpid()  # started directly
+    assert not launcher._use_zygote("nccl")  # ranks that start CUDA are never forked
     assert no_children_left()
 
 

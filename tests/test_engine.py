@@ -343,12 +343,31 @@ def test_the_engine_penalises_what_its_requests_have_seen(model):
     for _ in engine.stream():
         pass
     ids = list(prompt)
-    for _ in range(6):  # the rule by hand: greedy on penalised logits, the sequence so far seen
-        logits = model.forward_no_cache(torch.tensor([ids]))  # (1, V), the last position
-        ids.append(int(penalize_repetition(logits, [ids], [1.8]).argmax()))
+    for _ in range(6):  # the rule written out: greedy on penalised logits, the sequence so far seen
+        logits = model.forward_no_cache(torch.tensor([ids]))[0]  # (V,), the last position
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[sorted(set(ids))] = True
+        ids.append(int(torch.where(seen, torch.where(logits > 0, logits / 1.8, logits * 1.8), logits).argmax()))
     assert engine.requests[rid].output_ids == ids[len(prompt):]
     assert engine.requests[plain].output_ids == alone(model, prompt, 6)
     assert engine.requests[rid].output_ids != engine.requests[plain].output_ids  # the penalty changed something
+
+
+def test_an_engine_with_a_learners_sample_refuses_min_p_when_the_request_is_added(model):
+    def learner_sample(logits, temperature, top_k, top_p, generator=None):
+        return sample(logits, temperature, top_k, top_p, generator=generator)
+
+    engine = Engine(model, num_blocks=16, block_size=4, token_budget=16, clock="steps", sampler=learner_sample)
+    with pytest.raises(ValueError, match="takes no min_p"):
+        engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, min_p=0.1))
+    greedy = engine.add_request([1, 2, 3], SamplingParams(temperature=0, min_p=0.1, max_tokens=3))  # no effect: kept
+    for _ in engine.stream():
+        pass
+    assert engine.requests[greedy].output_ids == alone(model, [1, 2, 3], 3)
+    with pytest.raises(ValueError, match="from 0.01 to 100"):
+        SamplingParams(repetition_penalty=1e39)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        penalize_repetition(torch.zeros(1, 5), [[-1]], [1.5])
 
 
 def test_the_gpu_path_runs_in_the_interpreter_and_gives_the_same_tokens(model):

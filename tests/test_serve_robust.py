@@ -138,6 +138,8 @@ BAD_PARAMETERS = {
     "n above 1": ({"n": 2}, "n"),
     "logit_bias set": ({"logit_bias": {"5": 10}}, "logit_bias"),
     "repetition_penalty zero": ({"repetition_penalty": 0}, "repetition_penalty"),
+    "repetition_penalty past float32": ({"repetition_penalty": 1e39}, "repetition_penalty"),
+    "repetition_penalty below float32": ({"repetition_penalty": 1e-40}, "repetition_penalty"),
     "repetition_penalty a string": ({"repetition_penalty": "1.2"}, "repetition_penalty"),
     "min_p above 1": ({"min_p": 1.5}, "min_p"),
     "min_p negative": ({"min_p": -0.1}, "min_p"),
@@ -175,7 +177,8 @@ def test_parameters_outside_what_the_engine_accepts_are_400s(server, http, endpo
     for change in ({"seed": 2**64 - 1}, {"seed": -(2**63)}, {"temperature": 1e-30}, {"temperature": 2, "seed": 1},
                    {"top_p": 1e-9, "temperature": 1}, {"top_k": -1, "temperature": 1}, {"repetition_penalty": 1.0,
                    "logprobs": None, "n": 1}, {"user": "learner"}, {"ignore_eos": True, "stop": None},
-                   {"min_p": 1, "temperature": 1, "seed": 2}, {"repetition_penalty": 1e-3}):
+                   {"min_p": 1, "temperature": 1, "seed": 2}, {"repetition_penalty": 0.01, "temperature": 2, "seed": 3},
+                   {"repetition_penalty": 100, "temperature": 2, "seed": 3}):
         body = {**GREEDY, **change} if endpoint == "/v1/completions" else {**as_chat(GREEDY), **change}
         assert http.post(endpoint, json=body).status_code == 200, change
     assert http.post(endpoint, json={**(GREEDY if "chat" not in endpoint else as_chat(GREEDY)),

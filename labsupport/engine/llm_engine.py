@@ -159,6 +159,9 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        refused = self.sampler.refuses(params) if isinstance(self.sampler, PerRowSampler) else None
+        if refused:
+            raise ValueError(refused)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the engine holds at most {self.max_model_len} per "
                              f"sequence, prompt and output together")

@@ -99,17 +99,23 @@ def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 class PerRowSampler:
     """A function with :func:`labsupport.sampling.sample`'s interface, called once per row (after the
-    repetition penalty, which needs the sequence). Lab 13's ``sample`` has no ``min_p``: a request with
-    one is refused rather than sampled without it."""
+    repetition penalty, which needs the sequence). Lab 13's ``sample`` has no ``min_p``: the engine
+    refuses a sampled request with one when it is added (:meth:`refuses`), rather than sample it
+    without."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]):
         self.fn = fn
 
+    @staticmethod
+    def refuses(params: SamplingParams) -> str | None:
+        """Why a request cannot be sampled by a learner's ``sample``, or None."""
+        if params.min_p > 0 and params.temperature > 0:
+            return ("this engine samples with your own sample(), which takes no min_p: send min_p=0, or use "
+                    "the engine's own sampler (Engine(..., sampler=None))")
+        return None
+
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator], histories: Sequence[Sequence[int]] | None = None) -> list[int]:
-        if any(p.min_p > 0 for p in params):
-            raise ValueError("this engine samples with your own sample(), which takes no min_p: send min_p=0, "
-                             "or use the engine's own sampler (Engine(..., sampler=None))")
         logits = _penalized(logits, params, histories)
         return [int(self.fn(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generator=generators[i])[0])
                 for i, p in enumerate(params)]

@@ -13,7 +13,7 @@ of ``/v1/completions`` and ``/v1/chat/completions`` and return a :class:`Call`.
   extensions the server does not implement. Sent with that value (or ``null``) they change nothing;
   with any other value the request is refused (HTTP 400 naming the field), so a client never
   believes it got what it asked for. Benchmark clients send some of them (``vllm bench serve``:
-  ``repetition_penalty: 1.0``, ``logprobs: null``), which is why they are listed rather than refused;
+  ``logprobs: null``), which is why they are listed rather than refused;
 * everything else is refused (HTTP 400, ``code: "unknown_parameter"``, naming the fields), as
   OpenAI's API does ("Unrecognized request argument supplied"). vLLM instead accepts unknown fields
   and only logs them, because clients send other servers' extensions; for a course, a typo such as
@@ -23,8 +23,9 @@ of ``/v1/completions`` and ``/v1/chat/completions`` and return a :class:`Call`.
 
 **Ranges** are the ones the engine really accepts: ``temperature`` 0 to 2 (below 1e-5 it is greedy,
 as in vLLM, since dividing logits by a tinier number overflows), ``top_p`` in (0, 1], ``top_k`` -1
-(or 0: every token) or more, ``min_p`` in [0, 1], ``repetition_penalty`` above 0 (1 is off; the
-prompt's tokens count as seen, as in vLLM), ``seed`` from -2**63 to 2**64 - 1 (what ``torch.Generator.manual_seed``
+(or 0: every token) or more, ``min_p`` in [0, 1], ``repetition_penalty`` from 0.01 to 100 (1 is off; the
+prompt's tokens count as seen, as in vLLM; vLLM takes any value above 0, but past these a float32
+logit can overflow), ``seed`` from -2**63 to 2**64 - 1 (what ``torch.Generator.manual_seed``
 takes; a negative seed ``s`` draws as ``s + 2**64`` does; vLLM takes -2**63 to 2**63 - 1), token ids
 inside the vocabulary, ``max_tokens`` from 1 to the server's limit, at most
 :data:`MAX_STOP_STRINGS` stop strings of at most :data:`MAX_STOP_CHARS` characters. Text must be
@@ -38,6 +39,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from ..sampling import PENALTY_RANGE
 from .backend import InvalidRequest
 
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
@@ -245,8 +247,7 @@ def _sampling(body: dict, vocab_size: int, max_tokens_limit: int, max_tokens_fie
         "top_p": _number(body.get("top_p", 1), "top_p", 0, 1, low_open=True),
         "top_k": max(top_k, 0),
         "min_p": _number(body.get("min_p", 0), "min_p", 0, 1),
-        "repetition_penalty": _number(body.get("repetition_penalty", 1), "repetition_penalty", 0, math.inf,
-                                      low_open=True),
+        "repetition_penalty": _number(body.get("repetition_penalty", 1), "repetition_penalty", *PENALTY_RANGE),
         "seed": None if body.get("seed") is None else _integer(body["seed"], "seed", *SEED_RANGE),
         "stop": _stops(body.get("stop", [])),
         "stop_token_ids": tuple(_integer(t, "stop_token_ids", 0, vocab_size - 1) for t in stop_ids),
