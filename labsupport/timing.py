@@ -19,6 +19,7 @@ A Triton kernel timed in the interpreter measures Python, not the kernel: pass
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -83,6 +84,16 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+GRADING_MAX_TIME_S = 0.2  # the most a benchmark takes in a notebook the grader runs (CPU path)
+
+
+def _grading() -> bool:
+    """Whether this is a kernel the grader started (its outputs are discarded; only checks count)."""
+    from .checks.framework import GRADING_ENV
+
+    return bool(os.environ.get(GRADING_ENV))
+
+
 def benchmark(
     fn: Callable[[], object],
     *,
@@ -105,6 +116,9 @@ def benchmark(
     ``min_gpu_repeats`` calls.
     ``spread`` (CPU only) compares the medians of :data:`ROUNDS` consecutive rounds of calls (see
     the module docstring); with fewer calls than rounds, each call is its own round.
+    In a notebook the grader runs (``LABSUPPORT_GRADING`` set), where no timing is scored, shown or
+    kept, the CPU path makes :data:`ROUNDS` calls (at most :data:`GRADING_MAX_TIME_S` seconds)
+    instead of filling ``min_time_s``: a class's notebooks grade faster.
     """
     if not callable(fn):
         raise ValueError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
@@ -128,6 +142,8 @@ def benchmark(
 
     # Wall clock. On a GPU with the interpreter forced on, synchronise so CUDA work is counted.
     sync = _cuda_sync if use_gpu else (lambda: None)
+    if _grading():  # a graded run's timings are never scored or kept: the fewest calls that still time
+        min_time_s, max_time_s = 0.0, min(max_time_s, GRADING_MAX_TIME_S)
     for _ in range(max(0, warmup)):
         fn()
     sync()

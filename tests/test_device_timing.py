@@ -267,3 +267,20 @@ def test_benchmark_flags_a_machine_that_gets_busy_mid_measurement():
 def test_cpu_benchmark_times_each_point_long_enough():
     t = benchmark(lambda: None, gpu=False)
     assert t.repeats >= 5  # at least one call per round, and at least min_time_s of calls
+
+
+def test_a_graded_run_times_the_fewest_calls(monkeypatch):
+    """Under the grader (its outputs are discarded) the CPU path makes ROUNDS calls, not 0.2 s of them."""
+    import time as _time
+
+    from labsupport.checks.framework import GRADING_ENV
+    from labsupport.timing import ROUNDS, benchmark
+
+    def nap():
+        _time.sleep(0.005)
+
+    monkeypatch.delenv(GRADING_ENV, raising=False)
+    assert benchmark(nap, gpu=False, warmup=0).repeats >= 0.2 / 0.006  # filled min_time_s
+    monkeypatch.setenv(GRADING_ENV, "1")
+    assert benchmark(nap, gpu=False, warmup=0).repeats == ROUNDS
+    assert benchmark(nap, gpu=False, warmup=0, repeats=7).repeats == 7  # a count asked for is kept
