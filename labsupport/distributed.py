@@ -234,7 +234,7 @@ def _child_main() -> None:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
         fn, args, kwargs, call_timeout = pickle.loads(payload)
-        watchdog = _watchdog(call_timeout, path) if call_timeout is not None else None
+        watchdog = _Watchdog(call_timeout, path) if call_timeout is not None else None
         try:
             result = fn(*args, **kwargs)
         finally:
@@ -284,11 +284,6 @@ class _Watchdog:
         with self.lock:
             self.armed = False
         self.timer.cancel()
-
-
-def _watchdog(seconds: float, path: str) -> _Watchdog:
-    """Start a :class:`_Watchdog` for the rank's function."""
-    return _Watchdog(seconds, path)
 
 
 # --- the parent --------------------------------------------------------------------------------
@@ -588,9 +583,9 @@ def _zygote_for(env: dict[str, str]) -> _Zygote:
         return _ZYGOTE
 
 
-def _start_rank(argv: list[str], env: dict[str, str], stdout: str, stderr: str, preload: list[str]):
+def _start_rank(argv: list[str], env: dict[str, str], stdout: str, stderr: str, preload: list[str], backend: str):
     """Start one rank: forked by the zygote where it works, else ``python -c`` through subprocess."""
-    if _use_zygote(argv[3]):  # argv: rank, world size, port, backend, folder, timeout
+    if _use_zygote(backend):
         with contextlib.suppress(OSError):
             return _zygote_for(env).spawn(argv, env, stdout, stderr, preload)
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
@@ -673,7 +668,7 @@ def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, 
             # what the rank prints is shown here afterwards (in a notebook a child's own output would
             # go to the kernel's terminal, not the cell); stderr is also read back if the rank dies
             processes.append(_start_rank(argv, env, os.path.join(outdir, f"rank{rank}.stdout"),
-                                         os.path.join(outdir, f"rank{rank}.stderr"), preload))
+                                         os.path.join(outdir, f"rank{rank}.stderr"), preload, backend))
         deadline = time.monotonic() + timeout
         reports: dict[int, tuple] = {}
         first_error = None
