@@ -88,3 +88,31 @@ def test_prompts_that_do_not_fit_are_refused(engine, prompt, max_tokens, param):
     with pytest.raises(InvalidRequest) as refused:
         engine.prepare(prompt, max_tokens=max_tokens)
     assert refused.value.param == param and refused.value.status == 400
+
+
+def test_the_continuous_back_end_speculates_with_the_same_greedy_text_and_counts_it():
+    """``--num-speculative-tokens``: the same greedy answer with and without prompt-lookup drafts,
+    and the drafts counted in ``stats()`` and on ``/metrics`` as vLLM names them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from labsupport.serve.continuous import ContinuousEngine
+    from labsupport.serve.metrics import ServerMetrics
+
+    prompt = "the cat sat on the mat; the cat sat on the mat; the cat sat on the"
+    texts, backends = [], []
+    for k in (0, 4):
+        backend = ContinuousEngine(context_tokens=300, max_tokens_limit=250, max_requests=3, speculative_tokens=k)
+
+        async def body(backend=backend):
+            return await _collect(backend.submit(backend.prepare(prompt, max_tokens=40, temperature=0.0)))
+
+        texts.append("".join(o.text for o in _run(backend, body)))
+        backends.append(backend)
+    assert texts[1] == texts[0] and texts[0]
+    stats = backends[1].stats()
+    assert stats["spec_draft_tokens"] > 0 and 0 <= stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+    assert backends[0].stats()["spec_draft_tokens"] == 0
+    samples = {s.name: s.value for f in text_string_to_metric_families(ServerMetrics(backends[1]).render().decode())
+               for s in f.samples}
+    assert samples["course:spec_decode_num_draft_tokens_total"] == stats["spec_draft_tokens"]
+    assert samples["course:spec_decode_num_accepted_tokens_total"] == stats["spec_accepted_tokens"]

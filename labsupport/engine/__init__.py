@@ -20,7 +20,8 @@ Every engine people deploy runs the same loop, one iteration per forward pass, a
 One file per role, as in nano-vllm (GeeeekExplorer/nano-vllm, ``nanovllm/engine/``):
 ``llm_engine`` (the loop), ``scheduler``, ``block_manager``, ``model_runner``, ``sequence``,
 ``sampler``, plus ``paged_batch`` (the KV interface the model consumes, nano-vllm's
-``utils/context.py`` and ``layers/attention.py``) and ``trace`` (replaying traces). The model's
+``utils/context.py`` and ``layers/attention.py``), ``speculative`` (n-gram drafts verified in the
+step's own forward pass, rejected ones rolled back from the cache) and ``trace`` (replaying traces). The model's
 forward pass is the same one ``Transformer.generate`` runs: it takes a KV batch
 (:class:`labsupport.transformer.KVBatch`), and the engine passes a paged one.
 
@@ -51,7 +52,8 @@ from .llm_engine import CLOCKS, Engine, StepRecord, TokenEvent
 from .model_runner import ScheduledSeq
 from .paged_batch import StepMetadata
 from .sequence import Request
+from .speculative import SpeculativeConfig
 from .trace import TraceRequest, poisson_trace, run_trace, trace_summary
 
 __all__ = ["Engine", "Request", "TokenEvent", "StepRecord", "TraceRequest", "run_trace", "trace_summary",
-           "poisson_trace", "CLOCKS", "ScheduledSeq", "StepMetadata"]
+           "poisson_trace", "CLOCKS", "ScheduledSeq", "StepMetadata", "SpeculativeConfig"]

@@ -10,6 +10,7 @@ first. This class is what the engine asks of it:
 * :meth:`admit`: take those cached blocks for the request (a reference each);
 * :meth:`append`: slots for the tokens a step computes, in order, each token's id passed along so a
   block that fills becomes findable by its hash;
+* :meth:`truncate`: give back the slots of rejected draft tokens (speculative decoding);
 * :meth:`free`: drop the request's references (preemption or retirement);
 * counters of prefix-cache queries and hits, in tokens, for ``Engine.stats()``.
 
@@ -74,6 +75,14 @@ class BlockManager:
             if copy is not None:
                 copies.append(copy)
         return copies
+
+    def truncate(self, req: Request, length: int) -> None:
+        """Give back the slots past ``length`` (rejected draft tokens; :meth:`BlockAllocator.truncate`)."""
+        self.allocator.truncate(req.request_id, length)
+
+    def blocks_to_grow(self, req: Request, extra: int) -> int:
+        """New blocks ``req`` needs to hold its known tokens and ``extra`` more (a draft)."""
+        return -(-(req.num_tokens + extra) // self.block_size) - self.num_blocks_of(req.request_id)
 
     def free(self, req: Request) -> None:
         if self.holds(req.request_id):

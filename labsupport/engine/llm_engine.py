@@ -19,6 +19,7 @@ from .model_runner import ModelRunner
 from .sampler import BatchedSampler, PerRowSampler
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request
+from .speculative import SpeculativeConfig, draft_room, propose
 
 CLOCKS = ("wall", "virtual", "steps")
 
@@ -49,7 +50,9 @@ class StepRecord:
     waiting: int
     kv_tokens: int = 0  # tokens of cache the step's attention read (each sequence's length after it)
     attention_pairs: int = 0  # query-key pairs its attention scored (causal: a token sees itself and earlier)
-    sampled: int = 0  # sequences that sampled a token: the rows the output head ran on
+    sampled: int = 0  # sequences that sampled a token
+    draft_tokens: int = 0  # speculative draft tokens verified (their rows ran the output head too)
+    accepted_tokens: int = 0  # of those, accepted: the step emitted sampled + accepted tokens
 
 
 class _Clock:
@@ -93,6 +96,8 @@ class Engine:
     ``prefix_caching`` (default on, as in vLLM) reuses the cached blocks of prompts that share a
     prefix. ``attention``: ``"auto"`` (Triton kernels on a GPU, torch on a CPU), ``"torch"`` or
     ``"triton"``; ``cuda_graphs`` (default: on a GPU with the Triton kernels) captures decode steps.
+    ``speculative`` (a :class:`~labsupport.engine.speculative.SpeculativeConfig`, default None: off)
+    drafts tokens by prompt lookup and verifies them in the step's forward pass (:mod:`.speculative`).
 
     After construction ``engine.scheduler`` is the :class:`~labsupport.engine.scheduler.Scheduler`
     (its ``decide`` is the step decision), ``engine.runner`` the
@@ -103,7 +108,8 @@ class Engine:
     def __init__(self, model: Transformer, *, num_blocks: int = 256, block_size: int = 16,
                  token_budget: int | None = 256, max_running: int = 32, scheduler: Decision = schedule_step,
                  sampler: SampleFn | None = None, max_model_len: int | None = None, clock: str = "wall",
-                 prefix_caching: bool = True, attention: str = "auto", cuda_graphs: bool | None = None):
+                 prefix_caching: bool = True, attention: str = "auto", cuda_graphs: bool | None = None,
+                 speculative: SpeculativeConfig | None = None):
         if not isinstance(model, Transformer):
             raise ValueError(f"model must be a labsupport.transformer.Transformer, got {type(model).__name__}")
         self.model = model
@@ -118,6 +124,12 @@ class Engine:
                              f"({self.num_blocks} blocks of {self.block_size} = {capacity} tokens)")
         if not callable(scheduler) or (sampler is not None and not callable(sampler)):
             raise ValueError("scheduler and sampler must be functions (see labsupport.scheduler, labsupport.sampling)")
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a labsupport.engine.SpeculativeConfig or None, got "
+                             f"{type(speculative).__name__}")
+        if speculative is not None and sampler is not None:
+            raise ValueError("speculative decoding verifies drafts with the engine's own sampler: leave sampler=None")
+        self.speculative = speculative
         self.sampler = BatchedSampler() if sampler is None else PerRowSampler(sampler)
         self.clock = _Clock(clock)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix_caching)
@@ -126,7 +138,8 @@ class Engine:
         self.runner = ModelRunner(model, self.block_manager, self.num_blocks, self.block_size, self.max_running,
                                   self.max_model_len, attention, cuda_graphs)
         self.requests: dict[Hashable, Request] = {}
-        self.steps: list[StepRecord] = []
+        self.steps: list[StepRecord] = []  # a server trims it: the totals below are kept apart
+        self.totals = {"steps": 0, "preemptions": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._ids = itertools.count()
 
     @property
@@ -204,8 +217,7 @@ class Engine:
         preemption too) with their ratio, as vLLM reports ``prefix_cache_queries``/``_hits``."""
         return {"waiting": len(self.waiting), "running": len(self.running), "requests": len(self.requests),
                 "num_blocks": self.num_blocks, "free_blocks": self.allocator.num_free_blocks,
-                "steps": len(self.steps), "preemptions": sum(s.preempted for s in self.steps),
-                "cuda_graph_sizes": list(self.runner.graph_sizes), **self.block_manager.stats()}
+                "cuda_graph_sizes": list(self.runner.graph_sizes), **self.block_manager.stats(), **self.totals}
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -215,6 +227,8 @@ class Engine:
         reason ``"error"``, the prefix cache is cleared, and the exception propagates; the other
         requests carry on at the next step."""
         started = time.perf_counter()
+        if self.speculative is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         try:
             tokens = self.runner.run(batch.seqs, self.sampler, batch.copies) if batch.seqs else []
@@ -237,34 +251,71 @@ class Engine:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _postprocess(self, batch: ScheduledBatch, tokens: list[int], started: float) -> list[TokenEvent]:
-        """Advance the computed counts, append the sampled tokens, apply the stop rules, move the
-        clock, and retire the requests that stopped; record the step."""
-        sampled, decode = [], 0
+    def _propose(self) -> None:
+        """Draft tokens for every running request that is decoding (:mod:`.speculative`), while the
+        blocks they need are free beyond those every running request's known tokens need: a draft
+        never makes the scheduler preempt anyone."""
+        spare = self.allocator.num_free_blocks - sum(self.block_manager.blocks_to_grow(r, 0) for r in self.running)
+        k = self.speculative.num_speculative_tokens
+        for req in self.running:
+            req.draft_ids = []
+            if not req.output_ids or req.num_computed != req.num_tokens - 1:
+                continue  # still in its prompt
+            room = draft_room(req.num_tokens, len(req.output_ids), req.params.max_tokens, self.max_model_len, k)
+            draft = propose(req.all_ids, room, self.speculative)
+            need = self.block_manager.blocks_to_grow(req, len(draft)) - self.block_manager.blocks_to_grow(req, 0)
+            if draft and need <= spare:
+                req.draft_ids, spare = draft, spare - need
+
+    def _postprocess(self, batch: ScheduledBatch, tokens: list[list[int]], started: float) -> list[TokenEvent]:
+        """Advance the computed counts, roll back rejected drafts, append the emitted tokens (up to a
+        stop), move the clock, and retire the requests that stopped; record the step."""
+        sampled, decode, drafted, accepted, kv, pairs = [], 0, 0, 0, 0, 0
         for req, n in batch.seqs:
-            decode += bool(req.output_ids) and n == 1 and req.num_computed == req.num_tokens - 1
+            d = len(req.draft_ids)
+            decode += bool(req.output_ids) and n == 1 + d and req.num_computed == req.num_tokens - 1
+            pairs += n * req.num_computed + n * (n + 1) // 2  # causal: a token sees itself and earlier
             req.num_computed += n
+            kv += req.num_computed  # each sequence's cached length after the step: what attention read
             req.steps_run += 1
-            if req.num_computed == req.num_tokens:  # all known tokens computed: it sampled the next one
+            if req.num_computed == req.num_tokens + d:  # all known tokens computed: it sampled the next ones
                 sampled.append(req)
-        for req, token in zip(sampled, tokens):
-            req.output_ids.append(token)
+        reasons = []
+        for req, emitted in zip(sampled, tokens):
+            d, a = len(req.draft_ids), len(emitted) - 1  # drafted, accepted
+            if d > a:  # the rejected drafts' slots go back; the next step overwrites them
+                req.num_computed -= d - a
+                self.block_manager.truncate(req, req.num_computed)
+            drafted, accepted = drafted + d, accepted + a
+            req.draft_tokens, req.accepted_tokens = req.draft_tokens + d, req.accepted_tokens + a
+            req.draft_ids = []
+            reason = None
+            for token in emitted:  # up to the first that stops it
+                req.output_ids.append(token)
+                reason = self._stop_reason(req)
+                if reason:
+                    break
+            reasons.append(reason)
         duration = time.perf_counter() - started
         self.clock.tick(duration)
         now = self.clock.now()
         events = []
-        for req in sampled:
-            reason = self._stop_reason(req)
-            req.token_times_s.append(now)
-            events.append(TokenEvent(req.request_id, len(req.output_ids) - 1, req.output_ids[-1], now, reason))
+        for req, reason in zip(sampled, reasons):
+            made = len(req.output_ids) - len(req.token_times_s)  # this step's tokens (fewer than emitted at a stop)
+            for j in range(made):
+                index = len(req.token_times_s)
+                req.token_times_s.append(now)
+                events.append(TokenEvent(req.request_id, index, req.output_ids[index], now,
+                                         reason if j == made - 1 else None))
             if reason:
                 self._retire(req, reason)
-        prefill = sum(n for _, n in batch.seqs) - decode
-        kv = sum(r.num_computed for r, _ in batch.seqs)  # after the step: each sequence's cached length
-        pairs = sum(n * (r.num_computed - n) + n * (n + 1) // 2 for r, n in batch.seqs)
+        prefill = sum(n for _, n in batch.seqs) - decode - drafted
+        for key, count in (("steps", 1), ("preemptions", batch.preempted), ("spec_draft_tokens", drafted),
+                           ("spec_accepted_tokens", accepted)):
+            self.totals[key] += count
         self.steps.append(StepRecord(len(self.steps), now, duration, len(batch.seqs), prefill, decode,
                                      batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs,
-                                     len(sampled)))
+                                     len(sampled), drafted, accepted))
         return events
 
     def _fail_step(self, batch: ScheduledBatch) -> None:

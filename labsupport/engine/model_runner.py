@@ -46,6 +46,7 @@ from ..transformer import Transformer
 from .block_manager import BlockManager
 from .paged_batch import BACKENDS, PagedBatch, StepMetadata
 from .sequence import Request
+from .speculative import verify_drafts
 
 
 class _Buffer:
@@ -245,8 +246,8 @@ class ModelRunner:
     def scheduled(self, batch: Sequence[tuple[Request, int]]) -> list[ScheduledSeq]:
         """The step as :func:`prepare_step` reads it: each request's tokens, block table, cached and
         new token counts (the block tables already cover the step's tokens)."""
-        return [ScheduledSeq(req.all_ids, self.block_manager.block_table(req.request_id), req.num_computed, n)
-                for req, n in batch]  # all_ids and block_table are new lists: nothing of the engine's is shared
+        return [ScheduledSeq(req.all_ids + req.draft_ids, self.block_manager.block_table(req.request_id),
+                             req.num_computed, n) for req, n in batch]  # all_ids and block_table are new lists: nothing of the engine's is shared
 
     def prepare(self, batch: Sequence[tuple[Request, int]]) -> StepMetadata:
         """Build the step's metadata and copy it to the device: the engine's own
@@ -266,20 +267,40 @@ class ModelRunner:
     # -- 2. the forward pass -----------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, batch: Sequence[tuple[Request, int]], sampler, copies=()) -> list[int]:
-        """One forward pass over ``batch`` and a token for every request that samples (in batch
-        order; see :meth:`prepare`). ``copies`` are copy-on-write block copies to make first."""
+    def run(self, batch: Sequence[tuple[Request, int]], sampler, copies=()) -> list[list[int]]:
+        """One forward pass over ``batch`` and the tokens of every request that samples (in batch
+        order; see :meth:`prepare`): one token each, or with speculative decoding its accepted
+        draft tokens and the target's own (:func:`~labsupport.engine.speculative.verify_drafts`).
+        ``copies`` are copy-on-write block copies to make first."""
         for src, dst in copies:
             self.store.copy_block(src, dst)
         meta = self.prepare(batch)
+        sampling = [req for req, n in batch if req.num_computed + n == req.num_tokens + len(req.draft_ids)]
+        drafts = [req.draft_ids for req in sampling]
+        if any(drafts):  # every drafted position's logits, not only the last row's
+            meta.logits_indices = self.verify_rows(batch)
         hidden = self.forward(meta)  # (N, d) or (R, d): see forward
         logits = self.model.logits(hidden)  # (R, V)
-        sampling = [req for req, n in batch if req.num_computed + n == req.num_tokens]
         params = [r.params for r in sampling]
-        if all(p.repetition_penalty == 1 for p in params):  # the usual case: no sequence is copied
-            return sampler(logits, params, [r.generator for r in sampling])
-        histories = [r.all_ids if p.repetition_penalty != 1 else () for r, p in zip(sampling, params)]
-        return sampler(logits, params, [r.generator for r in sampling], histories)
+        penalised = any(p.repetition_penalty != 1 for p in params)
+        histories = [r.all_ids if p.repetition_penalty != 1 else () for r, p in zip(sampling, params)] \
+            if penalised else None
+        generators = [r.generator for r in sampling]
+        if any(drafts):
+            return verify_drafts(logits, params, generators, drafts, histories)
+        if histories is None:  # the usual case: no sequence is copied
+            return [[t] for t in sampler(logits, params, generators)]
+        return [[t] for t in sampler(logits, params, generators, histories)]
+
+    def verify_rows(self, batch: Sequence[tuple[Request, int]]) -> torch.Tensor:
+        """The flat rows whose logits a speculative step needs: for each request that samples, its
+        last ``1 + len(draft)`` rows (the last sampled token's and each draft token's), in order."""
+        rows, end = [], 0
+        for req, n in batch:
+            end += n
+            if req.num_computed + n == req.num_tokens + len(req.draft_ids):
+                rows.extend(range(end - 1 - len(req.draft_ids), end))
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """The hidden states of the rows ``meta.logits_indices`` names, (R, d): replayed from a

@@ -23,6 +23,10 @@ when they are not, it asks the decision again, on the counts as they now are and
 request (a step that preempts admits nobody, as in :func:`~labsupport.scheduler.schedule_step`),
 until a decision fits. Each round preempts at least one more request, so this ends. vLLM's and
 nano-vllm's schedulers avoid the miscount by asking the block pool itself, one allocation at a time.
+
+**Drafts.** With speculative decoding (:mod:`.speculative`) a running request's draft tokens count
+as tokens still to compute: a decision sees ``num_tokens`` with the draft included and gives the
+request up to ``1 + len(draft)`` tokens; what it gives less cuts the draft.
 """
 
 from __future__ import annotations
@@ -71,8 +75,8 @@ class Scheduler:
         waiting = [SeqView(r.request_id, r.num_tokens, cached[r.request_id], 0) for r in self.waiting]
         preempted_all: list = []
         while True:
-            running = [SeqView(r.request_id, r.num_tokens, r.num_computed, bm.num_blocks_of(r.request_id))
-                       for r in self.running]
+            running = [SeqView(r.request_id, r.num_tokens + len(r.draft_ids), r.num_computed,
+                               bm.num_blocks_of(r.request_id)) for r in self.running]  # a draft is work to do
             args = (running, waiting, self.token_budget, bm.num_free_blocks, bm.block_size, self.max_running)
             scheduled, preempted = check_decision(self.decide(*args), *args)
             views = {v.request_id: v for v in running + waiting}
@@ -90,6 +94,9 @@ class Scheduler:
                                f"{len(self.waiting)} wait, with {bm.num_free_blocks} free blocks: the engine "
                                f"would loop forever")
         batch = [(by_id[rid], n) for rid, n in scheduled.items()]
+        for req in self.running:  # a draft the decision cut short keeps what fits; an unscheduled one goes
+            given = scheduled.get(req.request_id, 0)
+            req.draft_ids = req.draft_ids[:max(0, given - (req.num_tokens - req.num_computed))]
         for req, _ in batch:  # admitted: claim its cached prefix before any block is taken
             if req in self.waiting:
                 self._admit(req, cached[req.request_id])
@@ -108,6 +115,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req)
         req.num_computed = 0
+        req.draft_ids = []
         req.preemptions += 1
         self.waiting.insert(0, req)
 

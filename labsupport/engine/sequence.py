@@ -17,7 +17,8 @@ class Request:
 
     ``num_computed`` counts the tokens whose keys and values are in the cache: the scheduler gives a
     step some of the ``num_tokens - num_computed`` still to compute (a prompt chunk, or the one
-    token a decoding request sampled last step). ``cached_tokens`` is how many of them its latest
+    token a decoding request sampled last step, followed by its draft ``draft_ids`` when the engine
+    speculates). ``cached_tokens`` is how many of them its latest
     admission found in the prefix cache instead of computing them.
     """
 
@@ -34,6 +35,9 @@ class Request:
     preemptions: int = 0
     steps_run: int = 0
     cached_tokens: int = 0  # prefix-cache hits of its latest admission
+    draft_ids: list[int] = field(default_factory=list)  # this step's speculative draft (engine.speculative)
+    draft_tokens: int = 0  # draft tokens verified over its life (speculative decoding)
+    accepted_tokens: int = 0  # of those, accepted
 
     @property
     def all_ids(self) -> list[int]:
@@ -41,8 +45,12 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """``all_ids[start:end]`` without building ``all_ids`` (a step needs a few tokens of a long
-        sequence: copying all of it for every request every step costs milliseconds at batch 128)."""
-        p = len(self.prompt_ids)
+        sequence: copying all of it for every request every step costs milliseconds at batch 128).
+        Past the known tokens come this step's draft tokens (speculative decoding): the step
+        computes them too."""
+        p, known = len(self.prompt_ids), self.num_tokens
+        if end > known:  # the draft follows the known tokens
+            return self.token_ids(min(start, known), known) + self.draft_ids[max(start - known, 0):end - known]
         if end <= p:
             return self.prompt_ids[start:end]
         if start >= p:

@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continuous engine: KV blocks (default: --max-running requests at the full --context)")
     p.add_argument("--token-budget", type=int, default=256, help="continuous engine: most tokens per step (256)")
     p.add_argument("--max-running", type=int, default=16, help="continuous engine: most requests per step (16)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="continuous engine: speculative decoding with prompt-lookup drafts of up to K tokens (0: off)")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="seconds to pause after each forward pass: a slower model, for demos and tests (0)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -123,7 +125,8 @@ def _backend(args: argparse.Namespace):
                   max_requests=args.max_requests, seed=args.seed)
     if args.engine == "continuous":
         backend = ContinuousEngine(served, **common, block_size=args.block_size, num_blocks=args.num_blocks,
-                                   token_budget=args.token_budget, max_running=args.max_running)
+                                   token_budget=args.token_budget, max_running=args.max_running,
+                                   speculative_tokens=args.num_speculative_tokens)
     else:
         backend = FifoEngine(served, **common)
     backend.step_delay_s = args.step_delay

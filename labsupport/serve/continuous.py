@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..engine import Engine
+from ..engine import Engine, SpeculativeConfig
 from ..sampling import SamplingParams
 from ..scheduler import blocks_for
 from .backend import Backend, RequestHandle
@@ -39,24 +39,29 @@ class ContinuousEngine(Backend):
 
     ``num_blocks`` cache blocks of ``block_size`` token positions hold every running request's keys
     and values (default: enough for ``max_running`` requests at the full context); ``token_budget``
-    caps the tokens of one step and ``max_running`` the requests in it. The other arguments are
+    caps the tokens of one step and ``max_running`` the requests in it. ``speculative_tokens`` > 0
+    turns on the engine's n-gram speculative decoding with drafts of at most that many tokens
+    (:mod:`labsupport.engine.speculative`). The other arguments are
     :class:`~labsupport.serve.backend.Backend`'s.
     """
 
     kind = "continuous"
 
     def __init__(self, served=None, *, block_size: int = 16, num_blocks: int | None = None,
-                 token_budget: int = 256, max_running: int = 16, **options):
+                 token_budget: int = 256, max_running: int = 16, speculative_tokens: int = 0, **options):
         super().__init__(served, **options)
         if num_blocks is None:
             num_blocks = max_running * blocks_for(self.context_tokens, block_size)
         if num_blocks * block_size < self.context_tokens:
             raise ValueError(f"{num_blocks} blocks of {block_size} tokens hold {num_blocks * block_size} tokens, "
                              f"fewer than one request at the full context ({self.context_tokens}): raise --num-blocks")
+        spec = SpeculativeConfig(num_speculative_tokens=speculative_tokens) if speculative_tokens else None
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget,
-                             max_running=max_running, max_model_len=self.context_tokens)
+                             max_running=max_running, max_model_len=self.context_tokens, speculative=spec)
         self.description += (f" Continuous batching: {num_blocks} KV blocks of {block_size} tokens, at most "
                              f"{token_budget} tokens and {max_running} requests per step.")
+        if spec:
+            self.description += f" Speculative decoding: prompt-lookup drafts of up to {speculative_tokens} tokens."
         self._new: list[RequestHandle] = []  # submitted since the last step
         self._wake: asyncio.Event | None = None
         self.steps_run = 0  # the engine's own step records are trimmed
@@ -69,7 +74,8 @@ class ContinuousEngine(Backend):
         eng = self.engine
         return {**super().stats(), "engine": "continuous", "steps": self.steps_run,
                 "kv_blocks_total": eng.num_blocks, "kv_blocks_free": eng.allocator.num_free_blocks,
-                "block_size": eng.block_size}
+                "block_size": eng.block_size, "spec_draft_tokens": eng.totals["spec_draft_tokens"],
+                "spec_accepted_tokens": eng.totals["spec_accepted_tokens"]}
 
     def _running_count(self) -> int:
         return len(self.engine.running)

@@ -12,6 +12,9 @@ course metric                                       the vLLM metric it mirrors
 ``course:kv_cache_usage_perc`` (gauge, 0 to 1;      ``vllm:kv_cache_usage_perc`` (named
 continuous engine only)                             ``vllm:gpu_cache_usage_perc`` before vLLM 0.9,
                                                     deprecated since)
+``course:spec_decode_num_draft_tokens_total``,      ``vllm:spec_decode_num_draft_tokens_total``,
+``course:spec_decode_num_accepted_tokens_total``    ``vllm:spec_decode_num_accepted_tokens_total``
+(counters; continuous engine only)                  (acceptance rate: accepted over draft, each a rate)
 ``course:slots_used``, ``course:slots_total``       none: the server's admission limit (``--max-requests``)
 ``course:draining`` (gauge, 0 or 1)                 none: 1 once a graceful drain has begun
 ``course:time_to_first_token_seconds`` (histogram)  ``vllm:time_to_first_token_seconds``
@@ -43,7 +46,7 @@ else the HTTP status, such as ``400``).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "course:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -72,6 +75,12 @@ class _StateCollector:
             used = 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"]
             yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
                                     value=used)
+        for name, key, doc in (  # vLLM's spec_decode_num_draft_tokens and _accepted_tokens
+            ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Speculative draft tokens verified."),
+            ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Speculative draft tokens accepted."),
+        ):
+            if key in stats:
+                yield CounterMetricFamily(PREFIX + name, doc, value=stats[key])
 
 
 class ServerMetrics:

@@ -1,0 +1,158 @@
+"""Speculative decoding inside the batched engine: n-gram drafts, verified in the step's forward pass (chapter 13).
+
+With ``Engine(model, speculative=SpeculativeConfig(num_speculative_tokens=k))`` every step does, for
+each running request that is decoding:
+
+1. **propose** (:func:`propose`): up to ``k`` draft tokens by prompt lookup
+   (:func:`labsupport.drafts.ngram_proposal`, vLLM's ``ngram`` method): no second model, no
+   forward pass. The draft is capped so that the request can neither pass ``max_tokens`` nor the
+   engine's ``max_model_len``, and it is dropped when its cache blocks are not free (a draft never
+   makes the scheduler preempt anyone);
+2. **schedule**: the scheduler sees the draft as tokens still to compute, so the step runs the
+   request's last sampled token and its draft, ``1 + d`` tokens, in the same flat batch as every
+   prefill chunk and plain decode. A decision that gives it fewer (the token budget ran out) cuts
+   the draft to fit. Their keys and values go into cache slots like any other token's;
+3. **verify** (:func:`verify_drafts`): the output head runs on all ``1 + d`` rows, and the drafts are
+   accepted left to right. A greedy request accepts a draft token while it equals the target's
+   argmax there; a sampled one accepts draft token ``x`` with probability ``p(x)`` (the target's
+   probability after the request's own temperature, penalties, min-p, top-k and top-p) and on a
+   rejection draws from ``p`` with ``x`` removed, renormalised. That is the rejection rule of
+   Leviathan et al. (2023) for a draft distribution that puts all its mass on ``x``, and it leaves
+   each token distributed exactly as plain sampling would. Either way the target's own token comes
+   after the last accepted one (the correction, or the bonus token when all ``d`` were accepted), so
+   a step emits ``1 .. d + 1`` tokens;
+4. **roll back**: the rejected drafts' keys and values are in the cache, at positions past the
+   request's accepted tokens. ``num_computed`` moves back over them, and the allocator gives back
+   their slots (:meth:`labsupport.paged_cache.BlockAllocator.truncate`): a block the draft opened
+   is freed, and a block the draft filled, which was made findable by its hash when its slots were
+   handed out, forgets that hash, since its tail will be overwritten. The next step writes the
+   correct tokens over the stale slots.
+
+With greedy sampling a request gets exactly the tokens it gets without speculation (the tests check
+it against ``Transformer.generate`` alone); a sampled one gets tokens from the same distribution,
+but not the same tokens for a given ``seed`` (the verification draws its random numbers in
+another order). vLLM does the same with ``speculative_config={"method": "ngram",
+"num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}`` (its
+``vllm/v1/spec_decode/ngram_proposer.py`` and the rejection sampler in
+``vllm/v1/sample/rejection_sampler.py``); vLLM keeps the rejected slots allocated for the next
+step's draft instead of freeing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import positive_int
+from ..drafts import ngram_proposal
+from ..sampling import SamplingParams
+from .sampler import _penalized, batched_sampling_probs
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings, named as vLLM's ``speculative_config`` names them: the most
+    draft tokens per request and step, and the n-gram lengths prompt lookup tries (longest first)."""
+
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    method: str = "ngram"
+
+    def __post_init__(self):
+        positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min = {self.prompt_lookup_min} must not exceed "
+                             f"prompt_lookup_max = {self.prompt_lookup_max}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS} (drafts that need no second model), "
+                             f"got {self.method!r}")
+
+
+def draft_room(num_tokens: int, num_output: int, max_tokens: int, max_model_len: int, k: int) -> int:
+    """How many draft tokens a decoding request may be offered: at most ``k``; the step then emits
+    at most one more than its draft, which must fit both ``max_tokens`` (``num_output`` made so far)
+    and ``max_model_len`` (``num_tokens`` known now)."""
+    return max(0, min(k, max_tokens - num_output - 1, max_model_len - 1 - num_tokens))
+
+
+def propose(token_ids: Sequence[int], room: int, config: SpeculativeConfig) -> list[int]:
+    """The draft for a request whose known tokens are ``token_ids``: prompt lookup, at most ``room`` tokens."""
+    if room <= 0:
+        return []
+    return ngram_proposal(token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def accepted_greedy(targets: Sequence[int], draft: Sequence[int]) -> int:
+    """How many leading draft tokens equal the target's argmax at their position (``targets`` has one
+    more entry than ``draft``: the target's token after the last draft)."""
+    a = 0
+    while a < len(draft) and draft[a] == targets[a]:
+        a += 1
+    return a
+
+
+@torch.no_grad()
+def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                  drafts: Sequence[Sequence[int]], histories: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """The tokens each request emits: ``logits`` (sum of ``len(draft) + 1``, V) holds each request's rows
+    in order, row ``j`` the target's prediction after its ``j`` first draft tokens. ``histories[i]``
+    (read only with a repetition penalty) is request ``i``'s known tokens; a row after ``j`` draft
+    tokens is penalised with those drafts seen too. Returns, per request, its accepted draft tokens
+    followed by the target's own token (module docstring)."""
+    sizes = [len(d) + 1 for d in drafts]
+    if sum(sizes) != logits.shape[0] or len(params) != len(drafts) or len(generators) != len(drafts):
+        raise ValueError(f"verify_drafts: {logits.shape[0]} rows of logits for drafts of lengths "
+                         f"{[len(d) for d in drafts]} ({len(params)} params, {len(generators)} generators)")
+    row_params = [p for p, n in zip(params, sizes) for _ in range(n)]
+    row_histories = None
+    if histories is not None:
+        row_histories = [list(h) + list(d[:j]) if p.repetition_penalty != 1 else ()
+                         for h, d, p in zip(histories, drafts, params) for j in range(len(d) + 1)]
+    logits = _penalized(logits, row_params, row_histories)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    out: list[list[int]] = [[] for _ in drafts]
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if greedy:  # one argmax over every greedy row, one transfer
+        rows = [starts[i] + j for i in greedy for j in range(sizes[i])]
+        best = logits[torch.tensor(rows, device=logits.device)].argmax(-1).tolist()
+        at = 0
+        for i in greedy:
+            targets = best[at:at + sizes[i]]
+            at += sizes[i]
+            a = accepted_greedy(targets, drafts[i])
+            out[i] = [*drafts[i][:a], targets[a]]
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            out[i] = _verify_sampled(logits[starts[i]:starts[i] + sizes[i]], p, generators[i], drafts[i])
+    return out
+
+
+def _verify_sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
+                    draft: Sequence[int]) -> list[int]:
+    """Rejection sampling of a one-hot draft for one request: ``logits`` (len(draft) + 1, V)."""
+    n, V = logits.shape
+    dev = logits.device
+    probs = batched_sampling_probs(  # (n, V): the request's own filters on every row
+        logits, torch.full((n,), p.temperature, dtype=torch.float32, device=dev),
+        torch.full((n,), p.top_k if 0 < p.top_k < V else V, dtype=torch.long, device=dev),
+        torch.full((n,), p.top_p, dtype=torch.float32, device=dev),
+        torch.full((n,), p.min_p, dtype=torch.float32, device=dev) if p.min_p > 0 else None)
+    tokens: list[int] = []
+    for j, x in enumerate(draft):
+        u = torch.rand((), generator=generator, device=generator.device).item()
+        if u < probs[j, x].item():
+            tokens.append(int(x))
+            continue
+        residual = probs[j].clone()
+        residual[x] = 0.0  # p with the rejected token removed; multinomial renormalises
+        tokens.append(int(torch.multinomial(residual[None], 1, generator=generator)[0, 0]))
+        return tokens
+    tokens.append(int(torch.multinomial(probs[-1:], 1, generator=generator)[0, 0]))  # the bonus token
+    return tokens
