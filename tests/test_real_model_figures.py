@@ -9,9 +9,9 @@ from labsupport import real_model_pages as pages
 
 PAGES = {"tokens": (pages.tokens_md, pages.template_md), "journey": (pages.journey_md,),
          "position": (pages.position_md,), "quality": (pages.quality_md,), "prefix": (pages.prefix_md,),
-         "speculative": (pages.speculative_md,)}
+         "speculative": (pages.speculative_md,), "engine_speculative": (pages.engine_speculative_md,)}
 
-QUICK_SECTIONS = ("tokens", "position", "quality", "prefix", "speculative")  # journey starts a server: see test_serve_chat
+QUICK_SECTIONS = ("tokens", "position", "quality", "prefix", "speculative", "engine_speculative")  # journey starts a server: see test_serve_chat
 
 
 def test_quick_mode_measures_and_is_never_shown(smollm2, tmp_path):
@@ -28,6 +28,9 @@ def test_quick_mode_measures_and_is_never_shown(smollm2, tmp_path):
     assert 0 < prefix["hit_rate"] < 1 and prefix["first_turn_shared_ids"] >= out["prefix"]["system_prompt_tokens"]
     spec = out["speculative"]["runs"]
     assert {r["method"] for r in spec} == {"prompt lookup", "first 15 of 30 layers"}  # each equal to plain greedy
+    engine = out["engine_speculative"]  # its tokens were checked equal with and without drafts
+    assert engine["prompts"] == ["edit"] and engine["by_prompt"]["edit"]["tokens"] == 6
+    assert engine["engine_steps"] <= engine["plain_engine_steps"] and engine["accepted"] <= engine["drafted"]
     path = R.write_results(out, tmp_path / "quick.json", quick=True)
     assert json.loads(path.read_text())["quick"] is True
     assert R.load_results(path) is None  # a quick file is never figures

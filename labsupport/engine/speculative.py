@@ -34,8 +34,10 @@ but not the same tokens for a given ``seed`` (the verification draws its random 
 another order). vLLM does the same with ``speculative_config={"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}`` (its
 ``vllm/v1/spec_decode/ngram_proposer.py`` and the rejection sampler in
-``vllm/v1/sample/rejection_sampler.py``); vLLM keeps the rejected slots allocated for the next
-step's draft instead of freeing them.
+``vllm/v1/sample/rejection_sampler.py``). vLLM's scheduler rolls back the same count
+(``num_computed_tokens -= num_rejected``) but leaves the slots with the request for its next
+tokens, and never hashes a block holding an unverified draft token (``allocate_slots`` in
+``vllm/v1/core/kv_cache_manager.py`` at ``003df296`` caches blocks only up to the verified tokens).
 """
 
 from __future__ import annotations
