@@ -93,15 +93,15 @@ def step_bound_seconds(cfg: ModelConfig, weight_bytes: int, step, copy_Bps: floa
     bytes over the copy rate or its FLOPs over the matmul rate, whichever is longer. Bytes: the
     weights once (:func:`weight_bytes_read`), the cache its attention read (``kv_tokens``) and the
     keys and values of its new tokens. FLOPs: two per weight of the layers per token, two per weight
-    of the output head per *sampled* row only (the engine computes logits for those alone; the
-    input embedding is a lookup), and four per query-key pair per head dimension per head per layer
+    of the output head per row it ran on (each *sampled* sequence's last row, and with speculative
+    decoding each draft token's row too; the input embedding is a lookup), and four per query-key pair per head dimension per head per layer
     (scores and the weighted sum)."""
-    tokens = step.prefill_tokens + step.decode_tokens
+    tokens = step.prefill_tokens + step.decode_tokens + step.draft_tokens
     kv = kv_bytes_per_token(cfg, dtype_bytes)
     nbytes = weight_bytes_read(cfg, weight_bytes, tokens, dtype_bytes) + (step.kv_tokens + tokens) * kv
     head = cfg.vocab_size * cfg.d_model  # the output head's weights (the input table too, if untied)
     layer_params = weight_bytes / dtype_bytes - head * (1 if cfg.tied_embeddings else 2)
-    flops = (2 * layer_params * tokens + 2 * head * step.sampled
+    flops = (2 * layer_params * tokens + 2 * head * (step.sampled + step.draft_tokens)
              + 4 * step.attention_pairs * cfg.head_dim * cfg.n_heads * cfg.n_layers)
     return max(nbytes / copy_Bps, flops / matmul_flops)
 

@@ -273,28 +273,25 @@ class BlockAllocator:
 
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Keep only the first ``length`` tokens of ``seq_id`` (speculative decoding's rollback: the
-        slots of rejected draft tokens go back). Blocks past what ``length`` needs lose this
-        sequence's reference, as :meth:`free` drops them (a full one stays findable by its hash:
-        its keys and values are right for the tokens it was hashed with). The block that is now
-        partly filled forgets its hash when this sequence alone holds it, since its tail is about
-        to be overwritten. Token ids after ``length`` are forgotten, so a block that fills again is
-        hashed with the new ones."""
+        slots of rejected draft tokens go back). The tokens past ``length`` were never part of the
+        sequence: a block they alone fill, or that now holds fewer tokens, forgets its hash when this
+        sequence is its only holder (the kept one's tail is about to be overwritten), and blocks
+        past what ``length`` needs lose this sequence's reference, going back to the free list when
+        nobody else holds them. Token ids after ``length`` are forgotten, so a block that fills
+        again is hashed with the new ones."""
         table = self._table(seq_id)
         old = self._lengths[seq_id]
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= old:
             raise ValueError(f"sequence {seq_id!r} holds {old} tokens; truncate it to 0..{old}, not {length!r}")
         full, keep = length // self.block_size, blocks_needed(length, self.block_size)
+        for b in table[full:]:  # the blocks no longer full of this sequence's tokens
+            if self._refs[b] == 1 and b in self._hash_of:
+                self._unregister(b)
         for b in reversed(table[keep:]):
             self._refs[b] -= 1
-            if self._refs[b] == 0:
-                if b in self._hash_of:
-                    self._evictable[b] = self._hash_of[b]
-                    self._evictable.move_to_end(b)
-                else:
-                    self._free.append(b)
+            if self._refs[b] == 0:  # held by this sequence alone: its hash went above
+                self._free.append(b)
         del table[keep:]
-        if keep > full and self._refs[table[full]] == 1 and table[full] in self._hash_of:
-            self._unregister(table[full])
         del self._chains[seq_id][full:]
         self._lengths[seq_id] = length
         if self._tokens[seq_id] is not None:

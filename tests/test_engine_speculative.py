@@ -145,7 +145,8 @@ def test_a_repetition_penalty_sees_the_draft_tokens_before_each_position(model):
     spec = run_trace(Engine(model, num_blocks=32, block_size=4, clock="steps", speculative=SPEC), trace)
     plain = run_trace(Engine(model, num_blocks=32, block_size=4, clock="steps"), trace)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
-    assert sum(r.draft_tokens for r in spec) > 0
+    assert sum(r.draft_tokens for r in spec) > 0  # the unpenalised one drafts (prompt lookup copies the
+    # context, which a penalty avoids; test_each_verified_row_is_penalised_with_the_drafts_before_it covers rows)
 
 
 def test_a_draft_never_makes_the_scheduler_preempt(model):
@@ -193,6 +194,91 @@ def test_rejection_sampling_keeps_the_targets_distribution():
     assert torch.all((freq - p[0]).abs() < tol), (freq, p[0])
     q = float(p[0, x] * p[1, y])
     assert abs(pair / N - q) < 4 * (q * (1 - q) / N) ** 0.5
+
+
+def test_the_bonus_token_follows_the_last_row():
+    """Both drafts accepted: the third token is drawn from the row after the last draft."""
+    logits = torch.tensor([[3.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0], [0.5, -0.5, 1.0, 0.0]])
+    p2 = torch.softmax(logits[2], -1)
+    gen = torch.Generator().manual_seed(2)
+    third = torch.zeros(4)
+    for _ in range(4000):
+        out = verify_drafts(logits, [SamplingParams(temperature=1.0)], [gen], [[0, 1]])[0]
+        if len(out) == 3:
+            third[out[2]] += 1
+    n = third.sum()
+    assert n > 2000
+    assert torch.all((third / n - p2).abs() < 4 * torch.sqrt(p2 * (1 - p2) / n)), (third / n, p2)
+
+
+def test_a_seeded_sampled_request_gets_the_same_tokens_with_and_without_drafts(model):
+    """Verification draws from p row by row with the request's generator: the same draws in the same
+    order as plain sampling, alone and in a batch whose budget cuts drafts."""
+    prompts = [[7, 1, 7, 1, 7, 1, 7], [3, 8, 1] * 4, [5, 9, 2, 7] * 3, [11, 12] * 5]
+    for seed in range(6):
+        params = SamplingParams(temperature=0.7, top_k=4, max_tokens=12, seed=seed)
+        got = {}
+        for label, spec, batch in (("plain", None, prompts[:1]), ("alone", SPEC, prompts[:1]),
+                                   ("batched", SPEC, prompts)):
+            engine = Engine(model, num_blocks=64, block_size=4, token_budget=5, max_running=4, clock="steps",
+                            speculative=spec)
+            ids = [engine.add_request(p, params) for p in batch]
+            for _ in engine.stream():
+                pass
+            got[label] = engine.requests[ids[0]].output_ids
+        assert got["alone"] == got["plain"] == got["batched"], seed
+
+
+def test_a_stop_token_in_the_middle_of_an_emitted_run_ends_it_there(model, monkeypatch):
+    """A verification that emits [a, STOP, b]: the request ends after STOP, b is never sent."""
+    import labsupport.engine.model_runner as runner
+
+    real = runner.verify_drafts
+    STOP = 1000
+
+    def with_a_stop(logits, params, generators, drafts, histories=None):
+        out = real(logits, params, generators, drafts, histories)
+        return [[o[0], STOP, 999] if len(d) >= 2 else o for o, d in zip(out, drafts)]
+
+    monkeypatch.setattr(runner, "verify_drafts", with_a_stop)
+    engine = Engine(model, num_blocks=32, block_size=4, clock="steps", speculative=SPEC)
+    rid = engine.add_request([411, 866, 977, 766, 796, 352, 969], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                               stop_token_ids=(STOP,)))
+    events = list(engine.stream())
+    req = engine.requests[rid]
+    assert req.finish_reason == "stop" and req.output_ids[-1] == STOP and 999 not in req.output_ids
+    assert [e.index for e in events] == list(range(len(req.output_ids)))
+    assert events[-1].finish_reason == "stop" and events[-1].token_id == STOP
+    assert engine.allocator.num_free_blocks == 32
+
+
+def test_drafts_of_several_requests_never_cost_a_preemption(model):
+    """Seven blocks of 4, three requests that draft: the blocks one draft takes are not offered to the next."""
+    engine = CheckedEngine(model, num_blocks=7, block_size=4, clock="steps", speculative=SPEC, prefix_caching=False)
+    for prompt in ([696, 120, 321, 448, 709, 856, 290], [733, 67, 287, 797, 16, 963, 282], [9, 8, 7, 6, 5, 4, 3]):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+    for _ in engine.stream():
+        pass
+    assert sum(s.draft_tokens for s in engine.steps) > 0
+    assert not any(s.preempted and s.draft_tokens for s in engine.steps)
+
+
+def test_blocks_filled_through_drafts_are_found_by_their_real_tokens(model):
+    """After a speculative run, the request's full blocks are in the prefix cache under the tokens they
+    hold: a follow-up that extends the conversation finds them all."""
+    prompt = [411, 866, 977, 766, 796, 352, 969]
+    engine = Engine(model, num_blocks=32, block_size=4, clock="steps", speculative=SPEC)
+    first = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=14))
+    for _ in engine.stream():
+        pass
+    assert engine.requests[first].accepted_tokens > 0
+    turn = prompt + engine.requests[first].output_ids + [5]
+    second = engine.add_request(turn, SamplingParams(temperature=0.0, max_tokens=3))
+    for _ in engine.stream():
+        pass
+    known = len(turn) - 1  # what the first request's blocks held: all but the new token
+    assert engine.requests[second].cached_tokens == (known - 1) // 4 * 4
+    assert engine.requests[second].output_ids == alone(model, turn, 3)
 
 
 def test_greedy_verification_accepts_while_the_argmax_agrees():
@@ -257,7 +343,15 @@ def test_truncate_gives_back_slots_and_forgets_the_hash_of_a_block_it_reopens():
     alloc.check_invariants()
     with pytest.raises(ValueError, match="truncate it to 0..8"):
         alloc.truncate("a", 9)
+    alloc.append_token("a", 9)
+    for t in [10, 11, 12, 13]:  # block 2 fills with 9..12 (hashed), block 3 opens
+        alloc.append_token("a", t)
+    alloc.truncate("a", 8)  # a draft that filled a whole block: both its blocks go, hashes and all
+    assert alloc.num_free_blocks == 6 and alloc.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 70, 80, 9, 10, 11, 12, 0]) == 8
+    alloc.check_invariants()
+    b = alloc.fork("a", "b")  # a block another sequence holds keeps its hash
     alloc.truncate("a", 0)
     alloc.check_invariants()
+    assert alloc.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 70, 80, 0]) == 8 and alloc.block_table("b") == b
+    alloc.free("b")
     assert alloc.num_free_blocks == 8
-    assert alloc.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 70, 80, 0]) == 8  # released full blocks stay cached

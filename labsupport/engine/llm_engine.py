@@ -52,7 +52,7 @@ class StepRecord:
     attention_pairs: int = 0  # query-key pairs its attention scored (causal: a token sees itself and earlier)
     sampled: int = 0  # sequences that sampled a token
     draft_tokens: int = 0  # speculative draft tokens verified (their rows ran the output head too)
-    accepted_tokens: int = 0  # of those, accepted: the step emitted sampled + accepted tokens
+    accepted_tokens: int = 0  # of those, accepted (each sampled sequence emits 1 + its accepted, unless it stops)
 
 
 class _Clock:

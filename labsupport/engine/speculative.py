@@ -18,21 +18,25 @@ each running request that is decoding:
    probability after the request's own temperature, penalties, min-p, top-k and top-p) and on a
    rejection draws from ``p`` with ``x`` removed, renormalised. That is the rejection rule of
    Leviathan et al. (2023) for a draft distribution that puts all its mass on ``x``, and it leaves
-   each token distributed exactly as plain sampling would. Either way the target's own token comes
+   each token distributed exactly as plain sampling would. It is carried out by drawing ``y`` from
+   ``p`` with the request's own generator, row by row: ``y = x`` is the acceptance, any other ``y``
+   the residual's draw, so a seeded request makes the same draws in the same order as without a
+   draft. Either way the target's own token comes
    after the last accepted one (the correction, or the bonus token when all ``d`` were accepted), so
    a step emits ``1 .. d + 1`` tokens;
 4. **roll back**: the rejected drafts' keys and values are in the cache, at positions past the
    request's accepted tokens. ``num_computed`` moves back over them, and the allocator gives back
-   their slots (:meth:`labsupport.paged_cache.BlockAllocator.truncate`): a block the draft opened
-   is freed, and a block the draft filled, which was made findable by its hash when its slots were
-   handed out, forgets that hash, since its tail will be overwritten. The next step writes the
-   correct tokens over the stale slots.
+   their slots (:meth:`labsupport.paged_cache.BlockAllocator.truncate`): a block holding only
+   rejected tokens is freed, and every block the draft filled, made findable by its hash when its
+   slots were handed out, forgets that hash (the one kept is overwritten from the first rejected
+   position). The next step writes the correct tokens over the stale slots.
 
 With greedy sampling a request gets exactly the tokens it gets without speculation (the tests check
-it against ``Transformer.generate`` alone); a sampled one gets tokens from the same distribution,
-but not the same tokens for a given ``seed`` (the verification draws its random numbers in
-another order). vLLM does the same with ``speculative_config={"method": "ngram",
-"num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}`` (its
+it against ``Transformer.generate`` alone), and a seeded sampled one the same tokens as without
+speculation wherever the verification pass's logits equal the plain decode's (on the CPU in fp32
+the tests find them equal, alone and in a batch). vLLM does the same with ``speculative_config={"method": "ngram",
+"num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}`` (vLLM uses 5
+for both lookup lengths when neither is given; the course defaults to 1 to 3) (its
 ``vllm/v1/spec_decode/ngram_proposer.py`` and the rejection sampler in
 ``vllm/v1/sample/rejection_sampler.py``). vLLM's scheduler rolls back the same count
 (``num_computed_tokens -= num_rejected``) but leaves the slots with the request for its next
@@ -138,7 +142,11 @@ def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], genera
 
 def _verify_sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
                     draft: Sequence[int]) -> list[int]:
-    """Rejection sampling of a one-hot draft for one request: ``logits`` (len(draft) + 1, V)."""
+    """Rejection sampling of a one-hot draft for one request: ``logits`` (len(draft) + 1, V). Row by
+    row, a token ``y`` is drawn from ``p`` with the request's generator: ``y`` equal to the draft
+    token accepts it (probability ``p(x)``); any other ``y`` is the residual's draw (``p`` without
+    ``x``, renormalised) and ends the step; the last row's draw is the bonus token. The same draws,
+    in the same order, as sampling without a draft."""
     n, V = logits.shape
     dev = logits.device
     probs = batched_sampling_probs(  # (n, V): the request's own filters on every row
@@ -147,14 +155,9 @@ def _verify_sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Ge
         torch.full((n,), p.top_p, dtype=torch.float32, device=dev),
         torch.full((n,), p.min_p, dtype=torch.float32, device=dev) if p.min_p > 0 else None)
     tokens: list[int] = []
-    for j, x in enumerate(draft):
-        u = torch.rand((), generator=generator, device=generator.device).item()
-        if u < probs[j, x].item():
-            tokens.append(int(x))
-            continue
-        residual = probs[j].clone()
-        residual[x] = 0.0  # p with the rejected token removed; multinomial renormalises
-        tokens.append(int(torch.multinomial(residual[None], 1, generator=generator)[0, 0]))
-        return tokens
-    tokens.append(int(torch.multinomial(probs[-1:], 1, generator=generator)[0, 0]))  # the bonus token
+    for j in range(n):
+        y = int(torch.multinomial(probs[j:j + 1], 1, generator=generator)[0, 0])
+        tokens.append(y)
+        if j == len(draft) or y != int(draft[j]):
+            break
     return tokens

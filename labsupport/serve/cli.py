@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be 0 or more seconds, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be from 0 to 65535, got {args.port}")
+    if args.num_speculative_tokens < 0:
+        p.error(f"--num-speculative-tokens must be 0 (off) or more, got {args.num_speculative_tokens}")
+    if args.num_speculative_tokens and args.engine != "continuous":
+        p.error("--num-speculative-tokens needs --engine continuous (the FIFO engine does not speculate)")
     return args
 
 
