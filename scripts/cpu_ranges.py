@@ -28,8 +28,8 @@ from labsupport import ledger  # noqa: E402 - after the path, so the script runs
 
 def ranges_markdown(runs: list[ledger.Run], note: str) -> str:
     by_lab: dict[str, list[ledger.Run]] = collections.defaultdict(list)
-    for run in runs:
-        if run.kind == "cpu":
+    for run in runs:  # CPU runs, in Triton's interpreter too (their torch timings are real; see below)
+        if run.kind in ("cpu", "cpu-interpreter"):
             by_lab[run.lab].append(run)
     if not by_lab:
         return "No CPU runs were found in the ledger folder.\n"
@@ -41,6 +41,8 @@ def ranges_markdown(runs: list[ledger.Run], note: str) -> str:
         meta: dict[str, ledger.Figure] = {}
         for run in by_lab[lab]:
             for fig in run.figures:
+                if fig.timing and not run.timings_real:
+                    continue  # a Triton kernel timed in the interpreter: it measures Python
                 values[fig.name].append(fig.value)
                 meta[fig.name] = fig
         out += [f"**{lab}** ({len(by_lab[lab])} run{'s' if len(by_lab[lab]) > 1 else ''})", "",
