@@ -41,7 +41,7 @@ for both lookup lengths when neither is given; the course defaults to 1 to 3) (i
 ``vllm/v1/sample/rejection_sampler.py``). vLLM's scheduler rolls back the same count
 (``num_computed_tokens -= num_rejected``) but leaves the slots with the request for its next
 tokens, and never hashes a block holding an unverified draft token (``allocate_slots`` in
-``vllm/v1/core/kv_cache_manager.py`` at ``003df296`` caches blocks only up to the verified tokens).
+``vllm/v1/core/kv_cache_manager.py`` at ``003df296`` hashes a block only once all its tokens are verified).
 """
 
 from __future__ import annotations
