@@ -355,3 +355,16 @@ def test_truncate_gives_back_slots_and_forgets_the_hash_of_a_block_it_reopens():
     assert alloc.cached_prefix_tokens([1, 2, 3, 4, 5, 6, 70, 80, 0]) == 8 and alloc.block_table("b") == b
     alloc.free("b")
     assert alloc.num_free_blocks == 8
+
+
+def test_the_triton_kernels_verify_drafts_in_the_interpreter(model):
+    """attention="triton": a verification chunk of 1 + d queries goes through the mixed-batch kernel
+    (what a GPU runs, small); the same tokens, drafts accepted."""
+    engine = Engine(model, num_blocks=32, block_size=4, clock="steps", attention="triton", speculative=SPEC)
+    prompts = [[411, 866, 977, 766, 796, 352, 969], [5, 9, 2, 7] * 3]
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in prompts]
+    for _ in engine.stream():
+        pass
+    assert engine.stats()["spec_accepted_tokens"] > 0
+    for rid, prompt in zip(ids, prompts):
+        assert engine.requests[rid].output_ids == alone(model, prompt, 10)
