@@ -1,7 +1,7 @@
 """The course server with chapter 13's engine (``--engine continuous``), started for real in a
 subprocess and driven with the ``openai`` client: concurrent streamed requests share engine steps,
-each gets exactly the greedy tokens it gets alone, and a client that drops its stream frees its
-request's cache blocks."""
+each gets exactly the greedy tokens it gets alone (with speculative decoding too), and a client that
+drops its stream frees its request's cache blocks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from labsupport.serve import ServerProcess
 from labsupport.serve.cli import parse_args
@@ -24,10 +25,13 @@ MAX_TOKENS = [24, 12, 30, 18]
 MAX_DROPPED = 240  # long, so the client hangs up well before the request could finish
 
 
+OPTIONS = ["--engine", "continuous", "--context", "384", "--max-tokens-limit", "240", "--num-blocks", "64",
+           "--block-size", "8"]
+
+
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["--engine", "continuous", "--context", "384", "--max-tokens-limit", "240",
-                        "--num-blocks", "64", "--block-size", "8"], threads=1) as srv:
+    with ServerProcess(OPTIONS, threads=1) as srv:
         yield srv
 
 
@@ -67,6 +71,20 @@ def test_the_default_engine_is_still_chapter_03s():
 
 
 def test_concurrent_requests_share_steps_and_keep_their_greedy_tokens(server):
+    _concurrent_requests_keep_their_greedy_tokens(server)
+
+
+def test_speculative_decoding_keeps_the_greedy_tokens_and_counts_its_drafts():
+    """``--num-speculative-tokens 4``: the same streamed greedy tokens, drafts counted on /metrics."""
+    with ServerProcess([*OPTIONS, "--num-speculative-tokens", "4"], threads=1) as srv:
+        _concurrent_requests_keep_their_greedy_tokens(srv)
+        samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+                   for s in f.samples}
+    drafted = samples["course:spec_decode_num_draft_tokens_total"]
+    assert drafted > 0 and 0 <= samples["course:spec_decode_num_accepted_tokens_total"] <= drafted
+
+
+def _concurrent_requests_keep_their_greedy_tokens(server):
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
     out = [None] * len(PROMPTS)
     barrier = threading.Barrier(len(PROMPTS))
