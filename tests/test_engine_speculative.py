@@ -5,15 +5,13 @@ gets tokens from the same distribution (the rejection rule, checked by counting)
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from test_engine import CFG, alone  # the engine tests' untied tiny model and their reference: generate alone
 
 from labsupport.drafts import greedy_speculative, ngram_proposal
 from labsupport.engine import Engine, SpeculativeConfig, TraceRequest, run_trace
 from labsupport.engine.speculative import accepted_greedy, draft_room, verify_drafts
-from labsupport.models import get_model
 from labsupport.paged_cache import BlockAllocator
 from labsupport.phases import cpu_threads
 from labsupport.sampling import SamplingParams, sample
@@ -21,8 +19,6 @@ from labsupport.transformer import Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-# untied, as in test_engine.py: a tied random model repeats its last token, which every draft matches
-CFG = dataclasses.replace(get_model("tiny-2m"), tied_embeddings=False, name="tiny-2m-untied")
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
@@ -36,10 +32,6 @@ def model():
 def _one_thread():
     with cpu_threads(1):
         yield
-
-
-def alone(model, prompt, n):
-    return model.generate(torch.tensor([list(prompt)]), n)[0, len(prompt):].tolist()
 
 
 def repetitive_trace(vocab, n=8, seed=5):
