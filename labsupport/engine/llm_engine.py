@@ -275,11 +275,11 @@ class Engine:
             d = len(req.draft_ids)
             decode += bool(req.output_ids) and n == 1 + d and req.num_computed == req.num_tokens - 1
             pairs += n * req.num_computed + n * (n + 1) // 2  # causal: a token sees itself and earlier
+            if req.samples_after(n):  # all known tokens (and its draft) computed: it sampled the next ones
+                sampled.append(req)
             req.num_computed += n
             kv += req.num_computed  # each sequence's cached length after the step: what attention read
             req.steps_run += 1
-            if req.num_computed == req.num_tokens + d:  # all known tokens computed: it sampled the next ones
-                sampled.append(req)
         reasons = []
         for req, emitted in zip(sampled, tokens):
             d, a = len(req.draft_ids), len(emitted) - 1  # drafted, accepted

@@ -246,8 +246,9 @@ class ModelRunner:
     def scheduled(self, batch: Sequence[tuple[Request, int]]) -> list[ScheduledSeq]:
         """The step as :func:`prepare_step` reads it: each request's tokens, block table, cached and
         new token counts (the block tables already cover the step's tokens)."""
+        # all_ids and block_table are new lists: nothing of the engine's is shared
         return [ScheduledSeq(req.all_ids + req.draft_ids, self.block_manager.block_table(req.request_id),
-                             req.num_computed, n) for req, n in batch]  # all_ids and block_table are new lists: nothing of the engine's is shared
+                             req.num_computed, n) for req, n in batch]
 
     def prepare(self, batch: Sequence[tuple[Request, int]]) -> StepMetadata:
         """Build the step's metadata and copy it to the device: the engine's own
@@ -275,21 +276,19 @@ class ModelRunner:
         for src, dst in copies:
             self.store.copy_block(src, dst)
         meta = self.prepare(batch)
-        sampling = [req for req, n in batch if req.num_computed + n == req.num_tokens + len(req.draft_ids)]
+        sampling = [req for req, n in batch if req.samples_after(n)]
         drafts = [req.draft_ids for req in sampling]
         if any(drafts):  # every drafted position's logits, not only the last row's
             meta.logits_indices = self.verify_rows(batch)
         hidden = self.forward(meta)  # (N, d) or (R, d): see forward
         logits = self.model.logits(hidden)  # (R, V)
         params = [r.params for r in sampling]
-        penalised = any(p.repetition_penalty != 1 for p in params)
-        histories = [r.all_ids if p.repetition_penalty != 1 else () for r, p in zip(sampling, params)] \
-            if penalised else None
+        histories = None  # the usual case, no penalty: no sequence is copied
+        if any(p.repetition_penalty != 1 for p in params):
+            histories = [r.all_ids if p.repetition_penalty != 1 else () for r, p in zip(sampling, params)]
         generators = [r.generator for r in sampling]
         if any(drafts):
             return verify_drafts(logits, params, generators, drafts, histories)
-        if histories is None:  # the usual case: no sequence is copied
-            return [[t] for t in sampler(logits, params, generators)]
         return [[t] for t in sampler(logits, params, generators, histories)]
 
     def verify_rows(self, batch: Sequence[tuple[Request, int]]) -> torch.Tensor:
@@ -298,7 +297,7 @@ class ModelRunner:
         rows, end = [], 0
         for req, n in batch:
             end += n
-            if req.num_computed + n == req.num_tokens + len(req.draft_ids):
+            if req.samples_after(n):
                 rows.extend(range(end - 1 - len(req.draft_ids), end))
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 

@@ -61,6 +61,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def samples_after(self, n: int) -> bool:
+        """Whether a step that computes ``n`` more of its tokens computes all it knows and its draft:
+        then the step samples it (its next token, or its verified draft and the token after)."""
+        return self.num_computed + n == self.num_tokens + len(self.draft_ids)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
