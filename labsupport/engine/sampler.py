@@ -75,16 +75,21 @@ class BatchedSampler:
             tokens[idx] = logits[idx].argmax(-1)
         if drawn:
             idx = torch.tensor(drawn, device=dev)
-            ps = [params[i] for i in drawn]
-            temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
-            min_p = (torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
-                     if any(p.min_p > 0 for p in ps) else None)
-            probs = batched_sampling_probs(logits[idx], temperature, top_k, top_p, min_p)  # (R', V)
+            probs = batched_sampling_probs(logits[idx], *row_settings([params[i] for i in drawn], V, dev))  # (R', V)
             for j, i in enumerate(drawn):  # each request's own generator: one draw per row
                 tokens[i] = torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0]
         return tokens.tolist()  # the step's one device-to-host sync
+
+
+def row_settings(ps: Sequence[SamplingParams], V: int, device) -> tuple:
+    """:func:`batched_sampling_probs`'s per-row settings for rows sampled with ``ps``: temperature,
+    top-k (``V`` where a row keeps every token), top-p, and min-p (None when no row cuts)."""
+    temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=device)
+    top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device)
+    min_p = (torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
+             if any(p.min_p > 0 for p in ps) else None)
+    return temperature, top_k, top_p, min_p
 
 
 def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -21,9 +21,8 @@ each running request that is decoding:
    each token distributed exactly as plain sampling would. It is carried out by drawing ``y`` from
    ``p`` with the request's own generator, row by row: ``y = x`` is the acceptance, any other ``y``
    the residual's draw, so a seeded request makes the same draws in the same order as without a
-   draft. Either way the target's own token comes
-   after the last accepted one (the correction, or the bonus token when all ``d`` were accepted), so
-   a step emits ``1 .. d + 1`` tokens;
+   draft. Either way the target's own token comes after the last accepted one (the correction, or
+   the bonus token when all ``d`` were accepted), so a step emits ``1 .. d + 1`` tokens;
 4. **roll back**: the rejected drafts' keys and values are in the cache, at positions past the
    request's accepted tokens. ``num_computed`` moves back over them, and the allocator gives back
    their slots (:meth:`labsupport.paged_cache.BlockAllocator.truncate`): a block holding only
@@ -34,11 +33,12 @@ each running request that is decoding:
 With greedy sampling a request gets exactly the tokens it gets without speculation (the tests check
 it against ``Transformer.generate`` alone), and a seeded sampled one the same tokens as without
 speculation wherever the verification pass's logits equal the plain decode's (on the CPU in fp32
-the tests find them equal, alone and in a batch). vLLM does the same with ``speculative_config={"method": "ngram",
-"num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}`` (vLLM uses 5
-for both lookup lengths when neither is given; the course defaults to 1 to 3) (its
-``vllm/v1/spec_decode/ngram_proposer.py`` and the rejection sampler in
-``vllm/v1/sample/rejection_sampler.py``). vLLM's scheduler rolls back the same count
+the tests find them equal, alone and in a batch).
+
+vLLM does the same with ``speculative_config={"method": "ngram", "num_speculative_tokens": k,
+"prompt_lookup_min": ..., "prompt_lookup_max": ...}`` (its ``vllm/v1/spec_decode/ngram_proposer.py``
+and the rejection sampler in ``vllm/v1/sample/rejection_sampler.py``; it uses 5 for both lookup
+lengths when neither is given, the course 1 to 3). vLLM's scheduler rolls back the same count
 (``num_computed_tokens -= num_rejected``) but leaves the slots with the request for its next
 tokens, and never hashes a block holding an unverified draft token (``allocate_slots`` in
 ``vllm/v1/core/kv_cache_manager.py`` at ``003df296`` hashes a block only once all its tokens are verified).
@@ -54,7 +54,7 @@ import torch
 from .._validate import positive_int
 from ..drafts import ngram_proposal
 from ..sampling import SamplingParams
-from .sampler import _penalized, batched_sampling_probs
+from .sampler import _penalized, batched_sampling_probs, row_settings
 
 METHODS = ("ngram",)
 
@@ -148,12 +148,7 @@ def _verify_sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Ge
     ``x``, renormalised) and ends the step; the last row's draw is the bonus token. The same draws,
     in the same order, as sampling without a draft."""
     n, V = logits.shape
-    dev = logits.device
-    probs = batched_sampling_probs(  # (n, V): the request's own filters on every row
-        logits, torch.full((n,), p.temperature, dtype=torch.float32, device=dev),
-        torch.full((n,), p.top_k if 0 < p.top_k < V else V, dtype=torch.long, device=dev),
-        torch.full((n,), p.top_p, dtype=torch.float32, device=dev),
-        torch.full((n,), p.min_p, dtype=torch.float32, device=dev) if p.min_p > 0 else None)
+    probs = batched_sampling_probs(logits, *row_settings([p] * n, V, logits.device))  # (n, V): its filters, every row
     tokens: list[int] = []
     for j in range(n):
         y = int(torch.multinomial(probs[j:j + 1], 1, generator=generator)[0, 0])
