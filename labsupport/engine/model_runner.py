@@ -49,14 +49,61 @@ from .sequence import Request
 from .speculative import verify_drafts
 
 
-class _Buffer:
-    """A persistent device tensor and its host twin (pinned on a GPU; the same tensor on a CPU):
-    filled through :attr:`np` on the host, copied to the device without blocking."""
+class Copier:
+    """How a host buffer reaches the device, and how its next refill waits for that (the guard).
 
-    def __init__(self, shape, dtype, device: torch.device, fill: int = 0):
+    On a GPU the runner fills pinned host buffers and copies them without blocking: the copy runs
+    later, in stream order, and reads the host buffer *when it runs*. A refill before then would
+    change what the queued copy reads, so every copy out of a buffer is followed by a completion
+    mark (a CUDA event recorded on the stream) and the buffer's next refill first waits for it
+    (:attr:`_Buffer.np`). vLLM does the same before it refills its reused host buffers.
+
+    ``copy(dst, src)`` queues one copy; ``record()`` returns a mark for the copies queued so far;
+    ``wait(mark)`` blocks until they have completed. ``separate_host``: the buffers keep a host
+    tensor apart from the device one. A test passes its own copier, whose completion it controls,
+    to check the order on a CPU (``tests/test_engine_buffers.py``)."""
+
+    separate_host = True
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record(self):
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def wait(self, mark) -> None:
+        mark.synchronize()
+
+
+def default_copier(device: torch.device) -> Copier | None:
+    """A CUDA device's copier; None on a CPU, where the host buffer is the device tensor itself."""
+    return Copier(device) if torch.device(device).type == "cuda" else None
+
+
+class _Buffer:
+    """A persistent device tensor and its host twin (pinned on a GPU; the same tensor on a CPU, unless
+    a test's copier keeps them apart): filled through :attr:`np` on the host, copied to the device
+    without blocking by ``copier``."""
+
+    def __init__(self, shape, dtype, device: torch.device, fill: int = 0, copier: Copier | None = None):
+        self.copier = copier
         self.device_t = torch.full(shape, fill, dtype=dtype, device=device)
-        self.host = self.device_t if device.type == "cpu" else torch.full(shape, fill, dtype=dtype, pin_memory=True)
-        self.np = self.host.numpy()
+        if copier is None or not copier.separate_host:
+            self.host = self.device_t
+        else:
+            self.host = torch.full(shape, fill, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+        self._np = self.host.numpy()
+        self._in_flight = None  # the copier's mark for the last copy out of host, until it is known complete
+
+    @property
+    def np(self) -> np.ndarray:
+        """The host buffer as a numpy array, to fill."""
+        return self._np
 
     def __len__(self) -> int:
         return self.host.shape[0]
@@ -65,7 +112,9 @@ class _Buffer:
         """The first ``rows`` rows on the device (a copy queued on the current stream on a GPU)."""
         if self.host is self.device_t:
             return self.device_t[:rows]
-        return self.device_t[:rows].copy_(self.host[:rows], non_blocking=True)
+        self.copier.copy(self.device_t[:rows], self.host[:rows])
+        self._in_flight = self.copier.record()
+        return self.device_t[:rows]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -105,8 +154,10 @@ class StepBuffers:
     """The persistent host buffers :func:`prepare_step` fills, with their device twins; they grow
     when a step needs more and are never allocated otherwise."""
 
-    def __init__(self, device: torch.device, max_blocks: int, tokens: int = 256, seqs: int = 32):
+    def __init__(self, device: torch.device, max_blocks: int, tokens: int = 256, seqs: int = 32,
+                 copier: Copier | None = None):
         self.device, self.max_blocks = torch.device(device), max_blocks
+        self.copier = default_copier(self.device) if copier is None else copier
         self.b: dict[str, _Buffer] = {}
         self.ensure(tokens, seqs)
 
@@ -117,16 +168,17 @@ class StepBuffers:
             return have
         tokens = max(tokens, len(have["input_ids"]) if have else 0)
         seqs = max(seqs, len(have["seq_lens"]) if have else 0)
+        c = self.copier
         self.b = {
-            "input_ids": _Buffer((tokens,), torch.long, dev),
-            "positions": _Buffer((tokens,), torch.long, dev),
-            "slot_mapping": _Buffer((tokens,), torch.long, dev),
-            "block_tables": _Buffer((seqs, self.max_blocks), torch.int32, dev, fill=-1),
-            "seq_lens": _Buffer((seqs,), torch.int32, dev),
-            "cu_seqlens_q": _Buffer((seqs + 1,), torch.int32, dev),
-            "logits_indices": _Buffer((seqs,), torch.long, dev),
-            "tile_seq": _Buffer((tokens + seqs,), torch.int32, dev),
-            "tile_first": _Buffer((tokens + seqs,), torch.int32, dev),
+            "input_ids": _Buffer((tokens,), torch.long, dev, copier=c),
+            "positions": _Buffer((tokens,), torch.long, dev, copier=c),
+            "slot_mapping": _Buffer((tokens,), torch.long, dev, copier=c),
+            "block_tables": _Buffer((seqs, self.max_blocks), torch.int32, dev, fill=-1, copier=c),
+            "seq_lens": _Buffer((seqs,), torch.int32, dev, copier=c),
+            "cu_seqlens_q": _Buffer((seqs + 1,), torch.int32, dev, copier=c),
+            "logits_indices": _Buffer((seqs,), torch.long, dev, copier=c),
+            "tile_seq": _Buffer((tokens + seqs,), torch.int32, dev, copier=c),
+            "tile_first": _Buffer((tokens + seqs,), torch.int32, dev, copier=c),
         }
         return self.b
 
