@@ -9,7 +9,6 @@ would receive the next step's tokens, slots or tables)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from labsupport._answers import unguarded
@@ -60,7 +59,6 @@ def _chunks(prompt_len: int, chunk: int, block_size: int) -> list[list[Scheduled
                           min(chunk, prompt_len - start))] for start in range(0, prompt_len, chunk)]
 
 
-@pytest.mark.xfail(strict=True, reason="the guard is not in yet: this commit shows the race")
 def test_prepare_step_never_refills_a_buffer_before_its_copy_completed():
     prepare = unguarded(prepare_step)
     copier = DeferredCopier()
@@ -80,7 +78,6 @@ def test_prepare_step_never_refills_a_buffer_before_its_copy_completed():
         assert torch.equal(getattr(last, name), getattr(expected[-1], name)), name
 
 
-@pytest.mark.xfail(strict=True, reason="the guard is not in yet: this commit shows the race")
 def test_the_prefill_tiles_are_guarded_too():
     copier = DeferredCopier()
     buffers = StepBuffers(torch.device("cpu"), max_blocks=4, tokens=8, seqs=2, copier=copier)

@@ -6,9 +6,13 @@
    the tokens laid end to end, their positions and cache slots, each sequence's block table,
    length and query range, and the rows whose logits are sampled. It is built once per step on
    the host into persistent buffers (pinned memory on a GPU, copied without blocking), the way
-   vLLM's ``GPUModelRunner._prepare_inputs`` fills its ``CpuGpuBuffer``\\ s. The scheduler's batch is
-   first read as :class:`ScheduledSeq` rows (tokens, block table, cached and new counts), and
-   :func:`prepare_step` turns them into the metadata. ``ModelRunner.assemble`` plugs in another
+   vLLM's ``GPUModelRunner._prepare_inputs`` fills its ``CpuGpuBuffer``\\ s. A copy without blocking
+   reads its host buffer when the GPU gets to it, so a buffer is refilled only once the copy out
+   of it from the step before has completed (:class:`Copier`: a CUDA event recorded after each
+   copy and waited on before the refill). Without that guard, two steps that sample nothing (a
+   long prompt chunked at an idle engine) can overwrite a chunk's slots before the GPU read them.
+   The scheduler's batch is first read as :class:`ScheduledSeq` rows (tokens, block table, cached
+   and new counts), and :func:`prepare_step` turns them into the metadata. ``ModelRunner.assemble`` plugs in another
    function with :func:`prepare_step`'s signature (lab 12's exercise: ``engine.runner.assemble =
    my_prepare_step``); its tensors are moved to the model's device;
 2. **runs** the model once over the flat batch with a :class:`~labsupport.engine.paged_batch.PagedBatch`:
@@ -102,7 +106,11 @@ class _Buffer:
 
     @property
     def np(self) -> np.ndarray:
-        """The host buffer as a numpy array, to fill."""
+        """The host buffer as a numpy array, to fill: first waits until the last copy out of it has
+        completed (the guard; at once when it has, as nearly always once the GPU is not behind)."""
+        if self._in_flight is not None:
+            self.copier.wait(self._in_flight)
+            self._in_flight = None
         return self._np
 
     def __len__(self) -> int:
