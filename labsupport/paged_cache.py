@@ -161,13 +161,16 @@ class BlockAllocator:
 
     # -- the operations ---------------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, tokens: int | Sequence[int], *, cache_salt: Hashable = None) -> list[int]:
+    def allocate(self, seq_id: Hashable, tokens: int | Sequence[int], *, cache_salt: Hashable = None,
+                 block_hashes: Sequence[int] | None = None) -> list[int]:
         """Give new sequence ``seq_id`` the blocks for its prompt; return its block table.
 
         ``tokens`` is the prompt's length, or its token ids (needed for prefix caching). With
         prefix caching, leading full blocks whose hash is cached are reused (their reference count
         grows) and :meth:`cached_tokens` reports them. Raises :class:`OutOfBlocks` when the free
         and evictable blocks do not suffice (nothing changes), ``ValueError`` for a known id.
+        ``block_hashes``: the hashes of the full blocks of ``tokens`` (with ``cache_salt``), when the
+        caller already keeps them (an engine's request does): they are not computed again.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already exists; free it first or use another id")
@@ -183,17 +186,22 @@ class BlockAllocator:
 
         hits: list[int] = []  # cached blocks this prompt can reuse, in order
         hashes: list[int] = []  # the hash of every full block of the prompt
-        if ids is not None:
+        if ids is not None and block_hashes is not None:
+            if len(block_hashes) != length // self.block_size:
+                raise ValueError(f"block_hashes has {len(block_hashes)} hashes; {length} tokens fill "
+                                 f"{length // self.block_size} blocks of {self.block_size}")
+            hashes = list(block_hashes)
+        elif ids is not None:
             parent = None
             for i in range(length // self.block_size):
                 parent = block_hash(parent, ids[i * self.block_size:(i + 1) * self.block_size],
                                     cache_salt if i == 0 else None)
                 hashes.append(parent)
-            if self.prefix_caching:
-                for h in hashes:
-                    if h not in self._by_hash:
-                        break
-                    hits.append(self._by_hash[h])
+        if self.prefix_caching:
+            for h in hashes:
+                if h not in self._by_hash:
+                    break
+                hits.append(self._by_hash[h])
         revived = sum(1 for b in hits if self._refs[b] == 0)  # evictable now, referenced after
         if need - len(hits) > self.num_free_blocks - revived:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {need - len(hits)} new blocks of {self.block_size} "
@@ -394,6 +402,19 @@ class BlockAllocator:
             if parent not in self._by_hash:
                 break
             hit += self.block_size
+        return hit
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int], limit: int | None = None) -> int:
+        """How many leading blocks of a sequence whose full blocks hash to ``block_hashes`` the prefix
+        cache holds, at most ``limit``: dictionary look-ups only, nothing hashed (an engine keeps each
+        request's hashes, :meth:`cached_prefix_tokens` computes them). 0 without prefix caching."""
+        if not self.prefix_caching:
+            return 0
+        by_hash, hit = self._by_hash, 0
+        for h in block_hashes if limit is None else block_hashes[:limit]:
+            if h not in by_hash:
+                break
+            hit += 1
         return hit
 
     def __repr__(self) -> str:

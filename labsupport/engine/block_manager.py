@@ -5,8 +5,12 @@ reference counts, full blocks identified by a hash of their tokens and of the bl
 (prefix caching), freed blocks kept findable until they are evicted, least recently released
 first. This class is what the engine asks of it:
 
+* :meth:`hash_blocks`: the hashes of a request's full blocks, kept on the request
+  (``Request.block_hashes``) and only ever extended: each block of its history is hashed once, when
+  it arrives (its prompt) or when it is next looked up (what it generated), never once per step;
 * :meth:`cached_prefix`: how many leading tokens of a waiting request are cached, whole blocks and
-  never its last token (whose logits the step needs), without changing anything;
+  never its last token (whose logits the step needs), without changing anything: dictionary
+  look-ups of its kept hashes, so a step's cost does not grow with the waiting requests' lengths;
 * :meth:`admit`: take those cached blocks for the request (a reference each);
 * :meth:`append`: slots for the tokens a step computes, in order, each token's id passed along so a
   block that fills becomes findable by its hash;
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from ..paged_cache import BlockAllocator
+from ..paged_cache import BlockAllocator, block_hash
 from .sequence import Request
 
 
@@ -49,14 +53,31 @@ class BlockManager:
     def block_table(self, request_id: Hashable) -> list[int]:
         return self.allocator.block_table(request_id)
 
+    def hash_blocks(self, req: Request) -> list[int]:
+        """``req.block_hashes`` extended to every full block of its known tokens (prompt and output;
+        never a draft): only blocks not hashed before are hashed, chained to the one before as the
+        allocator chains them (:func:`~labsupport.paged_cache.block_hash`). Nothing without prefix caching."""
+        hashes, bs = req.block_hashes, self.block_size
+        full = req.num_tokens // bs if self.allocator.prefix_caching else 0
+        if len(hashes) < full:
+            first = len(hashes)
+            tokens = req.token_ids(first * bs, full * bs)
+            for i in range(full - first):
+                hashes.append(block_hash(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
     def cached_prefix(self, req: Request) -> int:
-        """Tokens of ``req`` (prompt and output so far) in the prefix cache, at most all but the last."""
-        return self.allocator.cached_prefix_tokens(req.all_ids, req.num_tokens - 1)
+        """Tokens of ``req`` (prompt and output so far) in the prefix cache, at most all but the last:
+        look-ups of its kept block hashes (:meth:`hash_blocks`)."""
+        hashes = self.hash_blocks(req)
+        return self.allocator.cached_prefix_blocks(hashes, (req.num_tokens - 1) // self.block_size) * self.block_size
 
     def admit(self, req: Request, cached: int) -> None:
         """Give a request that holds no blocks the ``cached`` tokens :meth:`cached_prefix` found (a
         multiple of the block size): their blocks gain a reference, nothing is computed again."""
-        self.allocator.allocate(req.request_id, req.all_ids[:cached])
+        blocks = cached // self.block_size
+        self.allocator.allocate(req.request_id, req.token_ids(0, cached),
+                                block_hashes=self.hash_blocks(req)[:blocks] if blocks else None)
         found = self.allocator.cached_tokens(req.request_id)
         if found != cached:  # cannot happen: nothing is allocated between the look-up and this
             raise RuntimeError(f"request {req.request_id!r}: {cached} cached tokens were found, {found} remain")

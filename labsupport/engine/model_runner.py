@@ -140,11 +140,13 @@ def padded_batch_size(batch: int, sizes: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True, eq=False)
 class ScheduledSeq:
-    """One sequence of a step, as :func:`prepare_step` reads it (the runner builds these from the
-    scheduler's batch, with fresh lists each step: changing them changes nothing in the engine; lab
-    12's exercise takes the same)."""
+    """One sequence of a step, as :func:`prepare_step` reads it (lab 12's exercise takes the same).
+    The runner builds these from the scheduler's batch each step: ``token_ids`` is a read-only
+    :class:`~labsupport.engine.sequence.TokenView` of the request's tokens (a list where tests and
+    labs build their own), indexed, sliced and measured like a list without copying the history;
+    ``block_table`` a new list."""
 
-    token_ids: list[int]  # every token it knows: its prompt, then what it has generated
+    token_ids: Sequence[int]  # every token it knows: its prompt, then what it has generated (and its draft)
     block_table: list[int]  # its cache blocks, logical block 0 first (enough for the step's tokens)
     num_cached: int  # leading tokens whose keys and values are already in the cache
     num_new: int  # tokens it computes this step: a prompt chunk, or 1 for a decode
@@ -306,9 +308,9 @@ class ModelRunner:
     def scheduled(self, batch: Sequence[tuple[Request, int]]) -> list[ScheduledSeq]:
         """The step as :func:`prepare_step` reads it: each request's tokens, block table, cached and
         new token counts (the block tables already cover the step's tokens)."""
-        # all_ids and block_table are new lists: nothing of the engine's is shared
-        return [ScheduledSeq(req.all_ids + req.draft_ids, self.block_manager.block_table(req.request_id),
-                             req.num_computed, n) for req, n in batch]
+        # the tokens are a read-only view (nothing copied), the block table a new list
+        return [ScheduledSeq(req.view(), self.block_manager.block_table(req.request_id), req.num_computed, n)
+                for req, n in batch]
 
     def prepare(self, batch: Sequence[tuple[Request, int]]) -> StepMetadata:
         """Build the step's metadata and copy it to the device: the engine's own

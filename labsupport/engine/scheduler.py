@@ -63,6 +63,8 @@ class Scheduler:
         self.running: list[Request] = []  # oldest admitted first
 
     def add(self, req: Request) -> None:
+        """Queue a new request; its prompt's blocks are hashed now, once (prefix caching)."""
+        self.block_manager.hash_blocks(req)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import itertools
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,10 +39,17 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # this step's speculative draft (engine.speculative)
     draft_tokens: int = 0  # draft tokens verified over its life (speculative decoding)
     accepted_tokens: int = 0  # of those, accepted
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks of known tokens, in order (prefix cache)
 
     @property
     def all_ids(self) -> list[int]:
+        """Its known tokens, a new list (it copies them all: the engine's per-step paths use
+        :meth:`token_ids` or :meth:`view`)."""
         return self.prompt_ids + self.output_ids
+
+    def view(self) -> TokenView:
+        """Its known tokens followed by this step's draft, read only and not copied."""
+        return TokenView(self.prompt_ids, self.output_ids, self.draft_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """``all_ids[start:end]`` without building ``all_ids`` (a step needs a few tokens of a long
@@ -75,3 +83,57 @@ class Request:
         if not self.token_times_s:
             return None
         return latency_metrics(self.arrival_s, self.token_times_s)
+
+
+class TokenView(Sequence):
+    """Lists laid end to end, read only, without copying them: ``len``, indexing (negative too),
+    slicing (a new list of just the slice), iteration and ``==`` with a list. The engine hands a
+    step's sequences their tokens this way (``ScheduledSeq.token_ids``): building ``prompt + output +
+    draft`` for every sequence every step costs time that grows with the sequences' lengths. Each
+    part's length is fixed when it is made: tokens appended to the lists afterwards are not in it."""
+
+    __slots__ = ("_parts", "_lens", "_len")
+
+    def __init__(self, *parts: Sequence[int]):
+        self._parts = parts
+        self._lens = tuple(len(p) for p in parts)  # each part as long as it is now
+        self._len = sum(self._lens)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            if step != 1:
+                return list(self)[index]
+            out, base = [], 0
+            for part, n in zip(self._parts, self._lens):
+                lo, hi = max(start - base, 0), min(stop - base, n)
+                if lo < hi:
+                    out.extend(part[lo:hi])
+                base += n
+            return out
+        i = int(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"token index {index} out of range for {self._len} tokens")
+        for part, n in zip(self._parts, self._lens):
+            if i < n:
+                return part[i]
+            i -= n
+        raise IndexError(index)  # unreachable: the parts hold _len tokens
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(itertools.islice(p, n) for p, n in zip(self._parts, self._lens))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (TokenView, list, tuple)):
+            return len(other) == self._len and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # equal to a list, so unhashable like one
+
+    def __repr__(self) -> str:
+        return f"TokenView({list(self)!r})"

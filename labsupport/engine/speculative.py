@@ -21,7 +21,10 @@ each running request that is decoding:
    each token distributed exactly as plain sampling would. It is carried out by drawing ``y`` from
    ``p`` with the request's own generator, row by row: ``y = x`` is the acceptance, any other ``y``
    the residual's draw, so a seeded request makes the same draws in the same order as without a
-   draft. Either way the target's own token comes after the last accepted one (the correction, or
+   draft. Every row is drawn ahead on the device and all the step's draws (and the greedy rows'
+   argmaxes) come back to the host in one transfer; a request whose draft is rejected early has its
+   generator reset and only the draws it keeps made again, so it ends where plain sampling leaves
+   it. Either way the target's own token comes after the last accepted one (the correction, or
    the bonus token when all ``d`` were accepted), so a step emits ``1 .. d + 1`` tokens;
 4. **roll back**: the rejected drafts' keys and values are in the cache, at positions past the
    request's accepted tokens. ``num_computed`` moves back over them, and the allocator gives back
@@ -123,36 +126,58 @@ def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], genera
                          for h, d, p in zip(histories, drafts, params) for j in range(len(d) + 1)]
     logits = _penalized(logits, row_params, row_histories)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    out: list[list[int]] = [[] for _ in drafts]
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    if greedy:  # one argmax over every greedy row, one transfer
+    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+    picks = []  # on the device: every greedy row's argmax, then every sampled row's draw
+    if greedy:  # one argmax over every greedy row
         rows = [starts[i] + j for i in greedy for j in range(sizes[i])]
-        best = logits[torch.tensor(rows, device=logits.device)].argmax(-1).tolist()
-        at = 0
-        for i in greedy:
-            targets = best[at:at + sizes[i]]
-            at += sizes[i]
-            a = accepted_greedy(targets, drafts[i])
-            out[i] = [*drafts[i][:a], targets[a]]
-    for i, p in enumerate(params):
-        if p.temperature != 0:
-            out[i] = _verify_sampled(logits[starts[i]:starts[i] + sizes[i]], p, generators[i], drafts[i])
+        picks.append(logits[torch.tensor(rows, device=logits.device)].argmax(-1))
+    if drawn:
+        probs, draws, states, first = _draw_ahead(logits, [(starts[i], sizes[i]) for i in drawn],
+                                                  [params[i] for i in drawn], [generators[i] for i in drawn])
+        picks.append(draws)
+    chosen = torch.cat(picks).tolist() if picks else []  # the step's one device-to-host transfer
+    out: list[list[int]] = [[] for _ in drafts]
+    at = 0
+    for i in greedy:
+        targets = chosen[at:at + sizes[i]]
+        at += sizes[i]
+        a = accepted_greedy(targets, drafts[i])
+        out[i] = [*drafts[i][:a], targets[a]]
+    for k, i in enumerate(drawn):
+        ys = chosen[at:at + sizes[i]]
+        at += sizes[i]
+        out[i] = ys[:1 + accepted_greedy(ys, drafts[i])]  # up to the first draw that is not the draft's token
+        if len(out[i]) < sizes[i]:  # it drew rows plain sampling never draws: replay only the draws it keeps
+            generators[i].set_state(states[k])
+            for j in range(first[k], first[k] + len(out[i])):
+                torch.multinomial(probs[j:j + 1], 1, generator=generators[i])
     return out
 
 
-def _verify_sampled(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator,
-                    draft: Sequence[int]) -> list[int]:
-    """Rejection sampling of a one-hot draft for one request: ``logits`` (len(draft) + 1, V). Row by
-    row, a token ``y`` is drawn from ``p`` with the request's generator: ``y`` equal to the draft
-    token accepts it (probability ``p(x)``); any other ``y`` is the residual's draw (``p`` without
-    ``x``, renormalised) and ends the step; the last row's draw is the bonus token. The same draws,
-    in the same order, as sampling without a draft."""
-    n, V = logits.shape
-    probs = batched_sampling_probs(logits, *row_settings([p] * n, V, logits.device))  # (n, V): its filters, every row
-    tokens: list[int] = []
-    for j in range(n):
-        y = int(torch.multinomial(probs[j:j + 1], 1, generator=generator)[0, 0])
-        tokens.append(y)
-        if j == len(draft) or y != int(draft[j]):
-            break
-    return tokens
+def _draw_ahead(logits: torch.Tensor, spans: Sequence[tuple[int, int]], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator]) -> tuple:
+    """Rejection sampling of one-hot drafts, drawn ahead on the device. For each sampled request
+    (``spans``: its rows ``start .. start + n - 1`` of ``logits``) a token ``y`` is drawn from every
+    row's ``p`` (its own temperature and filters) with the request's generator, without looking at
+    the results: the caller brings every draw back at once. ``y`` equal to the draft token accepts it
+    (probability ``p(x)``); any other ``y`` is the residual's draw (``p`` without ``x``, renormalised)
+    and ends the request's step; the last row's draw is the bonus token. Each draw is the call plain
+    sampling makes, row by row, so a seeded request gets the tokens it gets without a draft; a request
+    that stops early has drawn rows plain sampling never draws, so its generator's state before the
+    draws is returned too, for the caller to reset it and make again only the draws it keeps.
+
+    Returns ``(probs, draws, states, first)``: the rows' probabilities (R', V), the draws (R',) on the
+    device, each generator's state before its draws (a host copy: no device sync) and each request's
+    first row in ``probs``."""
+    rows = [start + j for start, n in spans for j in range(n)]
+    row_params = [p for p, (_, n) in zip(params, spans) for _ in range(n)]
+    probs = batched_sampling_probs(logits[torch.tensor(rows, device=logits.device)],
+                                   *row_settings(row_params, logits.shape[-1], logits.device))  # (R', V)
+    states, draws, first = [], [], []
+    for (_, n), g in zip(spans, generators):
+        states.append(g.get_state())
+        first.append(len(draws))
+        for j in range(len(draws), len(draws) + n):
+            draws.append(torch.multinomial(probs[j:j + 1], 1, generator=g)[0])  # (1,)
+    return probs, torch.cat(draws), states, first
