@@ -29,7 +29,12 @@ timing does not depend on their values) it records:
   more;
 * **a decode-step sweep**: the engine's step time against the batch (every sequence at 512
   tokens of context), with its CUDA graphs and without, and the bytes a step reads over its time as
-  a fraction of the copy rate.
+  a fraction of the copy rate;
+* **the host time per step against the waiting queue** (the first model only; the dry run too):
+  a step's wall time less its forward pass's, with 16, 64 and 256 requests waiting behind two
+  decoding ones, every prompt sharing a 1,024-token cached prefix (:func:`host_time_per_step`).
+  Work per waiting request per step (hashing its blocks, copying its history) makes it grow with
+  the queue; the target is at most 1.5 times as long at 256 as at 16.
 
 Chapters 12 and 13 read ``results/gpu_engine.json`` (:func:`load_results`); until a real run is
 committed every figure reads "not yet measured".
@@ -69,6 +74,8 @@ SWEEP_BATCHES = {"llama-3.2-1b": (1, 4, 16, 64, 128, 256), "llama-3.1-8b": (1, 4
                  "tiny-2m": (1, 2)}
 SWEEP_CONTEXT, SWEEP_STEPS = 512, 20
 BIG_DECODE = 64  # the target's "decode batch >= 64"
+HOST_WAITING, HOST_PREFIX, HOST_STEPS = (16, 64, 256), 1024, 8  # host time per step against the waiting queue
+HOST_RATIO_TARGET = 1.5  # the host time at 256 waiting over that at 16: at most this
 
 
 def model_config(name: str) -> ModelConfig:
@@ -242,6 +249,60 @@ def decode_sweep(model: Transformer, name: str, batches, graphs: bool, copy_Bps:
     return rows
 
 
+def host_time_per_step(model: Transformer, waiting: int, steps: int = HOST_STEPS, prefix: int = HOST_PREFIX) -> dict:
+    """The engine's host time per step (its wall time less its forward pass's) with ``waiting``
+    requests queued behind two decoding ones that fill ``max_running``: every prompt is a shared
+    prefix of ``prefix`` tokens (in the prefix cache once the first runs) and 8 tokens of its own.
+    Each step looks every waiting request up in the prefix cache; work that grows with the queue
+    shows here. On a GPU the forward pass is timed between two synchronisations (its GPU time is
+    not host time)."""
+    cfg, bs = model.cfg, 16
+    per_seq = -(-(prefix + 8 + steps + 4) // bs)
+    engine = Engine(model, num_blocks=2 * per_seq + 8, block_size=bs, token_budget=2 * (prefix + 8),
+                    max_running=2, clock="steps")
+    gen = torch.Generator().manual_seed(waiting)
+    shared = torch.randint(0, cfg.vocab_size, (prefix,), generator=gen).tolist()
+    for i in range(2 + waiting):
+        own = torch.randint(0, cfg.vocab_size, (8,), generator=gen).tolist()
+        engine.add_request(shared + own, SamplingParams(temperature=0, max_tokens=steps + 3))
+    forward, spent = engine.runner.forward, []
+    cuda = model.device.type == "cuda"
+
+    def timed_forward(meta):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = forward(meta)
+        if cuda:
+            torch.cuda.synchronize()
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    engine.runner.forward = timed_forward  # this engine's only: the bench builds it for this measurement
+    engine.step()  # both prompts
+    engine.step()  # a first decode step (warm)
+    host = []
+    for _ in range(steps):
+        spent.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        host.append(time.perf_counter() - t0 - sum(spent))
+    assert len(engine.waiting) == waiting, "the queue must stay full while the steps are timed"
+    host.sort()
+    return {"waiting": waiting, "prefix": prefix, "host_s": host[len(host) // 2], "steps": steps}
+
+
+def host_time_sweep(model: Transformer, name: str) -> dict:
+    """:func:`host_time_per_step` at :data:`HOST_WAITING` waiting requests, and the ratio of the
+    longest queue's host time to the shortest's (flat: near 1)."""
+    rows = [host_time_per_step(model, w) for w in HOST_WAITING]
+    ratio = rows[-1]["host_s"] / rows[0]["host_s"]
+    print(f"{name} host time per step: " + ", ".join(f"{r['waiting']} waiting {r['host_s'] * 1e3:.2f} ms" for r in rows)
+          + f"; {HOST_WAITING[-1]} over {HOST_WAITING[0]}: {ratio:.2f}x (target: at most {HOST_RATIO_TARGET}x)",
+          flush=True)
+    return {"model": name, "rows": rows, "ratio": ratio, "target": HOST_RATIO_TARGET}
+
+
 def measure_model(name: str, rec: H.Recorder, copy_Bps: float, matmul_flops: float, dry_run: bool) -> None:
     cfg = model_config(name)
     device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)
@@ -268,6 +329,9 @@ def measure_model(name: str, rec: H.Recorder, copy_Bps: float, matmul_flops: flo
         for graphs in ((False,) if dry_run else (True, False)):
             rec.data["decode_sweep"] += decode_sweep(model, name, SWEEP_BATCHES[name], graphs, copy_Bps, dry_run)
         rec.save(f"{name}: decode sweep")
+    if name == (["tiny-2m"] if dry_run else list(GPU_MODELS))[0]:  # one model is enough: it is host work
+        rec.data["host_time"] = host_time_sweep(model, name)
+        rec.save(f"{name}: host time per step")
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -145,7 +145,10 @@ def check_decision(decision, running: Sequence[SeqView], waiting: Sequence[SeqVi
     if not isinstance(scheduled, dict) or not isinstance(preempted, (list, tuple)):
         raise ValueError("a scheduler returns (scheduled, preempted): a dict {request_id: tokens} and a list of ids")
     scheduled, preempted = dict(scheduled), list(preempted)
-    by_id = {s.request_id: s for s in running} | {s.request_id: s for s in waiting}
+    by_id = {s.request_id: s for s in running}
+    waiting_view = getattr(waiting, "view_of", None)  # the engine's queue builds a view only when it is named
+    if waiting_view is None:
+        by_id |= {s.request_id: s for s in waiting}
     running_ids = {s.request_id for s in running}
     for rid in preempted:
         if rid not in running_ids:
@@ -155,11 +158,11 @@ def check_decision(decision, running: Sequence[SeqView], waiting: Sequence[SeqVi
     freed = sum(by_id[rid].num_blocks for rid in preempted)
     need = 0
     for rid, n in scheduled.items():
-        if rid not in by_id:
+        seq = by_id.get(rid) if waiting_view is None or rid in by_id else waiting_view(rid)
+        if seq is None:
             raise ValueError(f"scheduled {rid!r}, which is neither running nor waiting")
         if rid in preempted:
             raise ValueError(f"{rid!r} is both scheduled and preempted")
-        seq = by_id[rid]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= seq.left:
             raise ValueError(f"{rid!r} is given {n!r} tokens; it has {seq.left} left to compute (give 1 to {seq.left})")
         need += blocks_for(seq.num_computed + n, block_size) - seq.num_blocks

@@ -29,6 +29,11 @@ def test_dry_run_runs_the_engine_static_batching_and_the_sweep(tmp_path):
     assert m["engine_stats"]["prefix_cache_hits"] == 0 and m["engine_stats"]["prefix_cache_queries"] > 0
     assert [r["batch"] for r in data["decode_sweep"]] == list(BE.SWEEP_BATCHES["tiny-2m"])
     assert all(r["step_s"] > 0 and not r["cuda_graphs"] for r in data["decode_sweep"])
+    host = data["host_time"]  # the host time per step against the waiting queue (the run prints it)
+    assert [r["waiting"] for r in host["rows"]] == [16, 64, 256] and all(r["host_s"] > 0 for r in host["rows"])
+    # flat in the queue (1.0x measured here); loose, as timings on a shared machine vary: work per waiting
+    # request per step made it 16x before (tests/test_engine_host_costs.py counts the hashes exactly)
+    assert host["ratio"] < 3
     assert BE.load_results(out) is None  # a dry run never reaches the book
     run = ledger.load(out)
     assert run.lab == "13_decode_loop" and not run.timings_real and len(run.figures) == 5

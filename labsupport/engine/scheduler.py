@@ -31,7 +31,7 @@ request up to ``1 + len(draft)`` tokens; what it gives less cuts the draft.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..scheduler import SeqView, blocks_for, check_decision
@@ -48,6 +48,46 @@ class ScheduledBatch:
     seqs: list[tuple[Request, int]]
     preempted: int
     copies: list[tuple[int, int]]  # copy-on-write copies to make before the step writes
+
+
+class WaitingViews(Sequence):
+    """The waiting queue as a step decision reads it: each request's :class:`SeqView`, its prefix-cache
+    look-up included, is built only when the decision reads it (by position, or by id through
+    :meth:`view_of`, as :func:`~labsupport.scheduler.check_decision` asks). A decision that stops at
+    the first request that does not fit (first come, first served, as ``schedule_step``) then costs
+    the same whatever the queue's length. It reads the queue as it was when it was made."""
+
+    def __init__(self, requests: Sequence[Request], block_manager: BlockManager):
+        self.requests = list(requests)  # a snapshot: preemptions put requests back in the queue meanwhile
+        self.block_manager = block_manager
+        self._views: dict[int, SeqView] = {}
+        self._index: dict | None = None  # request id -> position, built the first time an id is asked
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self.requests))[i]  # negative indices; IndexError past the end (ends iteration)
+        view = self._views.get(i)
+        if view is None:
+            r = self.requests[i]
+            view = self._views[i] = SeqView(r.request_id, r.num_tokens, self.block_manager.cached_prefix(r), 0)
+        return view
+
+    def _position(self, request_id) -> int | None:
+        if self._index is None:
+            self._index = {r.request_id: i for i, r in enumerate(self.requests)}
+        return self._index.get(request_id)
+
+    def view_of(self, request_id) -> SeqView | None:
+        """The view of the waiting request ``request_id``, or None when none waits with that id."""
+        i = self._position(request_id)
+        return None if i is None else self[i]
+
+    def request_of(self, request_id) -> Request:
+        return self.requests[self._position(request_id)]
 
 
 class Scheduler:
@@ -73,19 +113,22 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Decide the step, check the decision, preempt, admit and allocate; return the work."""
         bm = self.block_manager
-        cached = {r.request_id: bm.cached_prefix(r) for r in self.waiting}
-        waiting = [SeqView(r.request_id, r.num_tokens, cached[r.request_id], 0) for r in self.waiting]
+        queue = WaitingViews(self.waiting, bm)
+        waiting = queue
         preempted_all: list = []
         while True:
             running = [SeqView(r.request_id, r.num_tokens + len(r.draft_ids), r.num_computed,
                                bm.num_blocks_of(r.request_id)) for r in self.running]  # a draft is work to do
             args = (running, waiting, self.token_budget, bm.num_free_blocks, bm.block_size, self.max_running)
             scheduled, preempted = check_decision(self.decide(*args), *args)
-            views = {v.request_id: v for v in running + waiting}
-            by_id = {r.request_id: r for r in self.running + self.waiting}
+            views = {v.request_id: v for v in running}
+            by_id = {r.request_id: r for r in self.running}
             for rid in preempted:  # the newest first: each goes back to the front of the queue
                 self._preempt(by_id[rid])
             preempted_all += preempted
+            for rid in scheduled:  # admitted from the queue
+                if rid not in views:
+                    views[rid], by_id[rid] = queue.view_of(rid), queue.request_of(rid)
             need = sum(blocks_for(views[rid].num_computed + n, bm.block_size) - views[rid].num_blocks
                        for rid, n in scheduled.items())
             if need <= bm.num_free_blocks:  # always so unless a preempted request shared blocks
@@ -101,7 +144,7 @@ class Scheduler:
             req.draft_ids = req.draft_ids[:max(0, given - (req.num_tokens - req.num_computed))]
         for req, _ in batch:  # admitted: claim its cached prefix before any block is taken
             if req in self.waiting:
-                self._admit(req, cached[req.request_id])
+                self._admit(req, queue.view_of(req.request_id).num_computed)
         copies = [c for req, n in batch for c in bm.append(req, req.num_computed, n)]
         return ScheduledBatch(batch, len(preempted_all), copies)
 
