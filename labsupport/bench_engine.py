@@ -262,7 +262,7 @@ def host_time_per_step(model: Transformer, waiting: int, steps: int = HOST_STEPS
                     max_running=2, clock="steps")
     gen = torch.Generator().manual_seed(waiting)
     shared = torch.randint(0, cfg.vocab_size, (prefix,), generator=gen).tolist()
-    for i in range(2 + waiting):
+    for _ in range(2 + waiting):
         own = torch.randint(0, cfg.vocab_size, (8,), generator=gen).tolist()
         engine.add_request(shared + own, SamplingParams(temperature=0, max_tokens=steps + 3))
     forward, spent = engine.runner.forward, []
