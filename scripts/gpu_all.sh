@@ -7,6 +7,9 @@
 # Steps, most important first (what the book still lacks before what it has), each with its own
 # time limit and all within one budget (GPU_BUDGET_S, default 570 s: a step gets what is left if that
 # is less than its own limit):
+#   0. engine      pytest tests/gpu -m gpu (chapter 13): the engine's greedy    at most 120 s
+#      tokens    tokens against Transformer.generate alone, fp32 and bf16,
+#                  CUDA graphs on and off (its CPU profile in a dry run)
 #   1. cache ops   python -m labsupport.bench_cache_ops (chapter 10): split-KV  at most  90 s
 #                  paged decode and lab 10's kernel against SDPA, the split
 #                  sweep, the harness's copy check
@@ -24,6 +27,7 @@
 #   9. lab 07      the lab 07 solution run as a script (full preset)            at most  80 s
 #  10. labs        labs 00, 04, 05, 06, 08, 09 run as scripts (30-90 s each)    at most 360 s
 #  11. lab 10      the lab 10 solution run as a script (full preset)            at most  60 s
+# Step 0 runs with --only decode or engines: a wrong token makes every later figure moot.
 # Steps 1-3 (`--only decode`) are the measurements chapters 09, 10, 12 and 13 show as "not yet
 # measured" (about 450 s together); the later steps re-take figures the book already has.
 #
@@ -139,6 +143,12 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run within its limit and the budge
     pack
 }
 
+if in_group decode engines; then  # first: the engine's tokens on the GPU path (pinned copies, kernels, graphs)
+    MARK=(-m gpu)
+    [ ${#DRY[@]} -gt 0 ] && MARK=()  # a dry run: the suite's CPU profile (its GPU cases skip themselves)
+    step "engine token equality" 120 "$LOGS/engine_tokens.log" \
+        "$PY" -m pytest tests/gpu ${MARK[@]+"${MARK[@]}"} -q -p no:cacheprovider -rs
+fi
 if in_group decode cache_ops; then  # what chapter 10 reads
     step "cache ops benchmark" 90 "$LOGS/cache_ops.log" \
         "$PY" -m labsupport.bench_cache_ops ${DRY[@]+"${DRY[@]}"} --out "$RES/gpu_cache_ops.json"

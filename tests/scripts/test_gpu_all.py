@@ -1,4 +1,5 @@
-"""scripts/gpu_all.sh's decode and engine steps, dry: the commands the next GPU session runs (split-KV
+"""scripts/gpu_all.sh's decode and engine steps, dry: the commands the next GPU session runs (the engine's
+token-equality suite, split-KV
 paged decode, the int8 tuned path, the engine benchmark, the launch-overhead benchmark), run on a CPU
 through the interpreter at tiny sizes, their results landing in dry_run_results/, never results/.
 (Chapter 05's step and the budget are tested in tests/test_phases.py.)"""
@@ -21,7 +22,7 @@ def test_the_decode_and_engine_steps_run_dry_and_pack_their_results(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = (tmp_path / "gpu_summary.txt").read_text()
-    for step in ("cache ops benchmark", "precision benchmark", "engine benchmark", "launch overhead benchmark"):
+    for step in ("engine token equality", "cache ops benchmark", "precision benchmark", "engine benchmark", "launch overhead benchmark"):
         assert f"== {step}: exit 0" in summary, summary
     assert "phases" not in summary and "lab " not in summary  # only the groups asked for
     with tarfile.open(tmp_path / "gpu_results.tar.gz") as tar:
