@@ -14,8 +14,10 @@ Every engine people deploy runs the same loop, one iteration per forward pass, a
    call for the whole mixed batch of prefill chunks and decodes (:mod:`.paged_batch`); the
    sampler (:mod:`.sampler`) turns the logits of the sequences whose known tokens are all computed
    into tokens, with one host sync;
-3. **postprocess**: append the tokens, apply the stop rules, timestamp and stream them
-   (:class:`TokenEvent`), retire the finished sequences, whose blocks go back to the allocator.
+3. **postprocess**: the scheduler moves the requests on (``Scheduler.postprocess``, as in
+   nano-vllm: computed counts, rejected drafts rolled back, tokens appended up to a stop, finished
+   sequences retired, their blocks back to the allocator); the engine timestamps and streams the
+   tokens (:class:`TokenEvent`) and records the step.
 
 One file per role, as in nano-vllm (GeeeekExplorer/nano-vllm, ``nanovllm/engine/``):
 ``llm_engine`` (the loop), ``scheduler``, ``block_manager``, ``model_runner``, ``sequence``,

@@ -134,7 +134,8 @@ class Engine:
         self.clock = _Clock(clock)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix_caching)
         self.allocator = self.block_manager.allocator
-        self.scheduler = Scheduler(self.block_manager, scheduler, self.token_budget, self.max_running, self.clock)
+        self.scheduler = Scheduler(self.block_manager, scheduler, self.token_budget, self.max_running, self.clock,
+                                   self.max_model_len)
         self.runner = ModelRunner(model, self.block_manager, self.num_blocks, self.block_size, self.max_running,
                                   self.max_model_len, attention, cuda_graphs)
         self.requests: dict[Hashable, Request] = {}
@@ -268,54 +269,29 @@ class Engine:
                 req.draft_ids, spare = draft, spare - need
 
     def _postprocess(self, batch: ScheduledBatch, tokens: list[list[int]], started: float) -> list[TokenEvent]:
-        """Advance the computed counts, roll back rejected drafts, append the emitted tokens (up to a
-        stop), move the clock, and retire the requests that stopped; record the step."""
-        sampled, decode, drafted, accepted, kv, pairs = [], 0, 0, 0, 0, 0
-        for req, n in batch.seqs:
-            d = len(req.draft_ids)
-            decode += bool(req.output_ids) and n == 1 + d and req.num_computed == req.num_tokens - 1
-            pairs += n * req.num_computed + n * (n + 1) // 2  # causal: a token sees itself and earlier
-            if req.samples_after(n):  # all known tokens (and its draft) computed: it sampled the next ones
-                sampled.append(req)
-            req.num_computed += n
-            kv += req.num_computed  # each sequence's cached length after the step: what attention read
-            req.steps_run += 1
-        reasons = []
-        for req, emitted in zip(sampled, tokens):
-            d, a = len(req.draft_ids), len(emitted) - 1  # drafted, accepted
-            if d > a:  # the rejected drafts' slots go back; the next step overwrites them
-                req.num_computed -= d - a
-                self.block_manager.truncate(req, req.num_computed)
-            drafted, accepted = drafted + d, accepted + a
-            req.draft_tokens, req.accepted_tokens = req.draft_tokens + d, req.accepted_tokens + a
-            req.draft_ids = []
-            reason = None
-            for token in emitted:  # up to the first that stops it
-                req.output_ids.append(token)
-                reason = self._stop_reason(req)
-                if reason:
-                    break
-            reasons.append(reason)
+        """The step's request state moves in the scheduler (:meth:`Scheduler.postprocess`: counts,
+        rolled-back drafts, emitted tokens up to a stop, retirement); here the clock moves, the
+        tokens become timestamped events, and the step is recorded."""
+        decode, kv, pairs = _step_counts(batch)  # read before the requests' counts move
+        done = self.scheduler.postprocess(batch, tokens)
         duration = time.perf_counter() - started
         self.clock.tick(duration)
         now = self.clock.now()
         events = []
-        for req, reason in zip(sampled, reasons):
+        for req, reason in zip(done.sampled, done.reasons):
             made = len(req.output_ids) - len(req.token_times_s)  # this step's tokens (fewer than emitted at a stop)
             for j in range(made):
                 index = len(req.token_times_s)
                 req.token_times_s.append(now)
                 events.append(TokenEvent(req.request_id, index, req.output_ids[index], now,
                                          reason if j == made - 1 else None))
-            if reason:
-                self._retire(req, reason)
-        prefill = sum(n for _, n in batch.seqs) - decode - drafted
-        for key, count in (("steps", 1), ("preemptions", batch.preempted), ("spec_draft_tokens", drafted),
-                           ("spec_accepted_tokens", accepted)):
+        prefill = sum(n for _, n in batch.seqs) - decode - done.drafted
+        for key, count in (("steps", 1), ("preemptions", batch.preempted), ("spec_draft_tokens", done.drafted),
+                           ("spec_accepted_tokens", done.accepted)):
             self.totals[key] += count
         self.steps.append(StepRecord(len(self.steps), now, duration, len(batch.seqs), prefill, decode,
                                      batch.preempted, self.allocator.num_free_blocks, len(self.waiting), kv, pairs,
-                                     len(sampled), drafted, accepted))
+                                     len(done.sampled), done.drafted, done.accepted))
         return events
 
     def _fail_step(self, batch: ScheduledBatch) -> None:
@@ -330,14 +306,19 @@ class Engine:
                 self._retire(req, "error")
         self.allocator.reset_prefix_cache()
 
-    def _stop_reason(self, req: Request) -> str | None:
-        p = req.params
-        if req.output_ids[-1] in p.stop_token_ids:
-            return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def _retire(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         self.scheduler.finish(req)
+
+
+def _step_counts(batch: ScheduledBatch) -> tuple[int, int, int]:
+    """A step's decode tokens (one per plain decode; a verified draft counts apart), the cache tokens
+    its attention read (each sequence's length after it) and the query-key pairs it scored (causal:
+    a token sees itself and earlier), read before the step moves the requests' counts."""
+    decode = kv = pairs = 0
+    for req, n in batch.seqs:
+        d = len(req.draft_ids)
+        decode += bool(req.output_ids) and n == 1 + d and req.num_computed == req.num_tokens - 1
+        pairs += n * req.num_computed + n * (n + 1) // 2
+        kv += req.num_computed + n
+    return decode, kv, pairs

@@ -6,7 +6,15 @@ The decision itself is pluggable: any function with the interface of
 :class:`~labsupport.scheduler.SeqView` rows such a function reads, checks its answer
 (:func:`~labsupport.scheduler.check_decision`), and carries it out: preempted requests give their
 blocks back and go to the front of the queue, admitted ones move to the running list, and every
-scheduled request gets the cache slots of the tokens it will compute.
+scheduled request gets the cache slots of the tokens it will compute. After the model ran,
+:meth:`Scheduler.postprocess` moves the requests on (as nano-vllm's does): computed counts, rejected
+drafts rolled back, emitted tokens appended up to a stop, finished requests retired.
+
+**A long queue costs a step nothing.** The waiting requests reach the decision as
+:class:`WaitingViews`: a request's view, and its prefix-cache look-up, are built only when the
+decision reads it, and :func:`~labsupport.scheduler.check_decision` looks up only the ids a decision
+names. ``schedule_step`` stops at the first waiting request that does not fit, so a step's host
+work does not grow with the queue (``bench_engine`` measures it).
 
 **Prefix hits.** A waiting request is shown with ``num_computed`` set to the tokens the prefix cache
 already holds for it (:meth:`BlockManager.cached_prefix`), so a decision gives it only the rest to
@@ -39,6 +47,17 @@ from .block_manager import BlockManager
 from .sequence import Request
 
 Decision = Callable[..., tuple[dict, list]]
+
+
+@dataclass
+class StepDone:
+    """What a step did to its requests (:meth:`Scheduler.postprocess`): those that sampled, in batch
+    order, each one's finish reason (None while it runs on), and the draft tokens verified and accepted."""
+
+    sampled: list[Request]
+    reasons: list[str | None]
+    drafted: int
+    accepted: int
 
 
 @dataclass
@@ -94,8 +113,9 @@ class Scheduler:
     """Waiting and running queues, and the step decision applied to them (module docstring)."""
 
     def __init__(self, block_manager: BlockManager, decide: Decision, token_budget: int | None, max_running: int,
-                 clock):
+                 clock, max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len  # a request whose sequence reaches it stops (None: no limit)
         self.decide = decide
         self.token_budget, self.max_running = token_budget, max_running
         self.clock = clock
@@ -147,6 +167,47 @@ class Scheduler:
                 self._admit(req, queue.view_of(req.request_id).num_computed)
         copies = [c for req, n in batch for c in bm.append(req, req.num_computed, n)]
         return ScheduledBatch(batch, len(preempted_all), copies)
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[list[int]]) -> StepDone:
+        """Move the step's requests on once the model ran (nano-vllm's ``Scheduler.postprocess``):
+        each computed what it was given; those that sampled roll back their rejected draft tokens
+        (``num_computed`` moves back, their slots go back to the allocator; the next step overwrites
+        them) and append the tokens they emitted, ``tokens[i]`` for the ``i``-th to sample, up to the
+        first that stops them (:meth:`stop_reason`); those that stopped are retired."""
+        sampled = [req for req, n in batch.seqs if req.samples_after(n)]  # before the counts move
+        for req, n in batch.seqs:
+            req.num_computed += n
+            req.steps_run += 1
+        reasons, drafted, accepted = [], 0, 0
+        for req, emitted in zip(sampled, tokens):
+            d, a = len(req.draft_ids), len(emitted) - 1  # drafted, accepted
+            if d > a:
+                req.num_computed -= d - a
+                self.block_manager.truncate(req, req.num_computed)
+            drafted, accepted = drafted + d, accepted + a
+            req.draft_tokens, req.accepted_tokens = req.draft_tokens + d, req.accepted_tokens + a
+            req.draft_ids = []
+            reason = None
+            for token in emitted:  # up to the first that stops it
+                req.output_ids.append(token)
+                reason = self.stop_reason(req)
+                if reason:
+                    break
+            reasons.append(reason)
+            if reason:
+                req.finish_reason = reason
+                self.finish(req)
+        return StepDone(sampled, reasons, drafted, accepted)
+
+    def stop_reason(self, req: Request) -> str | None:
+        """``"stop"`` after a stop token, ``"length"`` at ``max_tokens`` or ``max_model_len``, else None."""
+        p = req.params
+        if req.output_ids[-1] in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or (self.max_model_len is not None
+                                                   and req.num_tokens >= self.max_model_len):
+            return "length"
+        return None
 
     def finish(self, req: Request) -> None:
         """Take a finished (or aborted) request out of the queues; its blocks go back."""
