@@ -55,7 +55,7 @@ from labsupport.models import get_model
 from labsupport.phases import measure_decode
 from labsupport.roofline import measure_copy, measure_matmul
 from labsupport.serve import ServerProcess
-from labsupport.serve.engine import BASE_PRESET, MODEL_NAME, course_model_config
+from labsupport.serve.served_model import BASE_PRESET, MODEL_NAME, course_model_config
 from labsupport.tokenizer import course_tokenizer
 from labsupport.transformer import Transformer
 

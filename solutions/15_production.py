@@ -667,7 +667,7 @@ for label, client in (("retry at once", retry_at_once), ("your backoff", send_wi
 # %%
 from labsupport import costs
 from labsupport.roofline import measure_copy, measure_matmul
-from labsupport.serve.engine import MODEL_NAME, course_model_config
+from labsupport.serve.served_model import MODEL_NAME, course_model_config
 from labsupport.server_calibration import calibrate, predicted_rate
 from labsupport.tokenizer import course_tokenizer
 

@@ -15,8 +15,10 @@ or a real checkpoint (``--model``). Modules, from the wire inwards:
 * :mod:`~labsupport.serve.metrics`: the Prometheus metrics, named after vLLM's (chapter 15).
 * :mod:`~labsupport.serve.backend`: what both back ends share (slots, handles, timelines, the
   worker's life, stop strings and detokenisation); :mod:`~labsupport.serve.fifo`: chapter 03's
-  first-in, first-out back end (:mod:`~labsupport.serve.engine` is its old name);
-  :mod:`~labsupport.serve.continuous`: chapter 13's continuous-batching engine behind the server.
+  first-in, first-out back end, ``FifoBackend`` (:mod:`~labsupport.serve.engine` is the module's old
+  name); :mod:`~labsupport.serve.continuous`: ``ContinuousBackend``, chapter 13's engine
+  (:mod:`labsupport.engine`) behind the server. In code, "engine" means chapter 13's engine; the
+  server's classes are back ends (their old names, ``FifoEngine`` and ``ContinuousEngine``, still work).
 * :mod:`~labsupport.serve.served_model`: the model served and its tokenizer (the course model and
   its chat template, or a real checkpoint); :mod:`~labsupport.serve.hf_tokenizer`: the course
   tokenizer in Hugging Face format, for benchmark clients.

@@ -5,9 +5,9 @@ The HTTP layer (:mod:`labsupport.serve.app`) talks to a back end only through :c
 ``reserve`` a slot, ``prepare`` (tokenise and validate a prompt, or ``prepare_chat`` for a
 conversation), ``submit`` (queue it; returns a :class:`RequestHandle` that yields
 :class:`TokenOut` as tokens are made and can be cancelled), ``stats`` and ``timeline``. Two back
-ends implement the scheduling: :class:`~labsupport.serve.fifo.FifoEngine` (chapter 03: one request
-at a time) and :class:`~labsupport.serve.continuous.ContinuousEngine` (chapter 13's engine:
-continuous batching).
+ends implement the scheduling: :class:`~labsupport.serve.fifo.FifoBackend` (chapter 03: one request
+at a time) and :class:`~labsupport.serve.continuous.ContinuousBackend` (chapter 13's engine:
+continuous batching; ``FifoEngine`` and ``ContinuousEngine`` are their old names).
 
 **One request fails alone.** An exception while one request is admitted or generated fails that
 request (its client gets an error, its slot is freed) and the worker goes on. Should the worker

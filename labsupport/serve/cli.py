@@ -16,8 +16,8 @@ import uvicorn
 
 from ..models import get_model, list_models
 from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
-from .continuous import ContinuousEngine
-from .fifo import FifoEngine
+from .continuous import ContinuousBackend
+from .fifo import FifoBackend
 from .process import LISTENING
 from .served_model import BASE_PRESET, cache_dir, checkpoint_model, course_model
 from .timeouts import HEADER_TIMEOUT_S, timed_protocol
@@ -128,11 +128,11 @@ def _backend(args: argparse.Namespace):
     common = dict(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
                   max_requests=args.max_requests, seed=args.seed)
     if args.engine == "continuous":
-        backend = ContinuousEngine(served, **common, block_size=args.block_size, num_blocks=args.num_blocks,
+        backend = ContinuousBackend(served, **common, block_size=args.block_size, num_blocks=args.num_blocks,
                                    token_budget=args.token_budget, max_running=args.max_running,
                                    speculative_tokens=args.num_speculative_tokens)
     else:
-        backend = FifoEngine(served, **common)
+        backend = FifoBackend(served, **common)
     backend.step_delay_s = args.step_delay
     return backend
 

@@ -1,8 +1,11 @@
 """The course server's continuous-batching back end: chapter 13's engine behind chapter 03's server.
 
-``python -m labsupport.serve --engine continuous`` serves with :class:`ContinuousEngine` instead of
-chapter 03's :class:`~labsupport.serve.fifo.FifoEngine` (still the default, so chapter 03's lab
-is unchanged). Both are :class:`~labsupport.serve.backend.Backend`\\ s.
+``python -m labsupport.serve --engine continuous`` serves with :class:`ContinuousBackend` instead of
+chapter 03's :class:`~labsupport.serve.fifo.FifoBackend` (still the default, so chapter 03's lab
+is unchanged). Both are :class:`~labsupport.serve.backend.Backend`\\ s, named as back ends: in the
+code "engine" means chapter 13's :class:`labsupport.engine.Engine`, which this back end drives
+(``ContinuousEngine``, the class's old name, still works; the command line's ``--engine`` flag
+keeps its name and values).
 
 One asyncio task, the **worker**, owns the :class:`labsupport.engine.Engine`. Between steps, on the
 event loop, it admits the requests submitted since the last step (``Engine.add_request``) and
@@ -34,7 +37,7 @@ from .backend import Backend, RequestHandle
 STEPS_KEPT = 256  # the engine's step records kept (a server runs for days)
 
 
-class ContinuousEngine(Backend):
+class ContinuousBackend(Backend):
     """Continuous batching (chapter 13's :class:`~labsupport.engine.Engine`) behind the server.
 
     ``num_blocks`` cache blocks of ``block_size`` token positions hold every running request's keys
@@ -163,3 +166,6 @@ class ContinuousEngine(Backend):
                 continue
             if finish is not None:
                 self._finish(handle, "completed")  # a stop string ends it before the engine would: released
+
+
+ContinuousEngine = ContinuousBackend  # the old name: "engine" in code now means labsupport.engine

@@ -14,5 +14,5 @@ from .backend import (  # noqa: F401
     TokenOut,
     new_request_id,
 )
-from .fifo import FifoEngine  # noqa: F401
+from .fifo import FifoBackend, FifoEngine  # noqa: F401
 from .served_model import BASE_PRESET, MODEL_NAME, WEIGHTS_NOTE, course_model_config  # noqa: F401

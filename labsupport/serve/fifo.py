@@ -1,9 +1,9 @@
 """Chapter 03's back end: one request at a time, first in, first out.
 
-:class:`FifoEngine` is one asyncio task, the worker, that takes requests from a first-in,
-first-out queue and generates each to its end before the next: a prefill, then one decode step per
-token, each in a worker thread (``asyncio.to_thread``), so the event loop keeps accepting
-requests, streaming tokens and noticing disconnects meanwhile. Chapter 12 puts chapter 13's
+:class:`FifoBackend` (``FifoEngine``, its old name, still works) is one asyncio task, the worker,
+that takes requests from a first-in, first-out queue and generates each to its end before the
+next: a prefill, then one decode step per token, each in a worker thread (``asyncio.to_thread``),
+so the event loop keeps accepting requests, streaming tokens and noticing disconnects meanwhile. Chapter 12 puts chapter 13's
 continuous-batching engine behind the same interface (:mod:`labsupport.serve.continuous`).
 
 Timeline stages (``GET /v1/requests/{id}/timeline``): ``tokenise_start``/``tokenise_end``,
@@ -22,7 +22,7 @@ from ..sampling import penalize_repetition, sample
 from .backend import Backend, RequestHandle
 
 
-class FifoEngine(Backend):
+class FifoBackend(Backend):
     """One request at a time, first in, first out: an asyncio queue and one worker task (see the
     module docstring; the constructor's arguments are :class:`~labsupport.serve.backend.Backend`'s)."""
 
@@ -115,3 +115,6 @@ class FifoEngine(Backend):
             if self._emit(handle, index, token, "length" if index + 1 == request.max_tokens else None):
                 break
         self._finish(handle, "completed")
+
+
+FifoEngine = FifoBackend  # the old name: "engine" in code now means chapter 13's labsupport.engine

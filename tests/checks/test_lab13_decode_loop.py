@@ -4,6 +4,7 @@ names it; the statistical thresholds are what the module docstring says."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from labsupport.checks.lab13_decode_loop import (
 )
 from labsupport.phases import cpu_threads
 from labsupport.sampling import sample, sampling_probs
-from labsupport.scheduler import blocks_for, schedule_step
+from labsupport.scheduler import SeqView, blocks_for, schedule_step
 from labsupport.speculative import residual_distribution, speculative_accept
 
 sample_ref = unguarded(sample)
@@ -477,3 +478,31 @@ def test_residual_distribution():
     p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.5, 0.3])
     assert torch.allclose(residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0]))
     assert torch.equal(residual_distribution(p, p), p)
+
+
+def _random_state(rng: random.Random):
+    """A random scheduling state: running sequences (some mid-prompt, some decoding, each holding the
+    blocks of what it computed), waiting ones (some with cached prefixes), and the step's limits."""
+    block_size = rng.choice([1, 2, 4, 8])
+    running = []
+    for i in range(rng.randint(0, 6)):
+        tokens = rng.randint(1, 40)
+        computed = rng.choice([tokens - 1, rng.randint(0, tokens - 1)])
+        running.append(SeqView(f"r{i}", tokens, computed, blocks_for(computed, block_size)))
+    waiting = []
+    for i in range(rng.randint(0, 6)):
+        tokens = rng.randint(1, 40)
+        waiting.append(SeqView(f"w{i}", tokens, rng.choice([0, (tokens - 1) // block_size * block_size]), 0))
+    return running, waiting, rng.randint(1, 48), rng.randint(0, 20), block_size, rng.randint(1, 8)
+
+
+def test_the_checks_copy_of_the_rule_is_schedule_step():
+    """The check names mistakes by flags on its own copy of the rule (_rule_variant); unflagged, that
+    copy decides as labsupport.scheduler.schedule_step on many random states, and every flag changes
+    some decision (a mistake the check names is one the copy can make)."""
+    rng = random.Random(13)
+    states = [_random_state(rng) for _ in range(3000)]
+    for args in states:
+        assert unguarded(schedule_step)(*args) == lab._rule_variant(*args), args
+    for mistake, flags in lab.SCHEDULE_MISTAKES.items():
+        assert any(lab._rule_variant(*args, **flags) != lab._rule_variant(*args) for args in states), mistake
