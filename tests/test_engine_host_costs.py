@@ -19,6 +19,7 @@ from labsupport.engine.sequence import TokenView
 from labsupport.engine.speculative import verify_drafts
 from labsupport.phases import cpu_threads
 from labsupport.sampling import SamplingParams
+from labsupport.scheduler import schedule_step
 from labsupport.transformer import Transformer
 
 
@@ -39,12 +40,19 @@ class CountingSha:
         return hashlib.sha256(*args)
 
 
-def _sha_per_step(model, waiting: int, monkeypatch) -> list[int]:
-    """SHA-256 calls in each of 6 steps of an engine with ``waiting`` requests queued behind two
-    running ones, every prompt 4 blocks of a shared prefix and one of its own."""
+def _sha_per_step(model, waiting: int, monkeypatch) -> list[tuple[int, int]]:
+    """SHA-256 calls and prefix-cache look-ups in each of 6 steps of an engine with ``waiting``
+    requests queued behind two running ones, every prompt 4 blocks of a shared prefix and one of its own."""
     counter = CountingSha()
     monkeypatch.setattr(paged_cache, "hashlib", counter)
     engine = Engine(model, num_blocks=64, block_size=8, token_budget=16, max_running=2)
+    lookups, look_up = [0], engine.allocator.cached_prefix_blocks
+
+    def counted(*args):
+        lookups[0] += 1
+        return look_up(*args)
+
+    engine.allocator.cached_prefix_blocks = counted  # this engine's allocator only
     shared = torch.randint(0, CFG.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=40)
     engine.add_request(shared + [1] * 9, params)  # runs first: its blocks make the shared prefix findable
@@ -53,9 +61,9 @@ def _sha_per_step(model, waiting: int, monkeypatch) -> list[int]:
     engine.step()  # the first running request's prompt
     counts = []
     for _ in range(6):
-        before = counter.calls
+        before = counter.calls, lookups[0]
         engine.step()
-        counts.append(counter.calls - before)
+        counts.append((counter.calls - before[0], lookups[0] - before[1]))
     assert len(engine.waiting) >= waiting - 1  # the queue stayed long
     return counts
 
@@ -63,8 +71,22 @@ def _sha_per_step(model, waiting: int, monkeypatch) -> list[int]:
 def test_block_hashes_per_step_do_not_grow_with_the_waiting_queue(model, monkeypatch):
     few = _sha_per_step(model, 4, monkeypatch)
     many = _sha_per_step(model, 64, monkeypatch)
-    assert few == many  # only blocks that filled this step are hashed, whatever waits
-    assert sum(few) > 0  # and they are: decoding fills blocks
+    assert few == many  # only blocks that filled this step are hashed, and a look-up or none, whatever waits
+    assert sum(sha for sha, _ in few) > 0  # and blocks are hashed: decoding fills them
+
+
+def test_a_plugged_in_decision_gets_the_waiting_queue_as_a_list(model):
+    """Lab 13's decisions may treat the queue as a list (pop, concatenate): the engine gives one to
+    any decision but the course's own, which it reads lazily."""
+    seen = []
+
+    def mine(running, waiting, *rest):
+        seen.append(type(waiting))
+        return schedule_step(running, waiting, *rest)
+
+    engine = Engine(model, num_blocks=32, block_size=8, token_budget=32, max_running=2, scheduler=mine)
+    engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=2))
+    assert seen and set(seen) == {list}
 
 
 def test_a_request_keeps_its_block_hashes_and_extends_them(model):

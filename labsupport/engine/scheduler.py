@@ -14,7 +14,8 @@ drafts rolled back, emitted tokens appended up to a stop, finished requests reti
 :class:`WaitingViews`: a request's view, and its prefix-cache look-up, are built only when the
 decision reads it, and :func:`~labsupport.scheduler.check_decision` looks up only the ids a decision
 names. ``schedule_step`` stops at the first waiting request that does not fit, so a step's host
-work does not grow with the queue (``bench_engine`` measures it).
+work does not grow with the queue (``bench_engine`` measures it). A decision plugged in from
+elsewhere (lab 13's) gets the queue as a plain list, as before: its code may treat it as one.
 
 **Prefix hits.** A waiting request is shown with ``num_computed`` set to the tokens the prefix cache
 already holds for it (:meth:`BlockManager.cached_prefix`), so a decision gives it only the rest to
@@ -42,11 +43,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..scheduler import SeqView, blocks_for, check_decision
+from ..scheduler import SeqView, blocks_for, check_decision, schedule_step, static_batch_step
 from .block_manager import BlockManager
 from .sequence import Request
 
 Decision = Callable[..., tuple[dict, list]]
+LAZY_DECISIONS = (schedule_step, static_batch_step)  # read the waiting queue only as a Sequence, in order
 
 
 @dataclass
@@ -134,7 +136,7 @@ class Scheduler:
         """Decide the step, check the decision, preempt, admit and allocate; return the work."""
         bm = self.block_manager
         queue = WaitingViews(self.waiting, bm)
-        waiting = queue
+        waiting = queue if self.decide in LAZY_DECISIONS else list(queue)  # another decision gets a plain list
         preempted_all: list = []
         while True:
             running = [SeqView(r.request_id, r.num_tokens + len(r.draft_ids), r.num_computed,
