@@ -116,6 +116,7 @@ def test_a_token_view_reads_like_the_list_it_stands_for():
         for b in range(-7, 8):
             assert view[a:b] == whole[a:b]
     assert view[::2] == whole[::2]
+    assert view + [7] == whole + [7] and [0] + view == [0] + whole and torch.tensor(view).tolist() == whole
     with pytest.raises(IndexError):
         view[6]
     output.append(9)  # a token appended afterwards is not in the view

@@ -12,9 +12,9 @@
    copy and waited on before the refill). Without that guard, two steps that sample nothing (a
    long prompt chunked at an idle engine) can overwrite a chunk's slots before the GPU read them.
    The scheduler's batch is first read as :class:`ScheduledSeq` rows (tokens, block table, cached
-   and new counts), and :func:`prepare_step` turns them into the metadata. ``ModelRunner.assemble`` plugs in another
-   function with :func:`prepare_step`'s signature (lab 12's exercise: ``engine.runner.assemble =
-   my_prepare_step``); its tensors are moved to the model's device;
+   and new counts), and :func:`prepare_step` turns them into the metadata. ``ModelRunner.assemble``
+   plugs in another function with :func:`prepare_step`'s signature (lab 12's exercise:
+   ``engine.runner.assemble = my_prepare_step``); its tensors are moved to the model's device;
 2. **runs** the model once over the flat batch with a :class:`~labsupport.engine.paged_batch.PagedBatch`:
    every layer stores its keys and values and attends in one call each;
 3. **samples** the rows of the sequences whose known tokens are now all computed.

@@ -87,10 +87,11 @@ class Request:
 
 class TokenView(Sequence):
     """Lists laid end to end, read only, without copying them: ``len``, indexing (negative too),
-    slicing (a new list of just the slice), iteration and ``==`` with a list. The engine hands a
-    step's sequences their tokens this way (``ScheduledSeq.token_ids``): building ``prompt + output +
-    draft`` for every sequence every step costs time that grows with the sequences' lengths. Each
-    part's length is fixed when it is made: tokens appended to the lists afterwards are not in it."""
+    slicing (a new list of just the slice), iteration, ``+`` (a new list) and ``==`` with a list.
+    The engine hands a step's sequences their tokens this way (``ScheduledSeq.token_ids``): building
+    ``prompt + output + draft`` for every sequence every step costs time that grows with the
+    sequences' lengths. Each part's length is fixed when it is made: tokens appended to the lists
+    afterwards are not in it."""
 
     __slots__ = ("_parts", "_lens", "_len")
 
@@ -127,6 +128,13 @@ class TokenView(Sequence):
 
     def __iter__(self) -> Iterator[int]:
         return itertools.chain.from_iterable(itertools.islice(p, n) for p, n in zip(self._parts, self._lens))
+
+    def __add__(self, other) -> list[int]:
+        """A new list, as ``list + list`` gives (a learner's code may concatenate token lists)."""
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + list(self)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, (TokenView, list, tuple)):
