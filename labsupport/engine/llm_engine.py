@@ -16,7 +16,7 @@ from ..scheduler import schedule_step
 from ..transformer import Transformer
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .sampler import BatchedSampler, PerRowSampler
+from .sampler import BatchedSampler, PerRowSampler, RowSamplingError
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request
 from .speculative import SpeculativeConfig, draft_room, propose
@@ -223,9 +223,11 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One iteration: schedule, run (one forward pass and the sampler), postprocess. Returns the
-        tokens made. If the forward pass or the sampler raises, the step's requests finish with
-        reason ``"error"``, the prefix cache is cleared, and the exception propagates; the other
-        requests carry on at the next step."""
+        tokens made. A request whose own sampling fails (its probabilities are not a distribution)
+        finishes alone with reason ``"error"`` and the message in ``Request.error``; the others in the
+        step keep their tokens. If the forward pass or the sampler itself raises, the step's requests
+        finish with reason ``"error"``, the prefix cache is cleared, and the exception propagates; the
+        other requests carry on at the next step."""
         started = time.perf_counter()
         if self.speculative is not None:
             self._propose()
@@ -282,6 +284,10 @@ class Engine:
             req.steps_run += 1
         reasons = []
         for req, emitted in zip(sampled, tokens):
+            if isinstance(emitted, RowSamplingError):  # its sampling failed: it ends alone, with no token
+                req.draft_ids, req.error = [], str(emitted)
+                reasons.append("error")
+                continue
             d, a = len(req.draft_ids), len(emitted) - 1  # drafted, accepted
             if d > a:  # the rejected drafts' slots go back; the next step overwrites them
                 req.num_computed -= d - a

@@ -54,7 +54,7 @@ import torch
 from .._validate import positive_int
 from ..drafts import ngram_proposal
 from ..sampling import SamplingParams
-from .sampler import _penalized, batched_sampling_probs, row_settings
+from .sampler import RowSamplingError, _penalized, batched_sampling_probs, row_failure, row_settings
 
 METHODS = ("ngram",)
 
@@ -106,7 +106,8 @@ def accepted_greedy(targets: Sequence[int], draft: Sequence[int]) -> int:
 
 @torch.no_grad()
 def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                  drafts: Sequence[Sequence[int]], histories: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+                  drafts: Sequence[Sequence[int]],
+                  histories: Sequence[Sequence[int]] | None = None) -> list[list[int] | RowSamplingError]:
     """The tokens each request emits: ``logits`` (sum of ``len(draft) + 1``, V) holds each request's rows
     in order, row ``j`` the target's prediction after its ``j`` first draft tokens. ``histories[i]``
     (read only with a repetition penalty) is request ``i``'s known tokens; a row after ``j`` draft
@@ -136,7 +137,10 @@ def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], genera
             out[i] = [*drafts[i][:a], targets[a]]
     for i, p in enumerate(params):
         if p.temperature != 0:
-            out[i] = _verify_sampled(logits[starts[i]:starts[i] + sizes[i]], p, generators[i], drafts[i])
+            try:  # a request whose rows cannot be sampled fails alone (the sampler's rule)
+                out[i] = _verify_sampled(logits[starts[i]:starts[i] + sizes[i]], p, generators[i], drafts[i])
+            except RuntimeError as exc:
+                out[i] = row_failure(p, f"the draw raised {exc}")
     return out
 
 
