@@ -117,9 +117,28 @@ def test_special_tokens_are_skipped_unless_asked_for_streamed_and_whole_alike(cl
 
 
 @pytest.fixture(scope="module")
-def long_context_server(smollm2):
-    with ServerProcess(["--model", NAME, "--context", "4096"], threads=1) as srv:
+def long_context_server(smollm2, tmp_path_factory):
+    """A 4096-token context, served under a folder's path (``--served-model-name``), as guidellm needs."""
+    name = str(tmp_path_factory.mktemp("served") / NAME)
+    with ServerProcess(["--model", NAME, "--context", "4096", "--served-model-name", name], threads=1) as srv:
+        srv.name = name
         yield srv
+
+
+def test_served_under_a_path_guidellm_finds_the_tokenizer_by_the_name_and_counts_as_the_server(long_context_server):
+    """guidellm loads its tokenizer by the model's name (``AutoTokenizer.from_pretrained(name)``) and never
+    reads ``root``: served under a folder's path, the name is the tokenizer's folder, the command the server
+    prints needs no ``--tokenizer``, and a prompt counts the same tokens on both sides."""
+    srv, name = long_context_server, long_context_server.name
+    card = httpx.get(srv.url + "/v1/models").json()["data"][0]
+    assert card["id"] == card["root"] == name
+    tokenizer = AutoTokenizer.from_pretrained(card["id"])  # what guidellm does with the name, offline
+    text = "Benchmarks count tokens with the tokenizer the model's name points at. " * 4
+    answer = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0).completions.create(
+        model=name, prompt=text, max_tokens=2, temperature=0)
+    assert answer.usage.prompt_tokens == len(tokenizer(text)["input_ids"])
+    printed = next(line for line in srv.output if "guidellm run" in line)
+    assert f"model={name}," in printed and "--tokenizer" not in printed and f"target={srv.url}" in printed
 
 
 def test_health_answers_within_a_second_while_eight_maximal_prompts_and_eight_1mb_ones_arrive(long_context_server,
@@ -139,7 +158,8 @@ def test_health_answers_within_a_second_while_eight_maximal_prompts_and_eight_1m
 
     def post(prompt):
         with httpx.Client(timeout=120) as c:
-            answers.append(c.post(url + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 1}))
+            answers.append(c.post(url + "/v1/completions", json={"model": long_context_server.name, "prompt": prompt,
+                                                                  "max_tokens": 1}))
 
     def watch():
         nonlocal worst
