@@ -85,6 +85,10 @@ def test_a_tiny_top_p_gives_the_argmax_and_a_greedy_stream_beside_it_keeps_its_t
     assert answers == [greedy] * 4
 
 
+SHARED_PATHS = pytest.mark.parametrize("server", ["fifo", "continuous"], indirect=True)  # speculation adds nothing here
+
+
+@SHARED_PATHS
 def test_prompt_ids_and_usage_equal_the_published_tokenizers(client, published):
     """A text prompt gets no BOS the published tokenizer does not add; ids are the prompt as given;
     chat counts the template's own ids; and the answer to text equals the answer to its ids."""
@@ -101,6 +105,7 @@ def test_prompt_ids_and_usage_equal_the_published_tokenizers(client, published):
     assert full.usage.prompt_tokens == CONTEXT - 1 and full.usage.completion_tokens == 1  # 511 + 1 fit 512
 
 
+@SHARED_PATHS
 def test_special_tokens_are_skipped_unless_asked_for_streamed_and_whole_alike(client):
     """With ignore_eos the model writes past its <|im_end|> (guidellm sends ignore_eos): by default
     the special tokens add no text, streamed and whole alike; with skip_special_tokens false they are
