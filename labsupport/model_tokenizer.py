@@ -14,6 +14,10 @@ loads):
   template wrote* become special ids; the same strings inside a message's content stay text. For
   content without such strings the ids are exactly transformers' ``apply_chat_template(...,
   tokenize=True)`` (tested). Chapter 01 shows the role injection this prevents.
+* ``encode_prompt(text)``: a completion prompt's ids as the saved tokenizer gives them (``encode``
+  plus what its post-processor adds, such as a BOS; SmolLM2's adds nothing); ``max_token_bytes``:
+  the byte bound a server checks before encoding; ``special_token_ids``: what ``skip_special_tokens``
+  leaves out of an answer.
 * ``eos_token_ids``: every id that ends generation, ``detokenizer()``: UTF-8-safe streaming text,
   ``save_pretrained``: files ``AutoTokenizer`` (and so guidellm, ``vllm bench serve``) loads.
 

@@ -46,7 +46,8 @@ import torch
 
 from ._answers import answer, unguarded
 
-__all__ = ["SamplingParams", "sampling_probs", "sample", "min_p_filter", "top_p_cut", "penalize_repetition", "request_generator"]
+__all__ = ["SamplingParams", "sampling_probs", "sample", "min_p_filter", "top_p_cut", "penalize_repetition",
+           "request_generator"]
 
 
 @dataclass(frozen=True)
