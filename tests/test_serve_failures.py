@@ -15,6 +15,7 @@ import pytest
 
 from labsupport.engine import sampler as sampler_module
 from labsupport.engine.sampler import RowSamplingError
+from labsupport.serve import fifo as fifo_module
 from labsupport.serve.app import create_app
 from labsupport.serve.continuous import ContinuousEngine
 from labsupport.serve.fifo import FifoEngine
@@ -155,3 +156,24 @@ def test_a_request_whose_sampling_fails_fails_alone_and_its_step_neighbours_keep
         assert "".join(o.text for o in results[i]) == "".join(o.text for o in clean[i]) and len(results[i]) == 6
     assert stats["failed"] == 1 and stats["served"] == 2 and stats["slots_used"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_on_the_fifo_back_end_a_failed_draw_names_the_requests_settings_and_the_next_request_goes_on(
+        served, monkeypatch):
+    def broken_sample(logits, temperature, top_k, top_p, generator=None, min_p=0.0):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(fifo_module, "sample", broken_sample)
+    backend = FifoEngine(served, context_tokens=64, max_tokens_limit=16)
+
+    async def body():
+        await backend.start()
+        failed = await collect(backend.submit(backend.prepare([5, 6, 7], max_tokens=4, temperature=0.8, top_p=0.5)))
+        later = await collect(backend.submit(backend.prepare([5, 6, 7], max_tokens=4)))
+        stats = backend.stats()
+        await backend.stop()
+        return failed, later, stats
+
+    failed, later, stats = run(body())
+    assert isinstance(failed, RowSamplingError) and "temperature=0.8" in str(failed) and "top_p=0.5" in str(failed)
+    assert len(later) == 4 and stats["failed"] == 1 and stats["served"] == 1 and stats["slots_used"] == 0
