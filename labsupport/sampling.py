@@ -159,7 +159,8 @@ def top_p_cut(sorted_probs: torch.Tensor, top_p) -> torch.Tensor:
     the mass of the tokens ranked above it is already ``top_p`` or more, so the token that carries the
     sum across ``top_p`` stays; the first-ranked token always stays (its mass above is 0, and a
     ``top_p`` as tiny as 1e-300 rounds to 0 in float32, which would otherwise cut every token and
-    leave nothing to draw: vLLM keeps at least one token too)."""
+    leave nothing to draw). vLLM does the same: ``apply_top_k_top_p_pytorch`` in
+    ``vllm/v1/sample/ops/topk_topp_sampler.py`` (at ``01fa3fe7``) never masks its most likely token."""
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above each one
     cut = before >= top_p
     cut[..., 0] = False  # the most likely token is never cut
