@@ -70,6 +70,7 @@ def test_a_tiny_top_p_gives_the_argmax_and_a_greedy_stream_beside_it_keeps_its_t
     thread = threading.Thread(target=stream)
     thread.start()
     first.wait(60)
+
     def tiny(top_p):
         try:
             return client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, top_p=top_p,
