@@ -14,6 +14,10 @@ loads):
   template wrote* become special ids; the same strings inside a message's content stay text. For
   content without such strings the ids are exactly transformers' ``apply_chat_template(...,
   tokenize=True)`` (tested). Chapter 01 shows the role injection this prevents.
+* ``encode_prompt(text)``: a completion prompt's ids as the saved tokenizer gives them (``encode``
+  plus what its post-processor adds, such as a BOS; SmolLM2's adds nothing); ``max_token_bytes``:
+  the byte bound a server checks before encoding; ``special_token_ids``: what ``skip_special_tokens``
+  leaves out of an answer.
 * ``eos_token_ids``: every id that ends generation, ``detokenizer()``: UTF-8-safe streaming text,
   ``save_pretrained``: files ``AutoTokenizer`` (and so guidellm, ``vllm bench serve``) loads.
 
@@ -69,6 +73,30 @@ class ModelTokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        #: The ids ``skip_special_tokens`` leaves out of an answer's text (Hugging Face's special added tokens).
+        self.special_token_ids: frozenset[int] = self._special_ids
+        #: What the tokenizer itself puts around a text prompt with ``add_special_tokens=True`` (its
+        #: post-processor: a BOS for Llama 2, nothing for SmolLM2): ``encode_prompt`` adds the same.
+        self.prompt_prefix, self.prompt_suffix = self._affixes()
+        #: The most UTF-8 bytes one token of ``encode`` stands for: a text of more bytes than
+        #: ``context * max_token_bytes`` has more than ``context`` tokens, so a server refuses it
+        #: before encoding (exact for a tokenizer whose normalizer, if any, never shortens the text).
+        self.max_token_bytes: int = self._longest_token_bytes()
+
+    def _affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        bare = self._plain.encode("a", add_special_tokens=False).ids
+        full = self._plain.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+        if at is None:  # a post-processor that changes the text's own ids: add nothing rather than guess
+            return (), ()
+        return tuple(full[:at]), tuple(full[at + len(bare):])
+
+    def _longest_token_bytes(self) -> int:
+        """The longest token's text in UTF-8 bytes (one more for a decoder that drops a leading
+        space, such as SentencePiece's), the added tokens' strings included."""
+        decode = self._backend.decode
+        longest = max(len(decode([i], skip_special_tokens=False).encode("utf-8")) for i in range(self.vocab_size))
+        return max(1, longest + 1)
 
     # -- construction --
 
@@ -98,7 +126,16 @@ class ModelTokenizer:
         ``<|im_start|>``) are spelled with ordinary tokens, never turned into special ids."""
         if not isinstance(text, str):
             raise ValueError(f"encode takes a str, got {type(text).__name__}")
-        return self._plain.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it lets go of Python's interpreter lock while it works (encode
+        # holds it, about two seconds per MB here), so a server's event loop runs beside it
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt's ids: :meth:`encode`, with what the tokenizer's own configuration
+        adds around a text (:attr:`prompt_prefix`, :attr:`prompt_suffix`) when ``add_special_tokens``,
+        so the count equals ``AutoTokenizer.from_pretrained(saved folder)(text)``'s (vLLM's rule)."""
+        ids = self.encode(text)
+        return [*self.prompt_prefix, *ids, *self.prompt_suffix] if add_special_tokens else ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of ``ids`` (special tokens written out unless ``skip_special_tokens``)."""

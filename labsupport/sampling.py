@@ -9,8 +9,9 @@ Chapter 13 explains it. For one sequence's logits ``z`` (a vector of V values):
    ``k = 0`` (or ``k >= V``) keeps every token.
 3. **Top-p** (nucleus sampling, Holtzman et al., ICLR 2020) ``p``: sort the tokens kept so far by
    probability, most likely first, and keep the shortest prefix whose probabilities sum to at
-   least ``p``: the token that carries the sum across ``p`` is kept. ``p = 1.0`` keeps every
-   token. Top-p is applied to the distribution left after top-k, renormalised, as vLLM and
+   least ``p``: the token that carries the sum across ``p`` is kept, and so is the most likely
+   token whatever ``p`` is (a tiny ``p`` is the argmax, never an empty set). ``p = 1.0`` keeps
+   every token. Top-p is applied to the distribution left after top-k, renormalised, as vLLM and
    Hugging Face transformers do.
 4. The kept probabilities are renormalised and one token is drawn.
 
@@ -45,7 +46,8 @@ import torch
 
 from ._answers import answer, unguarded
 
-__all__ = ["SamplingParams", "sampling_probs", "sample", "min_p_filter", "penalize_repetition", "request_generator"]
+__all__ = ["SamplingParams", "sampling_probs", "sample", "min_p_filter", "top_p_cut", "penalize_repetition",
+           "request_generator"]
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
         sorted_logits[:, top_k:] = float("-inf")
     probs = torch.softmax(sorted_logits, dim=-1)  # (B, V), sorted
     if top_p < 1.0:
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
-        probs = probs.masked_fill(before >= top_p, 0.0)  # keep up to and including the crossing token
+        probs = probs.masked_fill(top_p_cut(probs, top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, probs)  # back to token order
 
@@ -150,6 +151,20 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
         return logits.argmax(-1)
     probs = unguarded(sampling_probs)(logits, temperature, top_k, top_p, min_p=min_p)  # one answer using another
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
+def top_p_cut(sorted_probs: torch.Tensor, top_p) -> torch.Tensor:
+    """Which tokens top-p removes: ``sorted_probs`` (..., V) in decreasing order, ``top_p`` a number
+    or a tensor broadcasting against ``sorted_probs`` (one per row, shape (..., 1)). A token goes when
+    the mass of the tokens ranked above it is already ``top_p`` or more, so the token that carries the
+    sum across ``top_p`` stays; the first-ranked token always stays (its mass above is 0, and a
+    ``top_p`` as tiny as 1e-300 rounds to 0 in float32, which would otherwise cut every token and
+    leave nothing to draw). vLLM does the same: ``apply_top_k_top_p_pytorch`` in
+    ``vllm/v1/sample/ops/topk_topp_sampler.py`` (at ``01fa3fe7``) never masks its most likely token."""
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above each one
+    cut = before >= top_p
+    cut[..., 0] = False  # the most likely token is never cut
+    return cut
 
 
 def min_p_filter(logits: torch.Tensor, min_p) -> torch.Tensor:

@@ -117,12 +117,14 @@ print(f"(measured on {WHERE})")
 # 2. **top-k** $k$: keep the $k$ largest logits, drop the rest ($k = 0$ keeps every token).
 # 3. **top-p** $p$: sort what is left by probability, largest first, and keep the shortest prefix
 #    whose probabilities sum to at least $p$: the token whose probability carries the running sum
-#    across $p$ is **kept**. $p = 1.0$ keeps every token.
+#    across $p$ is **kept**, and so is the most likely token, always. $p = 1.0$ keeps every token.
 # 4. renormalise what is kept and draw one token.
 #
 # A spec in plain torch for step 3: with `probs_sorted` in decreasing order,
 # `keep = torch.cumsum(probs_sorted, -1) - probs_sorted < top_p` (the mass of the tokens ranked
-# above each one is still below `top_p`). Ties between equal logits do not occur in the check.
+# above each one is still below `top_p`), then `keep[..., 0] = True`: a `top_p` as small as 1e-300
+# is valid but is 0 in float32, and without that line it would cut every token, leaving nothing to
+# draw (vLLM keeps at least one token too). Ties between equal logits do not occur in the check.
 #
 # ### Exercise 1: `sample`
 #
@@ -145,7 +147,9 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass ranked above each token
-        sorted_probs = sorted_probs.masked_fill(above >= top_p, 0.0)
+        cut = above >= top_p
+        cut[..., 0] = False  # the most likely token always stays (a tiny top_p is 0 in float32)
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]  # multinomial renormalises
     # END SOLUTION

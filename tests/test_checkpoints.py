@@ -14,10 +14,12 @@ import random
 import pytest
 import torch
 import transformers
+from tokenizers import processors
 
 from labsupport import checkpoints
 from labsupport.checkpoints import load
 from labsupport.engine import Engine
+from labsupport.model_tokenizer import ModelTokenizer, chatml_tokenizer
 from labsupport.phases import cpu_threads
 from labsupport.sampling import SamplingParams
 from labsupport.tokenizer import course_passages
@@ -175,6 +177,31 @@ def test_save_pretrained_loads_back_in_transformers(real, tmp_path):
     again = transformers.AutoTokenizer.from_pretrained(folder)
     assert _hf_ids(again, CHATS[2]) == real.tokenizer.apply_chat_template(CHATS[2])
     assert again.eos_token_id == 2
+
+
+def test_a_prompt_gets_what_the_tokenizer_config_adds_as_the_published_tokenizer_does(real, tmp_path):
+    """A completions prompt's ids are what the saved tokenizer gives (``tokenizer(text)``): SmolLM2's
+    adds no BOS; a tokenizer whose post-processor adds one (Llama 2's kind) adds it here too."""
+    text = "The capital of France is"
+    published = transformers.AutoTokenizer.from_pretrained(real.tokenizer.save_pretrained(tmp_path / "smol"))
+    assert real.tokenizer.encode_prompt(text) == published(text)["input_ids"] == real.tokenizer.encode(text)
+    chatml = chatml_tokenizer()
+    bos = chatml.hf.convert_tokens_to_ids("<|im_start|>")
+    chatml.hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    with_bos = ModelTokenizer(chatml.hf, "ChatML BPE with a BOS")
+    published = transformers.AutoTokenizer.from_pretrained(with_bos.save_pretrained(tmp_path / "bos"))
+    assert with_bos.prompt_prefix == (bos,) and with_bos.prompt_suffix == ()
+    assert with_bos.encode_prompt(text) == published(text)["input_ids"] == [bos, *with_bos.encode(text)]
+    assert with_bos.encode_prompt(text, add_special_tokens=False) == with_bos.encode(text)
+
+
+def test_no_token_stands_for_more_bytes_than_max_token_bytes(real):
+    """The server's byte bound: a text of n UTF-8 bytes has at least n / max_token_bytes tokens."""
+    assert real.tokenizer.max_token_bytes == 82  # its longest token, a newline and 80 spaces (81 bytes), plus one
+    for text in [*course_passages().values(), *_random_texts(), " " * 5000, "\n" * 3000 + "ab" * 900]:
+        n = len(text.encode("utf-8"))
+        assert len(real.tokenizer.encode(text)) * real.tokenizer.max_token_bytes >= n
 
 
 def test_a_second_load_reads_the_cache_not_the_gguf(real, monkeypatch):

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from labsupport.engine import Engine, Request, TraceRequest, poisson_trace, run_trace, trace_summary
+from labsupport.engine import sampler as sampler_module
 from labsupport.engine.model_runner import graph_batch_sizes, padded_batch_size
-from labsupport.engine.sampler import BatchedSampler
+from labsupport.engine.sampler import BatchedSampler, RowSamplingError
+from labsupport.engine.speculative import verify_drafts
 from labsupport.models import get_model
 from labsupport.phases import cpu_threads
 from labsupport.sampling import SamplingParams, penalize_repetition, request_generator, sample, sampling_probs
@@ -429,3 +431,39 @@ def test_a_requests_token_ids_are_slices_of_all_its_ids():
     for start in range(6):
         for end in range(start, 6):
             assert req.token_ids(start, end) == req.all_ids[start:end], (start, end)
+
+
+def test_a_row_whose_sampling_fails_fails_its_request_alone(model, monkeypatch):
+    """The sampling stage fails per row: a request whose probabilities are not a distribution (a
+    fault planted in its row only) ends with "error" and the reason, gives its blocks back, and the
+    requests sharing its steps keep exactly their tokens (greedy, and seeded sampling too)."""
+    real = sampler_module.batched_sampling_probs
+
+    def nan_for_temperature_0_7(logits, temperature, *rest):
+        probs = real(logits, temperature, *rest)
+        return probs.masked_fill((temperature == 0.7)[:, None], float("nan"))
+
+    seeded = SamplingParams(temperature=1.0, seed=4, max_tokens=5)
+    want_seeded = Engine(model, num_blocks=16, block_size=4, clock="steps").generate([[9, 8, 7]], seeded)[0]
+    monkeypatch.setattr(sampler_module, "batched_sampling_probs", nan_for_temperature_0_7)
+    engine = Engine(model, num_blocks=16, block_size=4, token_budget=16, clock="steps")
+    greedy = engine.add_request([3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=6))
+    bad = engine.add_request([1, 2, 3], SamplingParams(temperature=0.7, top_p=1e-300, max_tokens=6))
+    other = engine.add_request([9, 8, 7], seeded)
+    events = list(engine.stream())
+    assert engine.requests[bad].finish_reason == "error" and engine.requests[bad].output_ids == []
+    assert "sampling failed for this request" in engine.requests[bad].error and "top_p=1e-300" in engine.requests[bad].error
+    assert not [e for e in events if e.request_id == bad]
+    assert engine.requests[greedy].output_ids == alone(model, [3, 4, 5, 6], 6)
+    assert engine.requests[other].output_ids == want_seeded
+    assert engine.allocator.num_free_blocks == 16
+
+
+def test_the_draft_verifier_fails_a_request_whose_rows_cannot_be_drawn_alone():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(3))
+    logits[2:4] = float("nan")  # the second request's rows: its draft token's and the one after
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0)]
+    out = verify_drafts(logits, params, [request_generator(i) for i in range(3)], [[int(logits[0].argmax())], [4], []])
+    assert out[0] == [int(logits[0].argmax()), int(logits[1].argmax())]  # the greedy draft accepted, then the bonus
+    assert isinstance(out[1], RowSamplingError) and "sampling failed" in str(out[1])
+    assert isinstance(out[2], list) and len(out[2]) == 1

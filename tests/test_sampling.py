@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from labsupport._answers import unguarded
-from labsupport.sampling import SamplingParams, request_generator, sample, sampling_probs
+from labsupport.engine.sampler import BatchedSampler, batched_sampling_probs, row_settings
+from labsupport.sampling import SamplingParams, min_p_filter, request_generator, sample, sampling_probs
 
 probs_of = unguarded(sampling_probs)
 draw = unguarded(sample)
+batched = unguarded(batched_sampling_probs)
 Z = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]]))
 
 
@@ -50,3 +52,30 @@ def test_sampling_params_refuse_bad_values(kwargs, match):
 def test_logits_must_be_a_batch():
     with pytest.raises(ValueError, match="batch, vocab"):
         probs_of(Z[0])
+
+
+# top_p values the API accepts, (0, 1], that float32 rounds to 0 (1e-300) or to its smallest numbers
+TINY_TOP_P = (1e-300, 1e-46, 1e-45, 1e-40)
+
+
+@pytest.mark.parametrize("top_p", TINY_TOP_P)
+def test_a_tiny_top_p_keeps_the_most_likely_token_in_every_sampler(top_p):
+    """vLLM's rule: the most likely token is never cut. Without it a top_p that rounds to 0 in float32
+    cut every token and the renormalisation divided 0 by 0 (NaN, and the draw raised)."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(2)) * 4
+    logits[3, :5] = logits[3].max() + 1  # a tie at the top: the lowest id wins (the stable sort)
+    best = torch.nn.functional.one_hot(logits.argmax(-1), 40).float()
+    for kw in (dict(), dict(top_k=3), dict(min_p=1.0), dict(top_k=1, min_p=0.5)):
+        probs = probs_of(logits, 0.8, top_p=top_p, **kw)
+        assert not probs.isnan().any() and torch.equal(probs, best)
+        assert torch.equal(draw(logits, 0.8, top_p=top_p, generator=request_generator(1), **kw), logits.argmax(-1))
+        params = [SamplingParams(temperature=0.8, top_p=top_p, **kw)] * 6
+        assert torch.equal(batched(logits, *row_settings(params, 40, "cpu")), best)
+        assert BatchedSampler()(logits, params, [request_generator(i) for i in range(6)]) == logits.argmax(-1).tolist()
+
+
+def test_min_p_keeps_the_most_likely_token_whatever_the_logits():
+    logits = torch.tensor([[80.0, -80.0, 79.9, 0.0], [1e-30, 0.0, -1e30, 1e30]])
+    for min_p in (1.0, 0.999999, 1e-300):
+        kept = min_p_filter(logits, min_p)
+        assert torch.equal(kept.argmax(-1), logits.argmax(-1)) and bool(torch.isfinite(kept.max(-1).values).all())

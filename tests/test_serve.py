@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from labsupport.serve import ServerFailed, ServerProcess, cli
+from labsupport.serve import ServerFailed, ServerProcess, cli, guidellm
 from labsupport.serve.served_model import MODEL_NAME, course_tokenizer
 
 CONTEXT, LIMIT, SLOTS = 600, 500, 2
@@ -337,6 +337,28 @@ def test_a_busy_port_and_bad_options_are_refused_with_advice(server, capsys):
         with pytest.raises(SystemExit):
             cli.parse_args(options)
         assert message in capsys.readouterr().err
+
+
+def test_the_served_name_and_where_the_tokenizer_goes(tmp_path):
+    """vLLM's naming: --served-model-name wins; a --model Hugging Face folder is served under its path
+    (its own tokenizer files stay as they are); a registered name or file keeps the model's name. A
+    served name that is a path is where the tokenizer is written, so guidellm finds it by the name."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("the model's own")
+    assert cli._served_name(cli.parse_args(["--model", str(folder)]), "model") == str(folder)
+    assert cli._served_name(cli.parse_args(["--model", "smollm2-135m-instruct"]), "smollm2") == "smollm2"
+    assert cli._served_name(cli.parse_args(["--model", str(folder), "--served-model-name", "x"]), "model") == "x"
+    served = cli._backend(cli.parse_args(["--served-model-name", str(tmp_path / "tok")]))
+    assert served.model_name == str(tmp_path / "tok")
+    cli._write_tokenizer(served, None)
+    assert served.tokenizer_dir == str(tmp_path / "tok") and (tmp_path / "tok" / "tokenizer.json").is_file()
+    served.model_name = str(folder)
+    cli._write_tokenizer(served, None, model=str(folder))  # the model's folder: nothing is written over
+    assert served.tokenizer_dir == str(folder) and (folder / "tokenizer.json").read_text() == "the model's own"
+    command = guidellm.startup_command("http://h:1", str(folder), str(folder), 512, 256)
+    assert "--tokenizer" not in command and f"kind=openai_http,target=http://h:1,model={folder}," in " ".join(command)
+    assert "--tokenizer" in guidellm.startup_command("http://h:1", "course-tiny", str(folder), 128, 32)
 
 
 def test_the_server_goes_when_the_python_that_started_it_dies(tmp_path):

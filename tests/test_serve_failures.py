@@ -13,6 +13,9 @@ import logging
 import httpx
 import pytest
 
+from labsupport.engine import sampler as sampler_module
+from labsupport.engine.sampler import RowSamplingError
+from labsupport.serve import fifo as fifo_module
 from labsupport.serve.app import create_app
 from labsupport.serve.continuous import ContinuousEngine
 from labsupport.serve.fifo import FifoEngine
@@ -127,3 +130,50 @@ def test_a_dead_worker_turns_health_and_ready_into_503s_and_is_logged(served, ca
     assert after.status_code == 503 and after.json()["error"]["code"] == "worker_failed"
     worker_logs = [r for r in caplog.records if "model worker stopped" in r.getMessage()]
     assert worker_logs and worker_logs[0].exc_info is not None  # with its traceback
+
+
+def test_a_request_whose_sampling_fails_fails_alone_and_its_step_neighbours_keep_their_text(served, monkeypatch):
+    """A fault planted in one request's row of the sampling stage (its probabilities NaN): that request
+    gets an error naming its settings, and the greedy requests in the same steps get the text they get
+    with no fault at all."""
+    async def body(backend, temperatures):
+        await backend.start()
+        handles = [backend.submit(backend.prepare([first, 3, 4], max_tokens=6, temperature=t))
+                   for first, t in zip((5, 7, 9), temperatures)]
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        stats = backend.stats()
+        await backend.stop()
+        return results, stats
+
+    clean, _ = run(body(continuous(served), (0.0, 0.0, 0.0)))
+    real = sampler_module.batched_sampling_probs
+    monkeypatch.setattr(sampler_module, "batched_sampling_probs", lambda logits, temperature, *rest: real(
+        logits, temperature, *rest).masked_fill((temperature == 0.7)[:, None], float("nan")))
+    results, stats = run(body(continuous(served), (0.0, 0.7, 0.0)))
+    assert isinstance(results[1], RowSamplingError) and "sampling failed for this request" in str(results[1])
+    assert "temperature=0.7" in str(results[1])
+    for i in (0, 2):
+        assert "".join(o.text for o in results[i]) == "".join(o.text for o in clean[i]) and len(results[i]) == 6
+    assert stats["failed"] == 1 and stats["served"] == 2 and stats["slots_used"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_on_the_fifo_back_end_a_failed_draw_names_the_requests_settings_and_the_next_request_goes_on(
+        served, monkeypatch):
+    def broken_sample(logits, temperature, top_k, top_p, generator=None, min_p=0.0):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(fifo_module, "sample", broken_sample)
+    backend = FifoEngine(served, context_tokens=64, max_tokens_limit=16)
+
+    async def body():
+        await backend.start()
+        failed = await collect(backend.submit(backend.prepare([5, 6, 7], max_tokens=4, temperature=0.8, top_p=0.5)))
+        later = await collect(backend.submit(backend.prepare([5, 6, 7], max_tokens=4)))
+        stats = backend.stats()
+        await backend.stop()
+        return failed, later, stats
+
+    failed, later, stats = run(body())
+    assert isinstance(failed, RowSamplingError) and "temperature=0.8" in str(failed) and "top_p=0.5" in str(failed)
+    assert len(later) == 4 and stats["failed"] == 1 and stats["served"] == 1 and stats["slots_used"] == 0

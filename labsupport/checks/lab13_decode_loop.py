@@ -34,15 +34,15 @@ from ..engine.sampler import batched_sampling_probs
 from ..sampling import sample, sampling_probs
 from ..scheduler import SeqView, SimStep, TraceItem, blocks_for, schedule_step, simulate
 from ..speculative import speculative_accept
-from .framework import Case, graded
+from .framework import Case, CheckFailed, graded
 
 FALSE_FAIL = 1e-6  # the chance a correct implementation fails one statistical case
 
 SAMPLING_RULE = (
     "divide the logits by the temperature BEFORE the softmax (temperature 0: return the argmax); "
     "top-k keeps the k largest (0 keeps all); top-p sorts the remaining probabilities, largest first, "
-    "and keeps the shortest prefix whose sum reaches top_p, the token that crosses it included (1.0 "
-    "keeps all); renormalise and draw one token per row with torch.multinomial(probs, 1, generator=generator)."
+    "and keeps the shortest prefix whose sum reaches top_p, the token that crosses it included, and "
+    "always at least the most likely token (1.0 keeps all); renormalise and draw one token per row with torch.multinomial(probs, 1, generator=generator)."
 )
 SCHEDULER_RULE = (
     "running sequences first, oldest first, each min(left, budget left) tokens; if one needs more blocks "
@@ -250,15 +250,15 @@ def check_sample(fn, checker):
                            f"random state, or a new generator, was used), so a seeded request would not repeat.",
                      "pass generator=generator to torch.multinomial (or whatever draws).")
 
-    # the edges: top-k 1 and temperature 0 are the argmax, row by row
+    # the edges: top-k 1, temperature 0 and a top_p too small for float32 are the argmax, row by row
     rows = torch.randn(64, 50, generator=torch.Generator().manual_seed(7)) * 3
     argmax = rows.argmax(-1)
     for kw in (dict(temperature=1.0, top_k=1), dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5),
-               dict(temperature=1e-4)):
+               dict(temperature=1e-4), dict(temperature=1.0, top_p=1e-300)):
         case = Case(case="the argmax, row by row", rows=64, vocab=50, **kw)
         gen = torch.Generator().manual_seed(3)
         state = gen.get_state()
-        got = checker.call(fn, rows.clone(), generator=gen, case=case, **kw)
+        got = _call_tiny_top_p(checker, fn, rows.clone(), gen, case, kw)
         _expect_ids(checker, got, 64, 50, case)
         if kw["temperature"] == 0 and not torch.equal(gen.get_state(), state):
             checker.fail(case, "with temperature 0 your function drew from `generator` (its state changed): "
@@ -270,7 +270,27 @@ def check_sample(fn, checker):
             checker.fail(case, f"{wrong} of 64 rows did not return their argmax; with these settings every "
                                f"row must be its most likely token.",
                          "temperature 0 means greedy (return logits.argmax(-1), draw nothing: no division by "
-                         "zero); top_k=1 keeps only the largest logit.")
+                         "zero); top_k=1 keeps only the largest logit; top-p always keeps the most likely token.")
+
+
+TINY_TOP_P_HINT = ("keep the most likely token whatever top_p is: after `keep = torch.cumsum(probs_sorted, -1) - "
+                   "probs_sorted < top_p`, set `keep[..., 0] = True` (vLLM keeps at least one token too).")
+
+
+def _call_tiny_top_p(checker, fn, rows, gen, case, kw):
+    """``fn`` on an argmax edge; for a tiny ``top_p``, a function that raises is told why: 1e-300 is a
+    valid top_p, but it rounds to 0 in float32, so a cut of "mass above >= top_p" removes every token
+    and leaves nothing to draw."""
+    if kw.get("top_p", 1.0) >= 1e-30:
+        return checker.call(fn, rows, generator=gen, case=case, **kw)
+    try:
+        return checker.call(fn, rows, generator=gen, case=case, **kw)
+    except CheckFailed as exc:
+        if not exc.learner_raised:
+            raise
+        checker.fail(case, f"with top_p={kw['top_p']:g} your function raised ({str(exc).splitlines()[0]}). Such a "
+                           f"top_p is valid, but in float32 it is 0, so a top-p cut removed every token, even the "
+                           f"most likely one, and there was nothing left to draw from.", TINY_TOP_P_HINT)
 
 
 def _expect_ids(checker, got, n, V, case):

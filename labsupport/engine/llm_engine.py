@@ -224,9 +224,11 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One iteration: schedule, run (one forward pass and the sampler), postprocess. Returns the
-        tokens made. If the forward pass or the sampler raises, the step's requests finish with
-        reason ``"error"``, the prefix cache is cleared, and the exception propagates; the other
-        requests carry on at the next step."""
+        tokens made. A request whose own sampling fails (its probabilities are not a distribution)
+        finishes alone with reason ``"error"`` and the message in ``Request.error``; the others in the
+        step keep their tokens. If the forward pass or the sampler itself raises, the step's requests
+        finish with reason ``"error"``, the prefix cache is cleared, and the exception propagates; the
+        other requests carry on at the next step."""
         started = time.perf_counter()
         if self.speculative is not None:
             self._propose()

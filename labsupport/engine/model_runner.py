@@ -333,8 +333,9 @@ class ModelRunner:
     def run(self, batch: Sequence[tuple[Request, int]], sampler, copies=()) -> list[list[int]]:
         """One forward pass over ``batch`` and the tokens of every request that samples (in batch
         order; see :meth:`prepare`): one token each, or with speculative decoding its accepted
-        draft tokens and the target's own (:func:`~labsupport.engine.speculative.verify_drafts`).
-        ``copies`` are copy-on-write block copies to make first."""
+        draft tokens and the target's own (:func:`~labsupport.engine.speculative.verify_drafts`); a
+        request whose sampling failed gets its :class:`~labsupport.engine.sampler.RowSamplingError`
+        instead. ``copies`` are copy-on-write block copies to make first."""
         for src, dst in copies:
             self.store.copy_block(src, dst)
         meta = self.prepare(batch)
@@ -351,7 +352,8 @@ class ModelRunner:
         generators = [r.generator for r in sampling]
         if any(drafts):
             return verify_drafts(logits, params, generators, drafts, histories)
-        return [[t] for t in sampler(logits, params, generators, histories)]
+        # a row the sampler could not sample comes back as its RowSamplingError: the engine fails it alone
+        return [[t] if isinstance(t, int) else t for t in sampler(logits, params, generators, histories)]
 
     def verify_rows(self, batch: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """The flat rows whose logits a speculative step needs: for each request that samples, its

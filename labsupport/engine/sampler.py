@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._answers import answer
-from ..sampling import SamplingParams, min_p_filter, penalize_repetition
+from ..sampling import SamplingParams, min_p_filter, penalize_repetition, top_p_cut
 
 
 @answer
@@ -50,35 +50,64 @@ def batched_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_
     ranks = torch.arange(V, device=logits.device)
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)  # (R, V), sorted
-    before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
-    cut = probs.masked_fill(before >= top_p[:, None], 0.0)  # keep up to and including the crossing token
+    cut = probs.masked_fill(top_p_cut(probs, top_p[:, None]), 0.0)  # keeps the crossing token and the first
     cut = cut / cut.sum(-1, keepdim=True)
     probs = torch.where((top_p < 1.0)[:, None], cut, probs)  # only rows with top_p < 1 are cut and renormalised
     return torch.zeros_like(probs).scatter_(-1, order, probs)  # back to token order
 
 
+class RowSamplingError(RuntimeError):
+    """One row's sampling failed (its probabilities were not a distribution, or the draw raised). A
+    sampler returns it in that row's place instead of a token: the engine fails that request alone,
+    and the other rows of the step keep their tokens."""
+
+
+def row_failure(params: SamplingParams, why: str) -> RowSamplingError:
+    """The error a request whose row could not be sampled gets, with its settings, so its client
+    can tell what was asked."""
+    return RowSamplingError(f"sampling failed for this request ({why}) with temperature={params.temperature:g}, "
+                            f"top_k={params.top_k}, top_p={params.top_p:g}, min_p={params.min_p:g}, "
+                            f"repetition_penalty={params.repetition_penalty:g}; the other requests go on. "
+                            f"Retry, or report it with these settings.")
+
+
 class BatchedSampler:
     """Sample every row of a step in one pass (module docstring)."""
 
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator], histories: Sequence[Sequence[int]] | None = None) -> list[int]:
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                 histories: Sequence[Sequence[int]] | None = None) -> list[int | RowSamplingError]:
         """One token per row. ``histories[i]``, row ``i``'s token ids so far (prompt and output), is
-        read only for rows with a repetition penalty; the others may give ``()``."""
+        read only for rows with a repetition penalty; the others may give ``()``. A sampled row whose
+        probabilities are not a distribution (NaN, inf, all zero), or whose draw raises, gets a
+        :class:`RowSamplingError` in its place: the draw is made from a harmless stand-in (on a GPU an
+        invalid distribution would stop the device, not raise) and the row is marked on the device,
+        so the step still has one device-to-host sync."""
         logits = _penalized(logits, params, histories)
         rows, V = logits.shape
         dev = logits.device
         tokens = torch.empty(rows, dtype=torch.long, device=dev)
         greedy = [i for i, p in enumerate(params) if p.temperature == 0]
         drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+        raised: dict[int, str] = {}
         if greedy:  # the fast path: no probabilities, no draw
             idx = torch.tensor(greedy, device=dev)
             tokens[idx] = logits[idx].argmax(-1)
         if drawn:
             idx = torch.tensor(drawn, device=dev)
             probs = batched_sampling_probs(logits[idx], *row_settings([params[i] for i in drawn], V, dev))  # (R', V)
+            valid = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)  # (R',) on the device: no sync
+            probs = torch.where(valid[:, None], probs, torch.ones_like(probs))  # a failed row draws from a stand-in
             for j, i in enumerate(drawn):  # each request's own generator: one draw per row
-                tokens[i] = torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0]
-        return tokens.tolist()  # the step's one device-to-host sync
+                try:
+                    tokens[i] = torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0]
+                except RuntimeError as exc:  # this row alone
+                    tokens[i], raised[i] = -1, f"the draw raised {exc}"
+            tokens[idx] = torch.where(valid, tokens[idx], -1)
+        out: list = tokens.tolist()  # the step's one device-to-host sync
+        for i, t in enumerate(out):
+            if t < 0:
+                out[i] = row_failure(params[i], raised.get(i, "its probabilities were NaN, infinite or all zero"))
+        return out
 
 
 def row_settings(ps: Sequence[SamplingParams], V: int, device) -> tuple:
@@ -119,8 +148,10 @@ class PerRowSampler:
                     "the engine's own sampler (Engine(..., sampler=None))")
         return None
 
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator], histories: Sequence[Sequence[int]] | None = None) -> list[int]:
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                 histories: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """One token per row. A function that raises stops the step, loudly, as it always did: in
+        the lab that is the learner's own code, whose traceback they need to see."""
         logits = _penalized(logits, params, histories)
         return [int(self.fn(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generator=generators[i])[0])
                 for i, p in enumerate(params)]

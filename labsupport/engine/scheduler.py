@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from ..scheduler import SeqView, blocks_for, check_decision, schedule_step, static_batch_step
 from .block_manager import BlockManager
+from .sampler import RowSamplingError
 from .sequence import Request
 
 Decision = Callable[..., tuple[dict, list]]
@@ -182,6 +183,11 @@ class Scheduler:
             req.steps_run += 1
         reasons, drafted, accepted = [], 0, 0
         for req, emitted in zip(sampled, tokens):
+            if isinstance(emitted, RowSamplingError):  # its own sampling failed: it ends alone, with no token
+                req.draft_ids, req.error, req.finish_reason = [], str(emitted), "error"
+                reasons.append("error")
+                self.finish(req)
+                continue
             d, a = len(req.draft_ids), len(emitted) - 1  # drafted, accepted
             if d > a:
                 req.num_computed -= d - a

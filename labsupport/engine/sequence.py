@@ -32,7 +32,8 @@ class Request:
     num_computed: int = 0  # tokens whose keys and values are in the cache
     token_times_s: list[float] = field(default_factory=list)
     first_scheduled_s: float | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort", or "error" (its step raised)
+    finish_reason: str | None = None  # "stop", "length", "abort", or "error" (its step raised, or its sampling failed)
+    error: str | None = None  # why its sampling failed (finish reason "error" from its own row)
     preemptions: int = 0
     steps_run: int = 0
     cached_tokens: int = 0  # prefix-cache hits of its latest admission

@@ -57,7 +57,7 @@ import torch
 from .._validate import positive_int
 from ..drafts import ngram_proposal
 from ..sampling import SamplingParams
-from .sampler import _penalized, batched_sampling_probs, row_settings
+from .sampler import RowSamplingError, _penalized, batched_sampling_probs, row_failure, row_settings
 
 METHODS = ("ngram",)
 
@@ -109,7 +109,8 @@ def accepted_greedy(targets: Sequence[int], draft: Sequence[int]) -> int:
 
 @torch.no_grad()
 def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                  drafts: Sequence[Sequence[int]], histories: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+                  drafts: Sequence[Sequence[int]],
+                  histories: Sequence[Sequence[int]] | None = None) -> list[list[int] | RowSamplingError]:
     """The tokens each request emits: ``logits`` (sum of ``len(draft) + 1``, V) holds each request's rows
     in order, row ``j`` the target's prediction after its ``j`` first draft tokens. ``histories[i]``
     (read only with a repetition penalty) is request ``i``'s known tokens; a row after ``j`` draft
@@ -133,8 +134,8 @@ def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], genera
         rows = [starts[i] + j for i in greedy for j in range(sizes[i])]
         picks.append(logits[torch.tensor(rows, device=logits.device)].argmax(-1))
     if drawn:
-        probs, draws, states, first = _draw_ahead(logits, [(starts[i], sizes[i]) for i in drawn],
-                                                  [params[i] for i in drawn], [generators[i] for i in drawn])
+        probs, draws, states, first, raised = _draw_ahead(logits, [(starts[i], sizes[i]) for i in drawn],
+                                                          [params[i] for i in drawn], [generators[i] for i in drawn])
         picks.append(draws)
     chosen = torch.cat(picks).tolist() if picks else []  # the step's one device-to-host transfer
     out: list[list[int]] = [[] for _ in drafts]
@@ -147,6 +148,9 @@ def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], genera
     for k, i in enumerate(drawn):
         ys = chosen[at:at + sizes[i]]
         at += sizes[i]
+        if min(ys) < 0:  # a row of its could not be sampled: it fails alone (the sampler's rule)
+            out[i] = row_failure(params[i], raised.get(k, "its probabilities were NaN, infinite or all zero"))
+            continue
         out[i] = ys[:1 + accepted_greedy(ys, drafts[i])]  # up to the first draw that is not the draft's token
         if len(out[i]) < sizes[i]:  # it drew rows plain sampling never draws: replay only the draws it keeps
             generators[i].set_state(states[k])
@@ -167,17 +171,27 @@ def _draw_ahead(logits: torch.Tensor, spans: Sequence[tuple[int, int]], params: 
     that stops early has drawn rows plain sampling never draws, so its generator's state before the
     draws is returned too, for the caller to reset it and make again only the draws it keeps.
 
-    Returns ``(probs, draws, states, first)``: the rows' probabilities (R', V), the draws (R',) on the
-    device, each generator's state before its draws (a host copy: no device sync) and each request's
-    first row in ``probs``."""
+    A row whose probabilities are not a distribution (NaN, infinite, all zero) is drawn from a
+    harmless stand-in and its draw is -1 (marked on the device: on a GPU an invalid distribution
+    would stop the device, not raise); a request whose draw raises gets -1 on all its rows and the
+    message in ``raised``. Either way the caller fails that request alone.
+
+    Returns ``(probs, draws, states, first, raised)``: the rows' probabilities (R', V), the draws (R',)
+    on the device, each generator's state before its draws (a host copy: no device sync), each
+    request's first row in ``probs``, and the messages of the requests whose draw raised (by index)."""
     rows = [start + j for start, n in spans for j in range(n)]
     row_params = [p for p, (_, n) in zip(params, spans) for _ in range(n)]
     probs = batched_sampling_probs(logits[torch.tensor(rows, device=logits.device)],
                                    *row_settings(row_params, logits.shape[-1], logits.device))  # (R', V)
-    states, draws, first = [], [], []
-    for (_, n), g in zip(spans, generators):
+    valid = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)  # (R',) on the device: no sync
+    probs = torch.where(valid[:, None], probs, torch.ones_like(probs))  # a failed row draws from a stand-in
+    states, draws, first, raised = [], [], [], {}
+    for k, ((_, n), g) in enumerate(zip(spans, generators)):
         states.append(g.get_state())
         first.append(len(draws))
-        for j in range(len(draws), len(draws) + n):
-            draws.append(torch.multinomial(probs[j:j + 1], 1, generator=g)[0])  # (1,)
-    return probs, torch.cat(draws), states, first
+        try:
+            mine = [torch.multinomial(probs[j:j + 1], 1, generator=g)[0] for j in range(len(draws), len(draws) + n)]
+        except RuntimeError as exc:  # this request alone
+            mine, raised[k] = [torch.full((1,), -1, device=probs.device) for _ in range(n)], f"the draw raised {exc}"
+        draws.extend(mine)  # each (1,)
+    return probs, torch.where(valid, torch.cat(draws), -1), states, first, raised

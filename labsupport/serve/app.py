@@ -28,8 +28,10 @@ ranges, is in :mod:`labsupport.serve.protocol`.
 ``max_body_bytes`` (HTTP 413), read within ``body_timeout_s`` (HTTP 408; the headers have their own
 deadline, :mod:`labsupport.serve.timeouts`); JSON parsed by Python's parser (nesting beyond its
 limit is a 400); a prompt of at most ``context x max_token_bytes`` UTF-8 bytes (longer cannot fit,
-refused before tokenising); tokenised in a thread, off the event loop, by a tokenizer linear-
-logarithmic in the text; then at most ``max_tokens`` (at most ``--max-tokens-limit``) forward passes.
+refused before tokenising; every served tokenizer says its ``max_token_bytes``); tokenised in a thread,
+off the event loop, by a tokenizer linear-logarithmic in the text that lets go of Python's interpreter
+lock while it works (so ``/health`` answers meanwhile); then at most ``max_tokens`` (at most
+``--max-tokens-limit``) forward passes.
 
 Where this server departs from OpenAI's API (on purpose, and said here so no client is surprised):
 ``temperature`` defaults to 0 (greedy, reproducible) where OpenAI's default is 1 (vLLM's, the

@@ -16,7 +16,8 @@ every request in flight fails, and the traceback is logged (logger ``labsupport.
 
 **What a client receives.** Each generated id goes through :class:`_Output`: the model's
 end-of-sequence ids and ``stop_token_ids`` end the request (``finish_reason: "stop"``) and are not
-shown; the incremental detokenizer never emits half a character; and ``stop`` strings are held
+shown; with ``skip_special_tokens`` (the default, as in vLLM) the tokenizer's special tokens
+(``<|im_start|>``, ``<|im_end|>`` with ``ignore_eos``) add no text, streamed or whole; the incremental detokenizer never emits half a character; and ``stop`` strings are held
 back while the text could still become one, never sent, and end the request (``"stop"``). A
 request that is cancelled (``POST /v1/requests/{id}/cancel``, the drain timeout) ends with
 ``"abort"``, as in vLLM.
@@ -100,6 +101,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings
     stop_token_ids: tuple[int, ...] = ()  # ids that end the request besides the model's end of sequence
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # special tokens (<|im_end|>, ...) are left out of the text, as in vLLM
 
     @property
     def request_id(self) -> str:
@@ -188,6 +190,8 @@ class _Output:
 
     def __init__(self, request: GenerationRequest, tokenizer, eos_ids: frozenset[int]):
         self.end_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else eos_ids)
+        self.skipped = frozenset(getattr(tokenizer, "special_token_ids", ())) if request.skip_special_tokens \
+            else frozenset()
         self.detok = tokenizer.detokenizer()
         self.stops = _StopStrings(request.stop)
         self.produced = 0
@@ -198,6 +202,8 @@ class _Output:
         if token_id in self.end_ids:
             finish = "stop"
             text = ""  # an end-of-sequence id is not shown
+        elif token_id in self.skipped:
+            text = ""  # skip_special_tokens: as Hugging Face's decode, the id is left out before decoding
         else:
             text = self.detok.push(token_id)
         text, stopped = self.stops.push(text)
@@ -302,21 +308,21 @@ class Backend:
         """Tokenise ``prompt`` (a string, or a list of token ids) and check it fits the context.
         ``max_tokens`` None means the rest of the context (at most ``max_tokens_limit``);
         ``options``: ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
-        ``add_bos`` (put the tokenizer's BOS id first, if it has one)."""
+        ``skip_special_tokens``, ``add_special_tokens`` (default True: a text prompt gets what the
+        tokenizer's own configuration adds around a text, as the tokenizer the server publishes does;
+        nothing for SmolLM2). A list of token ids is the prompt exactly as given (OpenAI's and vLLM's rule)."""
         timeline = timeline or Timeline(new_request_id())
-        add_bos = options.pop("add_bos", False)
+        add_special_tokens = options.pop("add_special_tokens", True)
         self.check_size(prompt=prompt)
         timeline.mark("tokenise_start")
         if isinstance(prompt, str):
-            ids = self._encode(prompt, "prompt")
+            ids = self._encode(prompt, "prompt", add_special_tokens)
         else:
             ids = list(prompt)
             bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
             if bad:
                 raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size - 1}]",
                                      "prompt")
-        if add_bos and self.tokenizer.bos_token_id is not None and ids[:1] != [self.tokenizer.bos_token_id]:
-            ids.insert(0, self.tokenizer.bos_token_id)
         timeline.mark("tokenise_end")
         if not ids:
             raise InvalidRequest("the prompt is empty: give at least one character (or token id)", "prompt")
@@ -345,8 +351,10 @@ class Backend:
         method = self.prepare_chat if chat else self.prepare
         return await asyncio.get_running_loop().run_in_executor(self._tokenise_pool, lambda: method(*args, **kwargs))
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         try:
+            if add_special_tokens and hasattr(self.tokenizer, "encode_prompt"):
+                return list(self.tokenizer.encode_prompt(text))
             return list(self.tokenizer.encode(text))
         except ValueError as error:  # text that is not valid Unicode (a lone surrogate)
             raise InvalidRequest(str(error), param) from None

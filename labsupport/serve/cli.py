@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -18,6 +20,7 @@ from ..models import get_model, list_models
 from .app import BODY_TIMEOUT_S, MAX_BODY_BYTES, create_app
 from .continuous import ContinuousBackend
 from .fifo import FifoBackend
+from .guidellm import GUIDELLM_VERSION, startup_command
 from .process import LISTENING
 from .served_model import BASE_PRESET, cache_dir, checkpoint_model, course_model
 from .timeouts import HEADER_TIMEOUT_S, timed_protocol
@@ -40,9 +43,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="serve a real checkpoint (a name the course registers, such as smollm2-135m-instruct, a .gguf "
                    "file or a Hugging Face folder) through labsupport.checkpoints.load; default: the course model")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (vLLM's option; default: the model's own name, or for --model a "
+                   "Hugging Face folder, its path as given, as vLLM does). A path (with a /) names a folder the server "
+                   "writes its tokenizer into, so a client that loads the tokenizer by the model's name, as guidellm "
+                   "does, finds it offline")
     p.add_argument("--tokenizer-dir", default=None,
                    help="folder to write the served tokenizer into, in Hugging Face format, for benchmark clients "
-                   "(default: <cache>/tokenizers/<model name>; the cache is $LABSUPPORT_CACHE or ~/.cache/labsupport)")
+                   "(default: the --served-model-name folder if it is a path, else <cache>/tokenizers/<model name>; "
+                   "the cache is $LABSUPPORT_CACHE or ~/.cache/labsupport)")
     p.add_argument("--base-model", default=BASE_PRESET, help=f"labsupport.models preset for the shape ({BASE_PRESET})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--engine", choices=("fifo", "continuous"), default="fifo",
@@ -122,9 +131,23 @@ async def _watch_parent(server: uvicorn.Server, parent: int) -> None:
     server.should_exit = True  # the notebook or test that started us is gone
 
 
+def is_path(name: str) -> bool:
+    """Whether a served model name is a folder's path (a client may load a tokenizer from it)."""
+    return "/" in name or os.sep in name or name.startswith(("~", "."))
+
+
+def _served_name(args: argparse.Namespace, own_name: str) -> str:
+    if args.served_model_name is not None:
+        return args.served_model_name
+    if args.model and Path(args.model).expanduser().is_dir():  # a Hugging Face folder: its path, as vLLM names it
+        return args.model
+    return own_name
+
+
 def _backend(args: argparse.Namespace):
     """The back end the options ask for, with the model they name (a ValueError if it cannot load)."""
     served = checkpoint_model(args.model) if args.model else course_model(args.seed, args.base_model)
+    served = dataclasses.replace(served, name=_served_name(args, served.name))
     common = dict(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
                   max_requests=args.max_requests, seed=args.seed)
     if args.engine == "continuous":
@@ -137,18 +160,25 @@ def _backend(args: argparse.Namespace):
     return backend
 
 
-def _write_tokenizer(backend, folder: str | None) -> None:
-    """Write the served tokenizer in Hugging Face format, for benchmark clients; say where."""
-    target = folder or str(cache_dir() / "tokenizers" / backend.model_name)
+def _write_tokenizer(backend, folder: str | None, model: str | None = None) -> None:
+    """Write the served tokenizer in Hugging Face format, for benchmark clients; say where. A served
+    name that is a path is the default folder; a Hugging Face folder served from its own path keeps
+    its own files (they are the tokenizer served)."""
+    name = backend.model_name
+    target = folder or (name if is_path(name) else str(cache_dir() / "tokenizers" / name))
+    resolved = Path(target).expanduser().resolve()
+    if model and Path(model).expanduser().is_dir() and Path(model).expanduser().resolve() == resolved:
+        backend.tokenizer_dir = str(resolved)
+        return
     try:
-        backend.tokenizer.save_pretrained(target)  # interface A: writes tokenizer.json and tokenizer_config.json
-        backend.tokenizer_dir = str(Path(target).expanduser().resolve())
+        backend.tokenizer.save_pretrained(resolved)  # interface A: writes tokenizer.json and tokenizer_config.json
+        backend.tokenizer_dir = str(resolved)
     except (OSError, ImportError, ValueError) as exc:
         print(f"labsupport.serve: could not write the tokenizer's files to {target} ({exc}); benchmark clients "
               f"that need a tokenizer will not find one", flush=True)
         return
     print(f"labsupport.serve: tokenizer (Hugging Face format) in {backend.tokenizer_dir}: give it to guidellm "
-          f"(--processor) or vllm bench serve (--tokenizer)", flush=True)
+          f"(--tokenizer kind=hf_auto,model=...) or vllm bench serve (--tokenizer)", flush=True)
 
 
 def main(argv=None) -> int:
@@ -170,7 +200,7 @@ def main(argv=None) -> int:
     except ValueError as exc:  # a checkpoint that cannot load, blocks too few for the context
         print(f"labsupport.serve: {exc}", file=sys.stderr)
         return 2
-    _write_tokenizer(backend, args.tokenizer_dir)
+    _write_tokenizer(backend, args.tokenizer_dir, args.model)
     app = create_app(backend, drain_timeout_s=args.drain_timeout, max_body_bytes=args.max_body_bytes,
                      body_timeout_s=args.body_timeout)
     server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False, http=timed_protocol(
@@ -184,6 +214,10 @@ def main(argv=None) -> int:
 
     print(f"labsupport.serve: model {backend.model_name} ({backend.cfg.n_layers} layers, d_model "
           f"{backend.cfg.d_model}, vocabulary {backend.cfg.vocab_size}): {backend.description}", flush=True)
+    if backend.tokenizer_dir is not None:
+        print(f"labsupport.serve: guidellm {GUIDELLM_VERSION}: " + shlex.join(startup_command(
+            f"http://{args.host}:{port}", backend.model_name, backend.tokenizer_dir, args.context,
+            backend.max_tokens_limit)), flush=True)
     print(f"{LISTENING} http://{args.host}:{port} (OpenAI base_url http://{args.host}:{port}/v1)", flush=True)
     asyncio.run(serve())
     return 0

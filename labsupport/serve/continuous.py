@@ -16,8 +16,10 @@ runs: no lock is needed. Each step's tokens go to their requests' queues, which 
 turns into server-sent events; every request that shared a step sees the same step number. A
 request the server is done with is released from the engine (``Engine.release``).
 
-Failures stay small: a request the engine refuses to admit fails alone; a step that raises fails
-the requests running in it (their blocks are freed) and the next step goes on with the others.
+Failures stay small: a request the engine refuses to admit fails alone; a request whose own row
+cannot be sampled fails alone, its neighbours in the step keep their tokens; a step that raises
+fails the requests running in it (their blocks are freed; the cause is logged) and the next step
+goes on with the others.
 
 Timeline stages (``GET /v1/requests/{id}/timeline``): ``queued`` (submitted), ``scheduled`` (added
 to the engine), one ``engine_step`` per step the request took part in (its ``token`` field is the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 
 from ..engine import Engine, SpeculativeConfig
+from ..engine.sampler import RowSamplingError
 from ..sampling import SamplingParams
 from ..scheduler import blocks_for
 from .backend import Backend, RequestHandle
@@ -154,6 +157,10 @@ class ContinuousBackend(Backend):
         for rid, steps in before.items():
             if rid in eng.requests and eng.requests[rid].steps_run > steps:
                 self._handles[rid].request.timeline.mark("engine_step", step_index)
+        for rid in list(self._handles):  # a request whose own sampling failed ends alone, with the reason
+            req = eng.requests.get(rid)
+            if req is not None and req.finish_reason == "error" and req.error is not None:
+                self._fail(self._handles[rid], RowSamplingError(req.error))
         for ev in events:
             handle = self._handles.get(ev.request_id)
             if handle is None:

@@ -18,7 +18,8 @@ import asyncio
 
 import torch
 
-from ..sampling import penalize_repetition, sample
+from ..engine.sampler import row_failure
+from ..sampling import SamplingParams, penalize_repetition, sample
 from .backend import Backend, RequestHandle
 
 
@@ -68,12 +69,17 @@ class FifoBackend(Backend):
             logits = penalize_repetition(logits, [seen], [request.repetition_penalty])
         if request.temperature <= 0:
             return int(logits[0].argmax())
-        if request.top_p >= 1 and request.top_k == 0 and request.min_p == 0:
-            # chapter 03's own draw, kept so its seeded samples stay
-            probs = torch.softmax(logits[0] / request.temperature, dim=-1)
-            return int(torch.multinomial(probs, 1, generator=generator))
-        return int(sample(logits, request.temperature, request.top_k, request.top_p, generator=generator,
-                          min_p=request.min_p)[0])
+        try:
+            if request.top_p >= 1 and request.top_k == 0 and request.min_p == 0:
+                # chapter 03's own draw, kept so its seeded samples stay
+                probs = torch.softmax(logits[0] / request.temperature, dim=-1)
+                return int(torch.multinomial(probs, 1, generator=generator))
+            return int(sample(logits, request.temperature, request.top_k, request.top_p, generator=generator,
+                              min_p=request.min_p)[0])
+        except RuntimeError as exc:  # probabilities that are not a distribution: this request fails, clearly
+            params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                    min_p=request.min_p, repetition_penalty=request.repetition_penalty)
+            raise row_failure(params, f"the draw raised {exc}") from exc
 
     async def _generate(self, handle: RequestHandle) -> None:
         request, timeline, model = handle.request, handle.request.timeline, self.model

@@ -14,6 +14,23 @@ import json
 from pathlib import Path
 
 RESULTS_PATH = Path(__file__).resolve().parents[2] / "results" / "guidellm_course_server.json"
+GUIDELLM_VERSION = "0.8.1"  # the version whose options these commands use (tried against the server)
+
+
+def startup_command(url: str, model: str, tokenizer_dir: str, context: int, max_tokens_limit: int,
+                    requests: int = 20) -> list[str]:
+    """The guidellm command the server prints when it starts: ``requests`` requests one after another
+    (guidellm's ``synchronous`` profile) of prompts and answers that fit the context. guidellm loads
+    its tokenizer by the model's name unless ``--tokenizer`` names one, and never reads ``root``
+    from ``/v1/models``: when the served name is the tokenizer's folder (``--served-model-name``
+    a path) the command needs no ``--tokenizer`` and runs offline as it is."""
+    size = max(1, min(64, context // 4, max_tokens_limit))
+    command = ["guidellm", "run", "--backend", f"kind=openai_http,target={url},model={model},"
+               f"request_format=/v1/completions"]
+    if Path(model).expanduser().resolve() != Path(tokenizer_dir).expanduser().resolve():
+        command += ["--tokenizer", f"kind=hf_auto,model={tokenizer_dir}"]
+    return command + ["--data", f"kind=synthetic_text,prompt_tokens={size},output_tokens={size}",
+                      "--profile", "kind=synchronous", "--constraint", f"kind=max_requests,count={requests}"]
 
 
 def guidellm_command(guidellm: str, url: str, model: str, tokenizer_dir: str, rate: float, requests: int,

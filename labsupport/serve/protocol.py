@@ -7,8 +7,13 @@ of ``/v1/completions`` and ``/v1/chat/completions`` and return a :class:`Call`.
 **The rule for fields.** Every field a request may carry is in one of three tables:
 
 * honoured: OpenAI's parameters the server implements, and vLLM's sampling extensions it implements
-  (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``add_special_tokens``,
-  ``add_generation_prompt``, ``stream_options.continuous_usage_stats``);
+  (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+  ``add_special_tokens``, ``add_generation_prompt``, ``stream_options.continuous_usage_stats``).
+  ``add_special_tokens`` (completions, default true) adds around a text prompt what the model's
+  tokenizer configuration adds, and nothing to a prompt of token ids; ``skip_special_tokens``
+  (default true) leaves special tokens out of the text; ``spaces_between_special_tokens`` is taken
+  at its default, true, which changes nothing here: the text is the tokenizer's own decoding, as
+  vLLM's detokenizer for fast tokenizers gives it;
 * accepted only at their neutral value (:data:`NEUTRAL`): parameters of OpenAI's API or vLLM's
   extensions the server does not implement. Sent with that value (or ``null``) they change nothing;
   with any other value the request is refused (HTTP 400 naming the field), so a client never
@@ -58,7 +63,7 @@ NEUTRAL: dict[str, tuple] = {
     "store": (False,), "parallel_tool_calls": (True, False),
     # vLLM's sampling extensions
     "length_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
     "mm_processor_kwargs": ({},), "priority": (0,), "cache_salt": (), "return_tokens_as_token_ids": (False,),
@@ -68,7 +73,7 @@ NEUTRAL: dict[str, tuple] = {
 #: Fields taken as they come and not used: who the end user is, labels for stored completions.
 IGNORED = {"user": str, "metadata": dict, "service_tier": str}
 SAMPLING = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-            "stop_token_ids", "ignore_eos", "stream", "stream_options"}
+            "stop_token_ids", "ignore_eos", "skip_special_tokens", "stream", "stream_options"}
 COMPLETION_FIELDS = SAMPLING | {"prompt", "add_special_tokens"}
 CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "add_generation_prompt", "add_special_tokens"}
 MESSAGE_FIELDS = {"role", "content", "name"}
@@ -252,6 +257,7 @@ def _sampling(body: dict, vocab_size: int, max_tokens_limit: int, max_tokens_fie
         "stop": _stops(body.get("stop", [])),
         "stop_token_ids": tuple(_integer(t, "stop_token_ids", 0, vocab_size - 1) for t in stop_ids),
         "ignore_eos": _boolean(body.get("ignore_eos", False), "ignore_eos"),
+        "skip_special_tokens": _boolean(body.get("skip_special_tokens", True), "skip_special_tokens"),
     }
 
 
@@ -285,7 +291,7 @@ def parse_completion(body: dict, served_name: str, vocab_size: int, max_tokens_l
         raise InvalidRequest("you must provide a prompt parameter", "prompt", "missing_required_parameter")
     prompt = _prompt(body["prompt"], vocab_size)
     options = _sampling(body, vocab_size, max_tokens_limit, "max_tokens", 16)  # 16: OpenAI's and vLLM's default
-    options["add_bos"] = _boolean(body.get("add_special_tokens", True), "add_special_tokens")
+    options["add_special_tokens"] = _boolean(body.get("add_special_tokens", True), "add_special_tokens")
     stream, usage, continuous = _stream(body)
     return Call(False, prompt, None, options, stream, usage, continuous)
 

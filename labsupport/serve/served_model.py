@@ -98,6 +98,8 @@ class CourseTokenizer:
         #: The most UTF-8 bytes one token of ``encode`` stands for: a prompt of more bytes than
         #: ``context * max_token_bytes`` cannot fit the context, whatever its tokens.
         self.max_token_bytes = max(len(self.bpe.token_bytes(i)) for i in range(256 + len(self.bpe.merges)))
+        self.special_token_ids = frozenset(self.bpe.special_tokens.values())  # what skip_special_tokens skips
+        self.prompt_prefix, self.prompt_suffix = (), ()  # nothing is added around a prompt
 
     # -- text --
 
@@ -141,7 +143,12 @@ class CourseTokenizer:
                              f"{error.start}, which UTF-8 cannot encode; send valid Unicode text") from None
         if self._fast is None:
             return self.bpe.encode(text)
-        return self._fast.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of Python's interpreter lock while it works (encode holds it)
+        return self._fast.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt's ids: :meth:`encode` (the course tokenizer adds nothing around a prompt)."""
+        return self.encode(text)
 
     def decode(self, ids) -> str:
         return self.bpe.decode(ids)

@@ -159,7 +159,17 @@ def _sample_with(keep_rule=None, temperature_after_softmax=False, top_p_first=Fa
     return fn
 
 
-SPEC_KEEP = lambda cum, sp, p: cum - sp < p  # noqa: E731 - the spec's rule: the crossing token is kept
+def SPEC_KEEP(cum, sp, p):  # noqa: N802 - the spec's rule: the crossing token is kept, and the first always
+    keep = cum - sp < p
+    keep[..., 0] = True
+    return keep
+
+
+def test_sample_top_p_drops_the_most_likely_token_under_a_tiny_top_p():
+    # the spec's cut without `keep[..., 0] = True`: right on every frequency case, but top_p=1e-300 is 0
+    # in float32 and cuts every token, and torch.multinomial raises
+    fails(check_sample, _sample_with(lambda cum, sp, p: cum - sp < p), "top_p=1e-300", "in float32 it is 0",
+          "keep[..., 0] = True")
 
 
 def test_sample_top_p_before_top_k():
@@ -178,7 +188,7 @@ def test_sample_greedy_as_a_tiny_temperature():
 
 
 def test_sample_written_independently_passes():
-    check_sample(_sample_with(lambda cum, sp, p: cum - sp < p))
+    check_sample(_sample_with(SPEC_KEEP))
 
 
 def test_sample_top_p_excludes_the_crossing_token():
