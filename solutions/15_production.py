@@ -495,7 +495,9 @@ for rho in (0.6, 1.3):
 # know where in (0.25, 0.5] those 8 requests fell, so it assumes they are spread evenly and
 # **interpolates linearly**: $0.25 + (0.5 - 0.25) \times (36 - 30) / (38 - 30) = 0.4375$ s. Three edges:
 #
-# * **the lowest bucket** starts at 0 (for a positive bound), so a rank in it is interpolated from 0;
+# * **the lowest bucket** starts at 0 (for a positive bound), so a rank in it is interpolated from 0
+#   (`q = 0`, rank 0, lands there: 0); a lowest bound at or below 0 leaves nothing to interpolate from,
+#   and Prometheus answers with that bound itself;
 # * **the +Inf bucket** has no upper bound to interpolate to: a rank that lands there gives the largest
 #   finite bound (here 60 s), an answer that says only "at least";
 # * **an empty window** (no request between the scrapes) has no percentile: NaN, which a graph shows as a
@@ -526,10 +528,12 @@ def histogram_quantile_between(q, before, after):
         return math.nan
     rank = q * total
     lower, below = 0.0, 0.0
-    for upper, count in buckets:
+    for i, (upper, count) in enumerate(buckets):
         if count >= rank:
             if math.isinf(upper):
                 return lower  # no bound above: the largest finite one
+            if i == 0 and upper <= 0:
+                return upper  # a lowest bound at or below 0: no start to interpolate from
             return lower + (upper - lower) * (rank - below) / (count - below)
         lower, below = upper, count
     return lower

@@ -409,11 +409,12 @@ def check_slo_report(fn, checker):
 
 QUANTILE_RULE = (
     "each bucket's count is cumulative (observations at most its bound, so +Inf holds them all); take each "
-    "bucket's increase between the scrapes (a count that went down was reset: its increase is its new value); "
-    "order the buckets by their bound as numbers; the rank is q times the +Inf bucket's increase; the quantile "
-    "lies in the first bucket whose increase reaches the rank, interpolated linearly from the bound below it "
-    "(0 below the lowest bucket) to its own; in the +Inf bucket it is the largest finite bound; with nothing "
-    "observed in between it is NaN (math.nan)."
+    "bucket's increase between the scrapes, each bucket judged on its own (a count that went down was reset: "
+    "its increase is its new value); order the buckets by their bound as numbers; the rank is q times the +Inf "
+    "bucket's increase (q = 0 gives rank 0, which the lowest bucket reaches); the quantile lies in the first "
+    "bucket whose increase reaches the rank, interpolated linearly from the bound below it (0 below the lowest "
+    "bucket, when its bound is above 0; a lowest bound at or below 0 is itself the answer) to its own; in the "
+    "+Inf bucket it is the largest finite bound; with nothing observed in between it is NaN (math.nan)."
 )
 
 
@@ -460,9 +461,22 @@ def _wrong_quantiles(q: float, before: dict, after: dict) -> dict[str, float]:
             return math.inf if math.isinf(upper) else bucket_quantile(q, pairs)
         if kind == "lowest from its bound":
             return upper if b == 0 else bucket_quantile(q, pairs)
+        if kind == "below zero from 0":
+            return rank / inside * upper if b == 0 and upper <= 0 and inside else bucket_quantile(q, pairs)
         raise ValueError(kind)
 
+    def reset_whole(by_total: bool) -> float:  # a reset judged once for the histogram, every bucket alike
+        fell = after["+Inf"] < before["+Inf"] if by_total else any(after[le] < before[le] for le in after)
+        return _naive(q, sorted(((parse_le(le), after[le] if fell else after[le] - before[le]) for le in after),
+                                key=lambda p: p[0]))
+
     out = {
+        "a rank in the lowest bucket is interpolated from 0 although its bound is at or below 0 (Prometheus then "
+        "returns the bound itself)": variant("below zero from 0"),
+        "a reset is judged for the whole histogram (by its +Inf count), not for each bucket on its own: a bucket "
+        "whose count fell was reset even when the total grew": reset_whole(True),
+        "a reset is judged for the whole histogram (every bucket's new count taken once any fell), not for each "
+        "bucket on its own": reset_whole(False),
         "a count that went down (a restart) is subtracted anyway, not read as a reset":
             _naive(q, sorted(((parse_le(le), after[le] - before[le]) for le in after), key=lambda p: p[0])),
         "the counts since the server started are used (the after scrape alone), not their increase between "
@@ -476,6 +490,9 @@ def _wrong_quantiles(q: float, before: dict, after: dict) -> dict[str, float]:
         "the quantile is the upper bound of its bucket, not interpolated inside it": variant("upper"),
         "the quantile is the middle of its bucket, not interpolated linearly inside it": variant("middle"),
         "a rank in the +Inf bucket gives infinity, not the largest finite bound": variant("inf"),
+        "a rank of 0 (q = 0) is read as an empty window (NaN); the window is empty when the +Inf bucket's increase "
+        "is 0, and rank 0 lies in the lowest bucket": math.nan if q == 0 and pairs and pairs[-1][1] > 0 else
+        bucket_quantile(q, pairs),
     }
     return out
 
@@ -483,7 +500,8 @@ def _wrong_quantiles(q: float, before: dict, after: dict) -> dict[str, float]:
 def _naive(q: float, ordered: list[tuple[float, float]]) -> float:
     """The straightforward loop a learner writes, on buckets in the order given: the last bucket's
     count is the total (NaN when it is not positive), the first bucket reaching the rank holds the
-    quantile, and a rank in an infinite bucket gives the bound below it."""
+    quantile, a rank in an infinite bucket gives the bound below it, and one in a lowest bucket whose
+    bound is at or below 0 gives that bound."""
     if not ordered or ordered[-1][1] <= 0:
         return math.nan
     rank = q * ordered[-1][1]
@@ -491,6 +509,8 @@ def _naive(q: float, ordered: list[tuple[float, float]]) -> float:
     start, below = (ordered[b - 1][0], ordered[b - 1][1]) if b else (0.0, 0.0)
     if math.isinf(ordered[b][0]):
         return start
+    if b == 0 and ordered[0][0] <= 0:  # no start to interpolate from: the bound itself
+        return ordered[0][0]
     inside = ordered[b][1] - below
     return start + (ordered[b][0] - start) * (rank - below) / inside if inside > 0 else math.nan
 
@@ -541,6 +561,11 @@ def _quantile_cases(seed: int) -> list[tuple[str, float, dict, dict]]:
          _scrape(le5, _cumulative([40, 30, 20, 5, 5])), _scrape(le5, _cumulative([1, 5, 2, 1, 0]))),
         ("an empty window: nothing observed between the scrapes", 0.9,
          _scrape(le5, before5), _scrape(le5, before5)),
+        ("a restart between the scrapes that the total outgrew: only some buckets' counts went down", 0.3,
+         _scrape(le5, [40, 70, 90, 95, 100]), _scrape(le5, [50, 55, 58, 60, 200])),
+        ("q = 0: the lowest bucket holds observations", 0.0, _scrape(le5, before5), _scrape(le5, after5)),
+        ("a lowest bound below 0 (a histogram of differences), the rank inside it", 0.1,
+         _scrape(["-0.5", "0.5", "2", "+Inf"], [0, 0, 0, 0]), _scrape(["-0.5", "0.5", "2", "+Inf"], [6, 20, 28, 30])),
     ]
     rng = random.Random(seed)
     base = _cumulative([rng.randrange(50) for _ in _COURSE_LE])

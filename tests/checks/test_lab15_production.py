@@ -420,11 +420,15 @@ def test_slo_refuses_the_course_answer_and_its_percentile():
 
 
 def learner_quantile(q, before, after, *, use_after=False, string_sort=False, per_bucket=False, above=False,
-                     no_interp=False, middle=False, inf=False, lowest_upper=False, no_reset=False, empty=math.nan):
+                     no_interp=False, middle=False, inf=False, lowest_upper=False, no_reset=False, empty=math.nan,
+                     reset="bucket", empty_by_rank=False, below_zero_from_0=False):
     """A learner's histogram_quantile over two scrapes, written from the lab's spec; each switch plants one
     mistake."""
     if use_after:
         inc = dict(after)
+    elif reset != "bucket":  # one judgement for the whole histogram: by its +Inf count, or by any bucket
+        fell = after["+Inf"] < before["+Inf"] if reset == "total" else any(after[le] < before[le] for le in after)
+        inc = {le: after[le] if fell else after[le] - before[le] for le in after}
     else:
         inc = {le: (after[le] - before[le] if no_reset or after[le] >= before[le] else after[le]) for le in after}
     key = (lambda item: item[0]) if string_sort else (lambda item: float(item[0]))
@@ -439,6 +443,8 @@ def learner_quantile(q, before, after, *, use_after=False, string_sort=False, pe
     if total <= 0:
         return empty
     rank = q * total
+    if empty_by_rank and rank == 0:  # "no rank, no observations"
+        return empty
     i = next((j for j, (_, count) in enumerate(buckets) if (count > rank if above else count >= rank)),
              len(buckets) - 1)
     upper, count = buckets[i]
@@ -446,6 +452,8 @@ def learner_quantile(q, before, after, *, use_after=False, string_sort=False, pe
     if math.isinf(upper):
         return math.inf if inf else lower
     if no_interp or (lowest_upper and i == 0):
+        return upper
+    if i == 0 and upper <= 0 and not below_zero_from_0:  # no start to interpolate from
         return upper
     if middle:
         return (lower + upper) / 2
@@ -462,6 +470,29 @@ def test_histogram_quantile_references_pass(capsys):
     check_histogram_quantile.__wrapped__(unguarded(histogram_quantile_between), Checker("check_histogram_quantile"))
 
 
+def numpy_quantile(q, before, after):
+    """Another correct reading: numpy arrays, the increases by np.where, the bucket by np.searchsorted."""
+    les = sorted(after, key=float)
+    was, now = np.array([before[le] for le in les]), np.array([after[le] for le in les])
+    inc, bounds = np.where(now < was, now, now - was), np.array([float(le) for le in les])
+    if inc[-1] == 0:
+        return float("nan")
+    rank = q * inc[-1]
+    i = int(np.searchsorted(inc, rank, side="left"))  # the first cumulative increase that reaches the rank
+    if i >= len(les) - 1:
+        return float(bounds[-2])
+    if i == 0:
+        return float(bounds[0] if bounds[0] <= 0 else bounds[0] * rank / inc[0])
+    return float(bounds[i - 1] + (bounds[i] - bounds[i - 1]) * (rank - inc[i - 1]) / (inc[i] - inc[i - 1]))
+
+
+def test_a_numpy_histogram_quantile_passes(capsys):
+    from labsupport.checks import check_histogram_quantile
+
+    check_histogram_quantile(numpy_quantile)
+    assert "PASSED check_histogram_quantile" in capsys.readouterr().out
+
+
 QUANTILE_MUTANTS = {
     "after alone": (dict(use_after=True), "counts since the server started"),
     "bounds sorted as strings": (dict(string_sort=True), "sorted as strings"),
@@ -474,6 +505,10 @@ QUANTILE_MUTANTS = {
     "reset subtracted": (dict(no_reset=True), "subtracted anyway"),
     "empty window gives 0": (dict(empty=0.0), "0 would read as a perfect latency"),
     "empty window gives None": (dict(empty=None), "Prometheus returns NaN"),
+    "reset judged by the +Inf count": (dict(reset="total"), "judged for the whole histogram"),
+    "reset judged by any bucket": (dict(reset="any"), "judged for the whole histogram"),
+    "q = 0 read as an empty window": (dict(empty_by_rank=True), "a rank of 0 (q = 0) is read as an empty window"),
+    "a bound at or below 0 interpolated from 0": (dict(below_zero_from_0=True), "interpolated from 0 although"),
 }
 
 
