@@ -579,8 +579,9 @@ print("buckets that grew:", {le: after[le] - before[le] for le in sorted(after, 
 # * retries only the answers that mean *try again later*: **429** (too many requests) and **503** (the
 #   server is draining); anything else (a 200, a 400, a 500) is returned as it is;
 # * waits at least what `Retry-After` asks for (seconds; 0 when the header is missing);
-# * adds on top a random **jitter**, drawn from `rng`, uniform from 0 to an envelope that doubles at every
-#   retry and is capped: before retry $k$ ($k = 0$ for the first) the envelope is
+# * adds on top a random **jitter**, drawn afresh from `rng` before every retry (so that a seeded `rng`
+#   repeats the waits), uniform from 0 to an envelope that doubles at every retry and is capped: before
+#   retry $k$ ($k = 0$ for the first) the envelope is
 #   $\min(\text{cap}_s,\ \text{base}_s \cdot 2^k)$ (*full jitter*: Marc Brooker, "Exponential Backoff And
 #   Jitter", AWS Architecture Blog, 2015);
 # * gives up after `max_attempts` attempts in all, returning the last answer, with no wait after it.

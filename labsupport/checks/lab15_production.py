@@ -623,8 +623,8 @@ def check_histogram_quantile(fn, checker):
 RETRY_RULE = (
     "retry only 429 and 503 answers, at most max_attempts attempts in all, and return the last answer "
     "(without waiting after it); before the k-th retry (k = 0 first) sleep, with the sleep you are given, "
-    "the seconds Retry-After asks for (0 when it is absent) plus a random time drawn from rng, uniform from 0 "
-    "to min(cap_s, base_s * 2**k)."
+    "the seconds Retry-After asks for (0 when it is absent) plus a random time drawn afresh from rng (the one "
+    "handed in: a seed repeats the waits), uniform from 0 to min(cap_s, base_s * 2**k)."
 )
 
 
@@ -798,6 +798,48 @@ def _check_jitter(checker, fn, base: float, cap: float) -> None:
                                f"{max(at_k):.3g} s, where the envelope min(cap_s, base_s * 2**k) is {envelope:g} s: the "
                                f"backoff grows too slowly (exponential: the envelope doubles at every retry).",
                          RETRY_RULE)
+    _check_seeded(checker, fn, case, kw, waits[0])
+    fractions = [[w / min(cap, base * 2 ** k) for k, w in enumerate(client)] for client in waits]
+    if all(max(f) - min(f) < 1e-9 for f in fractions):
+        checker.fail(case, f"each client waited the same fraction of the envelope at every retry (client 0: "
+                           f"{fractions[0][0]:.3f} of it every time): one random number was drawn for the whole call. "
+                           f"Draw a new one from rng before every retry.", RETRY_RULE)
+    _check_uniform(checker, case, [f for client in fractions for f in client])
+
+
+def _check_seeded(checker, fn, case, kw, first: list[float]) -> None:
+    """The jitter comes from the rng handed in: the same seed gives the same waits again."""
+    script = _Script([_Response(429, "1")])
+    _run_script(checker, fn, case, script, random.Random(0), **kw)
+    again = [w - 1.0 for w in script.waits]
+    if again != first:
+        checker.fail(case, f"with rng = random.Random(0) twice, the same seed gave other waits: {_shown_waits(first)} "
+                           f"then {_shown_waits(again)} (beyond Retry-After). Draw the jitter from the rng you are "
+                           f"handed (rng.uniform(0, envelope)), not from the random module or a generator of your own: "
+                           f"a caller seeds it to repeat a run.", RETRY_RULE)
+
+
+def _shown_waits(waits: list[float]) -> str:
+    return "[" + ", ".join(f"{w:.3f}" for w in waits[:4]) + (", ...]" if len(waits) > 4 else "]")
+
+
+# The 280 extra waits as fractions of their envelopes must look uniform on [0, 1]: a Kolmogorov-Smirnov
+# distance above this has probability about 2 exp(-2 n D^2) < 1e-9 for n = 280 uniform draws.
+JITTER_KS_LIMIT = 0.2
+
+
+def _check_uniform(checker, case, fractions: list[float]) -> None:
+    """Full jitter: every extra wait uniform over its whole envelope, not only inside it."""
+    ordered, n = sorted(fractions), len(fractions)
+    distance = max(max((i + 1) / n - f, f - i / n) for i, f in enumerate(ordered))
+    if distance > JITTER_KS_LIMIT:
+        lower = sum(f < 0.5 for f in fractions) / n
+        checker.fail(case, f"the {n} extra waits (beyond Retry-After) are not spread evenly over their envelopes "
+                           f"[0, min(cap_s, base_s * 2**k)]: {lower:.0%} of them fall in the lower half of their "
+                           f"envelope, where a uniform draw puts about half (the largest gap between their "
+                           f"distribution and a uniform one is {distance:.2f}). Full jitter draws uniformly from 0 "
+                           f"to the envelope: not half the envelope plus a random half (equal jitter), nor a "
+                           f"product or power of draws.", RETRY_RULE)
 
 
 def _check_against_a_real_service(checker, fn) -> None:

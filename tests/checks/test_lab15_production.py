@@ -568,9 +568,9 @@ def test_bucket_quantile_gives_prometheus_own_expected_values():
 
 def learner_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=time.sleep, ignore_after=False,
                     no_jitter=False, no_cap=False, linear=False, larger_of=False, retry_all=False, forever=False,
-                    wait_after_last=False, no_503=False, real_sleep=False):
+                    wait_after_last=False, no_503=False, real_sleep=False, jitter="full"):
     """A learner's client written from the lab's spec; each switch plants one mistake."""
-    attempt = 0
+    attempt, fraction = 0, None
     while True:
         response = send()
         retryable = (429,) if no_503 else (429, 503)
@@ -582,7 +582,17 @@ def learner_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=
         after = 0.0 if ignore_after or header is None else float(header)
         envelope = base_s * (attempt + 1) if linear else base_s * 2 ** attempt
         envelope = envelope if no_cap else min(cap_s, envelope)
-        extra = envelope if no_jitter else rng.uniform(0, envelope)
+        if no_jitter:
+            extra = envelope
+        elif jitter == "global":  # the random module's own generator, not the rng handed in
+            extra = random.uniform(0, envelope)
+        elif jitter == "equal":  # "equal jitter": half the envelope, plus a random half
+            extra = envelope / 2 + rng.uniform(0, envelope / 2)
+        elif jitter == "once":  # one fraction of the envelope drawn for the whole call
+            fraction = rng.random() if fraction is None else fraction
+            extra = fraction * envelope
+        else:
+            extra = rng.uniform(0, envelope)
         wait = max(after, extra) if larger_of else after + extra
         (time.sleep if real_sleep else sleep)(wait)
         if last:
@@ -615,7 +625,28 @@ RETRY_MUTANTS = {
     "503 not retried": (dict(no_503=True), "stopped at the answer <503 Retry-After: 3>, which is retryable"),
     "retries forever": (dict(forever=True), "more than 64 times"),
     "a wait after the last attempt": (dict(wait_after_last=True), "no wait after the last attempt"),
+    "the random module, not the rng handed in": (dict(jitter="global"), "the same seed gave other waits"),
+    "equal jitter": (dict(jitter="equal"), "fall in the lower half of their envelope"),
+    "one draw reused at every retry": (dict(jitter="once"), "the same fraction of the envelope at every retry"),
 }
+
+
+def for_loop_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=time.sleep):
+    """Another correct client: a for loop over the attempts, the jitter as rng.random() times the envelope, the
+    header read with a default."""
+    for k in range(max_attempts):
+        answer = send()
+        if answer.status_code not in (429, 503) or k == max_attempts - 1:
+            return answer
+        sleep(float(answer.headers.get("Retry-After", 0)) + rng.random() * min(cap_s, base_s * 2 ** k))
+    raise AssertionError("unreachable")
+
+
+def test_a_for_loop_backoff_passes(capsys):
+    from labsupport.checks import check_retry_after
+
+    check_retry_after(for_loop_backoff)
+    assert "PASSED check_retry_after" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", list(RETRY_MUTANTS))
