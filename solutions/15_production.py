@@ -165,8 +165,9 @@ ledger.record("15_production", [
 # ## 2. Overload on purpose: 429, the queue, and a drain
 #
 # An unbounded queue turns overload into latency for everybody. The course server bounds it:
-# `--max-requests 4` slots (queued plus running); a request beyond them is answered at once with
-# HTTP 429 and a `Retry-After` header, so the client can back off or go to another replica.
+# `--max-requests 4` slots (queued, running, or still sending their answer); a request beyond them is
+# answered at once with HTTP 429 and a `Retry-After` header, so the client can back off or go to another
+# replica.
 # We send 24 streamed requests at once, with no retries, while scraping the queue.
 
 # %%
