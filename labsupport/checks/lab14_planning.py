@@ -493,7 +493,7 @@ def fleet_cases(seeds) -> list[tuple[str, object]]:
         ("short prompts at a 95% hit rate: at most prompt - 1 tokens are cached", _settings(
             "llama-3.1-8b", "H100 SXM", arrival_rate=200, prompt_tokens=[1, 3, 8, 12], output_tokens=40,
             tpot_target_s=0.02, prefix_hit_rate=0.95)),
-        ("provisioned at the median burst: the Poisson quantile is below the mean, the headroom is 0", _settings(
+        ("provisioned for the 45th-percentile burst: the Poisson quantile is below the mean, the headroom is 0", _settings(
             "qwen3-8b", "H200", arrival_rate=30, prompt_tokens=800, output_tokens=200, burst_percentile=45.0)),
         *((f"random workload, seed {seed}", _random_settings(seed)) for seed in seeds),
     ]

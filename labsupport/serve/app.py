@@ -39,10 +39,10 @@ context (up to ``--max-tokens-limit``), as in vLLM; one prompt per request; a fu
 429, which the ``openai`` client retries by default (``max_retries=2``).
 
 **Back-pressure and drain.** ``--max-requests`` slots bound the requests queued, running, or still
-being sent: a slot is held until the response's last byte has gone to the client (or the client has
-gone), not only until the last token is made; a request beyond them gets HTTP 429 (code ``server_full``) with a ``Retry-After`` header instead of
-waiting in an unbounded queue. On SIGTERM (or ``POST /admin/drain``) the server drains: new
-completions get HTTP 503 (code ``draining``, with ``Retry-After``), ``/ready`` answers 503 and
+being sent: a slot is held until the response's last byte has been handed to the connection (or the
+client has gone), not only until the last token is made; a request beyond them gets HTTP 429 (code
+``server_full``) with a ``Retry-After`` header instead of waiting in an unbounded queue. On SIGTERM
+(or ``POST /admin/drain``) the server drains: new completions get HTTP 503 (code ``draining``, with ``Retry-After``), ``/ready`` answers 503 and
 ``/health`` says ``"draining"``, while every admitted request runs to its end (streams finish with
 ``data: [DONE]``); then the process exits with status 0. Requests still running after
 ``drain_timeout_s`` are aborted (``finish_reason: "abort"``, counted as ``drain_timeout``). A second

@@ -220,8 +220,8 @@ class Backend:
     ``served`` is the :class:`~labsupport.serve.served_model.ServedModel` to serve (default: the
     course model with random weights of ``seed`` and the ``base`` preset's shape). ``max_requests``
     slots are shared by requests being tokenised, queued, running, and (submitted ``until_sent``)
-    finished but with their HTTP response still being sent: a slot lasts until the client has the
-    whole answer, or is gone. When they are all taken, a new request is refused (HTTP 429) rather
+    finished but with their HTTP response still being sent: a slot lasts until the response's last
+    byte has been handed to the connection, or its client is gone. When they are all taken, a new request is refused (HTTP 429) rather
     than queued without bound. Subclasses implement
     ``_enqueue``, ``_on_cancel`` and the worker, ``_work``."""
 
