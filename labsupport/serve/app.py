@@ -42,8 +42,9 @@ context (up to ``--max-tokens-limit``), as in vLLM; one prompt per request; a fu
 being sent: a slot is held until the response's last byte has been handed to the connection (or the
 client has gone), not only until the last token is made; a request beyond them gets HTTP 429 (code
 ``server_full``) with a ``Retry-After`` header instead of waiting in an unbounded queue. On SIGTERM
-(or ``POST /admin/drain``) the server drains: new completions get HTTP 503 (code ``draining``, with ``Retry-After``), ``/ready`` answers 503 and
-``/health`` says ``"draining"``, while every admitted request runs to its end (streams finish with
+(or ``POST /admin/drain``) the server drains: new completions get HTTP 503 (code ``draining``, with
+``Retry-After``), ``/ready`` answers 503 and ``/health`` says ``"draining"``, while every admitted
+request runs to its end (streams finish with
 ``data: [DONE]``); then the process exits with status 0. Requests still running after
 ``drain_timeout_s`` are aborted (``finish_reason: "abort"``, counted as ``drain_timeout``). A second
 SIGTERM stops at once.
