@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._grading import GRADING_ENV
 from .device import cuda_available, interpreter_mode
 
 NOT_MEANINGFUL = "Triton interpreter: not meaningful for performance"
@@ -89,8 +90,6 @@ GRADING_MAX_TIME_S = 0.2  # the most a benchmark takes in a notebook the grader 
 
 def _grading() -> bool:
     """Whether this is a kernel the grader started (its outputs are discarded; only checks count)."""
-    from .checks.framework import GRADING_ENV
-
     return bool(os.environ.get(GRADING_ENV))
 
 

@@ -182,13 +182,14 @@ with http.stream("POST", URL, json={"model": MODEL, "prompt": PROMPT, "max_token
 # (call `response.read()` first, then `response.json()["error"]["message"]`), and
 # `ConnectionError`, saying what happened, when the body breaks (catch `httpx.TransportError`) or
 # ends before `[DONE]`. When the body ends, a last line or event that lacks its newline still
-# counts. (`response.iter_lines()` would split the lines for you, and the check accepts it; write the
-# splitting yourself once, to see what it has to handle.)
+# counts. (`response.iter_lines()` would split the lines for you, but it hides which read each line
+# came in, so a clock read per line runs late when the caller is slow: split the bytes yourself.)
 #
 # The check runs your client on raw byte streams from a small server of its own (lines split
 # across reads, CRLF, comments, a split character, the error event, a cut connection, a body
-# without `[DONE]`, three events 0.2 s apart to check the timestamps), then against the course
-# server, where its chunks must equal the course's client's.
+# without `[DONE]`, three events 0.2 s apart, and three events in one read taken by a slow caller,
+# to check the timestamps), then against the course server, where its chunks must equal the
+# course's client's.
 
 # %%
 def stream_events(client, url, payload):

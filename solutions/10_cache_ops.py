@@ -432,7 +432,8 @@ print(f"blocks in use: forked {used_shared}, separate {used_separate} "
 # The check runs the same operations on your class and on the course's allocator
 # (`BlockAllocator(..., prefix_caching=True)`): short traces aimed at the classic mistakes (a
 # shared system prompt, the same block after a different prefix, forks, a cache where every block
-# is held, eviction order), then three seeded random traces. After every operation it compares the
+# is held, eviction order, a prompt whose hits are evictable blocks when too few others are free),
+# then three seeded random traces. After every operation it compares the
 # cached tokens, each block's reference count, which sequences share which blocks and how many
 # blocks are free, and, as for exercise 1, reads every live sequence back through its table:
 # each slot holds a value that stands for the keys and values of its whole prefix, written when

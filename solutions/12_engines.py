@@ -242,7 +242,8 @@ print(f"a 16 GiB GPU, 4096-token requests: {cap['tokens']:,} tokens, {cap['max_r
 #
 # * `token_ids`: every token the sequence knows (its prompt, then what it generated so far);
 # * `block_table`: its cache blocks in order (block `j` holds positions `j * block_size` to
-#   `(j + 1) * block_size - 1`), already long enough for this step's tokens;
+#   `(j + 1) * block_size - 1`), already long enough for this step's tokens (it may hold more blocks
+#   than they fill: an engine can allocate ahead);
 # * `num_cached`: how many leading tokens already have their keys and values in the cache (computed
 #   in earlier steps, or found in the prefix cache);
 # * `num_new`: how many it runs this step: tokens `num_cached .. num_cached + num_new - 1`.

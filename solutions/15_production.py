@@ -165,8 +165,9 @@ ledger.record("15_production", [
 # ## 2. Overload on purpose: 429, the queue, and a drain
 #
 # An unbounded queue turns overload into latency for everybody. The course server bounds it:
-# `--max-requests 4` slots (queued plus running); a request beyond them is answered at once with
-# HTTP 429 and a `Retry-After` header, so the client can back off or go to another replica.
+# `--max-requests 4` slots (queued, running, or still sending their answer); a request beyond them is
+# answered at once with HTTP 429 and a `Retry-After` header, so the client can back off or go to another
+# replica.
 # We send 24 streamed requests at once, with no retries, while scraping the queue.
 
 # %%
@@ -495,7 +496,9 @@ for rho in (0.6, 1.3):
 # know where in (0.25, 0.5] those 8 requests fell, so it assumes they are spread evenly and
 # **interpolates linearly**: $0.25 + (0.5 - 0.25) \times (36 - 30) / (38 - 30) = 0.4375$ s. Three edges:
 #
-# * **the lowest bucket** starts at 0 (for a positive bound), so a rank in it is interpolated from 0;
+# * **the lowest bucket** starts at 0 (for a positive bound), so a rank in it is interpolated from 0
+#   (`q = 0`, rank 0, lands there: 0); a lowest bound at or below 0 leaves nothing to interpolate from,
+#   and Prometheus answers with that bound itself;
 # * **the +Inf bucket** has no upper bound to interpolate to: a rank that lands there gives the largest
 #   finite bound (here 60 s), an answer that says only "at least";
 # * **an empty window** (no request between the scrapes) has no percentile: NaN, which a graph shows as a
@@ -526,10 +529,12 @@ def histogram_quantile_between(q, before, after):
         return math.nan
     rank = q * total
     lower, below = 0.0, 0.0
-    for upper, count in buckets:
+    for i, (upper, count) in enumerate(buckets):
         if count >= rank:
             if math.isinf(upper):
                 return lower  # no bound above: the largest finite one
+            if i == 0 and upper <= 0:
+                return upper  # a lowest bound at or below 0: no start to interpolate from
             return lower + (upper - lower) * (rank - below) / (count - below)
         lower, below = upper, count
     return lower
@@ -575,8 +580,9 @@ print("buckets that grew:", {le: after[le] - before[le] for le in sorted(after, 
 # * retries only the answers that mean *try again later*: **429** (too many requests) and **503** (the
 #   server is draining); anything else (a 200, a 400, a 500) is returned as it is;
 # * waits at least what `Retry-After` asks for (seconds; 0 when the header is missing);
-# * adds on top a random **jitter**, drawn from `rng`, uniform from 0 to an envelope that doubles at every
-#   retry and is capped: before retry $k$ ($k = 0$ for the first) the envelope is
+# * adds on top a random **jitter**, drawn afresh from `rng` before every retry (so that a seeded `rng`
+#   repeats the waits), uniform from 0 to an envelope that doubles at every retry and is capped: before
+#   retry $k$ ($k = 0$ for the first) the envelope is
 #   $\min(\text{cap}_s,\ \text{base}_s \cdot 2^k)$ (*full jitter*: Marc Brooker, "Exponential Backoff And
 #   Jitter", AWS Architecture Blog, 2015);
 # * gives up after `max_attempts` attempts in all, returning the last answer, with no wait after it.

@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from .._answers import AnswerUsed, banning, qualified_name, reached_answer
+from .._grading import GRADING_ENV
 from . import _display
 
 RESULTS_ENV = "LABSUPPORT_RESULTS"
-GRADING_ENV = "LABSUPPORT_GRADING"
 RESULT_MIME = "application/vnd.labsupport.check-result+json"
 
 

@@ -651,9 +651,14 @@ def check_stop_strings(cls, checker):
 
 
 def _check_nothing_left(cls, checker) -> None:
-    """flush() empties what it returns, and after a stop nothing is held (what followed is dropped)."""
+    """flush() empties what it returns, and after a stop nothing is held: neither what followed the stop
+    string nor what was held before it (that held text was the stop string's start, or was sent)."""
     for label, pieces, extra in (("a second flush()", ["the E"], "flush() once more"),
-                                 ("flush() after a stop", ["go STOP and more"], "flush() after the stop")):
+                                 ("flush() after a stop", ["go STOP and more"], "flush() after the stop"),
+                                 ("flush() after a stop that completed held text", ["go ST", "OP and more"],
+                                  "flush() after a stop that completed held text"),
+                                 ("flush() after a stop, other text held before it", ["wait E", "x STOP"],
+                                  "flush() after a stop that followed held text")):
         case = Case(stream=label, stops=["END", "STOP"], pieces=pieces)
 
         def run(pieces=pieces, label=label):
@@ -667,5 +672,9 @@ def _check_nothing_left(cls, checker) -> None:
         run.__name__ = f"{getattr(cls, '__name__', 'your class')}.flush"
         left = checker.call(run, case=case)
         if left != "":
-            checker.fail(case, f"{extra} returned {left!r}, expected '': flush() empties what it returns, and the "
-                               f"text after a stop string is dropped, never held.", STOP_RULE)
+            if label.startswith("flush() after a stop") and len(pieces) > 1:
+                why = ("after a stop nothing is held: empty what you held before the stop when you return "
+                       "stopped=True (that text was sent, or was the stop string's start).")
+            else:
+                why = "flush() empties what it returns, and the text after a stop string is dropped, never held."
+            checker.fail(case, f"{extra} returned {left!r}, expected '': {why}", STOP_RULE)

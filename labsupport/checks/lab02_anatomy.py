@@ -231,6 +231,23 @@ def config_cases() -> list[tuple[str, dict]]:
         ("a Qwen3 with attention_bias true", {**hf_config("qwen3-0.6b"), "num_hidden_layers": 2, "attention_bias": True,
                                               "vocab_size": 2000}),
     ]
+    # Every family's grouped-query default (64 query heads: the default differs from the query heads for
+    # each family but Llama), then files that leave several fields out at once.
+    small = {"hidden_act": "silu", "rope_theta": 1e6, "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 64,
+             "num_key_value_heads": 4, "intermediate_size": 700, "vocab_size": 3000, "tie_word_embeddings": False}
+    for family, default in (("qwen2", "32"), ("qwen3", "32"), ("mistral", "8"), ("llama", "the query heads' 64")):
+        config = {"architectures": [HF_ARCHITECTURES[family]], "model_type": family, **small, "head_dim": 32}
+        del config["num_key_value_heads"]
+        cases.append((f"a {family} config without num_key_value_heads (its class's default: {default})", config))
+    several = {k: v for k, v in small.items() if k not in ("num_key_value_heads", "tie_word_embeddings")}
+    cases += [
+        ("a Qwen3 config without num_key_value_heads, head_dim, tie_word_embeddings or attention_bias",
+         {"architectures": [HF_ARCHITECTURES["qwen3"]], "model_type": "qwen3", **several}),
+        ("a Mistral config without num_key_value_heads, head_dim or tie_word_embeddings",
+         {"architectures": [HF_ARCHITECTURES["mistral"]], "model_type": "mistral", **several}),
+        ("a Qwen2 config without num_key_value_heads or tie_word_embeddings",
+         {"architectures": [HF_ARCHITECTURES["qwen2"]], "model_type": "qwen2", **several}),
+    ]
     rng = random.Random(random.SystemRandom().randrange(10**9))
     cases += [(c.pop("_case"), c) for c in (_family_config(f, rng, i) for i, f in enumerate(
         rng.sample(list(HF_ARCHITECTURES), 2)))]

@@ -185,9 +185,9 @@ SSE_RULE = (
     "ends at \\n (drop a \\r before it); a `data:` line adds its value (one space after the colon dropped) "
     "to the event, a line starting with `:` is a comment, other fields are ignored, and a blank line ends "
     "the event. Yield (time.monotonic() when the chunk completing the event arrived, json.loads(data)); "
-    "stop at data: [DONE]; raise RuntimeError with the server's message for an error event or a status "
-    "other than 200, and ConnectionError when the body ends or breaks before [DONE]. When the body ends, "
-    "a last line or event without its newline still counts."
+    "events completed by one read share its time; stop at data: [DONE]; raise RuntimeError with the "
+    "server's message for an error event or a status other than 200, and ConnectionError when the body "
+    "ends or breaks before [DONE]. When the body ends, a last line or event without its newline still counts."
 )
 HANG_S = 2.0  # how long after data: [DONE] was sent a client may keep reading (the byte server holds it 3.5 s)
 CALL_S = 8.0  # how long one streamed request may take in all
@@ -243,6 +243,9 @@ _PITFALLS = {
     "a restart): raise ConnectionError instead of returning as if complete": "nodone",
     "stamp each event with time.monotonic() as its chunk arrives, inside the loop that reads the body, not once "
     "the body has been read": "timing",
+    "read the clock once per network read (each item of response.iter_bytes()), not when your generator "
+    "yields: events that one read completes share its time, however long the caller takes to ask for the next": \
+    "batched",
 }
 
 
@@ -305,25 +308,43 @@ def _timed_case() -> _Raw:
                 trap=_trap("timing"))
 
 
+SLOW_S = 0.1  # how long the slow consumer of the batched case takes over each chunk
+
+
+def _batched_case() -> _Raw:
+    """One event, then three in one network read, taken by a consumer that spends SLOW_S on each."""
+    four = [_chunk("one"), _chunk(" two"), _chunk(" three"), _chunk(" four", "length")]
+    return _Raw(f"three events in one network read, the caller taking {SLOW_S:g} s over each chunk",
+                [(0.0, _event(four[0])), (0.05, b"".join(_event(c) for c in four[1:])), (0.0, DONE_EVENT)], four,
+                trap=_trap("batched"))
+
+
 class _Run:
     """What one call of the learner's client gave: (time, chunk) items, the exception it raised
-    (RuntimeError or ConnectionError; None), and when the call began and ended."""
+    (RuntimeError or ConnectionError; None), when the call began and ended, and when the caller took
+    each item (``taken``)."""
 
-    def __init__(self, items, error, began, ended, hung):
+    def __init__(self, items, error, began, ended, hung, taken=()):
         self.items, self.error, self.began, self.ended, self.hung = items, error, began, ended, hung
+        self.taken = list(taken)
 
 
 def _drive(checker, fn, client: httpx.Client, url: str, payload: dict, case: Case, limit_s: float,
-           sent: Script | None = None) -> _Run:
+           sent: Script | None = None, slow_s: float = 0.0) -> _Run:
     """Run ``fn(client, url, payload)`` to its end in a thread (the checks' guards go with it), for at
     most ``limit_s`` seconds; with ``sent``, ``limit_s`` counts from when that script's last piece
-    was sent (a loaded machine's slow start is not the client's fault)."""
+    was sent (a loaded machine's slow start is not the client's fault). The caller spends ``slow_s``
+    seconds over each item before it asks for the next, as one that draws or prints would."""
     items: list = []
+    taken: list[float] = []
 
     def drain(client, url, payload):
         try:
             for item in fn(client, url, payload):
                 items.append(item)
+                taken.append(time.monotonic())
+                if slow_s:
+                    time.sleep(slow_s)
         except (RuntimeError, ConnectionError) as exc:  # what the spec asks for: the check inspects it
             if isinstance(exc, (NotImplementedError, ForbiddenCall)):
                 raise
@@ -351,7 +372,7 @@ def _drive(checker, fn, client: httpx.Client, url: str, payload: dict, case: Cas
     ended = time.monotonic()
     if "raised" in box:
         raise box["raised"]
-    return _Run(list(items), box.get("error"), began, ended, thread.is_alive())
+    return _Run(list(items), box.get("error"), began, ended, thread.is_alive(), taken)
 
 
 def _chunks_of(checker, run: _Run, case: Case) -> tuple[list[float], list]:
@@ -427,12 +448,13 @@ def _expect_request(checker, script: Script, payload: dict, case: Case) -> None:
                            f"(client.stream('POST', url, json=payload)).", SSE_RULE)
 
 
-def _check_raw(checker, fn, client, server: ByteServer, raw: _Raw, payload: dict) -> tuple[list[float], Script]:
+def _check_raw(checker, fn, client, server: ByteServer, raw: _Raw, payload: dict,
+               slow_s: float = 0.0) -> tuple[list[float], Script, _Run]:
     case = Case(stream=raw.label)
     script = server.play(raw.script)
     limit = HANG_S if raw.script.ending == "hold" else CALL_S
     run = _drive(checker, fn, client, server.url, payload, case, limit,
-                 sent=script if raw.script.ending == "hold" else None)
+                 sent=script if raw.script.ending == "hold" else None, slow_s=slow_s)
     if run.hung:
         if raw.script.ending == "hold":
             checker.fail(case, f"your client was still reading {HANG_S:g} s after data: [DONE] arrived (the server "
@@ -443,19 +465,40 @@ def _check_raw(checker, fn, client, server: ByteServer, raw: _Raw, payload: dict
     _expect_request(checker, script, payload, case)
     times, chunks = _chunks_of(checker, run, case)
     _expect_outcome(checker, run, raw, case, chunks)
-    return times, script
+    return times, script, run
+
+
+def _duration(seconds: float) -> str:
+    """A short gap said in a unit that shows it: 0.25 s as 250 ms, 0.0004 s as 400 µs (never "0 ms")."""
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
 
 
 def _check_timing(checker, times: list[float], script: Script, case: Case, hint: str) -> None:
     sent = script.sent_at
     for i, t in enumerate(times):
         if t < sent[i]:
-            checker.fail(case, f"chunk {i} is stamped {(sent[i] - t) * 1e3:.0f} ms before the server sent it: read "
+            checker.fail(case, f"chunk {i} is stamped {_duration(sent[i] - t)} before the server sent it: read "
                                f"the clock when the chunk arrives, not when the request was sent.", hint)
     if times[0] >= sent[-1]:
-        checker.fail(case, f"the first chunk is stamped {(times[0] - sent[0]) * 1e3:.0f} ms after the server sent "
-                           f"it, once the last had been sent ({(sent[-1] - sent[0]) * 1e3:.0f} ms later): the "
+        checker.fail(case, f"the first chunk is stamped {_duration(times[0] - sent[0])} after the server sent "
+                           f"it, once the last had been sent ({_duration(sent[-1] - sent[0])} later): the "
                            f"timestamps were taken at the end, not as each chunk arrived.", hint)
+
+
+def _check_batched(checker, times: list[float], run: _Run, case: Case, hint: str) -> None:
+    """Chunks 1 to 3 came in one network read (one piece of the script, sent whole on the loopback), which
+    the client read before it yielded chunk 1: their stamps cannot be later than when the caller took chunk 1.
+    The largest excess is reported."""
+    late = max(range(2, len(times)), key=lambda i: times[i] - times[1])
+    if times[late] > run.taken[1]:
+        checker.fail(case, f"chunks 1 to 3 arrived in one network read, but chunk {late} is stamped "
+                           f"{_duration(times[late] - times[1])} after chunk 1 (the caller spent {SLOW_S:g} s over "
+                           f"each chunk): you read the clock when your generator yields, not when the read "
+                           f"arrived.", hint)
 
 
 def _real_payload(model: str, **extra) -> dict:
@@ -509,8 +552,11 @@ def check_sse_client(fn, checker, server=None):
         for raw in _raw_cases():
             _check_raw(checker, fn, client, raw_server, raw, payload)
         timed = _timed_case()
-        times, script = _check_raw(checker, fn, client, raw_server, timed, payload)
+        times, script, _ = _check_raw(checker, fn, client, raw_server, timed, payload)
         _check_timing(checker, times, script, Case(stream=timed.label), f"{timed.trap}.\n{SSE_RULE}")
+        batched = _batched_case()
+        times, _, run = _check_raw(checker, fn, client, raw_server, batched, payload, slow_s=SLOW_S)
+        _check_batched(checker, times, run, Case(stream=batched.label), f"{batched.trap}.\n{SSE_RULE}")
     if server is not None and not server.running():
         checker.fail(Case(stream="the course server"), f"the server passed to the check is not running ({server!r}).",
                      "start it again (server = start_server(threads=1)), or call the check without server= to let it "

@@ -693,6 +693,13 @@ P_FORGETS = (
     "free forgot the hashes of released blocks (nothing stays cached after its sequence is freed)",
     "a released full block keeps its hash and stays findable until it is evicted for new data."
 )
+P_REFUSED = (
+    "a refused allocation changed the allocator (it took references, blocks or cached blocks before it "
+    "raised MemoryError)",
+    "decide before changing anything: the new blocks a prompt needs (its blocks less its hits) must fit in the "
+    "free blocks plus the evictable ones that are not among its own hits (a hit on an evictable block stops "
+    "being evictable); otherwise raise MemoryError with the allocator exactly as it was."
+)
 P_EVICT_FIRST = (
     "new blocks were taken by evicting cached ones while plain free blocks remained",
     "take never-cached free blocks first; evict a cached block only when there are none."
@@ -769,7 +776,7 @@ class _PrefixDriver:
                           f"{-(-len(ids) // self.block_size)} blocks and none was free or evictable; it should raise "
                           f"MemoryError.", named=P_EVICT_HELD)
             self.history[-1] += " -> MemoryError"
-            self.verify()
+            self.verify(why or P_REFUSED)
             return
         if got is None:
             self.fail(f"allocate({seq}, ...) raised MemoryError, but the blocks free or evictable sufficed (the "
@@ -927,6 +934,19 @@ def _prefix_directed(checker, cls) -> None:
     d.allocate(5, q)
     d.free(4)
     d.free(5)
+
+    rng = random.Random(11)  # its own numbers: the scenarios above keep theirs
+    p, extra = _tokens(rng, 8), _tokens(rng, 8)
+    d = _PrefixDriver(checker, cls, 4, 4, "hits on evictable blocks, too few other blocks free")
+    d.allocate(0, p)
+    d.free(0)  # p's two blocks cached, evictable
+    d.allocate(1, _tokens(rng, 4))  # one of the two never-used blocks
+    d.allocate(2, p + extra, why=P_REFUSED)  # 2 hits (evictable) + 2 new blocks; 1 other block free: MemoryError
+    d.allocate(3, p, why=P_REFUSED)  # the refusal changed nothing: p still cached, its 8 tokens hit
+    d.allocate(4, _tokens(rng, 8), why=P_REFUSED)  # 2 blocks needed, 1 free and none evictable: MemoryError
+    d.allocate(5, _tokens(rng, 3), why=P_REFUSED)  # the last free block
+    for seq in (1, 3, 5):
+        d.free(seq)
 
 
 def _prefix_random(checker, cls, seed: int, steps: int = 70) -> None:

@@ -129,8 +129,9 @@ ASSEMBLY_RULE = {
                     "rows are cu[b] .. cu[b + 1] - 1.",
     "slot_mapping": "the token at position p goes to slot block_table[p // block_size] * block_size + "
                     "p % block_size: its block read through the table, times the block size, plus the offset.",
-    "block_tables": "one row per sequence, its blocks in order, padded with -1 to W columns, W the most blocks "
-                    "any sequence of the step holds (int32, shape (B, W)).",
+    "block_tables": "one row per sequence, its whole block_table in order (blocks allocated ahead of its tokens "
+                    "too), padded with -1 to W columns, W the most blocks any sequence of the step holds (int32, "
+                    "shape (B, W)).",
     "logits_indices": "one flat row per sequence that samples (num_cached + num_new == len(token_ids)), the row of "
                       "its LAST token in the step, in batch order; a prompt chunk that does not finish its prompt "
                       "has none.",
@@ -142,10 +143,13 @@ ASSEMBLY_RULE = {
 def _assemble(seqs, bs, *, slot_from_prev=False, logical_slots=False, unscaled_block=False, restart=False,
               whole_context=False, cu_as_lengths=False, cu_no_zero=False, first_row=False,
               every_row=False, row_in_seq=False, pad=-1, flat_tables=False, lens_before=False,
-              lens_known=False, max_q_total=False, tail_tokens=False) -> dict:
+              lens_known=False, max_q_total=False, tail_tokens=False, width_needed=False,
+              decode_last_block=False) -> dict:
     """The step's metadata as plain lists, with the named mistakes (the defaults give the right one)."""
     ids, pos, slots, tables, lens, cu, rows = [], [], [], [], [], [0], []
     width = max(len(s.block_table) for s in seqs)
+    if width_needed:
+        width = max(-(-(s.num_cached + s.num_new) // bs) for s in seqs)
     q_lens = []
     for s in seqs:
         start, n = s.num_cached, s.num_new
@@ -154,11 +158,11 @@ def _assemble(seqs, bs, *, slot_from_prev=False, logical_slots=False, unscaled_b
         p = list(range(start, start + n))
         if restart and s.num_new > 1:
             p = list(range(n))
-        t = s.block_table
+        t = s.block_table[:width] if width_needed else s.block_table
         ids += s.token_ids[len(s.token_ids) - n:] if tail_tokens else s.token_ids[start:start + n]
         pos += p
         for q in p:
-            j = (q - 1) // bs if slot_from_prev else q // bs
+            j = (q - 1) // bs if slot_from_prev else -1 if decode_last_block and n == 1 else q // bs
             block = t[j] if -len(t) <= j < len(t) else -1  # past the table (a wrong count of tokens)
             if slot_from_prev:
                 slots.append(block * bs + (q - 1) % bs + 1)
@@ -210,13 +214,18 @@ ASSEMBLY_MISTAKES = {
     "seq_lens counts every token the sequence knows (len(token_ids)), not num_cached + num_new":
         dict(lens_known=True),
     "max_q_len is the step's total number of tokens, not the largest num_new": dict(max_q_total=True),
+    "each table is cut to the blocks its tokens fill, not the longest table: a table may hold blocks allocated "
+    "ahead, and W is the most blocks any table holds": dict(width_needed=True),
+    "a decode's slot is taken from the last block of its table, not from block_table[p // block_size] (a table "
+    "may hold blocks past the one the new token goes to)": dict(decode_last_block=True),
 }
 
 
-def _seq(gen, pool, bs, cached, new, known, shared=()) -> ScheduledSeq:
+def _seq(gen, pool, bs, cached, new, known, shared=(), ahead=0) -> ScheduledSeq:
     """A scheduled sequence with random tokens and distinct random blocks (the first from ``shared``:
-    a prefix another sequence's blocks hold)."""
-    need = -(-(cached + new) // bs)
+    a prefix another sequence's blocks hold), ``ahead`` blocks more than its tokens fill (allocated
+    ahead, as an engine may for the rest of a prompt or the next tokens)."""
+    need = -(-(cached + new) // bs) + ahead
     table = list(shared[:need]) + [pool.pop() for _ in range(need - min(need, len(shared)))]
     return ScheduledSeq(torch.randint(0, 1000, (known,), generator=gen).tolist(), table, cached, new)
 
@@ -259,13 +268,18 @@ def assembly_cases() -> list[tuple[str, int, list[ScheduledSeq]]]:
     shared = _seq(gen, pool, 4, 9, 1, 10)  # decoding: its first two blocks are full (and hashed)
     prefix = [shared, _seq(gen, pool, 4, 8, 5, 13, shared=shared.block_table),  # 8 cached: two whole blocks
               _seq(gen, pool, 4, 4, 1, 5)]
+    ahead = [_seq(gen, pool, 4, 8, 1, 9, ahead=2),  # a decode starting block 3 of a 5-block table
+             _seq(gen, pool, 4, 0, 5, 15, ahead=2),  # a first chunk, the whole prompt's 4 blocks allocated
+             _seq(gen, pool, 4, 5, 1, 6, ahead=1),
+             _seq(gen, pool, 4, 0, 3, 3)]
     mixed = [_seq(gen, pool, 3, 9, 1, 10), _seq(gen, pool, 3, 0, 7, 20), _seq(gen, pool, 3, 5, 1, 6),
              _seq(gen, pool, 3, 6, 8, 14), _seq(gen, pool, 3, 0, 1, 1)]
     cases = [("one whole prompt", 4, one), ("decodes only, two at a block boundary", 4, decodes),
              ("one prompt's first chunk alone (nothing samples)", 4, [first]),
              ("a prompt's first, middle and last chunks", 4, chunks),
              ("a prefix-cache hit of two whole blocks beside the sequence it shares them with", 4, prefix),
-             ("mixed, block size 3", 3, mixed)]
+             ("mixed, block size 3", 3, mixed),
+             ("tables longer than their tokens need (blocks allocated ahead)", 4, ahead)]
     for i, bs in enumerate((2, 4, 8, 16)):
         cases.append((f"random mixed batch {i + 1}", bs, _random_batch(gen, bs)))
     return cases

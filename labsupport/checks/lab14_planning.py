@@ -343,13 +343,16 @@ FLEET_KEYS = ("replicas", "batch", "prefill_share", "headroom", "ttft_s")
 
 
 def fleet_variant(s, *, interference=True, per_replica=True, headroom=True, search=True, cache=True,
-                  cached_attention=True, little="prefill", ttft_step=True, ttft_percentile=True, memory=True) -> dict:
+                  cached_attention=True, little="prefill", ttft_step=True, ttft_percentile=True, memory=True,
+                  cache_cap=True, headroom_floor=True) -> dict:
     """:func:`labsupport.planning.size_fleet` written out, with one step optionally done wrong (the
     defaults give the right answer)."""
     step_ctx, mem_ctx, prompt_p = s.contexts()
 
     def cached(p):
-        return min(s.prefix_hit_rate * p, p - 1) if cache else 0
+        if not cache:
+            return 0
+        return min(s.prefix_hit_rate * p, p - 1) if cache_cap else s.prefix_hit_rate * p
 
     def work(p):
         if cached_attention:
@@ -371,8 +374,13 @@ def fleet_variant(s, *, interference=True, per_replica=True, headroom=True, sear
     if s.headroom is not None:
         room = s.headroom
     else:
-        room = max(0.0, poisson_quantile(conc, s.burst_percentile) / conc - 1) if headroom else 0.0
+        room = poisson_quantile(conc, s.burst_percentile) / conc - 1 if headroom else 0.0
+        room = max(0.0, room) if headroom_floor else room
     in_memory = s.batch_in_memory(mem_ctx) if memory else 1 << 20
+
+    def replicas(b):  # replicas_for_rate, which refuses a negative headroom (one of the mistakes gives one)
+        return max(1, math.ceil(s.arrival_rate * time_in_sys * (1 + room) / b)) if room < 0 else \
+            replicas_for_rate(s.arrival_rate, time_in_sys, b, room)
 
     def share_of(r):
         if not interference:
@@ -390,7 +398,7 @@ def fleet_variant(s, *, interference=True, per_replica=True, headroom=True, sear
     if search:  # more replicas only help: double, then bisect, for the fewest that carry the load
         def enough(r):
             b = batch(r)
-            return b >= 1 and replicas_for_rate(s.arrival_rate, time_in_sys, b, room) <= r
+            return b >= 1 and replicas(b) <= r
 
         low, high = 0, 1
         while not enough(high):
@@ -405,7 +413,7 @@ def fleet_variant(s, *, interference=True, per_replica=True, headroom=True, sear
         b = batch(1)
         if b < 1:
             return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
-        r = replicas_for_rate(s.arrival_rate, time_in_sys, b, room)
+        r = replicas(b)
     return {"replicas": r, "batch": b, "prefill_share": share_of(r) if search else share_of(1), "headroom": room,
             "ttft_s": ttft + (s.step_time(b, step_ctx) if ttft_step else 0.0)}
 
@@ -427,6 +435,10 @@ def _fleet_mistakes(s) -> dict[str, dict]:
         "the TTFT leaves out the decode step that follows the prefill": dict(ttft_step=False),
         "the TTFT is taken at the mean prompt instead of the percentile prompt": dict(ttft_percentile=False),
         "the memory limit is left out of the batch": dict(memory=False),
+        "the cached tokens are not capped at the prompt less one token (an engine always computes a prompt's "
+        "last token, whose logits it samples)": dict(cache_cap=False),
+        "the headroom is not floored at 0 (a burst percentile whose quantile is below the mean gives a negative "
+        "headroom: provision the mean, never less)": dict(headroom_floor=False),
     }
     return {d: fleet_variant(s, **flags) for d, flags in wrong.items()}
 
@@ -449,14 +461,15 @@ def _random_settings(seed: int):
     or sampled lengths), the targets, the efficiencies, the hit rate and the headroom."""
     rng = random.Random(seed)
     model, gpu, tp = rng.choice(_FLEET_DEPLOYMENTS)
-    prompt = rng.choice([rng.randint(100, 6000), [rng.randint(50, 8000) for _ in range(rng.randint(2, 6))]])
+    prompt = rng.choice([rng.randint(1, 6000), [rng.randint(1, 8000) for _ in range(rng.randint(2, 6))],
+                         [rng.randint(1, 20) for _ in range(rng.randint(2, 6))]])
     output = rng.choice([rng.randint(20, 800), [rng.randint(2, 900) for _ in range(rng.randint(2, 6))]])
     return _settings(
         model, gpu, tp, arrival_rate=round(rng.uniform(0.5, 150), 2), prompt_tokens=prompt, output_tokens=output,
         ttft_target_s=round(rng.uniform(0.3, 3), 2), tpot_target_s=round(rng.uniform(0.015, 0.08), 4),
         bandwidth_efficiency=round(rng.uniform(0.55, 0.9), 3), compute_efficiency=round(rng.uniform(0.3, 0.7), 3),
-        step_overhead_s=round(rng.uniform(0.0005, 0.005), 5), prefix_hit_rate=rng.choice([0.0, 0.3, 0.75, 0.95]),
-        headroom=rng.choice([None, None, 0.25]), burst_percentile=rng.choice([99.0, 95.0, 99.9]))
+        step_overhead_s=round(rng.uniform(0.0005, 0.005), 5), prefix_hit_rate=rng.choice([0.0, 0.3, 0.75, 0.95, 0.999]),
+        headroom=rng.choice([None, None, 0.25]), burst_percentile=rng.choice([99.0, 95.0, 99.9, 50.0, 20.0]))
 
 
 def fleet_cases(seeds) -> list[tuple[str, object]]:
@@ -477,6 +490,11 @@ def fleet_cases(seeds) -> list[tuple[str, object]]:
             "llama-3.1-8b", "A100 80GB", arrival_rate=5, prompt_tokens=30000, output_tokens=2000, tpot_target_s=0.2)),
         ("no replica can meet the target (70B on one H100)", _settings(
             "llama-3.1-70b", "H100 SXM", arrival_rate=5, tpot_target_s=0.03)),
+        ("short prompts at a 95% hit rate: at most prompt - 1 tokens are cached", _settings(
+            "llama-3.1-8b", "H100 SXM", arrival_rate=200, prompt_tokens=[1, 3, 8, 12], output_tokens=40,
+            tpot_target_s=0.02, prefix_hit_rate=0.95)),
+        ("provisioned for the 45th-percentile burst: the Poisson quantile is below the mean, the headroom is 0", _settings(
+            "qwen3-8b", "H200", arrival_rate=30, prompt_tokens=800, output_tokens=200, burst_percentile=45.0)),
         *((f"random workload, seed {seed}", _random_settings(seed)) for seed in seeds),
     ]
 

@@ -409,11 +409,12 @@ def check_slo_report(fn, checker):
 
 QUANTILE_RULE = (
     "each bucket's count is cumulative (observations at most its bound, so +Inf holds them all); take each "
-    "bucket's increase between the scrapes (a count that went down was reset: its increase is its new value); "
-    "order the buckets by their bound as numbers; the rank is q times the +Inf bucket's increase; the quantile "
-    "lies in the first bucket whose increase reaches the rank, interpolated linearly from the bound below it "
-    "(0 below the lowest bucket) to its own; in the +Inf bucket it is the largest finite bound; with nothing "
-    "observed in between it is NaN (math.nan)."
+    "bucket's increase between the scrapes, each bucket judged on its own (a count that went down was reset: "
+    "its increase is its new value); order the buckets by their bound as numbers; the rank is q times the +Inf "
+    "bucket's increase (q = 0 gives rank 0, which the lowest bucket reaches); the quantile lies in the first "
+    "bucket whose increase reaches the rank, interpolated linearly from the bound below it (0 below the lowest "
+    "bucket, when its bound is above 0; a lowest bound at or below 0 is itself the answer) to its own; in the "
+    "+Inf bucket it is the largest finite bound; with nothing observed in between it is NaN (math.nan)."
 )
 
 
@@ -460,9 +461,22 @@ def _wrong_quantiles(q: float, before: dict, after: dict) -> dict[str, float]:
             return math.inf if math.isinf(upper) else bucket_quantile(q, pairs)
         if kind == "lowest from its bound":
             return upper if b == 0 else bucket_quantile(q, pairs)
+        if kind == "below zero from 0":
+            return rank / inside * upper if b == 0 and upper <= 0 and inside else bucket_quantile(q, pairs)
         raise ValueError(kind)
 
+    def reset_whole(by_total: bool) -> float:  # a reset judged once for the histogram, every bucket alike
+        fell = after["+Inf"] < before["+Inf"] if by_total else any(after[le] < before[le] for le in after)
+        return _naive(q, sorted(((parse_le(le), after[le] if fell else after[le] - before[le]) for le in after),
+                                key=lambda p: p[0]))
+
     out = {
+        "a rank in the lowest bucket is interpolated from 0 although its bound is at or below 0 (Prometheus then "
+        "returns the bound itself)": variant("below zero from 0"),
+        "a reset is judged for the whole histogram (by its +Inf count), not for each bucket on its own: a bucket "
+        "whose count fell was reset even when the total grew": reset_whole(True),
+        "a reset is judged for the whole histogram (every bucket's new count taken once any fell), not for each "
+        "bucket on its own": reset_whole(False),
         "a count that went down (a restart) is subtracted anyway, not read as a reset":
             _naive(q, sorted(((parse_le(le), after[le] - before[le]) for le in after), key=lambda p: p[0])),
         "the counts since the server started are used (the after scrape alone), not their increase between "
@@ -476,6 +490,9 @@ def _wrong_quantiles(q: float, before: dict, after: dict) -> dict[str, float]:
         "the quantile is the upper bound of its bucket, not interpolated inside it": variant("upper"),
         "the quantile is the middle of its bucket, not interpolated linearly inside it": variant("middle"),
         "a rank in the +Inf bucket gives infinity, not the largest finite bound": variant("inf"),
+        "a rank of 0 (q = 0) is read as an empty window (NaN); the window is empty when the +Inf bucket's increase "
+        "is 0, and rank 0 lies in the lowest bucket": math.nan if q == 0 and pairs and pairs[-1][1] > 0 else
+        bucket_quantile(q, pairs),
     }
     return out
 
@@ -483,7 +500,8 @@ def _wrong_quantiles(q: float, before: dict, after: dict) -> dict[str, float]:
 def _naive(q: float, ordered: list[tuple[float, float]]) -> float:
     """The straightforward loop a learner writes, on buckets in the order given: the last bucket's
     count is the total (NaN when it is not positive), the first bucket reaching the rank holds the
-    quantile, and a rank in an infinite bucket gives the bound below it."""
+    quantile, a rank in an infinite bucket gives the bound below it, and one in a lowest bucket whose
+    bound is at or below 0 gives that bound."""
     if not ordered or ordered[-1][1] <= 0:
         return math.nan
     rank = q * ordered[-1][1]
@@ -491,6 +509,8 @@ def _naive(q: float, ordered: list[tuple[float, float]]) -> float:
     start, below = (ordered[b - 1][0], ordered[b - 1][1]) if b else (0.0, 0.0)
     if math.isinf(ordered[b][0]):
         return start
+    if b == 0 and ordered[0][0] <= 0:  # no start to interpolate from: the bound itself
+        return ordered[0][0]
     inside = ordered[b][1] - below
     return start + (ordered[b][0] - start) * (rank - below) / inside if inside > 0 else math.nan
 
@@ -541,6 +561,11 @@ def _quantile_cases(seed: int) -> list[tuple[str, float, dict, dict]]:
          _scrape(le5, _cumulative([40, 30, 20, 5, 5])), _scrape(le5, _cumulative([1, 5, 2, 1, 0]))),
         ("an empty window: nothing observed between the scrapes", 0.9,
          _scrape(le5, before5), _scrape(le5, before5)),
+        ("a restart between the scrapes that the total outgrew: only some buckets' counts went down", 0.3,
+         _scrape(le5, [40, 70, 90, 95, 100]), _scrape(le5, [50, 55, 58, 60, 200])),
+        ("q = 0: the lowest bucket holds observations", 0.0, _scrape(le5, before5), _scrape(le5, after5)),
+        ("a lowest bound below 0 (a histogram of differences), the rank inside it", 0.1,
+         _scrape(["-0.5", "0.5", "2", "+Inf"], [0, 0, 0, 0]), _scrape(["-0.5", "0.5", "2", "+Inf"], [6, 20, 28, 30])),
     ]
     rng = random.Random(seed)
     base = _cumulative([rng.randrange(50) for _ in _COURSE_LE])
@@ -598,8 +623,8 @@ def check_histogram_quantile(fn, checker):
 RETRY_RULE = (
     "retry only 429 and 503 answers, at most max_attempts attempts in all, and return the last answer "
     "(without waiting after it); before the k-th retry (k = 0 first) sleep, with the sleep you are given, "
-    "the seconds Retry-After asks for (0 when it is absent) plus a random time drawn from rng, uniform from 0 "
-    "to min(cap_s, base_s * 2**k)."
+    "the seconds Retry-After asks for (0 when it is absent) plus a random time drawn afresh from rng (the one "
+    "handed in: a seed repeats the waits), uniform from 0 to min(cap_s, base_s * 2**k)."
 )
 
 
@@ -773,6 +798,48 @@ def _check_jitter(checker, fn, base: float, cap: float) -> None:
                                f"{max(at_k):.3g} s, where the envelope min(cap_s, base_s * 2**k) is {envelope:g} s: the "
                                f"backoff grows too slowly (exponential: the envelope doubles at every retry).",
                          RETRY_RULE)
+    _check_seeded(checker, fn, case, kw, waits[0])
+    fractions = [[w / min(cap, base * 2 ** k) for k, w in enumerate(client)] for client in waits]
+    if all(max(f) - min(f) < 1e-9 for f in fractions):
+        checker.fail(case, f"each client waited the same fraction of the envelope at every retry (client 0: "
+                           f"{fractions[0][0]:.3f} of it every time): one random number was drawn for the whole call. "
+                           f"Draw a new one from rng before every retry.", RETRY_RULE)
+    _check_uniform(checker, case, [f for client in fractions for f in client])
+
+
+def _check_seeded(checker, fn, case, kw, first: list[float]) -> None:
+    """The jitter comes from the rng handed in: the same seed gives the same waits again."""
+    script = _Script([_Response(429, "1")])
+    _run_script(checker, fn, case, script, random.Random(0), **kw)
+    again = [w - 1.0 for w in script.waits]
+    if again != first:
+        checker.fail(case, f"with rng = random.Random(0) twice, the same seed gave other waits: {_shown_waits(first)} "
+                           f"then {_shown_waits(again)} (beyond Retry-After). Draw the jitter from the rng you are "
+                           f"handed (rng.uniform(0, envelope)), not from the random module or a generator of your own: "
+                           f"a caller seeds it to repeat a run.", RETRY_RULE)
+
+
+def _shown_waits(waits: list[float]) -> str:
+    return "[" + ", ".join(f"{w:.3f}" for w in waits[:4]) + (", ...]" if len(waits) > 4 else "]")
+
+
+# The 280 extra waits as fractions of their envelopes must look uniform on [0, 1]: a Kolmogorov-Smirnov
+# distance above this has probability about 2 exp(-2 n D^2) < 1e-9 for n = 280 uniform draws.
+JITTER_KS_LIMIT = 0.2
+
+
+def _check_uniform(checker, case, fractions: list[float]) -> None:
+    """Full jitter: every extra wait uniform over its whole envelope, not only inside it."""
+    ordered, n = sorted(fractions), len(fractions)
+    distance = max(max((i + 1) / n - f, f - i / n) for i, f in enumerate(ordered))
+    if distance > JITTER_KS_LIMIT:
+        lower = sum(f < 0.5 for f in fractions) / n
+        checker.fail(case, f"the {n} extra waits (beyond Retry-After) are not spread evenly over their envelopes "
+                           f"[0, min(cap_s, base_s * 2**k)]: {lower:.0%} of them fall in the lower half of their "
+                           f"envelope, where a uniform draw puts about half (the largest gap between their "
+                           f"distribution and a uniform one is {distance:.2f}). Full jitter draws uniformly from 0 "
+                           f"to the envelope: not half the envelope plus a random half (equal jitter), nor a "
+                           f"product or power of draws.", RETRY_RULE)
 
 
 def _check_against_a_real_service(checker, fn) -> None:

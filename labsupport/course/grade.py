@@ -38,7 +38,8 @@ from pathlib import Path
 
 import nbformat
 
-from ..checks.framework import GRADING_ENV, RESULT_MIME
+from .._grading import GRADING_ENV
+from ..checks.framework import RESULT_MIME
 from .files import each_once
 from .manifest import load_course_cells, load_manifest
 from .notebooks import KernelStartError, execute, first_line, load

@@ -40,11 +40,13 @@ completions' ``max_tokens`` defaults to 16, as in OpenAI's and vLLM's; chat's to
 context (up to ``--max-tokens-limit``), as in vLLM; one prompt per request; a full server answers HTTP
 429, which the ``openai`` client retries by default (``max_retries=2``).
 
-**Back-pressure and drain.** ``--max-requests`` slots bound the requests queued plus running; a
-request beyond them gets HTTP 429 (code ``server_full``) with a ``Retry-After`` header instead of
-waiting in an unbounded queue. On SIGTERM (or ``POST /admin/drain``) the server drains: new
-completions get HTTP 503 (code ``draining``, with ``Retry-After``), ``/ready`` answers 503 and
-``/health`` says ``"draining"``, while every admitted request runs to its end (streams finish with
+**Back-pressure and drain.** ``--max-requests`` slots bound the requests queued, running, or still
+being sent: a slot is held until the response's last byte has been handed to the connection (or the
+client has gone), not only until the last token is made; a request beyond them gets HTTP 429 (code
+``server_full``) with a ``Retry-After`` header instead of waiting in an unbounded queue. On SIGTERM
+(or ``POST /admin/drain``) the server drains: new completions get HTTP 503 (code ``draining``, with
+``Retry-After``), ``/ready`` answers 503 and ``/health`` says ``"draining"``, while every admitted
+request runs to its end (streams finish with
 ``data: [DONE]``); then the process exits with status 0. Requests still running after
 ``drain_timeout_s`` are aborted (``finish_reason: "abort"``, counted as ``drain_timeout``). A second
 SIGTERM stops at once.
@@ -363,13 +365,35 @@ async def _generate(app: FastAPI, request: Request, chat: bool):
     try:
         prepared = await backend.prepare_async(chat, call.messages if chat else call.prompt, timeline=timeline,
                                                **call.options)
-        handle = backend.submit(prepared, reserved=True)
+        handle = backend.submit(prepared, reserved=True, until_sent=True)
     except BaseException:
         backend.unreserve()
         raise
-    answer = Answer(call, prepared, handle, _Account(app, handle, timeline.arrival), request,
-                    backend.model_name, backend.served_model.fingerprint)
-    if call.stream:
-        return StreamingResponse(answer.events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-    return await answer.whole()
+    try:
+        answer = Answer(call, prepared, handle, _Account(app, handle, timeline.arrival), request,
+                        backend.model_name, backend.served_model.fingerprint)
+        if call.stream:
+            return _SlotHeld(StreamingResponse(answer.events(), media_type="text/event-stream",
+                                               headers={"Cache-Control": "no-cache", "X-Request-Id": rid}),
+                             lambda: backend.sent(handle))
+        return _SlotHeld(JSONResponse(await answer.whole()), lambda: backend.sent(handle))
+    except BaseException:
+        backend.sent(handle)
+        raise
+
+
+class _SlotHeld(Response):
+    """``response``, whose request keeps its ``--max-requests`` slot until the response has ended: its
+    last byte sent, or its client gone (``release`` runs either way)."""
+
+    def __init__(self, response: Response, release):
+        self.response, self.release = response, release
+        self.status_code, self.raw_headers, self.background = response.status_code, response.raw_headers, None
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()
+        if self.background is not None:  # what FastAPI may have attached to the answer
+            await self.background()

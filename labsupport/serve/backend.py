@@ -225,8 +225,10 @@ class Backend:
 
     ``served`` is the :class:`~labsupport.serve.served_model.ServedModel` to serve (default: the
     course model with random weights of ``seed`` and the ``base`` preset's shape). ``max_requests``
-    slots are shared by requests queued, running, and being tokenised; when they are all taken, a
-    new request is refused (HTTP 429) rather than queued without bound. Subclasses implement
+    slots are shared by requests being tokenised, queued, running, and (submitted ``until_sent``)
+    finished but with their HTTP response still being sent: a slot lasts until the response's last
+    byte has been handed to the connection, or its client is gone. When they are all taken, a new request is refused (HTTP 429) rather
+    than queued without bound. Subclasses implement
     ``_enqueue``, ``_on_cancel`` and the worker, ``_work``."""
 
     kind = "base"
@@ -253,6 +255,7 @@ class Backend:
         self._handles: dict[str, RequestHandle] = {}  # submitted, not yet finished (queued or running)
         self._outputs: dict[str, _Output] = {}
         self._reserved = 0  # slots held by requests being tokenised
+        self._unsent: set[str] = set()  # submitted until_sent: their slot is held until sent() is called
         self._timelines: OrderedDict[str, Timeline] = OrderedDict()
         self._worker: asyncio.Task | None = None
         self._tokenise_pool: ThreadPoolExecutor | None = None  # made by start()
@@ -292,14 +295,23 @@ class Backend:
                                  None, "worker_failed", status=503)
         if self._worker is None:
             raise RuntimeError("the engine is not started: await engine.start() first")
-        if len(self._handles) + self._reserved >= self.max_requests:
+        if self._slots_used() >= self.max_requests:
             raise InvalidRequest(
-                f"the server is full: {self.max_requests} requests are already queued or running. Retry later.",
+                f"the server is full: {self.max_requests} requests are already queued, running or being sent. "
+                f"Retry later.",
                 None, "server_full", status=429)
         self._reserved += 1
 
     def unreserve(self) -> None:
         self._reserved = max(0, self._reserved - 1)
+
+    def sent(self, handle: RequestHandle) -> None:
+        """The HTTP response of a request submitted ``until_sent`` has ended (its last byte handed to
+        the client, or the client gone): its slot is free."""
+        self._unsent.discard(handle.request.request_id)
+
+    def _slots_used(self) -> int:
+        return len(self._handles.keys() | self._unsent) + self._reserved
 
     # -- preparing a request -----------------------------------------------------------------------
 
@@ -378,11 +390,14 @@ class Backend:
 
     # -- submitting ------------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, reserved: bool = False) -> RequestHandle:
-        """Queue ``request`` (in the slot ``reserve`` took, if ``reserved``); returns its handle."""
+    def submit(self, request: GenerationRequest, reserved: bool = False, until_sent: bool = False) -> RequestHandle:
+        """Queue ``request`` (in the slot ``reserve`` took, if ``reserved``); returns its handle. With
+        ``until_sent`` the slot outlives the generation until :meth:`sent` (the HTTP layer's answer)."""
         if not reserved:
             self.reserve()
         self.unreserve()
+        if until_sent:
+            self._unsent.add(request.request_id)
         handle = RequestHandle(request, on_cancel=self._on_cancel)
         self._remember(request.timeline)
         self._handles[request.request_id] = handle
@@ -397,7 +412,7 @@ class Backend:
             "running": running,
             "queued": len(self._handles) - running,
             "slots_total": self.max_requests,
-            "slots_used": len(self._handles) + self._reserved,
+            "slots_used": self._slots_used(),
             "served": self.served,
             "cancelled": self.cancelled,
             "failed": self.failed,

@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="context length in tokens, prompt and answer (512)")
     p.add_argument("--max-tokens-limit", type=int, default=256, help="largest max_tokens a request may ask (256)")
     p.add_argument("--max-requests", type=int, default=64,
-                   help="slots: requests queued or running at once; more get HTTP 429 (64)")
+                   help="slots: requests queued, running or still being sent at once (a slot is held until the "
+                        "response has been sent); more get HTTP 429 (64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights, and of sampling without a seed (0)")
     p.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="serve a real checkpoint (a name the course registers, such as smollm2-135m-instruct, a .gguf "

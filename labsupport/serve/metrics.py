@@ -64,7 +64,7 @@ class _StateCollector:
         for name, key, doc in (
             ("num_requests_running", "running", "Requests generating now."),
             ("num_requests_waiting", "queued", "Requests admitted and waiting to be scheduled."),
-            ("slots_used", "slots_used", "Admission slots taken (queued plus running)."),
+            ("slots_used", "slots_used", "Admission slots taken (queued, running or being sent)."),
             ("slots_total", "slots_total", "Admission slots (--max-requests); more get HTTP 429."),
         ):
             if key in stats:

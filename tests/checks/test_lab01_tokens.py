@@ -579,6 +579,14 @@ def _held_after_the_stop(self, text):
     return LearnerStops.push(self, text)
 
 
+def _held_kept_at_the_stop(self, text):  # what was held before the stop is never emptied
+    buf = self.held + text
+    i = _stop_found(self, buf)
+    if i is not None:
+        return buf[:i], True
+    return LearnerStops.push(self, text)
+
+
 def _first_complete(self, text):  # one character at a time: the stop completed first, not the one begun first
     sent = ""
     for ch in text:
@@ -593,6 +601,8 @@ STOP_MUTANTS = {
     "letter_case_ignored": ({"push": _case_blind}, "no stop string of ['STOP'] occurs in 'please stop here'"),
     "flush_does_not_empty": ({"flush": _flush_keeps_it}, "flush() once more returned 'E'"),
     "text_after_the_stop_held": ({"push": _held_after_the_stop}, "flush() after the stop returned"),
+    "held_text_kept_at_the_stop": ({"push": _held_kept_at_the_stop},
+                                   "flush() after a stop that completed held text returned 'ST'"),
     "the_stop_completed_first": ({"push": _first_complete}, "a stop that starts first but is completed last"),
     "no_hold_back": ({"push": _no_hold}, "could still become the start of a stop string"),
     "the_new_piece_alone": ({"push": _piece_only}, "look in the held text plus the piece"),
@@ -615,6 +625,35 @@ def test_stop_strings_reference_passes(capsys):
 def test_stop_strings_mistakes_are_named(name):
     methods, message = STOP_MUTANTS[name]
     assert message in failure(check_stop_strings, type(name, (LearnerStops,), methods))
+
+
+class StopsOnAFlag:
+    """Another correct filter: a flag remembers the stop, flush() answers from it, the hold is a loop."""
+
+    def __init__(self, stops):
+        self.stops, self.pending, self.done = [s for s in stops if s], "", False
+
+    def push(self, text):
+        self.pending += text
+        cut = min((self.pending.index(s) for s in self.stops if s in self.pending), default=None)
+        if cut is not None:
+            self.done = True
+            return self.pending[:cut], True
+        start = 0
+        while start < len(self.pending) and not any(s.startswith(self.pending[start:]) for s in self.stops):
+            start += 1
+        sent, self.pending = self.pending[:start], self.pending[start:]
+        return sent, False
+
+    def flush(self):
+        out = "" if self.done else self.pending
+        self.pending = ""
+        return out
+
+
+def test_stop_strings_correct_variant_passes(capsys):
+    check_stop_strings(StopsOnAFlag)
+    assert "PASSED check_stop_strings" in capsys.readouterr().out
 
 
 def test_stop_strings_stub_and_course_answer_are_refused():

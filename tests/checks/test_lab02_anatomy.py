@@ -143,7 +143,7 @@ KV_DEFAULT = {"mistral": 8, "qwen2": 32, "qwen3": 32}
 
 def learner_from_config(config, *, derived_head_dim=False, qwen3_default=True, kv_default=True, tied_default=False,
                         qwen2_bias=True, qwen2_o_bias=False, llama_o_bias=True, qk_norms=True, tied_twice=False,
-                        kv_from_heads=False, final_norm=True):
+                        kv_from_heads=False, final_norm=True, kv_defaults=KV_DEFAULT):
     """A learner's reading of a config.json, written from the lab's spec and module trees; each switch plants
     one mistake."""
     family = config["model_type"]
@@ -151,7 +151,7 @@ def learner_from_config(config, *, derived_head_dim=False, qwen3_default=True, k
     if "num_key_value_heads" in config and config["num_key_value_heads"] is not None:
         hkv = config["num_key_value_heads"]
     else:
-        hkv = KV_DEFAULT.get(family, H) if kv_default else H
+        hkv = kv_defaults.get(family, H) if kv_default else H
     if kv_from_heads:
         hkv = H
     if config.get("head_dim") and not derived_head_dim:
@@ -242,6 +242,49 @@ CONFIG_MUTANTS = {
     "KV from query heads": (dict(kv_from_heads=True), "sized from the query heads"),
     "no final norm": (dict(final_norm=False), "final norm"),
 }
+
+
+def _one_default_at_a_time(config):
+    """Fills in the family's default for the first field the file leaves out only (an if/elif), the plain
+    reading (the query heads; hidden_size / num_attention_heads) for any other."""
+    missing = [f for f in ("num_key_value_heads", "head_dim") if f not in config]
+    plain = {"num_key_value_heads": config["num_attention_heads"],
+             "head_dim": config["hidden_size"] // config["num_attention_heads"]}
+    return learner_from_config({**config, **{f: plain[f] for f in missing[1:]}})
+
+
+CONFIG_FUNCTION_MUTANTS = {
+    "only Mistral's KV default": (lambda c: learner_from_config(c, kv_defaults={"mistral": 8}),
+                                  "qwen2's configuration class defaults num_key_value_heads to 32"),
+    "one default at a time": (_one_default_at_a_time, "Qwen3Config's default head_dim is 128"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_FUNCTION_MUTANTS))
+def test_config_function_mutants_fail(name):
+    from labsupport.checks import check_params_from_config
+
+    fn, message = CONFIG_FUNCTION_MUTANTS[name]
+    with pytest.raises(CheckFailed, match=message):
+        check_params_from_config(fn)
+
+
+def test_a_table_of_defaults_merged_under_the_file_passes(capsys):
+    """Another correct reading: one dict of each family's defaults, the file's fields laid over it."""
+    from labsupport.checks import check_params_from_config
+
+    defaults = {"llama": {}, "mistral": {"num_key_value_heads": 8}, "qwen2": {"num_key_value_heads": 32},
+                "qwen3": {"num_key_value_heads": 32, "head_dim": 128}}
+
+    def merged(config):
+        filled = {"tie_word_embeddings": False, **defaults[config["model_type"]],
+                  **{k: v for k, v in config.items() if v is not None}}
+        filled.setdefault("num_key_value_heads", filled["num_attention_heads"])
+        filled.setdefault("head_dim", filled["hidden_size"] // filled["num_attention_heads"])
+        return learner_from_config(filled)
+
+    check_params_from_config(merged)
+    assert "PASSED check_params_from_config" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", list(CONFIG_MUTANTS))

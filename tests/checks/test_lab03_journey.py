@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -250,12 +251,16 @@ def _emit(events, stamp, final=True):
             yield from ((now, c) for _, c in events)
             events.clear()
         return
-    yield from events
+    if stamp == "yield":  # the clock read as each chunk is handed over, not when its read arrived
+        yield from ((time.monotonic(), c) for _, c in events)
+    else:
+        yield from events
     events.clear()
 
 
 def lines_client(client, url, payload):
-    """Another correct client: on httpx's iter_lines (which buffers, decodes and splits itself)."""
+    """A client on httpx's iter_lines (which buffers, decodes and splits itself), stamping each line as it comes
+    out: lines of one read come out as the caller asks for them, so a slow caller's chunks are stamped late."""
     with client.stream("POST", url, json=payload) as response:
         if response.status_code != 200:
             response.read()
@@ -286,11 +291,74 @@ def lines_client(client, url, payload):
     raise ConnectionError("no [DONE]")
 
 
+def text_buffer_client(client, url, payload):
+    """Another correct client: an incremental UTF-8 decoder and a text buffer cut with str.partition, one clock
+    reading per network read, the events of a read collected first and yielded after."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(response.json()["error"]["message"])
+        buffer, data = "", []
+
+        def lines_of(text):
+            nonlocal buffer
+            buffer += text
+            while "\n" in buffer:
+                line, _, buffer = buffer.partition("\n")
+                yield line.rstrip("\r")
+
+        def events_of(lines):
+            ready = []
+            for line in lines:
+                if line.startswith("data:"):
+                    data.append(line[5:][1:] if line[5:6] == " " else line[5:])
+                elif not line and data:
+                    text = "\n".join(data)
+                    data.clear()
+                    if text == "[DONE]":
+                        return ready, True
+                    chunk = json.loads(text)
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"]["message"])
+                    ready.append(chunk)
+            return ready, False
+
+        try:
+            for piece in response.iter_bytes():
+                now = time.monotonic()
+                ready, done = events_of(lines_of(decoder.decode(piece)))
+                yield from ((now, chunk) for chunk in ready)
+                if done:
+                    return
+        except httpx.TransportError as exc:
+            raise ConnectionError(f"the stream broke: {exc}") from exc
+        now = time.monotonic()
+        ready, done = events_of([*lines_of(decoder.decode(b"", final=True) + "\n"), ""])
+        yield from ((now, chunk) for chunk in ready)
+        if done:
+            return
+    raise ConnectionError("the stream ended without [DONE]")
+
+
 def test_sse_references_pass(capsys):
     check_sse_client(make_client())  # the check's own course server, started once per Python
-    check_sse_client(lines_client)
+    check_sse_client(text_buffer_client)
     check_sse_client(unguarded(stream_events))
     assert capsys.readouterr().out.count("PASSED check_sse_client") == 3
+
+
+@pytest.mark.parametrize("client_fn", [make_client(stamp="yield"), lines_client], ids=["stamped_at_yield", "iter_lines"])
+def test_sse_stamps_taken_when_the_caller_asks_are_refused(client_fn):
+    """Events that one read completes share its time, however slowly the caller takes them."""
+    with pytest.raises(CheckFailed, match="arrived in one network read, but chunk 3 is stamped 2.* ms after chunk 1"):
+        check_sse_client(client_fn, server=NoServer())
+
+
+def test_a_gap_under_a_millisecond_is_said_in_microseconds():
+    from labsupport.checks.lab03_journey import _duration
+
+    assert _duration(0.0004) == "400 µs" and _duration(0.25) == "250 ms" and _duration(1.5) == "1.5 s"
 
 
 class NoServer:

@@ -544,6 +544,93 @@ class EvictsBeforeFree(PrefixAllocator):
         return self.empty.popleft()
 
 
+class TakeRaises(PrefixAllocator):
+    """Runs out inside take(): MemoryError when neither list has a block."""
+
+    def take(self):
+        if not self.empty and not self.lru:
+            raise MemoryError("out of blocks")
+        return super().take()
+
+
+class HitsCountedAsFree(TakeRaises):
+    """The out-of-memory test counts the hits' own evictable blocks as free for the rest of the prompt."""
+
+    def capacity(self, hits):
+        return len(self.empty) + len(self.lru)
+
+
+class NoTestUpFront(TakeRaises):
+    """Tests nothing before it starts: take() raising is the test, after the hits took references."""
+
+    def capacity(self, hits):
+        return len(self.empty) + len(self.lru) + len(self.where)
+
+
+class PrefixByCount:
+    """Another correct allocator: sets and a release counter for the LRU order, a dict of chains, and a trial
+    that counts the blocks before anything changes."""
+
+    def __init__(self, num_blocks, block_size):
+        self.n, self.size, self.clock = num_blocks, block_size, 0
+        self.free_set, self.cached = set(range(num_blocks)), {}  # cached: block -> release time (refs 0)
+        self.chain_of, self.block_of = {}, {}  # block -> chain, chain -> block (full blocks only)
+        self.count, self.seqs = {}, {}  # block -> references; seq -> (table, cached tokens)
+
+    def allocate(self, seq_id, token_ids):
+        chains = [tuple(token_ids[:(i + 1) * self.size]) for i in range(len(token_ids) // self.size)]
+        hits = []
+        while len(hits) < len(chains) and chains[len(hits)] in self.block_of:
+            hits.append(self.block_of[chains[len(hits)]])
+        fresh = -(-len(token_ids) // self.size) - len(hits)
+        if fresh > len(self.free_set) + len(set(self.cached) - set(hits)):
+            raise MemoryError(f"{fresh} blocks needed")
+        for b in hits:
+            self.cached.pop(b, None)
+            self.count[b] = self.count.get(b, 0) + 1
+        table = list(hits)
+        for i in range(len(hits), len(hits) + fresh):
+            if self.free_set:
+                b = min(self.free_set)
+                self.free_set.remove(b)
+            else:
+                b = min(self.cached, key=self.cached.get)
+                del self.cached[b], self.block_of[self.chain_of.pop(b)]
+            self.count[b] = 1
+            if i < len(chains) and chains[i] not in self.block_of:
+                self.chain_of[b], self.block_of[chains[i]] = chains[i], b
+            table.append(b)
+        self.seqs[seq_id] = (table, len(hits) * self.size)
+        return list(table)
+
+    def cached_tokens(self, seq_id):
+        return self.seqs[seq_id][1]
+
+    def fork(self, parent_id, child_id):
+        self.seqs[child_id] = (list(self.seqs[parent_id][0]), self.seqs[parent_id][1])
+        for b in self.seqs[child_id][0]:
+            self.count[b] += 1
+
+    def free(self, seq_id):
+        for b in self.seqs.pop(seq_id)[0][::-1]:
+            self.count[b] -= 1
+            if self.count[b] == 0:
+                self.clock += 1
+                if b in self.chain_of:
+                    self.cached[b] = self.clock
+                else:
+                    self.free_set.add(b)
+
+    def block_table(self, seq_id):
+        return list(self.seqs[seq_id][0])
+
+    def ref_count(self, block):
+        return self.count.get(block, 0)
+
+    def free_blocks(self):
+        return self.free_set | set(self.cached)
+
+
 class PrefixStub:
     def __init__(self, num_blocks, block_size):
         raise NotImplementedError("Exercise 2")
@@ -563,13 +650,16 @@ PREFIX_MUTANTS = {
     "frees on the first release": (FreesOnFirstRelease, "freed on the first release of a shared block"),
     "forgets hashes on free": (ForgetsOnFree, "free forgot the hashes of released blocks"),
     "evicts before using free blocks": (EvictsBeforeFree, "while plain free blocks remained"),
+    "hits counted as free for the rest": (HitsCountedAsFree, "a refused allocation changed the allocator"),
+    "no out-of-memory test before taking": (NoTestUpFront, "a refused allocation changed the allocator"),
 }
 
 
 def test_prefix_cache_references_pass(capsys):
     check_prefix_cache(PrefixAllocator)
     check_prefix_cache(CoursePrefix)  # the course's own allocator, which the check compares with
-    assert capsys.readouterr().out.count("PASSED check_prefix_cache") == 2
+    check_prefix_cache(PrefixByCount)
+    assert capsys.readouterr().out.count("PASSED check_prefix_cache") == 3
 
 
 @pytest.mark.parametrize("name", PREFIX_MUTANTS)

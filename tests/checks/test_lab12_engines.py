@@ -161,12 +161,14 @@ def test_the_unguarded_answer_is_refused_too():
 def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=False, whole_context=False,
           pad=-1, unpadded=False, lens_before=False, every_row=False, max_total=False, int64_tables=False,
           tail=False, logical=False, unscaled=False, every_left=False, no_zero=False, row_in_seq=False,
-          lens_known=False):
+          lens_known=False, width_needed=False, decode_last_block=False):
     """prepare_step written as a learner would, with one step optionally done wrong."""
 
     def prepare_step(seqs, block_size):
         ids, pos, slots, rows, cu, lens = [], [], [], [], [0], []
         width = max(len(s.block_table) for s in seqs)
+        if width_needed:  # the blocks the tokens fill, the tables cut to them
+            width = max(-(-(s.num_cached + s.num_new) // block_size) for s in seqs)
         for s in seqs:
             start, n = s.num_cached, s.num_new
             if whole_context and n == 1:
@@ -184,6 +186,8 @@ def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=Fa
                     slots.append(p)
                 elif unscaled:
                     slots.append(s.block_table[p // block_size] + p % block_size)
+                elif decode_last_block and n == 1:  # a decode writes into "its last block"
+                    slots.append(s.block_table[-1] * block_size + p % block_size)
                 else:
                     slots.append(s.block_table[p // block_size] * block_size + p % block_size)
             cu.append(n if cu_lengths else cu[-1] + n)
@@ -194,7 +198,8 @@ def _step(*, slot_from_prev=False, restart=False, cu_lengths=False, first_row=Fa
         if unpadded:
             tables = torch.tensor([b for s in seqs for b in s.block_table], dtype=torch.int32)
         else:
-            tables = torch.tensor([list(s.block_table) + [pad] * (width - len(s.block_table)) for s in seqs],
+            tables = torch.tensor([list(s.block_table)[:width] + [pad] * (width - len(s.block_table[:width]))
+                                   for s in seqs],
                                   dtype=torch.int64 if int64_tables else torch.int32)
         q = [s.num_new for s in seqs]
         cu = cu[1:] if no_zero else cu
@@ -211,6 +216,33 @@ def step_fails(fn, *needles, reason="failed"):
 
 def test_a_correct_step_assembly_passes(capsys):
     check_prepare_step(_step())
+    assert "PASSED check_prepare_step" in capsys.readouterr().out
+
+
+def _numpy_step(seqs, block_size):
+    """Another correct assembly: numpy arrays, slots computed for all tokens at once, the tables padded by
+    np.full."""
+    import numpy as np
+
+    news = np.array([s.num_new for s in seqs])
+    cu = np.concatenate([[0], np.cumsum(news)])
+    pos = np.concatenate([np.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])
+    owner = np.repeat(np.arange(len(seqs)), news)
+    tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int32)
+    for b, s in enumerate(seqs):
+        tables[b, :len(s.block_table)] = s.block_table
+    slots = tables[owner, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    ids = np.concatenate([np.asarray(s.token_ids[s.num_cached:s.num_cached + s.num_new]) for s in seqs])
+    samples = np.array([s.num_cached + s.num_new == len(s.token_ids) for s in seqs])
+    return StepMetadata(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(pos.astype(np.int64)),
+                        torch.from_numpy(slots), torch.from_numpy(tables),
+                        torch.from_numpy((cu[1:] - cu[:-1] + [s.num_cached for s in seqs]).astype(np.int32)),
+                        torch.from_numpy(cu.astype(np.int32)), torch.from_numpy((cu[1:] - 1)[samples].astype(np.int64)),
+                        int(news.max()), bool((news == 1).all()))
+
+
+def test_a_numpy_step_assembly_passes(capsys):
+    check_prepare_step(_numpy_step)
     assert "PASSED check_prepare_step" in capsys.readouterr().out
 
 
@@ -247,6 +279,8 @@ def test_the_engines_own_assembly_is_what_the_rule_says():
     (dict(no_zero=True), ("cu_seqlens_q", "no leading 0")),
     (dict(row_in_seq=True), ("logits_indices", "counts within the sequence")),
     (dict(lens_known=True), ("seq_lens", "counts every token the sequence knows")),
+    (dict(width_needed=True), ("block_tables", "the blocks its tokens fill, not the longest table")),
+    (dict(decode_last_block=True), ("slot_mapping", "the last block of its table")),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_step_assembly_mistakes_are_named(flags, needles):
     step_fails(_step(**flags), *needles)

@@ -311,6 +311,8 @@ def learner_fleet(s, **mistake):
     step_ctx, mem_ctx, prompt_p = s.contexts()
 
     def cached(p):
+        if mistake.get("uncapped_cache"):
+            return s.prefix_hit_rate * p
         return 0 if mistake.get("no_cache") else min(s.prefix_hit_rate * p, p - 1)
 
     alone = [s.prefill_alone_s(p, cached(p)) for p in s.prompts()]
@@ -324,7 +326,8 @@ def learner_fleet(s, **mistake):
     if s.headroom is not None:
         room = s.headroom
     else:
-        room = 0.0 if mistake.get("no_headroom") else max(0.0, poisson_quantile(n, s.burst_percentile) / n - 1)
+        room = 0.0 if mistake.get("no_headroom") else poisson_quantile(n, s.burst_percentile) / n - 1
+        room = room if mistake.get("negative_headroom") else max(0.0, room)
     memory = 1 << 20 if mistake.get("no_memory") else s.batch_in_memory(mem_ctx)
 
     def share(r):
@@ -346,10 +349,19 @@ def learner_fleet(s, **mistake):
             return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
         r = max(1, math.ceil(n * (1 + room) / b - 1e-9))
     else:
-        while batch(r) < 1 or math.ceil(n * (1 + room) / batch(r) - 1e-9) > r:
+        def enough(r):
+            return batch(r) >= 1 and math.ceil(n * (1 + room) / batch(r) - 1e-9) <= r
+
+        while not enough(r) and r < 64:  # one at a time for small fleets, ...
             r += 1
-            if r > 5000:  # the fleet-wide share never falls with more replicas: a learner's loop would hang
-                return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+        if not enough(r):  # ... then double and bisect (a batch of 1 can need tens of thousands)
+            low, r = r, 2 * r
+            while not enough(r):
+                low, r = r, 2 * r
+                if r > 1 << 30:  # the fleet-wide share never falls with more replicas: a learner's loop would hang
+                    return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+            while r - low > 1:
+                low, r = (low, (low + r) // 2) if enough((low + r) // 2) else ((low + r) // 2, r)
         b = batch(r)
     step = 0.0 if mistake.get("ttft_without_step") else s.step_time(b, step_ctx)
     return {"replicas": r, "batch": b, "prefill_share": share(1 if mistake.get("one_pass") else r), "headroom": room,
@@ -377,6 +389,8 @@ FLEET_MUTANTS = {
     "ttft_without_step": "leaves out the decode step",
     "mean_prompt_ttft": "at the mean prompt instead of the percentile",
     "no_memory": "memory limit is left out",
+    "uncapped_cache": "not capped at the prompt less one token",
+    "negative_headroom": "not floored at 0",
 }
 
 
@@ -386,6 +400,56 @@ def test_size_fleet_mutants_fail(mistake):
 
     with pytest.raises(CheckFailed, match=FLEET_MUTANTS[mistake]):
         check_size_fleet(lambda s: learner_fleet(s, **{mistake: True}))
+
+
+def test_a_size_fleet_on_numpy_and_bisection_passes(capsys):
+    """Another correct search: numpy for the averages, a Poisson quantile summed in logs (math.lgamma), a plain
+    bisection over r."""
+    import numpy as np
+
+    from labsupport.checks import check_size_fleet
+
+    def quantile(mean, percent):
+        k, total = 0, 0.0
+        while True:
+            total += math.exp(k * math.log(mean) - mean - math.lgamma(k + 1))
+            if total >= percent / 100:
+                return k
+            k += 1
+
+    def fleet(s):
+        step_ctx, mem_ctx, prompt_p = s.contexts()
+        prompts = np.asarray(s.prompts(), dtype=float)
+        cached = np.minimum(s.prefix_hit_rate * prompts, prompts - 1)
+        alone = float(np.mean([s.prefill_alone_s(int(p), c) for p, c in zip(prompts, cached)]))
+        work = float(np.mean([s.prefill_work_s(int(p), c) for p, c in zip(prompts, cached)]))
+        t = alone + (s.mean_output - 1) * s.tpot_target_s
+        n = s.arrival_rate * t
+        room = s.headroom if s.headroom is not None else max(0.0, quantile(n, s.burst_percentile) / n - 1)
+        memory = s.batch_in_memory(mem_ctx)
+        top = math.ceil(prompt_p)
+        ttft = s.prefill_alone_s(top, min(s.prefix_hit_rate * top, top - 1))
+        if min(s.batch_for_tpot(step_ctx, s.tpot_target_s), memory) < 1:
+            return {"replicas": 0, "batch": 0, "prefill_share": 0.0, "headroom": room, "ttft_s": ttft}
+
+        def batch(r):
+            share = s.arrival_rate / r * work
+            return min(s.batch_for_tpot(step_ctx, s.tpot_target_s * (1 - share)), memory) if share < 1 else 0
+
+        def ok(r):
+            return batch(r) >= 1 and math.ceil(n * (1 + room) / batch(r)) <= r
+
+        hi = 1
+        while not ok(hi):
+            hi *= 2
+        lo = hi // 2
+        while hi - lo > 1:
+            lo, hi = (lo, (lo + hi) // 2) if ok((lo + hi) // 2) else ((lo + hi) // 2, hi)
+        return {"replicas": hi, "batch": batch(hi), "prefill_share": s.arrival_rate / hi * work, "headroom": room,
+                "ttft_s": ttft + s.step_time(batch(hi), step_ctx)}
+
+    check_size_fleet(fleet)
+    assert "PASSED check_size_fleet" in capsys.readouterr().out
 
 
 def test_size_fleet_stub_shape_and_course_answer():

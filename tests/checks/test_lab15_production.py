@@ -420,11 +420,15 @@ def test_slo_refuses_the_course_answer_and_its_percentile():
 
 
 def learner_quantile(q, before, after, *, use_after=False, string_sort=False, per_bucket=False, above=False,
-                     no_interp=False, middle=False, inf=False, lowest_upper=False, no_reset=False, empty=math.nan):
+                     no_interp=False, middle=False, inf=False, lowest_upper=False, no_reset=False, empty=math.nan,
+                     reset="bucket", empty_by_rank=False, below_zero_from_0=False):
     """A learner's histogram_quantile over two scrapes, written from the lab's spec; each switch plants one
     mistake."""
     if use_after:
         inc = dict(after)
+    elif reset != "bucket":  # one judgement for the whole histogram: by its +Inf count, or by any bucket
+        fell = after["+Inf"] < before["+Inf"] if reset == "total" else any(after[le] < before[le] for le in after)
+        inc = {le: after[le] if fell else after[le] - before[le] for le in after}
     else:
         inc = {le: (after[le] - before[le] if no_reset or after[le] >= before[le] else after[le]) for le in after}
     key = (lambda item: item[0]) if string_sort else (lambda item: float(item[0]))
@@ -439,6 +443,8 @@ def learner_quantile(q, before, after, *, use_after=False, string_sort=False, pe
     if total <= 0:
         return empty
     rank = q * total
+    if empty_by_rank and rank == 0:  # "no rank, no observations"
+        return empty
     i = next((j for j, (_, count) in enumerate(buckets) if (count > rank if above else count >= rank)),
              len(buckets) - 1)
     upper, count = buckets[i]
@@ -446,6 +452,8 @@ def learner_quantile(q, before, after, *, use_after=False, string_sort=False, pe
     if math.isinf(upper):
         return math.inf if inf else lower
     if no_interp or (lowest_upper and i == 0):
+        return upper
+    if i == 0 and upper <= 0 and not below_zero_from_0:  # no start to interpolate from
         return upper
     if middle:
         return (lower + upper) / 2
@@ -462,6 +470,29 @@ def test_histogram_quantile_references_pass(capsys):
     check_histogram_quantile.__wrapped__(unguarded(histogram_quantile_between), Checker("check_histogram_quantile"))
 
 
+def numpy_quantile(q, before, after):
+    """Another correct reading: numpy arrays, the increases by np.where, the bucket by np.searchsorted."""
+    les = sorted(after, key=float)
+    was, now = np.array([before[le] for le in les]), np.array([after[le] for le in les])
+    inc, bounds = np.where(now < was, now, now - was), np.array([float(le) for le in les])
+    if inc[-1] == 0:
+        return float("nan")
+    rank = q * inc[-1]
+    i = int(np.searchsorted(inc, rank, side="left"))  # the first cumulative increase that reaches the rank
+    if i >= len(les) - 1:
+        return float(bounds[-2])
+    if i == 0:
+        return float(bounds[0] if bounds[0] <= 0 else bounds[0] * rank / inc[0])
+    return float(bounds[i - 1] + (bounds[i] - bounds[i - 1]) * (rank - inc[i - 1]) / (inc[i] - inc[i - 1]))
+
+
+def test_a_numpy_histogram_quantile_passes(capsys):
+    from labsupport.checks import check_histogram_quantile
+
+    check_histogram_quantile(numpy_quantile)
+    assert "PASSED check_histogram_quantile" in capsys.readouterr().out
+
+
 QUANTILE_MUTANTS = {
     "after alone": (dict(use_after=True), "counts since the server started"),
     "bounds sorted as strings": (dict(string_sort=True), "sorted as strings"),
@@ -474,6 +505,10 @@ QUANTILE_MUTANTS = {
     "reset subtracted": (dict(no_reset=True), "subtracted anyway"),
     "empty window gives 0": (dict(empty=0.0), "0 would read as a perfect latency"),
     "empty window gives None": (dict(empty=None), "Prometheus returns NaN"),
+    "reset judged by the +Inf count": (dict(reset="total"), "judged for the whole histogram"),
+    "reset judged by any bucket": (dict(reset="any"), "judged for the whole histogram"),
+    "q = 0 read as an empty window": (dict(empty_by_rank=True), "a rank of 0 (q = 0) is read as an empty window"),
+    "a bound at or below 0 interpolated from 0": (dict(below_zero_from_0=True), "interpolated from 0 although"),
 }
 
 
@@ -533,9 +568,9 @@ def test_bucket_quantile_gives_prometheus_own_expected_values():
 
 def learner_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=time.sleep, ignore_after=False,
                     no_jitter=False, no_cap=False, linear=False, larger_of=False, retry_all=False, forever=False,
-                    wait_after_last=False, no_503=False, real_sleep=False):
+                    wait_after_last=False, no_503=False, real_sleep=False, jitter="full"):
     """A learner's client written from the lab's spec; each switch plants one mistake."""
-    attempt = 0
+    attempt, fraction = 0, None
     while True:
         response = send()
         retryable = (429,) if no_503 else (429, 503)
@@ -547,7 +582,17 @@ def learner_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=
         after = 0.0 if ignore_after or header is None else float(header)
         envelope = base_s * (attempt + 1) if linear else base_s * 2 ** attempt
         envelope = envelope if no_cap else min(cap_s, envelope)
-        extra = envelope if no_jitter else rng.uniform(0, envelope)
+        if no_jitter:
+            extra = envelope
+        elif jitter == "global":  # the random module's own generator, not the rng handed in
+            extra = random.uniform(0, envelope)
+        elif jitter == "equal":  # "equal jitter": half the envelope, plus a random half
+            extra = envelope / 2 + rng.uniform(0, envelope / 2)
+        elif jitter == "once":  # one fraction of the envelope drawn for the whole call
+            fraction = rng.random() if fraction is None else fraction
+            extra = fraction * envelope
+        else:
+            extra = rng.uniform(0, envelope)
         wait = max(after, extra) if larger_of else after + extra
         (time.sleep if real_sleep else sleep)(wait)
         if last:
@@ -580,7 +625,28 @@ RETRY_MUTANTS = {
     "503 not retried": (dict(no_503=True), "stopped at the answer <503 Retry-After: 3>, which is retryable"),
     "retries forever": (dict(forever=True), "more than 64 times"),
     "a wait after the last attempt": (dict(wait_after_last=True), "no wait after the last attempt"),
+    "the random module, not the rng handed in": (dict(jitter="global"), "the same seed gave other waits"),
+    "equal jitter": (dict(jitter="equal"), "fall in the lower half of their envelope"),
+    "one draw reused at every retry": (dict(jitter="once"), "the same fraction of the envelope at every retry"),
 }
+
+
+def for_loop_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=time.sleep):
+    """Another correct client: a for loop over the attempts, the jitter as rng.random() times the envelope, the
+    header read with a default."""
+    for k in range(max_attempts):
+        answer = send()
+        if answer.status_code not in (429, 503) or k == max_attempts - 1:
+            return answer
+        sleep(float(answer.headers.get("Retry-After", 0)) + rng.random() * min(cap_s, base_s * 2 ** k))
+    raise AssertionError("unreachable")
+
+
+def test_a_for_loop_backoff_passes(capsys):
+    from labsupport.checks import check_retry_after
+
+    check_retry_after(for_loop_backoff)
+    assert "PASSED check_retry_after" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", list(RETRY_MUTANTS))
