@@ -6,7 +6,8 @@ buffers copied without blocking (and their guard, ``model_runner.Copier``), the 
 split-KV Triton kernels, CUDA graphs on and off. The scenarios:
 
 * a long prompt chunked at an idle engine: several steps in a row sample nothing, the case the
-  buffers' guard exists for;
+  buffers' guard exists for; on a GPU every step is queued behind a spin (``gpu_behind``) so that
+  the host always refills before the GPU copied, and a planted run without the guard must fail;
 * mixed arrivals (requests join while others prefill and decode);
 * preemption (too few blocks for everyone);
 * prefix hits (requests sharing a long prefix, the later ones finding it cached);
@@ -46,6 +47,7 @@ import pytest
 import torch
 
 from labsupport.engine import Engine, SpeculativeConfig, TraceRequest, run_trace
+from labsupport.engine.model_runner import Copier
 from labsupport.models import ModelConfig, get_model
 from labsupport.phases import cpu_threads
 from labsupport.sampling import SamplingParams
@@ -206,19 +208,60 @@ def check(model, engine: Engine, rids: dict, prompts: dict, n: int, dtype) -> di
 # -- the scenarios ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, dtype, attention, graphs", SETTINGS)
-def test_a_long_prompt_chunked_at_an_idle_engine(name, dtype, attention, graphs):
-    """One request alone, its prompt in budget-sized chunks: every step but the last samples
-    nothing, so only the buffers' guard orders one chunk's copies before the next chunk's refill."""
-    p = PROFILES[name]
+GPU_BEHIND_CYCLES = 40_000_000  # about 20 ms of an H100's clock: far longer than the host takes to issue a step
+
+
+def gpu_behind(engine: Engine) -> None:
+    """On a GPU, queue a ``GPU_BEHIND_CYCLES`` spin before every step's inputs: the GPU then runs
+    each step's copies well after the host has issued the next step (the race's condition, which a
+    fast GPU and a small model would otherwise meet only by chance). Nothing on a CPU."""
+    if engine.runner.device.type != "cuda":
+        return
+    prepare = engine.runner.prepare
+
+    def behind(batch):
+        torch.cuda._sleep(GPU_BEHIND_CYCLES)
+        return prepare(batch)
+
+    engine.runner.prepare = behind
+
+
+def chunked_prompt(p: Profile, dtype, attention: str, graphs) -> tuple:
+    """One request alone at an idle engine whose GPU is held behind (:func:`gpu_behind`), its
+    prompt in budget-sized chunks; returns the model, the engine, the request id and the prompt."""
     model = decisive_model(p, dtype)
     engine = engine_for(model, p, attention, graphs)
+    gpu_behind(engine)
     (prompt,) = prompts_of(p, [p.long_prompt], seed=1)
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=p.output_len))
     for _ in engine.stream():
         pass
     assert engine.steps[0].sampled == 0 and engine.steps[1].sampled == 0  # two steps in a row sample nothing
+    return model, engine, rid, prompt
+
+
+@pytest.mark.parametrize("name, dtype, attention, graphs", SETTINGS)
+def test_a_long_prompt_chunked_at_an_idle_engine(name, dtype, attention, graphs):
+    """One request alone, its prompt in budget-sized chunks: every step but the last samples
+    nothing, so only the buffers' guard orders one chunk's copies before the next chunk's refill
+    (on a GPU held behind the host, so that the next refill always comes first without it)."""
+    p = PROFILES[name]
+    model, engine, rid, prompt = chunked_prompt(p, dtype, attention, graphs)
     check(model, engine, {0: rid}, {0: prompt}, p.output_len, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_without_the_guard_the_chunked_prompt_goes_wrong(monkeypatch):
+    """The planted mistake: the same scenario with the guard's wait removed must give other tokens
+    (each chunk's copies read the host buffers after later chunks refilled them), or the scenario
+    above could not catch a missing guard."""
+    monkeypatch.setattr(Copier, "wait", lambda self, mark: None)
+    p = PROFILES["gpu"]
+    model, engine, rid, prompt = chunked_prompt(p, torch.float32, "triton", False)
+    want, top, _ = reference(model, prompt, p.output_len)
+    assert mismatch(engine.requests[rid].output_ids, want, top, exact=True) is not None, (
+        "without the guard the engine still gave generate's tokens: the GPU was not behind the host")
 
 
 @pytest.mark.parametrize("name, dtype, attention, graphs", SETTINGS)
