@@ -212,15 +212,17 @@ GPU_BEHIND_CYCLES = 40_000_000  # about 20 ms of an H100's clock: far longer tha
 
 
 def gpu_behind(engine: Engine) -> None:
-    """On a GPU, queue a ``GPU_BEHIND_CYCLES`` spin before every step's inputs: the GPU then runs
-    each step's copies well after the host has issued the next step (the race's condition, which a
-    fast GPU and a small model would otherwise meet only by chance). Nothing on a CPU."""
+    """On a GPU, queue a ``GPU_BEHIND_CYCLES`` spin before the inputs of every step that samples
+    nothing: the GPU then runs each such step's copies well after the host has issued the next step
+    (the race's condition, which a fast GPU and a small model would otherwise meet only by chance).
+    A step that samples waits for the GPU anyway, so it gets no spin. Nothing on a CPU."""
     if engine.runner.device.type != "cuda":
         return
     prepare = engine.runner.prepare
 
     def behind(batch):
-        torch.cuda._sleep(GPU_BEHIND_CYCLES)
+        if not any(req.samples_after(n) for req, n in batch):
+            torch.cuda._sleep(GPU_BEHIND_CYCLES)
         return prepare(batch)
 
     engine.runner.prepare = behind
