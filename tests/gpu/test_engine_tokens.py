@@ -252,20 +252,6 @@ def test_a_long_prompt_chunked_at_an_idle_engine(name, dtype, attention, graphs)
     check(model, engine, {0: rid}, {0: prompt}, p.output_len, dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_without_the_guard_the_chunked_prompt_goes_wrong(monkeypatch):
-    """The planted mistake: the same scenario with the guard's wait removed must give other tokens
-    (each chunk's copies read the host buffers after later chunks refilled them), or the scenario
-    above could not catch a missing guard."""
-    monkeypatch.setattr(Copier, "wait", lambda self, mark: None)
-    p = PROFILES["gpu"]
-    model, engine, rid, prompt = chunked_prompt(p, torch.float32, "triton", False)
-    want, top, _ = reference(model, prompt, p.output_len)
-    assert mismatch(engine.requests[rid].output_ids, want, top, exact=True) is not None, (
-        "without the guard the engine still gave generate's tokens: the GPU was not behind the host")
-
-
 @pytest.mark.parametrize("name, dtype, attention, graphs", SETTINGS)
 def test_mixed_arrivals_and_preemption(name, dtype, attention, graphs):
     """Requests arrive while others prefill and decode, in a cache too small for all of them."""
@@ -340,3 +326,17 @@ def test_the_comparison_rule():
     assert mismatch([1, 4, 7], [1, 2, 3], top, exact=False) is None  # 4 in the top 5; nothing after compared
     assert "not among" in mismatch([1, 9, 3], [1, 2, 3], top, exact=False)
     assert "2 tokens" in mismatch([1, 2], [1, 2, 3], top, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_without_the_guard_the_chunked_prompt_goes_wrong(monkeypatch):
+    """The planted mistake (last in the file: a run with wrong inputs must not disturb the others): the same scenario with the guard's wait removed must give other tokens
+    (each chunk's copies read the host buffers after later chunks refilled them), or the scenario
+    above could not catch a missing guard."""
+    monkeypatch.setattr(Copier, "wait", lambda self, mark: None)
+    p = PROFILES["gpu"]
+    model, engine, rid, prompt = chunked_prompt(p, torch.float32, "triton", False)
+    want, top, _ = reference(model, prompt, p.output_len)
+    assert mismatch(engine.requests[rid].output_ids, want, top, exact=True) is not None, (
+        "without the guard the engine still gave generate's tokens: the GPU was not behind the host")
