@@ -331,9 +331,10 @@ def test_the_comparison_rule():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_without_the_guard_the_chunked_prompt_goes_wrong(monkeypatch):
-    """The planted mistake (last in the file: a run with wrong inputs must not disturb the others): the same scenario with the guard's wait removed must give other tokens
+    """The planted mistake: the same scenario with the guard's wait removed must give other tokens
     (each chunk's copies read the host buffers after later chunks refilled them), or the scenario
-    above could not catch a missing guard."""
+    above could not catch a missing guard. Last in the file: a run on wrong inputs must not
+    disturb the others."""
     monkeypatch.setattr(Copier, "wait", lambda self, mark: None)
     p = PROFILES["gpu"]
     model, engine, rid, prompt = chunked_prompt(p, torch.float32, "triton", False)
