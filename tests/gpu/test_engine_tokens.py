@@ -48,6 +48,7 @@ import torch
 
 from labsupport.engine import Engine, SpeculativeConfig, TraceRequest, run_trace
 from labsupport.engine.model_runner import Copier
+from labsupport.engine.sequence import Request
 from labsupport.models import ModelConfig, get_model
 from labsupport.phases import cpu_threads
 from labsupport.sampling import SamplingParams
@@ -315,6 +316,29 @@ def test_the_weights_decide(name):
         margins += reference(model, q, p.output_len)[2]
     margins.sort()
     assert margins[len(margins) // 2] >= MIN_MEDIAN_MARGIN, f"median top-1 margin {margins[len(margins) // 2]:.3f}"
+
+
+@pytest.mark.parametrize("name", ["cpu", pytest.param("gpu", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_speculative_step_sends_its_rows_without_waiting_for_the_gpu(name):
+    """``ModelRunner.verify_rows`` (the rows a speculative step verifies) runs before the forward pass
+    is queued: on a GPU it must not wait for the stream (a copy from pageable memory would, and the
+    GPU would idle while the host issues the forward pass). CUDA's sync debug mode raises on any
+    synchronising call; the GPU is kept busy meanwhile, so a wait would be a real one."""
+    p = PROFILES[name]
+    engine = engine_for(decisive_model(p, torch.float32), p, "torch" if name == "cpu" else "triton", False)
+    req = Request(0, [1, 2, 3], SamplingParams(), 0.0, None, output_ids=[5], num_computed=3, draft_ids=[7, 8])
+    assert req.samples_after(3)  # its last sampled token and two drafts: 3 rows, the batch's first three
+    if name == "gpu":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(GPU_BEHIND_CYCLES)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = engine.runner.verify_rows([(req, 3)])
+    finally:
+        if name == "gpu":
+            torch.cuda.set_sync_debug_mode("default")
+    assert rows.device.type == engine.runner.device.type and rows.tolist() == [0, 1, 2]
 
 
 def test_the_comparison_rule():
