@@ -11,6 +11,7 @@ from test_engine import CFG, alone  # the engine tests' untied tiny model and th
 
 from labsupport.drafts import greedy_speculative, ngram_proposal
 from labsupport.engine import Engine, SpeculativeConfig, TraceRequest, run_trace
+from labsupport.engine.sampler import RowSamplingError
 from labsupport.engine.speculative import accepted_greedy, draft_room, verify_drafts
 from labsupport.paged_cache import BlockAllocator
 from labsupport.phases import cpu_threads
@@ -360,3 +361,17 @@ def test_the_triton_kernels_verify_drafts_in_the_interpreter(model):
     assert engine.stats()["spec_accepted_tokens"] > 0
     for rid, prompt in zip(ids, prompts):
         assert engine.requests[rid].output_ids == alone(model, prompt, 10)
+
+
+def test_a_row_past_the_first_rejection_never_fails_its_request():
+    """Plain sampling draws row 0, gets a token other than the draft's, and stops there: a later row
+    that is not a distribution (NaN) is never drawn, so the request keeps its token; a NaN row that
+    plain sampling does draw (row 0, or a row after accepted drafts) fails the request alone."""
+    nan = float("nan")
+    sampled = SamplingParams(temperature=1.0)
+    logits = torch.tensor([[0.0, 0.0, 40.0, 0.0], [nan] * 4, [0.0] * 4])  # row 0 draws 2 (p > 1 - 1e-16)
+    assert verify_drafts(logits, [sampled], [torch.Generator().manual_seed(0)], [[1, 1]]) == [[2]]
+    accepted = verify_drafts(logits, [sampled], [torch.Generator().manual_seed(0)], [[2, 1]])[0]
+    assert isinstance(accepted, RowSamplingError)  # draft 2 accepted: row 1 is drawn, and is NaN
+    first = torch.tensor([[nan] * 4, [0.0] * 4])
+    assert isinstance(verify_drafts(first, [sampled], [torch.Generator().manual_seed(0)], [[1]])[0], RowSamplingError)

@@ -363,7 +363,14 @@ class ModelRunner:
             end += n
             if req.samples_after(n):
                 rows.extend(range(end - 1 - len(req.draft_ids), end))
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        rows_t = torch.tensor(rows, dtype=torch.long)  # (R,) on the host
+        if self.device.type != "cuda":
+            return rows_t.to(self.device)
+        # A copy from pageable memory waits for the whole stream: here, before the forward pass is
+        # even queued, the GPU would idle while the host issues it. A fresh pinned tensor copied
+        # without blocking (nano-vllm's way) waits for nothing; PyTorch's pinned-memory allocator
+        # does not hand its block out again until the copy has run.
+        return rows_t.pin_memory().to(self.device, non_blocking=True)
 
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """The hidden states of the rows ``meta.logits_indices`` names, (R, d): replayed from a

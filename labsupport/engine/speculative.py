@@ -148,10 +148,12 @@ def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], genera
     for k, i in enumerate(drawn):
         ys = chosen[at:at + sizes[i]]
         at += sizes[i]
-        if min(ys) < 0:  # a row of its could not be sampled: it fails alone (the sampler's rule)
+        kept = ys[:1 + accepted_greedy(ys, drafts[i])]  # up to the first draw that is not the draft's token
+        if min(kept) < 0:  # a row plain sampling draws could not be sampled: it fails alone (the sampler's rule);
+            # a row past the first rejection is never drawn by plain sampling, so it fails nothing
             out[i] = row_failure(params[i], raised.get(k, "its probabilities were NaN, infinite or all zero"))
             continue
-        out[i] = ys[:1 + accepted_greedy(ys, drafts[i])]  # up to the first draw that is not the draft's token
+        out[i] = kept
         if len(out[i]) < sizes[i]:  # it drew rows plain sampling never draws: replay only the draws it keeps
             generators[i].set_state(states[k])
             for j in range(first[k], first[k] + len(out[i])):
@@ -174,7 +176,8 @@ def _draw_ahead(logits: torch.Tensor, spans: Sequence[tuple[int, int]], params: 
     A row whose probabilities are not a distribution (NaN, infinite, all zero) is drawn from a
     harmless stand-in and its draw is -1 (marked on the device: on a GPU an invalid distribution
     would stop the device, not raise); a request whose draw raises gets -1 on all its rows and the
-    message in ``raised``. Either way the caller fails that request alone.
+    message in ``raised``. Either way the caller fails that request alone, when the row is one plain
+    sampling draws (at or before the request's first rejection).
 
     Returns ``(probs, draws, states, first, raised)``: the rows' probabilities (R', V), the draws (R',)
     on the device, each generator's state before its draws (a host copy: no device sync), each

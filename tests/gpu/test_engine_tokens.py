@@ -6,7 +6,8 @@ buffers copied without blocking (and their guard, ``model_runner.Copier``), the 
 split-KV Triton kernels, CUDA graphs on and off. The scenarios:
 
 * a long prompt chunked at an idle engine: several steps in a row sample nothing, the case the
-  buffers' guard exists for;
+  buffers' guard exists for; on a GPU every step is queued behind a spin (``gpu_behind``) so that
+  the host always refills before the GPU copied, and a planted run without the guard must fail;
 * mixed arrivals (requests join while others prefill and decode);
 * preemption (too few blocks for everyone);
 * prefix hits (requests sharing a long prefix, the later ones finding it cached);
@@ -46,6 +47,8 @@ import pytest
 import torch
 
 from labsupport.engine import Engine, SpeculativeConfig, TraceRequest, run_trace
+from labsupport.engine.model_runner import Copier
+from labsupport.engine.sequence import Request
 from labsupport.models import ModelConfig, get_model
 from labsupport.phases import cpu_threads
 from labsupport.sampling import SamplingParams
@@ -206,18 +209,47 @@ def check(model, engine: Engine, rids: dict, prompts: dict, n: int, dtype) -> di
 # -- the scenarios ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, dtype, attention, graphs", SETTINGS)
-def test_a_long_prompt_chunked_at_an_idle_engine(name, dtype, attention, graphs):
-    """One request alone, its prompt in budget-sized chunks: every step but the last samples
-    nothing, so only the buffers' guard orders one chunk's copies before the next chunk's refill."""
-    p = PROFILES[name]
+GPU_BEHIND_CYCLES = 40_000_000  # about 20 ms of an H100's clock: far longer than the host takes to issue a step
+
+
+def gpu_behind(engine: Engine) -> None:
+    """On a GPU, queue a ``GPU_BEHIND_CYCLES`` spin before the inputs of every step that samples
+    nothing: the GPU then runs each such step's copies well after the host has issued the next step
+    (the race's condition, which a fast GPU and a small model would otherwise meet only by chance).
+    A step that samples waits for the GPU anyway, so it gets no spin. Nothing on a CPU."""
+    if engine.runner.device.type != "cuda":
+        return
+    prepare = engine.runner.prepare
+
+    def behind(batch):
+        if not any(req.samples_after(n) for req, n in batch):
+            torch.cuda._sleep(GPU_BEHIND_CYCLES)
+        return prepare(batch)
+
+    engine.runner.prepare = behind
+
+
+def chunked_prompt(p: Profile, dtype, attention: str, graphs) -> tuple:
+    """One request alone at an idle engine whose GPU is held behind (:func:`gpu_behind`), its
+    prompt in budget-sized chunks; returns the model, the engine, the request id and the prompt."""
     model = decisive_model(p, dtype)
     engine = engine_for(model, p, attention, graphs)
+    gpu_behind(engine)
     (prompt,) = prompts_of(p, [p.long_prompt], seed=1)
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=p.output_len))
     for _ in engine.stream():
         pass
     assert engine.steps[0].sampled == 0 and engine.steps[1].sampled == 0  # two steps in a row sample nothing
+    return model, engine, rid, prompt
+
+
+@pytest.mark.parametrize("name, dtype, attention, graphs", SETTINGS)
+def test_a_long_prompt_chunked_at_an_idle_engine(name, dtype, attention, graphs):
+    """One request alone, its prompt in budget-sized chunks: every step but the last samples
+    nothing, so only the buffers' guard orders one chunk's copies before the next chunk's refill
+    (on a GPU held behind the host, so that the next refill always comes first without it)."""
+    p = PROFILES[name]
+    model, engine, rid, prompt = chunked_prompt(p, dtype, attention, graphs)
     check(model, engine, {0: rid}, {0: prompt}, p.output_len, dtype)
 
 
@@ -286,6 +318,29 @@ def test_the_weights_decide(name):
     assert margins[len(margins) // 2] >= MIN_MEDIAN_MARGIN, f"median top-1 margin {margins[len(margins) // 2]:.3f}"
 
 
+@pytest.mark.parametrize("name", ["cpu", pytest.param("gpu", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_speculative_step_sends_its_rows_without_waiting_for_the_gpu(name):
+    """``ModelRunner.verify_rows`` (the rows a speculative step verifies) runs before the forward pass
+    is queued: on a GPU it must not wait for the stream (a copy from pageable memory would, and the
+    GPU would idle while the host issues the forward pass). CUDA's sync debug mode raises on any
+    synchronising call; the GPU is kept busy meanwhile, so a wait would be a real one."""
+    p = PROFILES[name]
+    engine = engine_for(decisive_model(p, torch.float32), p, "torch" if name == "cpu" else "triton", False)
+    req = Request(0, [1, 2, 3], SamplingParams(), 0.0, None, output_ids=[5], num_computed=3, draft_ids=[7, 8])
+    assert req.samples_after(3)  # its last sampled token and two drafts: 3 rows, the batch's first three
+    if name == "gpu":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(GPU_BEHIND_CYCLES)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = engine.runner.verify_rows([(req, 3)])
+    finally:
+        if name == "gpu":
+            torch.cuda.set_sync_debug_mode("default")
+    assert rows.device.type == engine.runner.device.type and rows.tolist() == [0, 1, 2]
+
+
 def test_the_comparison_rule():
     """fp32: any difference fails; bf16: a difference among the reference's top 5 passes and ends the
     comparison, one outside fails."""
@@ -295,3 +350,18 @@ def test_the_comparison_rule():
     assert mismatch([1, 4, 7], [1, 2, 3], top, exact=False) is None  # 4 in the top 5; nothing after compared
     assert "not among" in mismatch([1, 9, 3], [1, 2, 3], top, exact=False)
     assert "2 tokens" in mismatch([1, 2], [1, 2, 3], top, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_without_the_guard_the_chunked_prompt_goes_wrong(monkeypatch):
+    """The planted mistake: the same scenario with the guard's wait removed must give other tokens
+    (each chunk's copies read the host buffers after later chunks refilled them), or the scenario
+    above could not catch a missing guard. Last in the file: a run on wrong inputs must not
+    disturb the others."""
+    monkeypatch.setattr(Copier, "wait", lambda self, mark: None)
+    p = PROFILES["gpu"]
+    model, engine, rid, prompt = chunked_prompt(p, torch.float32, "triton", False)
+    want, top, _ = reference(model, prompt, p.output_len)
+    assert mismatch(engine.requests[rid].output_ids, want, top, exact=True) is not None, (
+        "without the guard the engine still gave generate's tokens: the GPU was not behind the host")
