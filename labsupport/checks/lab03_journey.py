@@ -246,6 +246,8 @@ _PITFALLS = {
     "read the clock once per network read (each item of response.iter_bytes()), not when your generator "
     "yields: events that one read completes share its time, however long the caller takes to ask for the next": \
     "batched",
+    "stamp an event with the time of the network read that completes it (the read that brings its blank line), "
+    "not the read where its first bytes came: the chunk is not usable before it is whole": "completed",
 }
 
 
@@ -306,6 +308,24 @@ def _timed_case() -> _Raw:
     return _Raw(f"three events {TIMED:g} s apart", [(TIMED if i else 0.0, _event(c)) for i, c in enumerate(three)]
                 + [(0.0, DONE_EVENT)], three,
                 trap=_trap("timing"))
+
+
+def _completed_case() -> _Raw:
+    """An event whose bytes come in two reads TIMED s apart, its whole data line in the first and the blank
+    line that ends it in the second: its time is the second read's."""
+    two = [_chunk("half"), _chunk(" whole", "length")]
+    first = _event(two[0])
+    return _Raw(f"an event cut across two network reads {TIMED:g} s apart (its data line, then its blank line)",
+                [(0.0, first[:-1]), (TIMED, first[-1:] + _event(two[1])), (0.0, DONE_EVENT)], two,
+                trap=_trap("completed"))
+
+
+def _check_completed(checker, times: list[float], script: Script, case: Case, hint: str) -> None:
+    """Chunk 0's last bytes were sent with the second piece: it cannot be stamped before that was sent."""
+    if times[0] < script.sent_at[1]:
+        checker.fail(case, f"chunk 0 is stamped {_duration(script.sent_at[1] - times[0])} before the network read "
+                           f"that completed it was sent (its data line came {TIMED:g} s earlier, its blank line "
+                           f"then): you stamped the read where the event began.", hint)
 
 
 SLOW_S = 0.1  # how long the slow consumer of the batched case takes over each chunk
@@ -554,6 +574,9 @@ def check_sse_client(fn, checker, server=None):
         timed = _timed_case()
         times, script, _ = _check_raw(checker, fn, client, raw_server, timed, payload)
         _check_timing(checker, times, script, Case(stream=timed.label), f"{timed.trap}.\n{SSE_RULE}")
+        completed = _completed_case()
+        times, script, _ = _check_raw(checker, fn, client, raw_server, completed, payload)
+        _check_completed(checker, times, script, Case(stream=completed.label), f"{completed.trap}.\n{SSE_RULE}")
         batched = _batched_case()
         times, _, run = _check_raw(checker, fn, client, raw_server, batched, payload, slow_s=SLOW_S)
         _check_batched(checker, times, run, Case(stream=batched.label), f"{batched.trap}.\n{SSE_RULE}")

@@ -344,7 +344,7 @@ FLEET_KEYS = ("replicas", "batch", "prefill_share", "headroom", "ttft_s")
 
 def fleet_variant(s, *, interference=True, per_replica=True, headroom=True, search=True, cache=True,
                   cached_attention=True, little="prefill", ttft_step=True, ttft_percentile=True, memory=True,
-                  cache_cap=True, headroom_floor=True) -> dict:
+                  cache_cap=True, headroom_floor=True, zero_headroom_given=True) -> dict:
     """:func:`labsupport.planning.size_fleet` written out, with one step optionally done wrong (the
     defaults give the right answer)."""
     step_ctx, mem_ctx, prompt_p = s.contexts()
@@ -371,7 +371,7 @@ def fleet_variant(s, *, interference=True, per_replica=True, headroom=True, sear
     first = prefill_alone if little == "prefill" else s.ttft_target_s
     time_in_sys = first + (s.mean_output - 1) * s.tpot_target_s
     conc = s.arrival_rate * time_in_sys
-    if s.headroom is not None:
+    if s.headroom is not None and (s.headroom or zero_headroom_given):
         room = s.headroom
     else:
         room = poisson_quantile(conc, s.burst_percentile) / conc - 1 if headroom else 0.0
@@ -439,6 +439,8 @@ def _fleet_mistakes(s) -> dict[str, dict]:
         "last token, whose logits it samples)": dict(cache_cap=False),
         "the headroom is not floored at 0 (a burst percentile whose quantile is below the mean gives a negative "
         "headroom: provision the mean, never less)": dict(headroom_floor=False),
+        "a headroom of 0 given in s.headroom is taken for no headroom given (0.0 is false: `if s.headroom:` "
+        "replaces it with the Poisson one; test `s.headroom is not None`)": dict(zero_headroom_given=False),
     }
     return {d: fleet_variant(s, **flags) for d, flags in wrong.items()}
 
@@ -495,6 +497,8 @@ def fleet_cases(seeds) -> list[tuple[str, object]]:
             tpot_target_s=0.02, prefix_hit_rate=0.95)),
         ("provisioned for the 45th-percentile burst: the Poisson quantile is below the mean, the headroom is 0", _settings(
             "qwen3-8b", "H200", arrival_rate=30, prompt_tokens=800, output_tokens=200, burst_percentile=45.0)),
+        ("an explicit headroom of 0 (provision the mean): a given 0 is a headroom, not a missing one", _settings(
+            "llama-3.1-8b", "H200", arrival_rate=20, prompt_tokens=1000, output_tokens=250, headroom=0.0)),
         *((f"random workload, seed {seed}", _random_settings(seed)) for seed in seeds),
     ]
 

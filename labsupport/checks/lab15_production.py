@@ -804,7 +804,7 @@ def _check_jitter(checker, fn, base: float, cap: float) -> None:
         checker.fail(case, f"each client waited the same fraction of the envelope at every retry (client 0: "
                            f"{fractions[0][0]:.3f} of it every time): one random number was drawn for the whole call. "
                            f"Draw a new one from rng before every retry.", RETRY_RULE)
-    _check_uniform(checker, case, [f for client in fractions for f in client])
+    _check_uniform(checker, fn, kw, base, cap, [f for client in fractions for f in client])
 
 
 def _check_seeded(checker, fn, case, kw, first: list[float]) -> None:
@@ -823,23 +823,42 @@ def _shown_waits(waits: list[float]) -> str:
     return "[" + ", ".join(f"{w:.3f}" for w in waits[:4]) + (", ...]" if len(waits) > 4 else "]")
 
 
-# The 280 extra waits as fractions of their envelopes must look uniform on [0, 1]: a Kolmogorov-Smirnov
-# distance above this has probability about 2 exp(-2 n D^2) < 1e-9 for n = 280 uniform draws.
-JITTER_KS_LIMIT = 0.2
+# Full jitter's shape is judged on the extra waits of JITTER_SHAPE_CLIENTS clients (seeds 0 up), each refused
+# seven times, as fractions of their envelopes: they must look uniform on [0, 1]. For n uniform draws a
+# Kolmogorov-Smirnov distance above sqrt(ln(2 / p) / (2 n)) has probability below p (the DKW bound); with
+# p = 1e-9 and n = 2,800 the limit is 0.062, below the distance of a triangle (0.125), of Beta(2, 2) (0.096) or
+# of a bell clipped to the envelope, which all stay inside it and spread every retry's waits. (40 clients,
+# 280 draws, would allow 0.195 and pass all three.)
+JITTER_SHAPE_CLIENTS = 400
+JITTER_FALSE_ALARM = 1e-9
 
 
-def _check_uniform(checker, case, fractions: list[float]) -> None:
-    """Full jitter: every extra wait uniform over its whole envelope, not only inside it."""
+def _check_uniform(checker, fn, kw, base: float, cap: float, fractions: list[float]) -> None:
+    """Full jitter: every extra wait uniform over its whole envelope, not only inside it, and not some other
+    shape inside it (``fractions``: the first 40 clients' waits over their envelopes; more are drawn here)."""
+    first = len(fractions) // (kw["max_attempts"] - 1)
+    case = Case(clients=f"{JITTER_SHAPE_CLIENTS}, rng = random.Random(seed) for seed 0 to {JITTER_SHAPE_CLIENTS - 1}",
+                answers="429 (Retry-After 1) every time", **kw)
+    fractions = list(fractions)
+    for seed in range(first, JITTER_SHAPE_CLIENTS):
+        script = _Script([_Response(429, "1")])
+        _run_script(checker, fn, case, script, random.Random(seed), **kw)
+        _check_waits(checker, case, script, [1.0] * len(script.waits), base, cap)
+        fractions += [(w - 1.0) / min(cap, base * 2 ** k) for k, w in enumerate(script.waits)]
     ordered, n = sorted(fractions), len(fractions)
     distance = max(max((i + 1) / n - f, f - i / n) for i, f in enumerate(ordered))
-    if distance > JITTER_KS_LIMIT:
+    limit = math.sqrt(math.log(2 / JITTER_FALSE_ALARM) / (2 * n))
+    if distance > limit:
         lower = sum(f < 0.5 for f in fractions) / n
+        quarter = sum(f < 0.25 for f in fractions) / n
         checker.fail(case, f"the {n} extra waits (beyond Retry-After) are not spread evenly over their envelopes "
                            f"[0, min(cap_s, base_s * 2**k)]: {lower:.0%} of them fall in the lower half of their "
-                           f"envelope, where a uniform draw puts about half (the largest gap between their "
-                           f"distribution and a uniform one is {distance:.2f}). Full jitter draws uniformly from 0 "
-                           f"to the envelope: not half the envelope plus a random half (equal jitter), nor a "
-                           f"product or power of draws.", RETRY_RULE)
+                           f"envelope and {quarter:.0%} in its lowest quarter, where a uniform draw puts about 50% and "
+                           f"25% (the largest gap between their distribution and a uniform one is {distance:.3f}; "
+                           f"uniform draws stay below {limit:.3f}). Full jitter draws uniformly from 0 to the envelope "
+                           f"(rng.uniform(0, envelope)): not half the envelope plus a random half (equal jitter), nor "
+                           f"a product or power of draws, nor another shape inside the envelope (a triangle, a bell).",
+                     RETRY_RULE)
 
 
 def _check_against_a_real_service(checker, fn) -> None:

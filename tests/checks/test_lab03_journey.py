@@ -179,7 +179,7 @@ def make_client(*, buffer=True, strip_cr=True, comments=True, space_optional=Tru
                 raise RuntimeError(f"HTTP {response.status_code}: {response.json()['error']['message']}")
             if not status:
                 response.raise_for_status()
-            pending, data = b"", []
+            pending, data, began = b"", [], []  # began: the stamp of the read where the open event began
 
             def line_of(raw):
                 return raw.decode("utf-8")
@@ -192,6 +192,9 @@ def make_client(*, buffer=True, strip_cr=True, comments=True, space_optional=Tru
                         return None
                     text = "\n".join(data)
                     data.clear()
+                    if stamp == "first":  # the mutant: the read where the event began, not the one that ended it
+                        t = began.pop()
+                    began.clear()
                     if text == "[DONE]" and done:
                         return "done"
                     if text == "[DONE]":
@@ -209,12 +212,14 @@ def make_client(*, buffer=True, strip_cr=True, comments=True, space_optional=Tru
                         return None
                 else:
                     value = line.partition(":")[2]
+                if not data:
+                    began.append(t)
                 data.append(value[1:] if not space_optional or value.startswith(" ") else value)
                 return None
 
             try:
                 for piece in response.iter_bytes():
-                    t = time.monotonic() if stamp == "arrival" else time.time()
+                    t = time.time() if stamp == "wall" else time.monotonic()
                     if decode == "chunk":  # each read decoded alone: a split character is lost
                         piece = piece.decode("utf-8", errors="replace").encode()
                     if buffer:
@@ -384,6 +389,8 @@ SSE_MUTANTS = {
     "lets httpx's error out": (make_client(wrap_cut=False), r"(?s)raised RemoteProtocolError.*connection cut"),
     "no [DONE] is fine": (make_client(need_done=False), r"never sent data: \[DONE\]: it was cut"),
     "wall-clock stamps": (make_client(stamp="wall"), r"outside the call .*time\.monotonic"),
+    "stamped at the read where an event began": (
+        make_client(stamp="first"), r"(?s)an event cut across two network reads.*you stamped the read where the event began"),
     "raw JSON text": (make_client(parse=False), "yield the event's data parsed as JSON"),
 }
 

@@ -323,7 +323,7 @@ def learner_fleet(s, **mistake):
     prefill, prefill_work = sum(alone) / len(alone), sum(work) / len(work)
     t = (s.ttft_target_s if mistake.get("ttft_in_little") else prefill) + (s.mean_output - 1) * s.tpot_target_s
     n = s.arrival_rate * t
-    if s.headroom is not None:
+    if s.headroom is not None and not (mistake.get("falsy_headroom") and not s.headroom):
         room = s.headroom
     else:
         room = 0.0 if mistake.get("no_headroom") else poisson_quantile(n, s.burst_percentile) / n - 1
@@ -391,6 +391,7 @@ FLEET_MUTANTS = {
     "no_memory": "memory limit is left out",
     "uncapped_cache": "not capped at the prompt less one token",
     "negative_headroom": "not floored at 0",
+    "falsy_headroom": "a headroom of 0 given in s.headroom is taken for no headroom given",
 }
 
 

@@ -591,6 +591,12 @@ def learner_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=
         elif jitter == "once":  # one fraction of the envelope drawn for the whole call
             fraction = rng.random() if fraction is None else fraction
             extra = fraction * envelope
+        elif jitter == "triangle":  # inside the envelope, but more often near its middle
+            extra = rng.triangular(0, envelope)
+        elif jitter == "beta":  # inside the envelope, a gentler hump
+            extra = envelope * rng.betavariate(2, 2)
+        elif jitter == "bell":  # a bell around 0, folded and clipped to the envelope
+            extra = min(envelope, abs(rng.gauss(0, envelope / 2)))
         else:
             extra = rng.uniform(0, envelope)
         wait = max(after, extra) if larger_of else after + extra
@@ -628,6 +634,9 @@ RETRY_MUTANTS = {
     "the random module, not the rng handed in": (dict(jitter="global"), "the same seed gave other waits"),
     "equal jitter": (dict(jitter="equal"), "fall in the lower half of their envelope"),
     "one draw reused at every retry": (dict(jitter="once"), "the same fraction of the envelope at every retry"),
+    "a triangle inside the envelope": (dict(jitter="triangle"), "another shape inside the envelope"),
+    "Beta(2, 2) inside the envelope": (dict(jitter="beta"), "another shape inside the envelope"),
+    "a clipped bell inside the envelope": (dict(jitter="bell"), "another shape inside the envelope"),
 }
 
 
@@ -646,6 +655,24 @@ def test_a_for_loop_backoff_passes(capsys):
     from labsupport.checks import check_retry_after
 
     check_retry_after(for_loop_backoff)
+    assert "PASSED check_retry_after" in capsys.readouterr().out
+
+
+def randrange_backoff(send, rng, *, max_attempts=6, base_s=0.25, cap_s=4.0, sleep=time.sleep):
+    """A correct client that draws its uniform jitter from rng another way (rng.randrange, another stream of
+    numbers than rng.uniform's): the shape test must accept any uniform draw, not only the course's."""
+    for k in range(max_attempts):
+        answer = send()
+        if answer.status_code not in (429, 503) or k == max_attempts - 1:
+            return answer
+        sleep(float(answer.headers.get("Retry-After", 0)) + rng.randrange(1 << 30) / (1 << 30) * min(cap_s, base_s * 2 ** k))
+    raise AssertionError("unreachable")
+
+
+def test_a_backoff_drawing_with_randrange_passes(capsys):
+    from labsupport.checks import check_retry_after
+
+    check_retry_after(randrange_backoff)
     assert "PASSED check_retry_after" in capsys.readouterr().out
 
 
