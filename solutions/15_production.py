@@ -535,6 +535,8 @@ def histogram_quantile_between(q, before, after):
                 return lower  # no bound above: the largest finite one
             if i == 0 and upper <= 0:
                 return upper  # a lowest bound at or below 0: no start to interpolate from
+            if count == below:
+                return math.nan  # q = 0 reaching an empty bucket: 0 / 0, NaN as Prometheus gives
             return lower + (upper - lower) * (rank - below) / (count - below)
         lower, below = upper, count
     return lower
