@@ -334,7 +334,9 @@ def test_a_busy_port_and_bad_options_are_refused_with_advice(server, capsys):
                              (["--base-model", "llama-3.1-70b"], "small presets"),
                              (["--port", "70000"], "--port must be from 0 to 65535"),
                              (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be 0"),
-                             (["--num-speculative-tokens", "4"], "needs --engine continuous")):
+                             (["--num-speculative-tokens", "4"], "needs --engine continuous"),
+                             (["--served-model-name", " "], "--served-model-name must be a name"),
+                             (["--served-model-name", ".."], "--served-model-name must be a name")):
         with pytest.raises(SystemExit):
             cli.parse_args(options)
         assert message in capsys.readouterr().err

@@ -104,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--num-speculative-tokens must be 0 (off) or more, got {args.num_speculative_tokens}")
     if args.num_speculative_tokens and args.engine != "continuous":
         p.error("--num-speculative-tokens needs --engine continuous (the FIFO engine does not speculate)")
+    name = args.served_model_name
+    if name is not None and (not name.strip() or name.strip(".") == ""):
+        p.error(f"--served-model-name must be a name (what clients send as \"model\") or a folder's path, got {name!r}")
     return args
 
 
