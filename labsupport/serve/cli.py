@@ -188,10 +188,12 @@ def _foreign_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def _save(backend, folder: Path) -> None:
+def _save(backend, folder: Path) -> bool:
+    """Write the tokenizer's files and the marker into ``folder``; True once done."""
     backend.tokenizer.save_pretrained(folder)  # interface A: writes tokenizer.json and tokenizer_config.json
     (folder / MARKER).write_text("labsupport.serve wrote the tokenizer files in this folder; it may write them again\n")
     backend.tokenizer_dir = str(folder)
+    return True
 
 
 def _write_tokenizer(backend, folder: str | None, model: str | None = None) -> None:
@@ -207,6 +209,7 @@ def _write_tokenizer(backend, folder: str | None, model: str | None = None) -> N
     if model and Path(model).expanduser().is_dir() and Path(model).expanduser().resolve() == resolved:
         backend.tokenizer_dir = str(resolved)
         return
+    written = False
     if resolved != cached:
         foreign = _foreign_files(resolved)
         if foreign:
@@ -215,11 +218,11 @@ def _write_tokenizer(backend, folder: str | None, model: str | None = None) -> N
                   f"tokenizer's files go to {cached} instead", flush=True)
         else:
             try:
-                _save(backend, resolved)
+                written = _save(backend, resolved)
             except (OSError, ImportError, ValueError) as exc:
                 print(f"labsupport.serve: could not write the tokenizer's files to {target} ({exc}); they go to "
                       f"{cached} instead", flush=True)
-    if backend.tokenizer_dir is None:
+    if not written:
         try:
             _save(backend, cached)
         except (OSError, ImportError, ValueError) as exc:
