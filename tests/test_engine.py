@@ -288,7 +288,7 @@ def test_the_batched_sampler_gives_each_request_the_tokens_of_sample_with_its_ow
     logits = torch.randn(40, 97, generator=gen) * 3
     logits[5, :10] = logits[5, 0]  # ties, broken by token id
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.8][i % 4], top_k=[0, 5, 1, 200][i % 3 + (i % 2)],
-                             top_p=[1.0, 0.9, 0.3][i % 3], seed=i) for i in range(40)]
+                             top_p=[1.0, 0.9, 0.3, 1e-300][i // 4 % 4], seed=i) for i in range(40)]
     batched = BatchedSampler()(logits, params, [request_generator(p.seed) for p in params])
     one_by_one = [int(sample(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generator=request_generator(p.seed))[0])
                   for i, p in enumerate(params)]

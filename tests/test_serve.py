@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -333,7 +334,9 @@ def test_a_busy_port_and_bad_options_are_refused_with_advice(server, capsys):
                              (["--base-model", "llama-3.1-70b"], "small presets"),
                              (["--port", "70000"], "--port must be from 0 to 65535"),
                              (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be 0"),
-                             (["--num-speculative-tokens", "4"], "needs --engine continuous")):
+                             (["--num-speculative-tokens", "4"], "needs --engine continuous"),
+                             (["--served-model-name", " "], "--served-model-name must be a name"),
+                             (["--served-model-name", ".."], "--served-model-name must be a name")):
         with pytest.raises(SystemExit):
             cli.parse_args(options)
         assert message in capsys.readouterr().err
@@ -359,6 +362,41 @@ def test_the_served_name_and_where_the_tokenizer_goes(tmp_path):
     command = guidellm.startup_command("http://h:1", str(folder), str(folder), 512, 256)
     assert "--tokenizer" not in command and f"kind=openai_http,target=http://h:1,model={folder}," in " ".join(command)
     assert "--tokenizer" in guidellm.startup_command("http://h:1", "course-tiny", str(folder), 128, 32)
+
+
+def test_the_tokenizer_is_never_written_over_a_users_files(tmp_path, monkeypatch, capsys):
+    """A served name or --tokenizer-dir naming a folder that holds someone's files leaves them as they
+    are: the tokenizer goes to the server's cache instead, and the printed guidellm command names it.
+    A Hugging Face style name (org/model) is a name, not a folder in the working directory; a folder
+    that cannot be made falls back to the cache too; a folder the server wrote before is reused."""
+    monkeypatch.setenv("LABSUPPORT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text("someone's own")
+    for args in (["--served-model-name", str(mine)], ["--tokenizer-dir", str(mine)]):
+        served = cli._backend(cli.parse_args(args))
+        cli._write_tokenizer(served, cli.parse_args(args).tokenizer_dir)
+        assert (mine / "tokenizer.json").read_text() == "someone's own" and len(list(mine.iterdir())) == 1
+        assert served.tokenizer_dir is not None and Path(served.tokenizer_dir).is_relative_to(tmp_path / "cache")
+        assert f"{mine} holds files this server did not write" in capsys.readouterr().out
+        command = guidellm.startup_command("http://h:1", served.model_name, served.tokenizer_dir, 128, 32)
+        assert command[command.index("--tokenizer") + 1] == f"kind=hf_auto,model={served.tokenizer_dir}"
+    served = cli._backend(cli.parse_args(["--served-model-name", "org/model"]))
+    cli._write_tokenizer(served, None)
+    assert not (tmp_path / "org").exists() and Path(served.tokenizer_dir).is_relative_to(tmp_path / "cache")
+    (tmp_path / "a-file").write_text("")
+    served = cli._backend(cli.parse_args(["--served-model-name", str(tmp_path / "a-file" / "tok")]))
+    cli._write_tokenizer(served, None)  # cannot be made: a file is in the way
+    assert Path(served.tokenizer_dir).is_relative_to(tmp_path / "cache")
+    ours = tmp_path / "ours"
+    for _ in range(2):  # written, then written again at the next start
+        served = cli._backend(cli.parse_args(["--served-model-name", str(ours)]))
+        cli._write_tokenizer(served, None)
+        assert served.tokenizer_dir == str(ours) and (ours / "tokenizer.json").is_file()
+    # a relative or ~ name works only where the server was started: the command names the folder itself
+    for relative in ("./ours", "~/ours"):
+        assert "--tokenizer" in guidellm.startup_command("http://h:1", relative, str(ours), 128, 32)
 
 
 def test_the_server_goes_when_the_python_that_started_it_dies(tmp_path):

@@ -38,7 +38,10 @@ Where this server departs from OpenAI's API (on purpose, and said here so no cli
 model's generation config, else 1); sampling without a ``seed`` uses the server's seed, so it repeats;
 completions' ``max_tokens`` defaults to 16, as in OpenAI's and vLLM's; chat's to the rest of the
 context (up to ``--max-tokens-limit``), as in vLLM; one prompt per request; a full server answers HTTP
-429, which the ``openai`` client retries by default (``max_retries=2``).
+429, which the ``openai`` client retries by default (``max_retries=2``); special-token strings typed in a
+completions prompt (``<|im_start|>``) are text, by chapter 01's rule for text from a user, where vLLM and the
+published tokenizer make them special ids (so such a prompt counts more tokens here): send token ids to
+put a special token in a prompt.
 
 **Back-pressure and drain.** ``--max-requests`` slots bound the requests queued, running, or still
 being sent: a slot is held until the response's last byte has been handed to the connection (or the

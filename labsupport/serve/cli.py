@@ -46,13 +46,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "file or a Hugging Face folder) through labsupport.checkpoints.load; default: the course model")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (vLLM's option; default: the model's own name, or for --model a "
-                   "Hugging Face folder, its path as given, as vLLM does). A path (with a /) names a folder the server "
-                   "writes its tokenizer into, so a client that loads the tokenizer by the model's name, as guidellm "
-                   "does, finds it offline")
+                   "Hugging Face folder, its path as given, as vLLM does). An absolute path (or one starting with ./ or ../) "
+                   "names a folder the server writes its tokenizer into, if it is new, empty or the server's own, so a "
+                   "client that loads the tokenizer by the model's name, as guidellm does, finds it offline; a folder "
+                   "holding other files is never written into. A name such as org/model is only a name")
     p.add_argument("--tokenizer-dir", default=None,
                    help="folder to write the served tokenizer into, in Hugging Face format, for benchmark clients "
                    "(default: the --served-model-name folder if it is a path, else <cache>/tokenizers/<model name>; "
-                   "the cache is $LABSUPPORT_CACHE or ~/.cache/labsupport)")
+                   "the cache is $LABSUPPORT_CACHE or ~/.cache/labsupport). A folder holding files the server did not "
+                   "write is left as it is, and the tokenizer goes to the cache")
     p.add_argument("--base-model", default=BASE_PRESET, help=f"labsupport.models preset for the shape ({BASE_PRESET})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--engine", choices=("fifo", "continuous"), default="fifo",
@@ -103,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--num-speculative-tokens must be 0 (off) or more, got {args.num_speculative_tokens}")
     if args.num_speculative_tokens and args.engine != "continuous":
         p.error("--num-speculative-tokens needs --engine continuous (the FIFO engine does not speculate)")
+    name = args.served_model_name
+    if name is not None and (not name.strip() or name.strip(".") == ""):
+        p.error(f"--served-model-name must be a name (what clients send as \"model\") or a folder's path, got {name!r}")
     return args
 
 
@@ -133,8 +138,10 @@ async def _watch_parent(server: uvicorn.Server, parent: int) -> None:
 
 
 def is_path(name: str) -> bool:
-    """Whether a served model name is a folder's path (a client may load a tokenizer from it)."""
-    return "/" in name or os.sep in name or name.startswith(("~", "."))
+    """Whether a served model name is a folder's path the server may write its tokenizer into: an
+    absolute path, or one starting with ./ or ../. A Hugging Face style name (``org/model``) is a
+    name, not a folder in the working directory."""
+    return os.path.isabs(name) or name.startswith(("./", "../"))
 
 
 def _served_name(args: argparse.Namespace, own_name: str) -> str:
@@ -161,23 +168,68 @@ def _backend(args: argparse.Namespace):
     return backend
 
 
+MARKER = ".labsupport-served-tokenizer"  # in a folder the server wrote its tokenizer into: it may write it again
+
+
+def _cached_tokenizer_dir(name: str) -> Path:
+    """The server's own folder for ``name``'s tokenizer, inside the cache (a ``/`` in the name is
+    ``--``, as in Hugging Face's cache, so no name reaches outside it)."""
+    return cache_dir() / "tokenizers" / name.replace("/", "--").replace("\\", "--")
+
+
+def _foreign_files(folder: Path) -> list[str]:
+    """What in ``folder`` this server did not write (nothing if it does not exist, is empty, or holds
+    the server's marker): a folder with such files is someone's, and is never written into."""
+    if not folder.exists():
+        return []
+    if not folder.is_dir():
+        return [folder.name]
+    if (folder / MARKER).is_file():
+        return []
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _save(backend, folder: Path) -> bool:
+    """Write the tokenizer's files and the marker into ``folder``; True once done."""
+    backend.tokenizer.save_pretrained(folder)  # interface A: writes tokenizer.json and tokenizer_config.json
+    (folder / MARKER).write_text("labsupport.serve wrote the tokenizer files in this folder; it may write them again\n")
+    backend.tokenizer_dir = str(folder)
+    return True
+
+
 def _write_tokenizer(backend, folder: str | None, model: str | None = None) -> None:
-    """Write the served tokenizer in Hugging Face format, for benchmark clients; say where. A served
-    name that is a path is the default folder; a Hugging Face folder served from its own path keeps
-    its own files (they are the tokenizer served)."""
+    """Write the served tokenizer in Hugging Face format, for benchmark clients; say where. The folder
+    is ``folder`` (--tokenizer-dir), else the served name if it is a path, else the server's cache. A
+    Hugging Face folder served from its own path keeps its own files (they are the tokenizer served).
+    A folder holding files the server did not write is left alone, and so is one that cannot be made:
+    the tokenizer goes to the cache instead (the printed guidellm command then names it)."""
     name = backend.model_name
-    target = folder or (name if is_path(name) else str(cache_dir() / "tokenizers" / name))
+    cached = _cached_tokenizer_dir(name).expanduser().resolve()
+    target = folder or (name if is_path(name) else str(cached))
     resolved = Path(target).expanduser().resolve()
     if model and Path(model).expanduser().is_dir() and Path(model).expanduser().resolve() == resolved:
         backend.tokenizer_dir = str(resolved)
         return
-    try:
-        backend.tokenizer.save_pretrained(resolved)  # interface A: writes tokenizer.json and tokenizer_config.json
-        backend.tokenizer_dir = str(resolved)
-    except (OSError, ImportError, ValueError) as exc:
-        print(f"labsupport.serve: could not write the tokenizer's files to {target} ({exc}); benchmark clients "
-              f"that need a tokenizer will not find one", flush=True)
-        return
+    written = False
+    if resolved != cached:
+        foreign = _foreign_files(resolved)
+        if foreign:
+            print(f"labsupport.serve: {target} holds files this server did not write ({', '.join(foreign[:5])}); they "
+                  f"are left as they are (name a new or empty folder to have the tokenizer written there); the "
+                  f"tokenizer's files go to {cached} instead", flush=True)
+        else:
+            try:
+                written = _save(backend, resolved)
+            except (OSError, ImportError, ValueError) as exc:
+                print(f"labsupport.serve: could not write the tokenizer's files to {target} ({exc}); they go to "
+                      f"{cached} instead", flush=True)
+    if not written:
+        try:
+            _save(backend, cached)
+        except (OSError, ImportError, ValueError) as exc:
+            print(f"labsupport.serve: could not write the tokenizer's files to {cached} ({exc}); benchmark clients "
+                  f"that need a tokenizer will not find one", flush=True)
+            return
     print(f"labsupport.serve: tokenizer (Hugging Face format) in {backend.tokenizer_dir}: give it to guidellm "
           f"(--tokenizer kind=hf_auto,model=...) or vllm bench serve (--tokenizer)", flush=True)
 

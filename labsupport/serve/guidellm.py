@@ -23,11 +23,12 @@ def startup_command(url: str, model: str, tokenizer_dir: str, context: int, max_
     (guidellm's ``synchronous`` profile) of prompts and answers that fit the context. guidellm loads
     its tokenizer by the model's name unless ``--tokenizer`` names one, and never reads ``root``
     from ``/v1/models``: when the served name is the tokenizer's folder (``--served-model-name``
-    a path) the command needs no ``--tokenizer`` and runs offline as it is."""
+    an absolute path) the command needs no ``--tokenizer`` and runs offline as it is."""
     size = max(1, min(64, context // 4, max_tokens_limit))
     command = ["guidellm", "run", "--backend", f"kind=openai_http,target={url},model={model},"
                f"request_format=/v1/completions"]
-    if Path(model).expanduser().resolve() != Path(tokenizer_dir).expanduser().resolve():
+    if not (Path(model).is_absolute() and Path(model).resolve() == Path(tokenizer_dir).resolve()):
+        # guidellm loads the name as it is: a relative or ~ path only from the folder the server started in
         command += ["--tokenizer", f"kind=hf_auto,model={tokenizer_dir}"]
     return command + ["--data", f"kind=synthetic_text,prompt_tokens={size},output_tokens={size}",
                       "--profile", "kind=synchronous", "--constraint", f"kind=max_requests,count={requests}"]
