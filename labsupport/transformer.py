@@ -398,6 +398,7 @@ class Transformer(nn.Module):
             None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **factory)
         )
         self.to_empty(device=device)  # allocate on the target device; values filled next
+        self.packed_head = None  # labsupport.cpu_linear.prepack: the output head on oneDNN-packed weights
         # RoPE's frequencies in float32 on the model's device (a plain attribute: model.to(dtype) leaves it)
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)  # (D/2,)
         if device.type != "meta":  # on "meta" only the shapes exist (counting an 8B's weights needs no memory)
@@ -492,6 +493,8 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head on hidden states (..., d): (..., V) logits in float32."""
+        if self.packed_head is not None:  # packed for the CPU (labsupport.cpu_linear.prepack)
+            return self.packed_head(hidden).float()
         head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, d)
         return (hidden @ head.T).float()
 

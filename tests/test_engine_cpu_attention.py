@@ -84,3 +84,15 @@ def test_a_paged_batch_builds_its_plan_once_for_every_layer(monkeypatch):
             for i in range(layers)]
     assert len(built) == 1  # the indices and masks of the step were built once, not once per layer
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_one_sequence_on_consecutive_blocks_reads_a_view_and_matches_the_spec():
+    meta, q, k, v, k_cache, v_cache = step([11], [1], block_size=4)
+    meta.block_tables[0, :3] = torch.tensor([2, 3, 4], dtype=meta.block_tables.dtype)  # consecutive blocks
+    meta.slot_mapping[0] = 4 * 4 + 2  # position 10: block 4, offset 2
+    want, _, _ = expected(meta, q, k, v, k_cache, v_cache)
+    plan = CpuAttentionPlan(meta, 4, k_cache.dtype)
+    assert plan.run_start == 2
+    torch.testing.assert_close(plan.attend(q, k, v, k_cache, v_cache), want, atol=1e-5, rtol=1e-5)
+    meta.block_tables[0, :3] = torch.tensor([2, 5, 4], dtype=meta.block_tables.dtype)
+    assert CpuAttentionPlan(meta, 4, k_cache.dtype).run_start is None  # not consecutive: gathered

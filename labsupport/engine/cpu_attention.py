@@ -10,8 +10,9 @@ model rebuilt the same indices and masks 30 times a step, and gathered every blo
 backends build their metadata once per step), and :meth:`CpuAttentionPlan.attend` is, per layer,
 
 * one ``index_copy_`` per cache for the step's new keys and values (slots of -1 already dropped);
-* one ``index_select`` per cache of exactly the slots the step's sequences hold: ``(B, T)`` flat
-  slots, ``T`` the longest sequence, each row padded with its last slot;
+* one ``index_select`` per cache of the blocks the step's sequences hold (whole blocks, contiguous
+  rows of ``BS * Hkv * D`` values), cut at ``T``, the longest sequence's length (none for one
+  sequence whose blocks follow each other in the pool: a view of the cache);
 * one ``scaled_dot_product_attention`` call. A step of decodes only folds each KV head's ``G`` query
   heads into SDPA's query axis (``(B, Hkv, G, D)`` against ``(B, Hkv, T, D)``: the cache is read
   once, unexpanded, as :class:`labsupport.transformer.ContiguousBatch` does for one sequence) with a
@@ -46,11 +47,14 @@ class CpuAttentionPlan:
         t = int(lens.max())  # T: the longest sequence's keys
         dev = lens.device
         pos = torch.arange(t, device=dev)  # (T,)
-        # each sequence's flat slot of each position up to T, a position past its length reading its last slot
-        p = torch.minimum(pos[None, :], lens[:, None] - 1)  # (B, T)
-        tables = meta.block_tables.long().clamp(min=0)  # (B, W): unused entries (-1) are never read
-        blocks = torch.gather(tables, 1, p // block_size)  # (B, T)
-        self.kv_index = (blocks * block_size + p % block_size).flatten()  # (B * T,)
+        # the blocks that hold them: W = ceil(T / BS) per sequence (a table's unused entries, -1, read
+        # block 0 and are masked), gathered whole: one row of BS * Hkv * D values per block
+        self.w = -(-t // block_size)
+        self.kv_index = meta.block_tables[:, :self.w].long().clamp(min=0).flatten()  # (B * W,)
+        # one sequence whose blocks follow each other in the pool (a fresh pool hands them out in
+        # order): its keys are a view of the cache, nothing gathered
+        first = int(self.kv_index[0])
+        self.run_start = first if b == 1 and torch.equal(self.kv_index, torch.arange(first, first + self.w)) else None
         self.b, self.t = b, t
         masked = pos[None, :] >= lens[:, None]  # (B, T): keys past a sequence's end
         if self.decode_only:
@@ -81,9 +85,14 @@ class CpuAttentionPlan:
             k, v = k[self.store_rows], v[self.store_rows]
         k_flat.index_copy_(0, self.store_slots, k.to(k_cache.dtype))
         v_flat.index_copy_(0, self.store_slots, v.to(v_cache.dtype))
-        b, t = self.b, self.t
-        keys = k_flat.index_select(0, self.kv_index).view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
-        values = v_flat.index_select(0, self.kv_index).view(b, t, hkv, d).transpose(1, 2)
+        b, t, bs = self.b, self.t, k_cache.shape[1]
+        # (B, Hkv, T, D) views of each sequence's blocks laid end to end, cut at T
+        if self.run_start is not None:  # consecutive blocks: a view
+            keys, values = (c[self.run_start:self.run_start + self.w] for c in (k_cache, v_cache))
+        else:
+            keys, values = k_cache.index_select(0, self.kv_index), v_cache.index_select(0, self.kv_index)
+        keys = keys.view(b, self.w * bs, hkv, d)[:, :t].transpose(1, 2)
+        values = values.view(b, self.w * bs, hkv, d)[:, :t].transpose(1, 2)
         if self.decode_only:  # row b of q is sequence b's one query: fold the G query heads of a KV head
             out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), keys, values,
                                                  attn_mask=self.mask)  # (B, Hkv, G, D)
