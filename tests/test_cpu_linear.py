@@ -11,6 +11,7 @@ from labsupport import cpu_linear
 from labsupport.engine import Engine
 from labsupport.models import get_model
 from labsupport.sampling import SamplingParams
+from labsupport.serve import cli
 from labsupport.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN")
@@ -57,3 +58,12 @@ def test_bad_input_says_what_to_do():
         cpu_linear.prepack(torch.nn.Linear(2, 2))
     model = Transformer(get_model("tiny-2m"))
     assert cpu_linear.prepack(cpu_linear.prepack(model)) is model  # packing twice packs once
+
+
+def test_the_servers_dtype_and_prepack_options_reach_the_served_model():
+    backend = cli._backend(cli.parse_args(["--engine", "continuous", "--dtype", "bfloat16", "--prepack"]))
+    assert backend.model.dtype == torch.bfloat16 and cpu_linear.is_packed(backend.model)
+    plain = cli._backend(cli.parse_args([]))
+    assert plain.model.dtype == torch.float32 and not cpu_linear.is_packed(plain.model)  # the default: the reference
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--dtype", "int4"])
