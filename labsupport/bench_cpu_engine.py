@@ -20,9 +20,9 @@ configuration, then run 2, ...):
   each, all at time 0): the engine against ``transformers``' static batching (one left-padded
   batch), output tokens per second and TTFT;
 * **a varied trace** (:data:`VARIED`: Poisson arrivals, outputs from 16 to 256 tokens): the engine
-  (continuous batching) against static batching that waits until its batch of
-  :data:`STATIC_BATCH` has arrived (or no request is left to come) and runs it to its longest
-  request; only each request's own tokens count (useful tokens). Both on a virtual clock that
+  (continuous batching, at most :data:`STATIC_BATCH` requests at once) against static batching that
+  waits until its batch of :data:`STATIC_BATCH` has arrived (or no request is left to come) and
+  runs it to its longest request; only each request's own tokens count (useful tokens). Both on a virtual clock that
   advances by measured compute time (the engine's steps; each ``generate`` call), so waiting for an
   arrival costs no wall time;
 * **perplexity** of float32 and bfloat16 on the course's held-out text
@@ -70,7 +70,7 @@ B1_PROMPT, B1_TOKENS = 64, 96  # batch-1 decode: prompt tokens, generated tokens
 EQUAL_REQUESTS, EQUAL_PROMPT, EQUAL_OUTPUT = 16, 64, 128
 VARIED = dict(n=16, rate=4.0, prompt_lens=(32, 48, 64, 96, 128), output_lens=tuple(range(16, 257, 16)))
 STATIC_BATCH = 8  # static batching's batch on the varied trace
-ENGINE = dict(block_size=16, token_budget=512, max_running=16)
+ENGINE = dict(block_size=16, token_budget=512)  # the engine's cache blocks and tokens per step
 PPL_TOKENS, PPL_WINDOW = 2048, 512
 QUICK = dict(b1_tokens=4, equal=(3, 8, 4), varied=dict(n=4, rate=50.0, prompt_lens=(8, 12), output_lens=(2, 6)),
              static_batch=2, ppl=(64, 32), repeats=1, bandwidth_bytes=2**24)
@@ -293,10 +293,11 @@ def llama_cpp_decode(path: str, prompt: list[int], tokens: int, threads: int) ->
     return (tokens - 1) / (run(tokens) - first)
 
 
-def engine_trace(model, trace: list[TraceRequest]) -> dict:
-    """The engine replaying ``trace`` on a virtual clock: useful tokens per second and TTFT p50."""
+def engine_trace(model, trace: list[TraceRequest], max_running: int) -> dict:
+    """The engine replaying ``trace`` on a virtual clock, at most ``max_running`` requests at once:
+    useful tokens per second and TTFT p50."""
     need = max(len(t.prompt_ids) + t.params.max_tokens for t in trace)
-    engine = _engine(model, ENGINE["max_running"], need)
+    engine = _engine(model, max_running, need)
     s = trace_summary(run_trace(engine, trace))
     return {"tokens": s["output_tokens"], "seconds": s["makespan"], "tokens_per_s": s["throughput"],
             "ttft_p50_s": s["ttft"].p50}
@@ -379,8 +380,8 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
             note(f"b1 generate {label}", generate_decode(model, prompt, b1_tokens))
         if hf is not None:
             note("b1 transformers float32", hf_decode(hf, prompt, b1_tokens))
-        note("equal engine", engine_trace(models["float32 packed"], equal))
-        note("varied engine", engine_trace(models["float32 packed"], varied))
+        note("equal engine", engine_trace(models["float32 packed"], equal, n_eq))
+        note("varied engine", engine_trace(models["float32 packed"], varied, static_batch))
         if hf is not None:
             first, total = hf_generate(hf, [list(t.prompt_ids) for t in equal], o_eq)
             note("equal static", {"tokens": n_eq * o_eq, "seconds": total, "tokens_per_s": n_eq * o_eq / total,
@@ -488,7 +489,8 @@ def results_markdown(results: dict | None) -> str:
         else:
             lines.append(f"| {name} | {_tps(e['tokens_per_s'])} | not measured | - | - |")
     ppl = results["perplexity"]["values"]
-    lines += ["", f"Perplexity on the held-out text: float32 {ppl['float32']:.2f}, bfloat16 {ppl['bfloat16 packed']:.2f}."]
+    lines += ["", f"Perplexity on the held-out text ({results['perplexity']['tokens']:,} tokens, windows of "
+              f"{results['perplexity']['window']}): float32 {ppl['float32']:.3f}, bfloat16 {ppl['bfloat16 packed']:.3f}."]
     return "\n".join(lines)
 
 
