@@ -4,6 +4,9 @@ tokens still those of the packed model's own generate."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,3 +70,15 @@ def test_the_servers_dtype_and_prepack_options_reach_the_served_model():
     assert plain.model.dtype == torch.float32 and not cpu_linear.is_packed(plain.model)  # the default: the reference
     with pytest.raises(SystemExit):
         cli.parse_args(["--dtype", "int4"])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_projections_rotate_queries_and_keys_as_the_unfused_model(qk_norm):
+    """The fused attention rotates the queries' and keys' heads in one call; a model with q/k norms
+    (Qwen3) rotates after its norms, as before (a tolerance: a fused matmul may sum in another order)."""
+    cfg = dataclasses.replace(get_model("tiny-2m"), qk_norm=qk_norm)
+    plain = Transformer(cfg)
+    fused = copy.deepcopy(plain).fuse_projections()
+    prompt = plain.random_prompt(2, 9)
+    want = plain.prefill(prompt, plain.new_cache(2, 9))
+    torch.testing.assert_close(fused.prefill(prompt, fused.new_cache(2, 9)), want, atol=1e-5, rtol=1e-5)
