@@ -66,7 +66,7 @@ __all__ = ["RESULTS_PATH", "TARGETS", "machine_load", "read_bandwidth", "measure
 RESULTS_PATH = Path(__file__).resolve().parent.parent / "results" / "cpu_engine.json"
 MODEL = "smollm2-135m-instruct"
 REPEATS = 3
-B1_PROMPT, B1_TOKENS = 64, 96  # batch-1 decode: prompt tokens, generated tokens
+B1_PROMPT, B1_TOKENS = 64, 64  # batch-1 decode: prompt tokens, generated tokens
 EQUAL_REQUESTS, EQUAL_PROMPT, EQUAL_OUTPUT = 16, 64, 128
 VARIED = dict(n=16, rate=4.0, prompt_lens=(32, 48, 64, 96, 128), output_lens=tuple(range(16, 257, 16)))
 STATIC_BATCH = 8  # static batching's batch on the varied trace
@@ -370,23 +370,24 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     checks = same_answers(models, hf, prompt, b1_tokens)
     log(f"checks: {checks}")
     runs: dict[str, list] = {}
+    spent: dict[str, float] = {}  # wall seconds of each configuration, all runs (says where the time goes)
 
-    def note(key, value):
-        runs.setdefault(key, []).append(value)
+    def note(key, fn, *args):
+        t0 = time.perf_counter()
+        runs.setdefault(key, []).append(fn(*args))
+        spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
 
     for r in range(repeats):  # interleaved: run r of every configuration, then run r + 1
         for label, model in models.items():
-            note(f"b1 engine {label}", engine_decode(model, prompt, b1_tokens))
-            note(f"b1 generate {label}", generate_decode(model, prompt, b1_tokens))
+            note(f"b1 engine {label}", engine_decode, model, prompt, b1_tokens)
+            note(f"b1 generate {label}", generate_decode, model, prompt, b1_tokens)
         if hf is not None:
-            note("b1 transformers float32", hf_decode(hf, prompt, b1_tokens))
-        note("equal engine", engine_trace(models["float32 packed"], equal, n_eq))
-        note("varied engine", engine_trace(models["float32 packed"], varied, static_batch))
+            note("b1 transformers float32", hf_decode, hf, prompt, b1_tokens)
+        note("equal engine", engine_trace, models["float32 packed"], equal, n_eq)
+        note("varied engine", engine_trace, models["float32 packed"], varied, static_batch)
         if hf is not None:
-            first, total = hf_generate(hf, [list(t.prompt_ids) for t in equal], o_eq)
-            note("equal static", {"tokens": n_eq * o_eq, "seconds": total, "tokens_per_s": n_eq * o_eq / total,
-                                  "ttft_p50_s": first})
-            note("varied static", static_trace(hf, varied, static_batch))
+            note("equal static", static_trace, hf, equal, n_eq)
+            note("varied static", static_trace, hf, varied, static_batch)
         log(f"run {r + 1} of {repeats} done ({time.time() - started:.0f} s)")
     llama = llama_cpp_decode(str(lm.source), prompt, b1_tokens, torch.get_num_threads())
     share = others.share()
@@ -413,7 +414,7 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
         "read_bandwidth_Bps": bandwidth, "weight_bytes": weight_bytes, "gguf_bytes": gguf_bytes,
         "bound_tokens_per_s": bounds, "b1_tokens_per_s": b1, "traces": traces,
         "perplexity": {"values": ppl, "tokens": len(ids), "window": window, "text": perplexity.heldout_identity()},
-        "checks": checks, "repeats": repeats, "others_cpu_share": round(share, 4), "seconds": round(time.time() - started, 1),
+        "checks": checks, "part_seconds": {k: round(v, 1) for k, v in spent.items()}, "repeats": repeats, "others_cpu_share": round(share, 4), "seconds": round(time.time() - started, 1),
         "sizes": {"b1": [B1_PROMPT, b1_tokens], "equal": [n_eq, p_eq, o_eq],
                   "varied": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.get("varied", VARIED).items()},
                   "static_batch": static_batch, "engine": ENGINE},
