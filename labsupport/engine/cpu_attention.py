@@ -54,7 +54,7 @@ class CpuAttentionPlan:
         # one sequence whose blocks follow each other in the pool (a fresh pool hands them out in
         # order): its keys are a view of the cache, nothing gathered
         first = int(self.kv_index[0])
-        self.run_start = first if b == 1 and torch.equal(self.kv_index, torch.arange(first, first + self.w)) else None
+        self.run_start = first if b == 1 and torch.equal(self.kv_index, torch.arange(first, first + self.w, device=dev)) else None
         self.b, self.t = b, t
         masked = pos[None, :] >= lens[:, None]  # (B, T): keys past a sequence's end
         if self.decode_only:
