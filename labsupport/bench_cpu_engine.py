@@ -389,7 +389,11 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
             note("equal static", static_trace, hf, equal, n_eq)
             note("varied static", static_trace, hf, varied, static_batch)
         log(f"run {r + 1} of {repeats} done ({time.time() - started:.0f} s)")
-    llama = llama_cpp_decode(str(lm.source), prompt, b1_tokens, torch.get_num_threads())
+    llama_error = None
+    try:  # optional, never installed by the course: a failure is recorded, not fatal
+        llama = llama_cpp_decode(str(lm.source), prompt, b1_tokens, torch.get_num_threads())
+    except Exception as exc:  # llama_cpp raises its own errors (a model it cannot load, a crash in decode)
+        llama, llama_error = None, f"{type(exc).__name__}: {exc}"
     share = others.share()
     ppl_tokens, window = sizes.get("ppl", (PPL_TOKENS, PPL_WINDOW))
     ids = lm.tokenizer.encode(perplexity.heldout_text())[:ppl_tokens]
@@ -414,7 +418,7 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
         "read_bandwidth_Bps": bandwidth, "weight_bytes": weight_bytes, "gguf_bytes": gguf_bytes,
         "bound_tokens_per_s": bounds, "b1_tokens_per_s": b1, "traces": traces,
         "perplexity": {"values": ppl, "tokens": len(ids), "window": window, "text": perplexity.heldout_identity()},
-        "checks": checks, "part_seconds": {k: round(v, 1) for k, v in spent.items()}, "repeats": repeats, "others_cpu_share": round(share, 4), "seconds": round(time.time() - started, 1),
+        "llama_cpp_error": llama_error, "checks": checks, "part_seconds": {k: round(v, 1) for k, v in spent.items()}, "repeats": repeats, "others_cpu_share": round(share, 4), "seconds": round(time.time() - started, 1),
         "sizes": {"b1": [B1_PROMPT, b1_tokens], "equal": [n_eq, p_eq, o_eq],
                   "varied": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.get("varied", VARIED).items()},
                   "static_batch": static_batch, "engine": ENGINE},
