@@ -36,16 +36,22 @@ timing does not depend on their values) it records:
   Work per waiting request per step (hashing its blocks, copying its history) makes it grow with
   the queue; the target is at most 1.5 times as long at 256 as at 16.
 
+On a CPU, ``python -m labsupport.bench_engine --cpu-real-model`` measures the real model instead
+(:mod:`labsupport.bench_cpu_engine`: the engine against the course's ``generate``, transformers'
+static batching and the bandwidth bound; ``results/cpu_engine.json``).
+
 Chapters 12 and 13 read ``results/gpu_engine.json`` (:func:`load_results`); until a real run is
 committed every figure reads "not yet measured".
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
+from . import bench_cpu_engine
 from . import bench_harness as H
 from .costs import kv_bytes_per_token
 from .engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
@@ -436,6 +442,9 @@ BENCH = H.Bench("engine", "12 and 13", measure, description=__doc__.split("\n")[
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--cpu-real-model" in argv:  # the real model on this machine's CPU (labsupport.bench_cpu_engine)
+        return bench_cpu_engine.main([a for a in argv if a != "--cpu-real-model"])
     return H.main(BENCH, argv)
 
 

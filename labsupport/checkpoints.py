@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import families
+from . import cpu_linear, families
 from ._answers import answer
 from .families import GGUF_PERMUTED_QK
 from .model_tokenizer import ModelTokenizer
@@ -160,19 +160,26 @@ def greedy(model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, s
 # --- the entry point ----------------------------------------------------------------------------
 
 
-def load(source, *, device="cpu", dtype=None, verbose: bool = True) -> LoadedModel:
+def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bool = True) -> LoadedModel:
     """Load ``source`` (a registered name, a ``.gguf`` file, a Hugging Face folder or a Hub id) into
     the course model on ``device``; see the module's documentation.
 
-    ``dtype``: None gives float32 on the CPU and bfloat16 on a GPU. ``verbose`` prints the size
-    before loading and where the cached conversion is.
+    ``dtype``: None gives float32 on the CPU and bfloat16 on a GPU (float32 is the exact reference;
+    bfloat16 halves the bytes a decode step reads, at the perplexity ``python -m
+    labsupport.bench_engine --cpu-real-model`` records). ``prepack=True`` (a CPU only) fuses the
+    projections and packs every linear layer's weights once for oneDNN
+    (:func:`labsupport.cpu_linear.prepack`: about twice as fast a decode on a CPU). ``verbose``
+    prints the size before loading and where the cached conversion is.
     """
     device = _device(device)
     dtype = _dtype(dtype, device)
+    if prepack and device.type != "cpu":
+        raise CheckpointError(f"prepack=True packs weights for the CPU; the model goes to {device}: leave it False")
     name, path = resolve(source)
-    if path.suffix == ".gguf":
-        return _load_gguf(path, name, device, dtype, verbose)
-    return _load_folder(path, name, device, dtype, verbose)
+    loaded = (_load_gguf if path.suffix == ".gguf" else _load_folder)(path, name, device, dtype, verbose)
+    if prepack:
+        cpu_linear.prepack(loaded.model)
+    return loaded
 
 
 def resolve(source) -> tuple[str, Path]:

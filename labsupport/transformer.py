@@ -280,16 +280,21 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
         B, S, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.wqkv is not None:  # fused: one matmul for q, k and v (fuse())
-            q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        if self.wqkv is not None and self.q_norm is None:  # fused (fuse()): one matmul, and one rotation
+            qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
+            qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # the queries' and keys' heads together (elementwise)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (B, H, S, D), (B, Hkv, S, D) twice
         else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
-        k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
-        v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head, over D
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.wqkv is not None:
+                q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            else:
+                q, k, v = self.wq(x), self.wk(x), self.wv(x)
+            q = q.view(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
+            k = k.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+            v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)  # per head, over D
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = kv.attend(layer, q, k, v)  # (B, H, S, D): the KV batch stores k, v and attends
         out = out.transpose(1, 2).reshape(B, S, H * D)  # (B, S, H*D)
         return self.wo(out)
@@ -398,6 +403,7 @@ class Transformer(nn.Module):
             None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, **factory)
         )
         self.to_empty(device=device)  # allocate on the target device; values filled next
+        self.packed_head = None  # labsupport.cpu_linear.prepack: the output head on oneDNN-packed weights
         # RoPE's frequencies in float32 on the model's device (a plain attribute: model.to(dtype) leaves it)
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)  # (D/2,)
         if device.type != "meta":  # on "meta" only the shapes exist (counting an 8B's weights needs no memory)
@@ -492,6 +498,8 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head on hidden states (..., d): (..., V) logits in float32."""
+        if self.packed_head is not None:  # packed for the CPU (labsupport.cpu_linear.prepack)
+            return self.packed_head(hidden).float()
         head = self.tok_embeddings.weight if self.output is None else self.output.weight  # (V, d)
         return (hidden @ head.T).float()
 

@@ -7,9 +7,11 @@ attention. :class:`PagedBatch` is the engine's: the model runner builds the step
 and each layer's own attention calls :meth:`PagedBatch.attend`, which
 
 1. writes the layer's new keys and values into their slots, one call
-   (:func:`labsupport.batch_attention.store_kv`, or its Triton kernel on a GPU);
-2. runs one attention call over the whole mixed batch of prefill chunks and decodes
-   (:mod:`labsupport.batch_attention`; on a GPU, steps of decodes only take the split-KV kernel of
+   (``index_copy_`` on a CPU, :func:`labsupport.batch_attention.store_kv_triton` on a GPU);
+2. runs one attention call over the whole mixed batch of prefill chunks and decodes (on a CPU one
+   SDPA call, over indices and masks built once per step by
+   :class:`~labsupport.engine.cpu_attention.CpuAttentionPlan`; on a GPU
+   :mod:`labsupport.batch_attention`'s kernel, and for steps of decodes only the split-KV kernel of
    :mod:`labsupport.flash_decoding`).
 
 This is nano-vllm's design (its ``Context`` carries the metadata to its ``Attention`` layer) and
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch_attention import paged_attention_torch, paged_attention_triton, store_kv, store_kv_triton
+from ..batch_attention import paged_attention_triton, store_kv_triton
 from ..flash_decoding import split_kv_decode_attention
+from .cpu_attention import CpuAttentionPlan
 
 BACKENDS = ("torch", "triton")
 
@@ -47,7 +50,8 @@ class StepMetadata:
 
 class PagedBatch:
     """The KV batch of one engine step (module docstring). ``backend``: ``"torch"`` (the CPU path:
-    ``index_copy_`` and one SDPA call per layer) or ``"triton"`` (the kernels; a GPU, or the
+    :class:`~labsupport.engine.cpu_attention.CpuAttentionPlan`, built at the first layer and reused by
+    the others: one ``index_copy_`` per cache and one SDPA call per layer) or ``"triton"`` (the kernels; a GPU, or the
     interpreter in tests). ``num_splits`` fixes the split-KV kernel's grid (a captured CUDA graph
     needs a fixed one); None lets it choose."""
 
@@ -58,6 +62,7 @@ class PagedBatch:
         self.k_cache, self.v_cache = k_cache, v_cache  # (L, num_blocks, block_size, Hkv, D) each
         self.meta, self.backend, self.num_splits = meta, backend, num_splits
         self.positions = meta.positions  # (N,): the model's RoPE reads them
+        self.plan: CpuAttentionPlan | None = None  # the torch path's per-step indices and masks (first layer)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D): store k and v in their slots, attend over the cache."""
@@ -65,8 +70,9 @@ class PagedBatch:
         q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, heads, D) views
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)
         if self.backend == "torch":
-            store_kv(k, v, k_cache, v_cache, m.slot_mapping)
-            out = paged_attention_torch(q, k_cache, v_cache, m.block_tables, m.seq_lens, m.cu_seqlens_q, m.max_q_len)
+            if self.plan is None:  # once per step: every layer reads the same positions
+                self.plan = CpuAttentionPlan(m, k_cache.shape[1], k_cache.dtype)
+            out = self.plan.attend(q, k, v, k_cache, v_cache)
         else:
             store_kv_triton(k, v, k_cache, v_cache, m.slot_mapping)
             if m.decode_only:  # one query per sequence: rows of q are the sequences

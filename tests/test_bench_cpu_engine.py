@@ -1,0 +1,77 @@
+"""labsupport.bench_cpu_engine (python -m labsupport.bench_engine --cpu-real-model): the quick run on
+the real model, the verdicts, the quiet-machine guard and how the book reads the file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from labsupport import bench_cpu_engine as BC
+from labsupport import bench_engine as BE
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
+    results = BC.measure(quick=True, log=lambda *_: None, lm=smollm2)
+    checks = results["checks"]
+    assert all(v for k, v in checks.items() if k.startswith("engine equals"))  # greedy tokens: engine == generate
+    assert checks["max logit difference, float32"] == 0 and checks["max logit difference, float32 packed"] < 1e-3
+    assert checks["max logit difference, transformers float32"] < 1e-3  # transformers holds the same weights
+    assert set(results["b1_tokens_per_s"]) >= {"engine float32 packed", "generate bfloat16 packed", "transformers float32"}
+    assert results["weight_bytes"]["bfloat16 packed"] * 2 == results["weight_bytes"]["float32 packed"]
+    tr = results["traces"]
+    n, _, out = BC.QUICK["equal"]
+    assert tr["equal engine"]["tokens"] == tr["equal static"]["tokens"] == n * out
+    assert tr["varied engine"]["tokens"] == tr["varied static"]["tokens"]  # useful tokens, the same trace
+    ppl = results["perplexity"]["values"]
+    assert 1 < ppl["float32"] != ppl["bfloat16 packed"]
+    results.update(quiet=True, verdicts=BC.verdicts(results))
+    assert all(v["met"] is not None for v in results["verdicts"].values())
+    path = tmp_path / "cpu_engine.json"
+    path.write_text(json.dumps(results))
+    assert BC.load_results(path) is None  # quick: never figures
+    path.write_text(json.dumps({**results, "quick": False, "quiet": False}))
+    assert BC.load_results(path) is None  # not quiet: never figures
+    path.write_text(json.dumps({**results, "quick": False}))
+    shown = BC.load_results(path)
+    table = BC.results_markdown(shown)
+    assert "AMD" in table or shown["machine"]["cpu"] in table
+    assert "engine bfloat16 packed" in table and "16 equal requests" in table and "Perplexity" in table
+    assert "not yet measured" in BC.results_markdown(None).lower()
+
+
+def test_verdicts_say_met_or_missed_against_each_target():
+    b1 = {"engine float32 packed": 30.0, "generate float32 packed": 31.0, "engine bfloat16 packed": 60.0,
+          "generate bfloat16 packed": 50.0}
+    results = {"b1_tokens_per_s": b1, "bound_tokens_per_s": {"float32 packed": 40.0, "bfloat16 packed": 80.0},
+               "traces": {"equal engine": {"tokens_per_s": 130}, "equal static": {"tokens_per_s": 100},
+                          "varied engine": {"tokens_per_s": 160, "ttft_p50_s": 0.2},
+                          "varied static": {"tokens_per_s": 100, "ttft_p50_s": 1.0}}}
+    v = BC.verdicts(results)
+    assert v["b1_engine_vs_generate_fp32"]["met"] is False and v["b1_engine_vs_generate_bf16"]["met"] is True
+    assert v["b1_bound_fp32"]["ratio"] == pytest.approx(0.75) and v["b1_bound_fp32"]["met"] is True
+    assert v["equal_vs_static"]["met"] is True and v["varied_vs_static"]["met"] is True
+    assert v["varied_ttft_p50"]["ratio"] == pytest.approx(5.0)
+    del results["traces"]["equal static"], results["traces"]["varied static"]
+    assert BC.verdicts(results)["equal_vs_static"]["met"] is None  # transformers missing: not measured
+
+
+def test_a_busy_machine_is_refused_and_a_busy_core_is_seen(monkeypatch, tmp_path):
+    samples = iter([[(100, 1000), (900, 1000)], [(110, 1100), (1000, 1100)]])  # core 1 busy the whole time
+    monkeypatch.setattr(BC, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(BC.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    load = BC.machine_load(0.0)
+    assert load["core_busy"] == [0.1, 1.0] and load["quiet"] is False
+    monkeypatch.setattr(BC, "machine_load", lambda seconds=2.0: {"load_average_1min": 1.2, "core_busy": [0, 1], "quiet": False})
+    out = tmp_path / "cpu_engine.json"
+    assert BE.main(["--cpu-real-model", "--out", str(out)]) == 2  # through the command the lead runs
+    assert not out.exists()
