@@ -59,7 +59,13 @@ def test_the_plan_matches_the_spec_and_stores_the_steps_keys(seq_lens, q_lens, p
     meta, q, k, v, k_cache, v_cache = step(seq_lens, q_lens, pad=pad)
     want, k_want, v_want = expected(meta, q, k, v, k_cache, v_cache)
     plan = CpuAttentionPlan(meta, k_cache.shape[1], k_cache.dtype)
-    assert (plan.mask is None) == (len(set(seq_lens)) == 1 and meta.decode_only and not pad)
+    split = not meta.decode_only and 1 in q_lens and max(q_lens) > 1
+    assert (plan.parts is not None) == split  # decodes beside prompt chunks: one SDPA call per kind
+    if split:  # the decodes' call folds their heads, not padded to the longest chunk
+        assert plan.parts[0][1].decode_only and plan.parts[0][0].tolist() == [r for r, n in zip(
+            meta.cu_seqlens_q[:-1].tolist(), q_lens) if n == 1]
+    else:
+        assert (plan.mask is None) == (len(set(seq_lens)) == 1 and meta.decode_only and not pad)
     got = plan.attend(q, k, v, k_cache, v_cache)
     assert got.shape == q.shape
     torch.testing.assert_close(got[:want.shape[0]], want, atol=1e-5, rtol=1e-5)
