@@ -51,8 +51,9 @@ class CpuAttentionPlan:
         if not self.decode_only:
             q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()  # (B,)
             one = q_lens == 1
-            if bool(one.any()) and bool((q_lens > 1).any()):  # decodes beside prompt chunks: padded to the longest chunk they would cost
-                # Q times their arithmetic, so each kind gets its own SDPA call over its own rows
+            if bool(one.any()) and bool((q_lens > 1).any()):
+                # decodes beside prompt chunks: padded to the longest chunk (Q rows) a decode would cost
+                # Q times its arithmetic, so each kind gets its own SDPA call over its own rows
                 seq_of_row = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)
                 self.parts = [(kind[seq_of_row].nonzero().flatten(), CpuAttentionPlan(_subset(meta, kind, q_lens), block_size, dtype))
                               for kind in (one, ~one)]  # (rows, plan) per kind
