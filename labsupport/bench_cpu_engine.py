@@ -165,7 +165,8 @@ def _flags() -> list[str]:
             for line in f:
                 if line.startswith("flags"):
                     have = set(line.split(":", 1)[1].split())
-                    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
+                    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "hypervisor")
+                            if f in have]
     except OSError:
         pass
     return []
@@ -475,7 +476,8 @@ def results_markdown(results: dict | None) -> str:
         return ("**Not yet measured** on a quiet machine: `python -m labsupport.bench_engine --cpu-real-model` "
                 "writes `results/cpu_engine.json`.")
     b1, bound, tr, m = results["b1_tokens_per_s"], results["bound_tokens_per_s"], results["traces"], results["machine"]
-    lines = [f"Measured on {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads, read bandwidth "
+    vm = ", a virtual machine" if "hypervisor" in m.get("flags", ()) else ""
+    lines = [f"Measured on {m['cpu']} ({m['cores']} cores{vm}, {m['torch_threads']} torch threads, read bandwidth "
              f"{results['read_bandwidth_Bps'] / 1e9:.1f} GB/s), {results['date']}, torch {results['versions']['torch']}, "
              f"transformers {results['versions']['transformers']}; {results['model']}, greedy, end-of-text ignored, "
              f"medians of {results['repeats']} runs.", "",
@@ -484,9 +486,11 @@ def results_markdown(results: dict | None) -> str:
         fmt = next((f for f in bound if label.endswith(f)), None)
         share = f"{tps / bound[fmt]:.0%}" if fmt else "-"
         lines.append(f"| {label} | {_tps(tps)} | {_tps(bound.get(fmt))} | {share} |")
-    lines += ["", "| trace | engine (tokens/s) | static batching (tokens/s) | engine / static | TTFT p50 engine / "
-              "static (s) |", "| --- | --- | --- | --- | --- |"]
-    for key, name in (("equal", "16 equal requests"), ("varied", "varied (Poisson, outputs 16-256)")):
+    lines += ["", "| trace (useful tokens) | engine, float32 packed (tokens/s) | transformers static batching, "
+              "float32 (tokens/s) | engine / static | TTFT p50 engine / static (s) |", "| --- | --- | --- | --- | --- |"]
+    n_equal, out_lens = results["sizes"]["equal"][0], results["sizes"]["varied"]["output_lens"]
+    for key, name in (("equal", f"{n_equal} equal requests"),
+                      ("varied", f"varied (Poisson, outputs {min(out_lens)}-{max(out_lens)})")):
         e, s = tr[f"{key} engine"], tr.get(f"{key} static")
         if s:
             lines.append(f"| {name} | {_tps(e['tokens_per_s'])} | {_tps(s['tokens_per_s'])} | "

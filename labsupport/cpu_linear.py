@@ -15,14 +15,19 @@ of the sums).
 :func:`prepack` fuses a course model's projections (:meth:`labsupport.transformer.Transformer.fuse_projections`)
 and replaces every linear layer of its blocks by a :class:`PackedLinear`, and its output head by
 one (the model's ``packed_head``): every entry point (``generate``, the engine, the server) then
-runs the packed products. The original weights stay (``state_dict`` and parameter counts are
-unchanged); the packed copies add the weights' size again in memory, never in the bytes a step
-reads. Only on a CPU, with torch built with oneDNN (``torch.backends.mkldnn.is_available()``).
+runs the packed products. The weights stay parameters (the parameter count is unchanged; the
+``state_dict`` has the fused names, ``wqkv`` and ``w13``, and the head's weight again as
+``packed_head.weight``, so code that reads ``layers[i].attention.wq`` needs an unpacked model);
+the packed copies add the weights' size again in memory, never in the bytes a step reads. A packed
+layer repacks its weight when it changed (``model.to(dtype)``, ``load_state_dict``, a
+``copy.deepcopy``) and runs the plain product if the model leaves the CPU (``model.to("cuda")``);
+an edit through ``weight.data`` is not seen. Only on a CPU, with torch built with oneDNN (``torch.backends.mkldnn.is_available()``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .transformer import Transformer
@@ -47,11 +52,28 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
+        self._pack()
+
+    def _pack(self) -> None:
+        """Reorder ``weight`` into oneDNN's layout, noting which weight it was (storage, dtype, version)."""
+        w = self.weight
+        self._packed_from = (w.data_ptr(), w.dtype, w._version)
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # opaque blocked layout
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)  # opaque blocked layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.device.type != "cpu":  # the model was moved off the CPU after packing: the plain product
+            return F.linear(x, w, self.bias)
+        if self.packed is None or self._packed_from != (w.data_ptr(), w.dtype, w._version):
+            self._pack()  # model.to(dtype), load_state_dict or a copy since packing: pack the weight it has now
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def __getstate__(self):
+        """A copy (``copy.deepcopy``, pickling) leaves the packed tensor behind (oneDNN's opaque
+        tensors cannot be copied); the copy packs its own weight at its first call."""
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "packed": None}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"

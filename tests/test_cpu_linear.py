@@ -82,3 +82,25 @@ def test_fused_projections_rotate_queries_and_keys_as_the_unfused_model(qk_norm)
     prompt = plain.random_prompt(2, 9)
     want = plain.prefill(prompt, plain.new_cache(2, 9))
     torch.testing.assert_close(fused.prefill(prompt, fused.new_cache(2, 9)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_model_copied_cast_or_reloaded_packs_the_weights_it_has_now():
+    """Packing is not a snapshot: ``copy.deepcopy`` and ``model.to(dtype)`` after packing, and
+    ``load_state_dict`` into a packed model, run the weights the model holds (a stale packed copy
+    gave the old weights' logits; a deepcopy raised on oneDNN's opaque tensor)."""
+    plain = Transformer(get_model("tiny-2m"))
+    packed = cpu_linear.prepack(copy.deepcopy(plain))
+    prompt = plain.random_prompt(1, 7)
+    cast = copy.deepcopy(packed).to(torch.bfloat16)
+    want = copy.deepcopy(plain).to(torch.bfloat16)
+    assert torch.equal(cast.prefill(prompt, cast.new_cache(1, 7)), want.prefill(prompt, want.new_cache(1, 7)))
+    halved = {k: v * 0.5 if v.dim() == 2 else v for k, v in packed.state_dict().items()}
+    packed.load_state_dict(halved)
+    plain.fuse_projections().load_state_dict({k: v for k, v in halved.items() if not k.startswith("packed_head")})
+    torch.testing.assert_close(packed.prefill(prompt, packed.new_cache(1, 7)),
+                               plain.prefill(prompt, plain.new_cache(1, 7)), atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_layer_moved_off_the_cpu_runs_the_plain_product():
+    layer = cpu_linear.PackedLinear(torch.randn(6, 4)).to("meta")  # "meta" stands for a GPU here
+    assert layer(torch.randn(3, 4, device="meta")).shape == (3, 6)

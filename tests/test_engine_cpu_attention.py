@@ -53,12 +53,19 @@ def expected(meta, q, k, v, k_cache, v_cache):
     ([13, 6, 9], [1, 1, 1], 0),  # decodes of unequal lengths: a length mask
     ([9, 9], [1, 1], 0),  # decodes of equal lengths: no mask at all
     ([9, 14], [1, 1], 2),  # decodes with padded rows (slot -1, length 0)
+    ([12, 30, 5], [4, 3, 1], 0),  # speculative verify rows: several queries per sequence after cached tokens
 ])
 def test_the_plan_matches_the_spec_and_stores_the_steps_keys(seq_lens, q_lens, pad):
     meta, q, k, v, k_cache, v_cache = step(seq_lens, q_lens, pad=pad)
     want, k_want, v_want = expected(meta, q, k, v, k_cache, v_cache)
     plan = CpuAttentionPlan(meta, k_cache.shape[1], k_cache.dtype)
-    assert (plan.mask is None) == (len(set(seq_lens)) == 1 and meta.decode_only and not pad)
+    split = not meta.decode_only and 1 in q_lens and max(q_lens) > 1
+    assert (plan.parts is not None) == split  # decodes beside prompt chunks: one SDPA call per kind
+    if split:  # the decodes' call folds their heads, not padded to the longest chunk
+        assert plan.parts[0][1].decode_only and plan.parts[0][0].tolist() == [r for r, n in zip(
+            meta.cu_seqlens_q[:-1].tolist(), q_lens) if n == 1]
+    else:
+        assert (plan.mask is None) == (len(set(seq_lens)) == 1 and meta.decode_only and not pad)
     got = plan.attend(q, k, v, k_cache, v_cache)
     assert got.shape == q.shape
     torch.testing.assert_close(got[:want.shape[0]], want, atol=1e-5, rtol=1e-5)
@@ -86,10 +93,11 @@ def test_a_paged_batch_builds_its_plan_once_for_every_layer(monkeypatch):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
-def test_one_sequence_on_consecutive_blocks_reads_a_view_and_matches_the_spec():
-    meta, q, k, v, k_cache, v_cache = step([11], [1], block_size=4)
+@pytest.mark.parametrize("q_len", [1, 4])  # a decode; a prompt chunk after 7 cached tokens
+def test_one_sequence_on_consecutive_blocks_reads_a_view_and_matches_the_spec(q_len):
+    meta, q, k, v, k_cache, v_cache = step([11], [q_len], block_size=4)
     meta.block_tables[0, :3] = torch.tensor([2, 3, 4], dtype=meta.block_tables.dtype)  # consecutive blocks
-    meta.slot_mapping[0] = 4 * 4 + 2  # position 10: block 4, offset 2
+    meta.slot_mapping[:] = torch.tensor([(2 + p // 4) * 4 + p % 4 for p in range(11 - q_len, 11)])  # 10: block 4, offset 2
     want, _, _ = expected(meta, q, k, v, k_cache, v_cache)
     plan = CpuAttentionPlan(meta, 4, k_cache.dtype)
     assert plan.run_start == 2

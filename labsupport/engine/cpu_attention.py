@@ -17,12 +17,17 @@ backends build their metadata once per step), and :meth:`CpuAttentionPlan.attend
   heads into SDPA's query axis (``(B, Hkv, G, D)`` against ``(B, Hkv, T, D)``: the cache is read
   once, unexpanded, as :class:`labsupport.transformer.ContiguousBatch` does for one sequence) with a
   length mask only when the lengths differ; a step with prompt chunks pads each sequence's queries
-  to the longest chunk and masks causally by position, its output rows put back in one copy.
+  to the longest chunk and masks causally by position, its output rows put back in one copy. A step
+  that mixes decodes with prompt chunks makes two calls, the decodes' (folded, as above) and the
+  chunks' (padded): padded to the longest chunk, every decode would cost that chunk's length in
+  arithmetic (a 128-token prompt beside 7 decodes: 8 x 128 query rows for 135 real ones).
 
 The result equals :func:`labsupport.batch_attention.paged_attention_spec` (the tests check it).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,17 @@ class CpuAttentionPlan:
         keep = slots >= 0  # a padded row (slot -1) writes nothing
         self.store_rows = None if bool(keep.all()) else keep.nonzero().flatten()  # (N',) or None: every row
         self.store_slots = slots if self.store_rows is None else slots[self.store_rows]
+        self.parts = None
+        if not self.decode_only:
+            q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()  # (B,)
+            one = q_lens == 1
+            if bool(one.any()) and bool((q_lens > 1).any()):
+                # decodes beside prompt chunks: padded to the longest chunk (Q rows) a decode would cost
+                # Q times its arithmetic, so each kind gets its own SDPA call over its own rows
+                seq_of_row = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)
+                self.parts = [(kind[seq_of_row].nonzero().flatten(), CpuAttentionPlan(_subset(meta, kind, q_lens), block_size, dtype))
+                              for kind in (one, ~one)]  # (rows, plan) per kind
+                return
         lens = meta.seq_lens.long().clamp(min=1)  # (B,): a padded sequence of length 0 reads one key, never used
         b = lens.shape[0]
         t = int(lens.max())  # T: the longest sequence's keys
@@ -85,6 +101,17 @@ class CpuAttentionPlan:
             k, v = k[self.store_rows], v[self.store_rows]
         k_flat.index_copy_(0, self.store_slots, k.to(k_cache.dtype))
         v_flat.index_copy_(0, self.store_slots, v.to(v_cache.dtype))
+        if self.parts is None:
+            return self._read(q, k_cache, v_cache)
+        out = q.new_empty((n, h, d))
+        for rows, part in self.parts:  # the decodes, then the prompt chunks
+            out.index_copy_(0, rows, part._read(q.index_select(0, rows), k_cache, v_cache))
+        return out
+
+    def _read(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The attention of the plan's query rows ``q`` (N, H, D) over the cache (its keys stored)."""
+        n, h, d = q.shape
+        hkv = k_cache.shape[2]
         b, t, bs = self.b, self.t, k_cache.shape[1]
         # (B, Hkv, T, D) views of each sequence's blocks laid end to end, cut at T
         if self.run_start is not None:  # consecutive blocks: a view
@@ -102,6 +129,16 @@ class CpuAttentionPlan:
         flat = q.new_empty((n + 1, h, d))
         flat.index_copy_(0, self.out_rows, out.transpose(1, 2).reshape(b * self.q, h, d))
         return flat[:n]
+
+
+def _subset(meta, keep: torch.Tensor, q_lens: torch.Tensor) -> SimpleNamespace:
+    """The metadata of the sequences ``keep`` (B,) selects, their query rows renumbered from 0."""
+    q_lens = q_lens[keep]
+    cu = torch.zeros(q_lens.shape[0] + 1, dtype=torch.long, device=q_lens.device)
+    cu[1:] = q_lens.cumsum(0)
+    return SimpleNamespace(slot_mapping=meta.slot_mapping[:0], block_tables=meta.block_tables[keep],
+                           seq_lens=meta.seq_lens[keep], cu_seqlens_q=cu, max_q_len=int(q_lens.max()),
+                           decode_only=bool((q_lens == 1).all()))
 
 
 def _additive(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -9,7 +9,7 @@ and each layer's own attention calls :meth:`PagedBatch.attend`, which
 1. writes the layer's new keys and values into their slots, one call
    (``index_copy_`` on a CPU, :func:`labsupport.batch_attention.store_kv_triton` on a GPU);
 2. runs one attention call over the whole mixed batch of prefill chunks and decodes (on a CPU one
-   SDPA call, over indices and masks built once per step by
+   SDPA call (two when decodes share the step with prompt chunks), over indices and masks built once per step by
    :class:`~labsupport.engine.cpu_attention.CpuAttentionPlan`; on a GPU
    :mod:`labsupport.batch_attention`'s kernel, and for steps of decodes only the split-KV kernel of
    :mod:`labsupport.flash_decoding`).
@@ -51,7 +51,7 @@ class StepMetadata:
 class PagedBatch:
     """The KV batch of one engine step (module docstring). ``backend``: ``"torch"`` (the CPU path:
     :class:`~labsupport.engine.cpu_attention.CpuAttentionPlan`, built at the first layer and reused by
-    the others: one ``index_copy_`` per cache and one SDPA call per layer) or ``"triton"`` (the kernels; a GPU, or the
+    the others: one ``index_copy_`` per cache and one SDPA call per layer, two for a mixed step) or ``"triton"`` (the kernels; a GPU, or the
     interpreter in tests). ``num_splits`` fixes the split-KV kernel's grid (a captured CUDA graph
     needs a fixed one); None lets it choose."""
 
