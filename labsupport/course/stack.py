@@ -10,8 +10,9 @@ crashes cannot take the assembly down. A slot keeps the learner's part where its
 course's where it fails, raises, times out or the exercise is not done.
 
 **The namespace rule.** A learner's exercise cell often uses names an earlier course cell of the lab
-binds (imports, helper functions). The module file therefore holds, in the notebook's order up to the
-lab's last exercise cell: from every course cell, only its top-level ``import`` statements and its
+binds (imports, helper functions, ``settings``). The module file therefore holds, in the notebook's
+order up to the lab's last exercise cell: the lab's first cell (its setup, ``settings =
+labsupport.setup()``) whole; from every other course cell, only its top-level ``import`` statements and its
 ``def`` and ``class`` statements (what defines names without measuring anything); every exercise cell
 whole (the learner's version, or the course's stub where theirs is missing). Assignments, loops,
 calls and plots of course cells are left out, so the lab's measurements never run; an exercise cell
@@ -139,7 +140,9 @@ def module_text(lab: str, course: list[dict], learner_nb) -> tuple[str, list[str
              f"(written by python -m labsupport stack; edits here are overwritten)"]
     for i, cell in enumerate(spliced.notebook.cells[:last + 1]):
         entry = course[i]
-        if entry.get("exercise"):
+        if i == 0:  # the setup cell, whole: ``settings`` (labsupport.setup()) is used by exercise cells
+            parts.append(f"# --- setup cell {entry['id']}\n{_python(cell.source)}")
+        elif entry.get("exercise"):
             who = "yours" if entry["id"] in spliced.learner else "the course's stub"
             parts.append(f"# --- exercise cell {entry['id']} ({who})\n{_python(cell.source)}")
         else:
@@ -157,18 +160,16 @@ def _exercise_of(slot: Slot, course: list[dict]) -> str | None:
 
 
 _RUNNER = r"""
-import importlib.util, io, json, sys, contextlib
-path, module_name, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
+import importlib, io, json, sys, contextlib
+folder, module_name, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
 pairs = json.loads(sys.argv[4])  # [[check, part], ...]
 def say(check, result, message):
     print(prefix + json.dumps({"check": check, "check_result": result, "message": message}), flush=True)
 quiet = io.StringIO()
 try:
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        sys.path.insert(0, folder)
+        module = importlib.import_module(module_name)
 except BaseException as exc:
     for check, _ in pairs:
         say(check, "failed", f"the lab's cells raised when run: {type(exc).__name__}: {exc}")
@@ -188,9 +189,12 @@ for check, part in pairs:
 def run_checks(path: Path, lab: str, pairs: list[tuple[str, str]], timeout_s: float = CHECK_TIMEOUT_S) -> dict:
     """Run ``pairs`` (check, part) against the module file ``path`` in a subprocess: check -> (result,
     message). A check the subprocess never reported (it crashed or ran out of time) failed."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the parts' folder is on the path of every process the checks start (lab 11's spawn their ranks,
+    # which import the part by its module's name)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(path.parent), os.environ.get("PYTHONPATH")]))}
     env.pop("LABSUPPORT_GRADING", None)
-    cmd = [sys.executable, "-c", _RUNNER, str(path), f"labsupport_stack_{lab}", RESULTS_PREFIX,
+    cmd = [sys.executable, "-c", _RUNNER, str(path.parent), path.stem, RESULTS_PREFIX,
            json.dumps([list(p) for p in pairs])]
     why = ""
     try:
@@ -229,7 +233,7 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
         return course_rows("not done"), 0
     text, theirs = module_text(lab, course, learner_nb)
     key = hashlib.sha256(f"{__version__}\n{sys.version_info[:2]}\n{text}".encode()).hexdigest()[:16]
-    module = cache / "parts" / f"{lab}_{key}.py"
+    module = cache / "parts" / f"lab{lab}_{key}.py"  # an importable name: lab 11's ranks import it
     results_file = cache / "results" / f"{lab}_{key}.json"
     pairs = [(s.check, s.part) for s in slots if _exercise_of(s, course) in theirs]
     ran = 0
