@@ -33,7 +33,7 @@ SERVER = ["--model", NAME, "--context", 256, "--engine", "continuous", "--max-ru
 
 
 def _slots_of(labs):
-    return [s.name for s in SLOTS if s.lab in labs]
+    return [s.name for lab in sorted(labs) for s in SLOTS if s.lab == lab]
 
 
 def _copy(labs_dir: Path) -> Path:

@@ -237,11 +237,12 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
     results_file = cache / "results" / f"{lab}_{key}.json"
     pairs = [(s.check, s.part) for s in slots if _exercise_of(s, course) in theirs]
     ran = 0
+    if not module.exists():  # the server imports it, also where the results come from the cache
+        module.parent.mkdir(parents=True, exist_ok=True)
+        module.write_text(text, encoding="utf-8")
     if results_file.exists():
         results = {k: tuple(v) for k, v in json.loads(results_file.read_text(encoding="utf-8")).items()}
     else:
-        module.parent.mkdir(parents=True, exist_ok=True)
-        module.write_text(text, encoding="utf-8")
         results = run_checks(module, lab, pairs) if pairs else {}
         ran = len(pairs)
         results_file.parent.mkdir(parents=True, exist_ok=True)
@@ -267,7 +268,7 @@ def assemble(labs_dir, cache_dir=None, only: list[str] | None = None) -> Assembl
     if unknown:
         raise ValueError(f"no stack slot {', '.join(sorted(unknown))}; the slots are {', '.join(s.name for s in SLOTS)}")
     rows, ran, notes = [], 0, []
-    for lab in dict.fromkeys(s.lab for s in slots):
+    for lab in sorted({s.lab for s in slots}):  # course order; a lab's slots in SLOTS's order
         lab_rows, n = _lab_rows(lab, [s for s in slots if s.lab == lab], labs_dir, cache, notes)
         rows += lab_rows
         ran += n
