@@ -196,3 +196,11 @@ def test_a_part_that_raises_while_serving_fails_only_its_requests_and_names_its_
         assert "your stop_strings part" in said and "lab01_tokens_" in said and "breaks on the stop string" in said
         text = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
         assert text == course_greedy  # the server goes on: the next request is answered
+
+
+def test_a_part_that_hangs_fails_its_check_when_the_time_limit_passes_and_the_assembly_goes_on(tmp_path):
+    module = tmp_path / "lab13_decode_loop_hangs.py"
+    module.write_text("import time\n\n\ndef sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):\n"
+                      "    time.sleep(600)\n", encoding="utf-8")
+    results = course_stack.run_checks(module, "13_decode_loop", [("check_sample", "sample")], timeout_s=8)
+    assert results["check_sample"][0] == "failed" and "ran past 8 s" in results["check_sample"][1]
