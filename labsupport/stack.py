@@ -51,8 +51,8 @@ SLOTS: tuple[Slot, ...] = (
          "per request: the server's stop-string filter (Backend.stop_filter) is the learner's class; its "
          "push(text) -> (send, stopped) and flush() are the server's own interface", wired=True),
     Slot("detokenizer", "01_tokens", ("StreamDetokenizer",), "check_incremental_detokenizer", "serves",
-         "per request, behind an adapter: the model tokenizer's token bytes; not wired yet (the served "
-         "tokenizer's detokenizer() is the course's)"),
+         "per request, behind an adapter: reads the model tokenizer's token bytes (byte-level BPE's "
+         "characters turned back into bytes; special tokens as their UTF-8 string)", wired=True),
     # lab 02: names of the weights
     Slot("weight_names", "02_anatomy", ("course_state_dict",), "check_hf_weight_names", "checked",
          "checked only: the real model loads by GGUF tensor names (labsupport.checkpoints), not by the "

@@ -10,7 +10,9 @@ The wired slots (:func:`labsupport.stack.serving_slots`) plug in as follows:
 * ``prepare_step`` (lab 12): ``engine.runner.assemble``; step-wide;
 * ``scheduler`` (lab 13): the engine's step decision (``engine.scheduler.decide``); step-wide;
 * ``sampler`` (lab 13): the engine's per-row sampler (``PerRowSampler``); step-wide;
-* ``stop_strings`` (lab 01): the back end's stop-string filter (``Backend.stop_filter``); per request.
+* ``stop_strings`` (lab 01): the back end's stop-string filter (``Backend.stop_filter``); per request;
+* ``detokenizer`` (lab 01): each request's incremental detokenizer (``Backend.detokenizer``), reading
+  the model tokenizer's token bytes through :class:`TokenBytes`; per request.
 
 Every part is wrapped so that an exception it raises becomes a :class:`PartFailed` whose message names
 the slot, the lab and the learner's line. The server's own failure handling does the rest: a step-wide
@@ -51,7 +53,7 @@ def learner_line(exc: BaseException, file: str) -> str:
 
 
 def _failed(slot: Slot, exc: BaseException, file: str) -> PartFailed:
-    scope = "its request fails" if slot.name == "stop_strings" else "the step's requests fail"
+    scope = "its request fails" if slot.name in ("stop_strings", "detokenizer") else "the step's requests fail"
     return PartFailed(f"your {slot.name} part (lab {slot.lab[:2]}, {slot.part}) raised {type(exc).__name__}: {exc} "
                       f"at {learner_line(exc, file)}; {scope}, the server goes on with your part")
 
@@ -90,6 +92,50 @@ class GuardedFilter:
 def guarded_class(slot: Slot, cls, file: str):
     """A factory like ``cls`` whose objects' constructor and methods are guarded."""
     return lambda stops: GuardedFilter(slot, cls, file, stops)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes as characters (GPT-2's, used by SmolLM2 and Qwen): the
+    printable Latin-1 bytes stand for themselves, the other 68 bytes for the characters from U+0100 on,
+    in byte order. Returns character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return {c: b for b, c in chars.items()}
+
+
+class TokenBytes:
+    """Lab 01's detokenizer reads ``tokenizer.token_bytes(id)``; the model's tokenizer (byte-level BPE)
+    spells each token's bytes as characters (:func:`_byte_alphabet`). This gives the bytes back; a
+    special token's bytes are its string in UTF-8, as the course tokenizer's are."""
+
+    def __init__(self, tokenizer):
+        backend = tokenizer._backend  # the tokenizers.Tokenizer
+        self._alphabet = _byte_alphabet()
+        self._token = backend.id_to_token
+        self._special = {i: s for s, i in tokenizer._special.items()}
+        strange = [i for i in range(tokenizer.vocab_size) if i not in self._special
+                   and any(c not in self._alphabet for c in (self._token(i) or "\x00"))]
+        if strange:
+            raise ValueError(f"the model's tokenizer is not byte-level BPE (token {strange[0]} is "
+                             f"{self._token(strange[0])!r}): your detokenizer cannot read its tokens' bytes")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._special:
+            return self._special[token_id].encode("utf-8")
+        return bytes(self._alphabet[c] for c in self._token(int(token_id)))
+
+
+class GuardedDetokenizer:
+    """A learner's detokenizer over the model tokenizer's bytes, its ``push`` and ``flush`` guarded."""
+
+    def __init__(self, slot: Slot, cls, file: str, token_bytes: TokenBytes):
+        self._obj = guarded(slot, cls, file)(token_bytes)
+        self.push = guarded(slot, self._obj.push, file)
+        self.flush = guarded(slot, self._obj.flush, file)
 
 
 def load_parts(manifest: Path) -> dict[str, tuple[object, str]]:
@@ -151,6 +197,9 @@ def plug_in(backend, parts: dict[str, tuple[object, str]]) -> list[str]:
             engine.sampler = PerRowSampler(guarded(slot, part, file))
         elif name == "stop_strings":
             backend.stop_filter = guarded_class(slot, part, file)
+        elif name == "detokenizer":
+            token_bytes = TokenBytes(backend.tokenizer)
+            backend.detokenizer = functools.partial(GuardedDetokenizer, slot, part, file, token_bytes)
         else:
             continue
         done.append(name)
