@@ -495,7 +495,12 @@ class Backend:
             handle.outputs.put_nowait(_End())
         elif outcome.startswith("cancelled"):
             self.cancelled += 1
-            handle.outputs.put_nowait(_End(output.leftover() if output else "", "abort"))
+            try:
+                rest = output.leftover() if output else ""
+            except Exception as exc:  # a learner's detokenizer or stop filter (--stack) raised on the rest
+                log.error("labsupport.serve: request %s: its held-back text was lost", rid, exc_info=exc)
+                rest = ""
+            handle.outputs.put_nowait(_End(rest, "abort"))
         else:
             self.failed += 1
             handle.outputs.put_nowait(_End())

@@ -130,12 +130,23 @@ class TokenBytes:
 
 
 class GuardedDetokenizer:
-    """A learner's detokenizer over the model tokenizer's bytes, its ``push`` and ``flush`` guarded."""
+    """A learner's detokenizer over the model tokenizer's bytes, made on its first use (as
+    :class:`GuardedFilter`), its ``push`` and ``flush`` guarded."""
 
     def __init__(self, slot: Slot, cls, file: str, token_bytes: TokenBytes):
-        self._obj = guarded(slot, cls, file)(token_bytes)
-        self.push = guarded(slot, self._obj.push, file)
-        self.flush = guarded(slot, self._obj.flush, file)
+        self._make = guarded(slot, lambda: cls(token_bytes), file)
+        self._slot, self._file, self._obj = slot, file, None
+
+    def _detokenizer(self):
+        if self._obj is None:
+            self._obj = self._make()
+        return self._obj
+
+    def push(self, token_id: int) -> str:
+        return guarded(self._slot, self._detokenizer().push, self._file)(token_id)
+
+    def flush(self) -> str:
+        return guarded(self._slot, self._detokenizer().flush, self._file)()
 
 
 def load_parts(manifest: Path) -> dict[str, tuple[object, str]]:
