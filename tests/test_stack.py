@@ -118,6 +118,8 @@ def test_the_solutions_assemble_into_a_stack_of_the_learners_parts(solutions, ca
     again = course_stack.assemble(labs_dir, cache, only=_slots_of(LABS))
     assert again.checks_run == 0  # every result from the cache: no check subprocess ran
     assert [r.to_json() for r in again.rows] == [r.to_json() for r in assembly.rows]
+    one = course_stack.assemble(labs_dir, cache, only=["sampler"])  # a subset reads the same cache
+    assert one.checks_run == 0 and [r.to_json() for r in one.rows] == [assembly.row("sampler").to_json()]
 
 
 def test_a_wrong_part_fails_its_check_and_the_course_part_takes_its_slot(planted):

@@ -20,7 +20,7 @@ that needs a value a course cell computed fails its check and keeps the course's
 names the missing name). Lines of IPython syntax (``%magic``, ``!shell``) are commented out.
 
 **The cache.** A lab's check results are stored under a hash of its module file's text (the learner's
-cells and the course's definitions) and the course's version, so a second assembly of unchanged
+cells and the course's definitions), the source of the lab's checks and the course's version, so a second assembly of unchanged
 notebooks runs no check. :attr:`Assembly.checks_run` counts the checks that ran.
 
 What the server needs is written to ``<cache>/stack.json``: for each slot served by the learner, the
@@ -47,6 +47,7 @@ from ..stack import SLOTS, Slot
 from .manifest import load_course_cells
 from .splice import splice
 
+CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"  # a lab's checks' source is part of its cache key
 CHECK_TIMEOUT_S = 600.0  # one lab's checks together
 MANIFEST_NAME = "stack.json"
 RESULTS_PREFIX = "LABSUPPORT_STACK_RESULT "
@@ -232,7 +233,8 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
         notes.append(f"{lab}: {nb_path.name} could not be read ({type(exc).__name__}: {exc}): the course's parts")
         return course_rows("not done"), 0
     text, theirs = module_text(lab, course, learner_nb)
-    key = hashlib.sha256(f"{__version__}\n{sys.version_info[:2]}\n{text}".encode()).hexdigest()[:16]
+    checks_source = "".join(f.read_text(encoding="utf-8") for f in sorted(CHECKS_DIR.glob(f"lab{lab[:2]}_*.py")))
+    key = hashlib.sha256(f"{__version__}\n{sys.version_info[:2]}\n{checks_source}\n{text}".encode()).hexdigest()[:16]
     module = cache / "parts" / f"lab{lab}_{key}.py"  # an importable name: lab 11's ranks import it
     results_file = cache / "results" / f"{lab}_{key}.json"
     pairs = [(s.check, s.part) for s in slots if _exercise_of(s, course) in theirs]
@@ -240,11 +242,13 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
     if not module.exists():  # the server imports it, also where the results come from the cache
         module.parent.mkdir(parents=True, exist_ok=True)
         module.write_text(text, encoding="utf-8")
+    results = {}
     if results_file.exists():
         results = {k: tuple(v) for k, v in json.loads(results_file.read_text(encoding="utf-8")).items()}
-    else:
-        results = run_checks(module, lab, pairs) if pairs else {}
-        ran = len(pairs)
+    todo = [p for p in pairs if p[0] not in results]  # an earlier --slot run may have checked only some
+    if todo:
+        results.update(run_checks(module, lab, todo))
+        ran = len(todo)
         results_file.parent.mkdir(parents=True, exist_ok=True)
         results_file.write_text(json.dumps(results), encoding="utf-8")
     rows = []
