@@ -23,6 +23,8 @@ from labsupport.course import stack as course_stack
 from labsupport.engine import Engine
 from labsupport.sampling import SamplingParams
 from labsupport.serve import ServerProcess
+from labsupport.serve.continuous import ContinuousBackend
+from labsupport.serve.stack import TokenBytes, load_parts, plug_in
 from labsupport.stack import MODES, SLOTS, serving_slots
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,3 +209,19 @@ def test_a_part_that_hangs_fails_its_check_when_the_time_limit_passes_and_the_as
                       "    time.sleep(600)\n", encoding="utf-8")
     results = course_stack.run_checks(module, "13_decode_loop", [("check_sample", "sample")], timeout_s=3)
     assert results["check_sample"][0] == "failed" and "ran past 3 s" in results["check_sample"][1]
+
+
+def test_the_learners_detokenizer_reads_the_token_bytes_of_both_served_tokenizers(solutions, cache, smollm2):
+    """The course model's tokenizer gives token bytes itself; the real model's (byte-level BPE) through
+    TokenBytes. Either way the learner's detokenizer's pieces join to the tokenizer's own decode."""
+    labs_dir, _ = solutions
+    assert course_stack.assemble(labs_dir, cache, only=_slots_of(LABS)).checks_run == 0  # stack.json: the solutions'
+    parts = load_parts(cache / course_stack.MANIFEST_NAME)
+    backend = ContinuousBackend()  # the course model (random weights) and the course tokenizer
+    assert sorted(plug_in(backend, parts)) == sorted(s.name for s in serving_slots())
+    text = "Ünïcödé — 日本語 🙂 and  spaces\n"
+    for tokenizer, make in ((backend.tokenizer, backend.detokenizer),
+                            (smollm2.tokenizer, lambda: parts["detokenizer"][0](TokenBytes(smollm2.tokenizer)))):
+        ids = tokenizer.encode(text)
+        detok = make()
+        assert "".join(detok.push(i) for i in ids) + detok.flush() == tokenizer.decode(ids) == text

@@ -113,7 +113,10 @@ class TokenBytes:
     special token's bytes are its string in UTF-8, as the course tokenizer's are."""
 
     def __init__(self, tokenizer):
-        backend = tokenizer._backend  # the tokenizers.Tokenizer
+        backend = getattr(tokenizer, "_backend", None)  # the tokenizers.Tokenizer of a ModelTokenizer
+        if backend is None or not hasattr(tokenizer, "_special"):
+            raise ValueError(f"your detokenizer reads token bytes, which the served tokenizer "
+                             f"({type(tokenizer).__name__}) does not give")
         self._alphabet = _byte_alphabet()
         self._token = backend.id_to_token
         self._special = {i: s for s, i in tokenizer._special.items()}
@@ -209,7 +212,8 @@ def plug_in(backend, parts: dict[str, tuple[object, str]]) -> list[str]:
         elif name == "stop_strings":
             backend.stop_filter = guarded_class(slot, part, file)
         elif name == "detokenizer":
-            token_bytes = TokenBytes(backend.tokenizer)
+            tok = getattr(backend.tokenizer, "bpe", backend.tokenizer)  # the course model's: its BPE has token_bytes
+            token_bytes = tok if callable(getattr(tok, "token_bytes", None)) else TokenBytes(tok)
             backend.detokenizer = functools.partial(GuardedDetokenizer, slot, part, file, token_bytes)
         else:
             continue
