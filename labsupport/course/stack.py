@@ -119,13 +119,19 @@ def find_notebook(labs_dir: Path, lab: str) -> Path | None:
 
 def _definitions(source: str) -> str:
     """A course cell's top-level imports, functions and classes (the namespace rule)."""
+    text = _python(source)
     try:
-        tree = ast.parse(_python(source))
+        tree = ast.parse(text)
     except SyntaxError:
         return ""
+    lines = text.splitlines()
     kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    return "\n".join(ast.get_source_segment(_python(source), node, padded=False) or "" for node in tree.body
-                     if isinstance(node, kept))
+    out = []
+    for node in tree.body:
+        if isinstance(node, kept):  # whole lines, decorators included (a @triton.jit helper stays a kernel)
+            first = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
+            out.append("\n".join(lines[first - 1:node.end_lineno]))
+    return "\n".join(out)
 
 
 def _python(source: str) -> str:
