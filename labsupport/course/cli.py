@@ -1,4 +1,4 @@
-"""Course commands: ``python -m labsupport release``, ``grade``, ``grade-merge`` and ``ledger``."""
+"""Course commands: ``python -m labsupport release``, ``grade``, ``grade-merge``, ``ledger`` and ``stack``."""
 
 from __future__ import annotations
 
@@ -110,10 +110,21 @@ def _add_ledger(sub) -> None:
     led.add_argument("--no-plots", action="store_true", help="with --out, write the CSV and markdown only")
 
 
+def _add_stack(sub) -> None:
+    st = sub.add_parser("stack", help="assemble your serving stack from your lab notebooks: a table of slots, "
+                                      "whose part each holds and its check (labsupport.course.stack)")
+    st.add_argument("labs_dir", help="the folder of your lab notebooks (nothing in it is written)")
+    st.add_argument("--json", action="store_true", help="print a list of objects (slot, lab, source, serves, check)")
+    st.add_argument("--cache", metavar="DIR", default=None,
+                    help="where the parts' module files and the check results go (default $LABSUPPORT_CACHE/stack)")
+    st.add_argument("--slot", action="append", default=None, metavar="NAME",
+                    help="assemble only this slot (repeatable; default: every slot)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labsupport")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_release, _add_grade, _add_grade_merge, _add_ledger):
+    for add in (_add_release, _add_grade, _add_grade_merge, _add_ledger, _add_stack):
         add(sub)
     return parser
 
@@ -134,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "release":
         return _release(args)
+    if args.command == "stack":
+        from . import stack
+
+        return stack.main(args.labs_dir, args.cache, as_json=args.json, only=args.slot)
     return _grade(args)
 
 

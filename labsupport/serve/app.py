@@ -265,8 +265,10 @@ def _error_handlers(app: FastAPI) -> None:
     async def server_error(request: Request, exc: Exception):  # a bug: fail this request, keep serving
         rid = request.scope.get("state", {}).get("request_id") or f"req-{request.scope.get('state', {}).get('request_hex', '')}"
         log.error("labsupport.serve: request %s failed with a bug", rid, exc_info=exc)
+        # Connection: close, because Starlette re-raises after this answer and uvicorn then drops the
+        # connection: a client that kept it alive would see its next request fail with a connection error
         return error_response(500, f"the server failed on this request: {type(exc).__name__}: {exc}",
-                              request_id=rid)
+                              request_id=rid, close=True)
 
 
 def _model_card(backend: Backend) -> dict:

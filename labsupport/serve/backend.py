@@ -188,12 +188,14 @@ class _StopStrings:
 class _Output:
     """One request's way from ids to text: end ids, the detokenizer, stop strings."""
 
-    def __init__(self, request: GenerationRequest, tokenizer, eos_ids: frozenset[int]):
+    def __init__(self, request: GenerationRequest, tokenizer, eos_ids: frozenset[int], stop_filter=None,
+                 detokenizer=None):
         self.end_ids = frozenset(request.stop_token_ids) | (frozenset() if request.ignore_eos else eos_ids)
         self.skipped = frozenset(getattr(tokenizer, "special_token_ids", ())) if request.skip_special_tokens \
             else frozenset()
-        self.detok = tokenizer.detokenizer()
-        self.stops = _StopStrings(request.stop)
+        self.detok = tokenizer.detokenizer() if detokenizer is None else detokenizer()  # lab 01's, with --stack
+        # a request with stop strings uses ``stop_filter`` where one is given (lab 01's StopStringFilter, --stack)
+        self.stops = (stop_filter or _StopStrings)(request.stop) if request.stop else _StopStrings(request.stop)
         self.produced = 0
 
     def token(self, token_id: int, finish: str | None) -> tuple[str, str | None]:
@@ -248,6 +250,8 @@ class Backend:
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.tokenizer_dir: str | None = None  # where the server wrote the tokenizer's files (cli)
         self.failure: str | None = None  # why the worker stopped, once it has
+        self.detokenizer = None  # makes a request's detokenizer instead of tokenizer.detokenizer() (--stack)
+        self.stop_filter = None  # a class like _StopStrings for requests with stop strings (--stack); None: the server's
         self.step_delay_s = 0.0  # an added pause per forward pass (--step-delay): a slower model, for demos and tests
         self.served = 0
         self.cancelled = 0
@@ -401,7 +405,7 @@ class Backend:
         handle = RequestHandle(request, on_cancel=self._on_cancel)
         self._remember(request.timeline)
         self._handles[request.request_id] = handle
-        self._outputs[request.request_id] = _Output(request, self.tokenizer, self.eos_ids)
+        self._outputs[request.request_id] = _Output(request, self.tokenizer, self.eos_ids, self.stop_filter, self.detokenizer)
         request.timeline.mark("queued")
         self._enqueue(handle)
         return handle
@@ -491,7 +495,12 @@ class Backend:
             handle.outputs.put_nowait(_End())
         elif outcome.startswith("cancelled"):
             self.cancelled += 1
-            handle.outputs.put_nowait(_End(output.leftover() if output else "", "abort"))
+            try:
+                rest = output.leftover() if output else ""
+            except Exception as exc:  # a learner's detokenizer or stop filter (--stack) raised on the rest
+                log.error("labsupport.serve: request %s: its held-back text was lost", rid, exc_info=exc)
+                rest = ""
+            handle.outputs.put_nowait(_End(rest, "abort"))
         else:
             self.failed += 1
             handle.outputs.put_nowait(_End())

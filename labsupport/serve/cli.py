@@ -24,6 +24,7 @@ from .fifo import FifoBackend
 from .guidellm import GUIDELLM_VERSION, startup_command
 from .process import LISTENING
 from .served_model import BASE_PRESET, cache_dir, checkpoint_model, course_model
+from .stack import assemble_stack, load_parts, plug_in
 from .timeouts import HEADER_TIMEOUT_S, timed_protocol
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -86,6 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"seconds a request's headers may take to arrive; later gets HTTP 408 ({HEADER_TIMEOUT_S:g})")
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
                    help=f"seconds a request's body may take to arrive; later gets HTTP 408 ({BODY_TIMEOUT_S:g})")
+    p.add_argument("--stack", default=None, metavar="LABS_DIR",
+                   help="serve through your own parts: assemble the stack from the lab notebooks in LABS_DIR "
+                        "(python -m labsupport stack) and plug in each wired part whose check passes")
+    p.add_argument("--stack-cache", default=None, metavar="DIR",
+                   help="with --stack: the assembly's cache folder (default $LABSUPPORT_CACHE/stack)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the process that started the server exits (used by ServerProcess)")
     args = p.parse_args(argv)
@@ -177,6 +183,10 @@ def _backend(args: argparse.Namespace):
     else:
         backend = FifoBackend(served, **common)
     backend.step_delay_s = args.step_delay
+    if args.stack:
+        manifest, table = assemble_stack(args.stack, args.stack_cache)
+        print(f"labsupport.serve: your stack ({args.stack}):\n{table}", flush=True)
+        plug_in(backend, load_parts(manifest))
     return backend
 
 
