@@ -58,6 +58,7 @@ from . import cpu_linear, perplexity
 from .checkpoints import hf_names, load
 from .engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
 from .models import to_hf_config
+from .real_model_figures import cpu_name
 from .sampling import SamplingParams
 
 __all__ = ["RESULTS_PATH", "TARGETS", "machine_load", "read_bandwidth", "measure", "load_results", "verdicts",
@@ -146,17 +147,6 @@ def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
         x.sum()
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _flags() -> list[str]:
@@ -412,7 +402,7 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     return {
         "format": "labsupport-cpu-engine", "quick": quick, "model": MODEL,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "flags": _flags(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": _flags(),
                     "torch_threads": torch.get_num_threads(), "os": platform.platform(terse=True),
                     "python": platform.python_version()},
         "versions": {p: _version(p) for p in ("torch", "transformers", "numpy", "llama_cpp_python")},
@@ -513,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or (1 if args.quick else os.cpu_count() or 1))
     before = machine_load(0.5 if args.quick else 2.0)
-    print(f"machine: {_cpu_name()}, load average {before['load_average_1min']}, cores busy {before['core_busy']}",
+    print(f"machine: {cpu_name()}, load average {before['load_average_1min']}, cores busy {before['core_busy']}",
           flush=True)
     if not before["quiet"] and not (args.anyway or args.quick):
         print("the machine is busy (another process uses a core): torch's threads would collapse and the figures "

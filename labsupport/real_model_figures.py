@@ -125,7 +125,8 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -138,7 +139,7 @@ def _cpu_name() -> str:
 
 def machine() -> dict:
     """The machine a section ran on: CPU, cores, torch's threads, OS, Python and the libraries."""
-    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "os": platform.platform(terse=True), "python": platform.python_version(),
             "versions": {p: _version(p) for p in ("torch", "transformers", "tokenizers", "gguf", "numpy")}}
 

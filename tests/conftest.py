@@ -20,12 +20,11 @@ import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import labsupport  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no CUDA device)
 
 if "OMP_NUM_THREADS" in os.environ:  # torch may already be imported (by the nbval plugin): apply it now too
-    import torch  # noqa: E402
-
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,3 +125,12 @@ def smollm2():
         return load("smollm2-135m-instruct", verbose=False)
     except CheckpointError as exc:
         _missing(f"the course's real model is not installed: {exc}")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test, the caller's count restored after (CPU speed tests)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,18 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from labsupport import bench_cpu_engine as BC
 from labsupport import bench_engine as BE
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):

@@ -17,15 +17,8 @@ from labsupport.sampling import SamplingParams
 from labsupport.serve import cli
 from labsupport.transformer import Transformer
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
