@@ -56,6 +56,14 @@ def batched_sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_
     return torch.zeros_like(probs).scatter_(-1, order, probs)  # back to token order
 
 
+def drawable(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (R, V) safe to hand to ``torch.multinomial``, and which were a distribution: a row with a NaN
+    or infinite entry, or no mass, is replaced by a uniform stand-in (on a GPU an invalid row would stop
+    the device, not raise) and marked False in ``valid`` (R,), on the device: no sync."""
+    valid = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    return torch.where(valid[:, None], probs, torch.ones_like(probs)), valid
+
+
 class RowSamplingError(RuntimeError):
     """One row's sampling failed (its probabilities were not a distribution, or the draw raised). A
     sampler returns it in that row's place instead of a token: the engine fails that request alone,
@@ -95,8 +103,7 @@ class BatchedSampler:
         if drawn:
             idx = torch.tensor(drawn, device=dev)
             probs = batched_sampling_probs(logits[idx], *row_settings([params[i] for i in drawn], V, dev))  # (R', V)
-            valid = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)  # (R',) on the device: no sync
-            probs = torch.where(valid[:, None], probs, torch.ones_like(probs))  # a failed row draws from a stand-in
+            probs, valid = drawable(probs)  # a failed row draws from a stand-in, marked in valid
             for j, i in enumerate(drawn):  # each request's own generator: one draw per row
                 try:
                     tokens[i] = torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[0, 0]

@@ -57,7 +57,7 @@ import torch
 from .._validate import positive_int
 from ..drafts import ngram_proposal
 from ..sampling import SamplingParams
-from .sampler import RowSamplingError, _penalized, batched_sampling_probs, row_failure, row_settings
+from .sampler import RowSamplingError, _penalized, batched_sampling_probs, drawable, row_failure, row_settings
 
 METHODS = ("ngram",)
 
@@ -186,8 +186,7 @@ def _draw_ahead(logits: torch.Tensor, spans: Sequence[tuple[int, int]], params: 
     row_params = [p for p, (_, n) in zip(params, spans) for _ in range(n)]
     probs = batched_sampling_probs(logits[torch.tensor(rows, device=logits.device)],
                                    *row_settings(row_params, logits.shape[-1], logits.device))  # (R', V)
-    valid = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)  # (R',) on the device: no sync
-    probs = torch.where(valid[:, None], probs, torch.ones_like(probs))  # a failed row draws from a stand-in
+    probs, valid = drawable(probs)  # a failed row draws from a stand-in, marked in valid (R',)
     states, draws, first, raised = [], [], [], {}
     for k, ((_, n), g) in enumerate(zip(spans, generators)):
         states.append(g.get_state())
