@@ -75,7 +75,9 @@ SLOTS: tuple[Slot, ...] = (
          "adapter; not wired yet"),
     # lab 08: position
     Slot("rope", "08_position", ("apply_rope",), "check_apply_rope", "serves",
-         "a hook where the model rotates queries and keys; not wired yet (the transformer has no such hook)"),
+         "step-wide: every layer's Attention.rope hook rotates queries and keys with it (halves layout, the "
+         "model's rope_theta); a model with scaled frequencies (rope_scaling) keeps the course's rotation",
+         wired=True),
     Slot("fused_rope", "08_position", ("fused_rope", "fused_rope_kernel"), "check_fused_rope", "serves",
          "the Triton kernel behind the same RoPE hook on a GPU; not wired yet"),
     # lab 09: GGUF dequantisation

@@ -25,6 +25,7 @@ from .guidellm import GUIDELLM_VERSION, startup_command
 from .process import LISTENING
 from .served_model import BASE_PRESET, cache_dir, checkpoint_model, course_model
 from .stack import assemble_stack, load_parts, plug_in
+from .stack_model import model_side, plug_model_side
 from .timeouts import HEADER_TIMEOUT_S, timed_protocol
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -168,7 +169,14 @@ def _served_name(args: argparse.Namespace, own_name: str) -> str:
 
 
 def _backend(args: argparse.Namespace):
-    """The back end the options ask for, with the model they name (a ValueError if it cannot load)."""
+    """The back end the options ask for, with the model they name (a ValueError if it cannot load).
+    With ``--stack`` the stack is assembled first: its model-side parts act while the model loads."""
+    parts, side = {}, None
+    if args.stack:
+        manifest, table = assemble_stack(args.stack, args.stack_cache)
+        print(f"labsupport.serve: your stack ({args.stack}):\n{table}", flush=True)
+        parts = load_parts(manifest)
+        side = model_side(parts)
     served = checkpoint_model(args.model) if args.model else course_model(args.seed, args.base_model)
     served = dataclasses.replace(served, name=_served_name(args, served.name))
     served.model.to(DTYPES[args.dtype])  # the engine's KV cache follows the model's dtype
@@ -184,9 +192,8 @@ def _backend(args: argparse.Namespace):
         backend = FifoBackend(served, **common)
     backend.step_delay_s = args.step_delay
     if args.stack:
-        manifest, table = assemble_stack(args.stack, args.stack_cache)
-        print(f"labsupport.serve: your stack ({args.stack}):\n{table}", flush=True)
-        plug_in(backend, load_parts(manifest))
+        plug_in(backend, parts)
+        plug_model_side(backend, side)
     return backend
 
 
