@@ -82,10 +82,11 @@ SLOTS: tuple[Slot, ...] = (
          "the Triton kernel behind the same RoPE hook on a GPU; not wired yet"),
     # lab 09: GGUF dequantisation
     Slot("dequantize_q8_0", "09_precision", ("dequantize_q8_0",), "check_dequantize_q8_0", "serves",
-         "inside the loader's dequantisation, with the converted-weights cache keyed by whose dequantiser "
-         "made it; not wired yet"),
+         "at load time: reads the GGUF file's Q8_0 blocks inside the loader (--model a GGUF file), its "
+         "conversion cached in the course's cache folder under a key of its own (a hash of your module file)",
+         wired=True),
     Slot("dequantize_q4_1", "09_precision", ("dequantize_q4_1",), "check_dequantize_q4_1", "serves",
-         "as dequantize_q8_0, for Q4_1 blocks; not wired yet"),
+         "as dequantize_q8_0, for the Q4_1 blocks", wired=True),
     # lab 10: the paged cache
     Slot("block_allocator", "10_cache_ops", ("BlockAllocator",), "check_block_allocator", "serves",
          "step-wide: the engine's block pool with prefix caching off; not wired yet"),

@@ -177,7 +177,10 @@ def _backend(args: argparse.Namespace):
         print(f"labsupport.serve: your stack ({args.stack}):\n{table}", flush=True)
         parts = load_parts(manifest)
         side = model_side(parts)
-    served = checkpoint_model(args.model) if args.model else course_model(args.seed, args.base_model)
+    if args.model:  # a learner's dequantisers (lab 09) read the GGUF file's blocks
+        served = side.load(args.model) if side is not None else checkpoint_model(args.model)
+    else:
+        served = course_model(args.seed, args.base_model)
     served = dataclasses.replace(served, name=_served_name(args, served.name))
     served.model.to(DTYPES[args.dtype])  # the engine's KV cache follows the model's dtype
     if args.prepack:
