@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,9 +144,11 @@ class ModelSide:
             cfg, memory_gib, context, gpu_memory_utilization=1.0, block_size=block_size,
             kv_dtype_bytes=nbytes, weight_dtype_bytes=nbytes, reserve_gib=0.0)
         blocks = got.get("num_blocks") if isinstance(got, dict) else None
-        if isinstance(blocks, bool) or not isinstance(blocks, int):
+        if isinstance(blocks, numbers.Real) and not isinstance(blocks, bool) and float(blocks).is_integer():
+            blocks = int(blocks)  # the check takes a whole number in a float too
+        else:
             raise ValueError(f"--stack: your kv_capacity returned {got!r}; it must return a dict whose "
-                             f"num_blocks is an integer")
+                             f"num_blocks is a whole number")
         if blocks * block_size < context:
             raise ValueError(f"--stack: your kv_capacity gives {blocks} blocks of {block_size} tokens for a budget "
                              f"of {said}: fewer than one request of --context {context} tokens; raise --kv-memory-gib")
