@@ -43,7 +43,7 @@ from pathlib import Path
 import nbformat
 
 from .. import __version__
-from ..stack import SLOTS, Slot
+from ..stack import BY_NAME, SLOTS, Slot
 from .manifest import load_course_cells
 from .splice import splice
 
@@ -93,6 +93,8 @@ class Assembly:
         lines = []
         for r in self.rows:
             mode = "serves" if r.serves else ("checked" if r.mode == "checked" else "not wired yet (the course's serves)")
+            if not r.serves and BY_NAME[r.slot].gpu_only and BY_NAME[r.slot].wired:
+                mode = "checked on CPU (serves on a GPU)"
             lines.append((r.slot, r.lab, "yours" if r.source == "learner" else "course's", mode, r.check))
         widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
         out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]

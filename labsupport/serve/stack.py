@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 
 from ..engine.sampler import PerRowSampler
-from ..stack import BY_NAME, Slot, serving_slots
+from ..stack import BY_NAME, SLOTS, Slot
 
 MANIFEST_NAME = "stack.json"  # as labsupport.course.stack writes it
 
@@ -153,9 +153,10 @@ class GuardedDetokenizer:
 
 
 def load_parts(manifest: Path) -> dict[str, tuple[object, str]]:
-    """slot -> (the learner's part, its module file) for every wired slot the manifest gives the learner."""
+    """slot -> (the learner's part, its module file) for every wired slot the manifest gives the learner
+    (a GPU-only slot too: on a CPU its kernel is checked at start-up, :mod:`.stack_model`)."""
     data = json.loads(Path(manifest).read_text(encoding="utf-8"))
-    wired = {s.name for s in serving_slots()}
+    wired = {s.name for s in SLOTS if s.mode == "serves" and s.wired}
     modules: dict[str, object] = {}
     parts = {}
     for name, where in data.get("parts", {}).items():
