@@ -8,7 +8,8 @@ stack takes), the graded check that decides whether the learner's part is used, 
 * ``"checked"``: the part's shape cannot serve (or it belongs to the client side that drives and
   reports a run), so it is only run against its check, on the check's inputs.
 
-``wired`` says whether the server plugs the part in today (:func:`serving_slots`); a slot meant to
+``wired`` says whether the server plugs the part in today (:func:`serving_slots`; a checked slot may
+be wired too, run beside the engine's part while serving, as ``prefix_cache`` is); a slot meant to
 serve that is not wired yet keeps the course's part and is reported as not serving, never claimed.
 ``how`` is one line on how it plugs in, or why it is only checked.
 
@@ -95,9 +96,12 @@ SLOTS: tuple[Slot, ...] = (
          "as dequantize_q8_0, for the Q4_1 blocks", wired=True),
     # lab 10: the paged cache
     Slot("block_allocator", "10_cache_ops", ("BlockAllocator",), "check_block_allocator", "serves",
-         "step-wide: the engine's block pool with prefix caching off; not wired yet"),
-    Slot("prefix_cache", "10_cache_ops", ("PrefixCachingAllocator",), "check_prefix_cache", "serves",
-         "step-wide: checked by replaying the engine's admissions against the course's pool; not wired yet"),
+         "step-wide, behind an adapter: the engine's block pool, with prefix caching off (its interface counts "
+         "tokens, it never sees their ids, so no block can be found by its prefix)", wired=True),
+    Slot("prefix_cache", "10_cache_ops", ("PrefixCachingAllocator",), "check_prefix_cache", "checked",
+         "checked while serving: its interface cannot grow a sequence, so it cannot be the engine's pool; the "
+         "engine's admissions are replayed on it beside the engine's pool and its hits compared with the "
+         "engine's (GET /health: stack_prefix_cache)", wired=True),
     Slot("paged_attention", "10_cache_ops", ("paged_attention", "paged_decode_attention_kernel"),
          "check_paged_attention", "serves",
          "step-wide, on a GPU: steps of decodes only, on the engine's own block tables and cache; other "
@@ -118,7 +122,8 @@ SLOTS: tuple[Slot, ...] = (
     Slot("sampler", "13_decode_loop", ("sample",), "check_sample", "serves",
          "step-wide: called once per row (Engine(sampler=...), the engine's PerRowSampler)", wired=True),
     Slot("speculative_accept", "13_decode_loop", ("speculative_accept",), "check_speculative_accept", "serves",
-         "the acceptance rule of speculative decoding (--num-speculative-tokens); not wired yet"),
+         "step-wide, with --num-speculative-tokens: the engine's draft verification (engine.runner.verify), "
+         "one-hot draft probabilities for the prompt-lookup drafts; your sampler is left out meanwhile", wired=True),
     # lab 15: the load generator and the report
     Slot("poisson_arrivals", "15_production", ("poisson_arrivals",), "check_poisson_arrivals", "checked",
          "client side: the capstone trace's arrival times"),
