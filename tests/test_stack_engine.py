@@ -340,6 +340,19 @@ def test_the_prefix_cache_replay_agrees_with_the_engine_and_catches_a_cache_that
     assert "your prefix cache found 0 cached, the course's on the same replay 32, the engine 32" in \
         report["last_disagreement"]
 
+    class Raises(cls):  # a checked part that raises stops the replay; the requests never notice
+        def allocate(self, seq_id, token_ids):
+            raise KeyError("planted")
+
+    backend = ContinuousBackend(num_blocks=32, max_running=4, context_tokens=128)
+    plug_in(backend, {"prefix_cache": (Raises, file)})
+    _shared_prefix_requests(backend.engine)
+    report = backend.stats()["stack_prefix_cache"]
+    assert report["status"] == "stopped" and report["admissions"] == 0, report
+    assert report["stopped"].startswith("your prefix_cache part (lab 10, PrefixCachingAllocator) raised KeyError")
+    assert "the replay stopped, the requests go on" in report["stopped"]
+    assert backend.engine.stats()["prefix_cache_hits"] == 2 * 32  # the engine served on, its own cache hitting
+
 
 def test_the_learners_acceptance_rule_gives_the_engines_greedy_tokens_and_a_wrong_return_names_its_slot(
         solved_parts):
