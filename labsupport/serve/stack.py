@@ -18,6 +18,11 @@ Every part is wrapped so that an exception it raises becomes a :class:`PartFaile
 the slot, the lab and the learner's line. The server's own failure handling does the rest: a step-wide
 part that raises fails the requests of that step, a per-request part fails its request, and the
 server goes on with the learner's part (the course's part is never substituted mid-run).
+
+**A profile by slot** (the capstone, lab 16): every guarded call also adds its time to a
+:class:`SlotProfile`, and so does every engine step, the learner's parts or not; ``GET /health`` then
+says, under ``stack_profile``, each slot's calls and seconds, the steps' and the prefix cache's counts,
+so a client can tell what each of the learner's parts cost in the step.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import linecache
 import os
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -58,14 +65,53 @@ def _failed(slot: Slot, exc: BaseException, file: str) -> PartFailed:
                       f"at {learner_line(exc, file)}; {scope}, the server goes on with your part")
 
 
-def guarded(slot: Slot, fn, file: str):
-    """``fn`` (a learner's function) with its exceptions turned into :class:`PartFailed`."""
+class SlotProfile:
+    """Calls and seconds (``time.perf_counter``, the call's whole time, its exceptions included) of
+    each slot's part, and of the engine's steps under ``"step"``; the capstone's profile by slot."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # per-request parts run on the event loop, step-wide ones in the step's thread
+        self.totals: dict[str, list] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            calls, total = self.totals.get(name, (0, 0.0))
+            self.totals[name] = [calls + 1, total + seconds]
+
+    def timed(self, name: str, fn):
+        """``fn`` with its time added under ``name``."""
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - started)
+        return call
+
+    def snapshot(self) -> dict[str, dict]:
+        """``{name: {"calls": n, "seconds": s}}``."""
+        with self._lock:
+            return {name: {"calls": c, "seconds": s} for name, (c, s) in self.totals.items()}
+
+
+PROFILE = SlotProfile()  # this server's; one server per process
+
+
+def guarded(slot: Slot, fn, file: str, profile: SlotProfile | None = None):
+    """``fn`` (a learner's function) with its exceptions turned into :class:`PartFailed`, and its time
+    added to ``profile`` (default :data:`PROFILE`) under the slot's name."""
+    profile = PROFILE if profile is None else profile
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        started = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
             raise _failed(slot, exc, file) from exc
+        finally:
+            profile.add(slot.name, time.perf_counter() - started)
     return call
 
 
@@ -220,4 +266,20 @@ def plug_in(backend, parts: dict[str, tuple[object, str]]) -> list[str]:
         done.append(name)
     if done:
         backend.description += f" Your stack's parts serve: {', '.join(done)}."
+    _profile(backend, PROFILE)
     return done
+
+
+def _profile(backend, profile: SlotProfile) -> None:
+    """Time every engine step too, and add ``stack_profile`` to the back end's stats (``/health``)."""
+    engine = getattr(backend, "engine", None)
+    if engine is not None:
+        engine.step = profile.timed("step", engine.step)
+    own_stats = backend.stats
+
+    def stats() -> dict:
+        found = {"slots": profile.snapshot()}
+        if engine is not None:
+            found["prefix_cache"] = engine.block_manager.stats()  # queries and hits in prompt tokens
+        return {**own_stats(), "stack_profile": found}
+    backend.stats = stats
