@@ -286,6 +286,7 @@ def add_reference_logprobs(run: dict, model, tokenizer) -> int:
 # --- the report -----------------------------------------------------------------------------------
 
 
+@answer
 def greedy_agreement(reference: dict, candidate: dict) -> tuple[bool, int | None]:
     """Whether ``candidate``'s greedy answer equals ``reference``'s (two run records), and the index of
     the first token where their sampled ids differ (None where they never do).
@@ -324,6 +325,7 @@ def _served(record: dict) -> bool:
     return not record.get("error") and bool(record["token_times_s"]) and record.get("finish_reason") in ("stop", "length")
 
 
+@answer
 def stack_figures(stack: dict) -> dict:
     """The figures of one stack's run (``run["yours"]`` or ``run["course"]``), from its records only:
     ``served``; ``ttft_s`` and ``tpot_s`` at :data:`PERCENTILES` over the served requests (TTFT: first
@@ -360,6 +362,14 @@ def report(run: dict) -> dict:
     return {"requests": run["trace"]["requests"],
             "agree": [greedy_agreement(ref, mine)[0] for ref, mine in pairs],
             **{name: stack_figures(run[name]) for name in STACKS}}
+
+
+def new_run(trace: Trace, yours: dict, course: dict, stack: dict) -> dict:
+    """The capstone's run: the trace, each stack's raw records (:func:`run_stack`), and under
+    ``yours["serving"]`` the slots whose part was the learner's in the server (from the assembly,
+    ``stack``)."""
+    serving = [r["slot"] for r in stack.get("rows", []) if r["source"] == "learner" and r["serves"]]
+    return {"trace": asdict(trace), "yours": {**yours, "serving": serving}, "course": course}
 
 
 def slot_costs(stack: dict) -> dict[str, float]:
