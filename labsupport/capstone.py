@@ -22,11 +22,13 @@ This module imports nothing of ``labsupport.course``: the lab assembles through 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import json
 import math
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -44,6 +46,7 @@ from .stack import BY_NAME, SLOTS
 MODEL = "smollm2-135m-instruct"
 STACKS = ("yours", "course")  # the run's two stacks, the learner's first
 CLIENT_SLOTS = ("sse_client", "latency_metrics", "poisson_arrivals", "open_loop", "histogram_quantile", "slo_report")
+RECORDED = Path(__file__).resolve().parents[1] / "results" / "cpu_capstone.json"  # chapter 16's run (main())
 TOP_LOGPROBS = 5  # vLLM's tests compare against the reference's top 5 (check_logprobs_close's callers)
 
 #: The stated prompt set: short chat questions whose greedy answers on SmolLM2-135M-Instruct are short.
@@ -412,3 +415,75 @@ def planted(run: dict, change: Callable[[dict], None]) -> dict:
     out = copy.deepcopy(run)
     change(out)
     return out
+
+
+# --- the whole run, for the chapter's recorded figures ------------------------------------------------
+
+
+def side_by_side(labs_dir, trace: Trace, cache=None) -> dict:
+    """What the lab does, in one call: assemble ``labs_dir``'s stack, start both servers, run
+    ``trace`` against each (yours first), stop them; the run (:func:`new_run`), with the reference's
+    top log-probabilities where an answer differs."""
+    from .serve import ServerProcess  # the server's packages (the serve extra) only when a run is made
+
+    cache = Path(cache) if cache is not None else writable_cache()
+    stack = assemble(labs_dir, cache)
+    parts, _ = client_parts(stack)
+    work = Path(tempfile.mkdtemp(prefix="capstone-"))
+    serving = serving_folder(labs_dir, work / "yours")
+    (work / "none").mkdir()
+    options = server_options(trace)
+    servers = [ServerProcess([*options, "--stack", serving, "--stack-cache", cache], threads=1, startup_timeout_s=600),
+               ServerProcess([*options, "--stack", work / "none", "--stack-cache", work / "course-cache"], threads=1,
+                             startup_timeout_s=600)]
+    try:
+        for server in servers:
+            server.start()
+        yours, course = (run_stack(server.url, trace, parts) for server in servers)
+    finally:
+        for server in servers:
+            server.stop()
+    run = new_run(trace, yours, course, stack)
+    if any(a["text"] != b["text"] for a, b in zip(yours["records"], course["records"])):
+        from .checkpoints import load
+
+        reference = load(MODEL, verbose=False)
+        add_reference_logprobs(run, reference.model, reference.tokenizer)
+    return run
+
+
+def load_recorded(path=None) -> dict:
+    """The run :func:`main` recorded (default :data:`RECORDED`), with ``"recorded"``: device, date."""
+    path = Path(path) if path is not None else RECORDED
+    run = json.loads(path.read_text(encoding="utf-8"))
+    if not {"device", "date"} <= set(run.get("recorded", {})):
+        raise ValueError(f"{path} does not say on which machine and when it was recorded: record it again with "
+                         f"python -m labsupport.capstone --out {path}")
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m labsupport.capstone --labs solutions --out results/cpu_capstone.json``: the lab's run
+    on this machine, saved with the machine and the date for chapter 16's figures."""
+    # it imports torch and the real-model helpers: only this command needs it
+    from .real_model_figures import cpu_name
+
+    p = argparse.ArgumentParser(prog="python -m labsupport.capstone", description=main.__doc__)
+    p.add_argument("--labs", default="solutions", help="the folder of lab notebooks whose stack runs")
+    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    p.add_argument("--out", required=True, help="where the run goes (JSON)")
+    args = p.parse_args(argv)
+    run = side_by_side(args.labs, PRESETS[args.preset])
+    for name in STACKS:  # the histograms are the lab's; the chapter reads the records and the profiles
+        run[name].pop("histograms_before", None)
+        run[name].pop("histograms_after", None)
+    run["recorded"] = {"device": f"{cpu_name()}, {os.cpu_count()} cores ({platform.machine()})",
+                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "labs": str(args.labs),
+                       "preset": args.preset}
+    Path(args.out).write_text(json.dumps(run, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}: {where_to_look(run)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

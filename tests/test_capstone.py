@@ -6,6 +6,8 @@ answers are worked out by hand."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -137,3 +139,13 @@ def test_the_references_top_logprobs_rank_the_greedy_token_first(smollm2):
     top = capstone.reference_top_logprobs(smollm2.model, smollm2.tokenizer, prompt, out)
     assert len(top) == len(out) and all(len(t) == capstone.TOP_LOGPROBS for t in top)
     assert [max(t, key=t.get) for t in top] == out
+
+
+def test_the_recorded_run_says_on_which_machine_and_when_and_a_run_without_it_is_refused(tmp_path):
+    run = capstone.load_recorded()
+    assert run["recorded"]["device"] and run["recorded"]["date"][:2] == "20"
+    assert [r["i"] for r in run["yours"]["records"]] == list(range(run["trace"]["requests"]))
+    bare = tmp_path / "run.json"
+    bare.write_text(json.dumps({k: v for k, v in run.items() if k != "recorded"}), encoding="utf-8")
+    with pytest.raises(ValueError, match="python -m labsupport.capstone --out"):
+        capstone.load_recorded(bare)
