@@ -42,6 +42,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -92,6 +93,20 @@ REGISTERED: dict[str, Registered] = {
 # file written with gguf.quants.quantize and loaded in tests/test_checkpoint_formats.py. Others (the
 # K-quants, the i-quants) are refused by name.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+@dataclass(frozen=True)
+class Dequantizers:
+    """Dequantisers that read some GGUF block types in place of ``gguf.quants.dequantize`` (issue 31: a
+    learner's lab 09 parts serving inside the loader). ``by_type`` maps a type's name (``"Q8_0"``,
+    ``"Q4_1"``) to ``fn(raw) -> weights``: ``raw`` a tensor's bytes as the reader maps them, uint8
+    ``(rows, bytes per row)``; ``weights`` float32 ``(rows, weights per row)``. ``owner`` says whose
+    they are (a hash of the learner's module file): the converted-weights cache entry is keyed by it,
+    so a conversion made by one owner's dequantisers is never read in place of another's, nor of the
+    course's."""
+
+    by_type: Mapping[str, object]
+    owner: str
 
 
 @dataclass
@@ -160,7 +175,8 @@ def greedy(model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, s
 # --- the entry point ----------------------------------------------------------------------------
 
 
-def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bool = True) -> LoadedModel:
+def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bool = True,
+         dequantizers: Dequantizers | None = None) -> LoadedModel:
     """Load ``source`` (a registered name, a ``.gguf`` file, a Hugging Face folder or a Hub id) into
     the course model on ``device``; see the module's documentation.
 
@@ -169,14 +185,21 @@ def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bo
     labsupport.bench_engine --cpu-real-model`` records). ``prepack=True`` (a CPU only) fuses the
     projections and packs every linear layer's weights once for oneDNN
     (:func:`labsupport.cpu_linear.prepack`: about twice as fast a decode on a CPU). ``verbose``
-    prints the size before loading and where the cached conversion is.
+    prints the size before loading and where the cached conversion is. ``dequantizers`` (a GGUF file
+    only; :class:`Dequantizers`) read the block types they name instead of the ``gguf`` package, into
+    a cache entry of their own.
     """
     device = _device(device)
     dtype = _dtype(dtype, device)
     if prepack and device.type != "cpu":
         raise CheckpointError(f"prepack=True packs weights for the CPU; the model goes to {device}: leave it False")
     name, path = resolve(source)
-    loaded = (_load_gguf if path.suffix == ".gguf" else _load_folder)(path, name, device, dtype, verbose)
+    if dequantizers is not None and path.suffix != ".gguf":
+        raise CheckpointError(f"dequantizers read GGUF blocks, and {source} is not a GGUF file")
+    if path.suffix == ".gguf":
+        loaded = _load_gguf(path, name, device, dtype, verbose, dequantizers)
+    else:
+        loaded = _load_folder(path, name, device, dtype, verbose)
     if prepack:
         cpu_linear.prepack(loaded.model)
     return loaded
@@ -360,10 +383,14 @@ def file_identity(path: Path) -> dict:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_tail_blake2b": digest.hexdigest()}
 
 
-def cache_dir_for(path: Path) -> Path:
-    identity = json.dumps({"format": FORMAT_VERSION, **file_identity(path)}, sort_keys=True)
+def cache_dir_for(path: Path, owner: str | None = None) -> Path:
+    """The cache entry of ``path``'s conversion: the course's, or (``owner``) the one made by someone
+    else's dequantisers (:class:`Dequantizers`), keyed by the owner too and named after it."""
+    mine = {"dequantizers": owner} if owner is not None else {}
+    identity = json.dumps({"format": FORMAT_VERSION, **file_identity(path), **mine}, sort_keys=True)
     key = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
-    return cache_root() / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', path.stem)}-{key}"
+    suffix = "" if owner is None else f"-by-{owner}"
+    return cache_root() / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{path.stem}-{key}{suffix}")
 
 
 def _read_cache(folder: Path):
@@ -509,11 +536,14 @@ def gguf_config(reader, name: str) -> tuple[ModelConfig, dict]:
     return cfg, extra
 
 
-def dequantize(tensor) -> np.ndarray:
+def dequantize(tensor, dequantizers: Dequantizers | None = None) -> np.ndarray:
     """A GGUF tensor (a ``gguf.ReaderTensor``) as a float32 array in PyTorch's layout (rows first):
-    ``gguf.quants.dequantize`` for the types of :data:`GGUF_TYPES`, CheckpointError for the rest."""
+    ``gguf.quants.dequantize`` for the types of :data:`GGUF_TYPES` (or ``dequantizers``' function for
+    the types it names), CheckpointError for the rest."""
     gguf = _lazy("gguf")
     kind = tensor.tensor_type.name
+    if dequantizers is not None and kind in dequantizers.by_type:
+        return _dequantize_with(tensor, dequantizers)
     if kind not in GGUF_TYPES:
         raise CheckpointError(
             f"tensor {tensor.name} is stored as {kind}, a GGUF type this loader does not read (it reads "
@@ -529,9 +559,27 @@ def dequantize(tensor) -> np.ndarray:
                               f"be truncated: download or install it again") from exc
 
 
-def gguf_state_dict(reader, cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
+def _dequantize_with(tensor, dequantizers: Dequantizers) -> np.ndarray:
+    """``tensor`` read by ``dequantizers``' function for its type, checked for its shape."""
+    kind = tensor.tensor_type.name
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    rows = math.prod(shape[:-1])  # PyTorch's layout: a row is the last (fastest-varying) dimension
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))  # a copy of the mapped bytes
+    want = (rows, shape[-1])
+    out = dequantizers.by_type[kind](raw)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or not out.dtype.is_floating_point:
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise CheckpointError(f"the {kind} dequantiser of {dequantizers.owner} returned {got} for {tensor.name}; "
+                              f"it must return float32 {want} (rows, weights per row)")
+    return out.detach().to("cpu", torch.float32).numpy().reshape(shape)
+
+
+def gguf_state_dict(reader, cfg: ModelConfig, arch: str, dequantizers: Dequantizers | None = None,
+                    only: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """The course model's weights from a GGUF file: each tensor of :data:`labsupport.families.WEIGHTS`
-    under its GGUF name, dequantised, and q/k rows unpermuted where llama.cpp permuted them."""
+    under its GGUF name, dequantised, and q/k rows unpermuted where llama.cpp permuted them.
+    ``dequantizers`` read the types they name (:func:`dequantize`); ``only``: the GGUF types to read
+    (the others are left out of the result)."""
     tensors = {t.name: t for t in reader.tensors}
     state: dict[str, torch.Tensor] = {}
     used = set()
@@ -540,13 +588,15 @@ def gguf_state_dict(reader, cfg: ModelConfig, arch: str) -> dict[str, torch.Tens
         gguf_name = row.gguf.format(i=layer)
         if gguf_name not in tensors:
             raise CheckpointError(f"{cfg.name}: the GGUF file has no tensor {gguf_name} (the course model's {key})")
-        values = dequantize(tensors[gguf_name])
+        used.add(gguf_name)
+        if only is not None and tensors[gguf_name].tensor_type.name not in only:
+            continue
+        values = dequantize(tensors[gguf_name], dequantizers)
         if values.shape != shape:
             raise CheckpointError(f"{cfg.name}: {gguf_name} has shape {values.shape}, the metadata says {shape}")
         if GGUF_PERMUTED_QK[arch] and row.name.split(".")[-2] in ("wq", "wk"):
             values = unpermute_qk(values, cfg.n_heads if ".wq." in row.name else cfg.n_kv_heads)
         state[key] = torch.from_numpy(np.ascontiguousarray(values))
-        used.add(gguf_name)
     unused = [n for n in tensors if n not in used]
     if unused:
         raise CheckpointError(f"{cfg.name}: the GGUF file has tensors the course model has no place for: "
@@ -559,14 +609,45 @@ def _gguf_eos_ids(reader) -> list[int]:
     return [int(v) for v in (_field(reader, k) for k in keys) if v is not None]
 
 
-def _load_gguf(path: Path, name: str, device, dtype, verbose: bool) -> LoadedModel:
-    folder = cache_dir_for(path)
+def _redequantized(path: Path, name: str, verbose: bool, dequantizers: Dequantizers, folder: Path):
+    """The course's conversion of ``path`` (made first where it is not cached) with the tensors of the
+    types ``dequantizers`` name read again by them; written to ``folder``, its own cache entry, with a
+    copy of the course's tokenizer. Returns ``(meta, state)`` as :func:`_read_cache` does."""
+    course = cache_dir_for(path)
+    got = _read_cache(course)
+    if got is None:
+        _load_gguf(path, name, torch.device("cpu"), torch.float32, verbose)  # converts and caches the course's
+        got = _read_cache(course)
+    if got is None:
+        raise CheckpointError(f"{name}: the course's conversion could not be cached in {course}, and your "
+                              f"dequantisers' conversion starts from it: make that folder writable")
+    meta, state = got
+    if verbose:
+        print(f"{name}: reading its {', '.join(dequantizers.by_type)} tensors with the dequantisers of "
+              f"{dequantizers.owner} once; the result is cached in {folder}", flush=True)
+    reader = _gguf_reader(path)
+    cfg, extra = gguf_config(reader, name)
+    state = {**state, **gguf_state_dict(reader, cfg, extra["architecture"], dequantizers, only=dequantizers.by_type)}
+    meta = {**meta, "dequantizers": dequantizers.owner}
+    tok_dir = course / "tokenizer"
+    tokenizer = ModelTokenizer.from_pretrained(tok_dir, name, meta["eos_token_ids"]) if tok_dir.is_dir() else None
+    _write_cache(folder, meta, state, tokenizer)
+    return meta, state
+
+
+def _load_gguf(path: Path, name: str, device, dtype, verbose: bool,
+               dequantizers: Dequantizers | None = None) -> LoadedModel:
+    folder = cache_dir_for(path, None if dequantizers is None else dequantizers.owner)
     cached = _read_cache(folder)
+    if cached is None and dequantizers is not None:
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        cached = _redequantized(path, name, verbose, dequantizers, folder)
     if cached is not None:
         meta, state = cached
         cfg = _config_from_json(meta["config"])
         _check_memory(cfg, dtype, device, name, verbose, f" (cached conversion {folder})")
-        tok_dir = folder / "tokenizer"
+        tok_dir = folder / "tokenizer" if (folder / "tokenizer").is_dir() else cache_dir_for(path) / "tokenizer"
         tokenizer = ModelTokenizer.from_pretrained(tok_dir, name, meta["eos_token_ids"]) if tok_dir.is_dir() else None
     else:
         if folder.exists():  # stale (another format) or damaged: entries are renamed in whole, never partial
@@ -712,5 +793,5 @@ def _load_folder(folder: Path, name: str, device, dtype, verbose: bool) -> Loade
                        weights=", ".join(f"{k} x{v}" for k, v in dtypes.items()))
 
 
-__all__ = ["CheckpointError", "LoadedModel", "REGISTERED", "GGUF_TYPES", "load", "install_model", "resolve", "registered_path",
+__all__ = ["CheckpointError", "Dequantizers", "LoadedModel", "REGISTERED", "GGUF_TYPES", "load", "install_model", "resolve", "registered_path",
            "unpermute_qk", "dequantize", "gguf_config", "gguf_state_dict", "hf_state_dict", "cache_root", "greedy"]

@@ -8,7 +8,8 @@ stack takes), the graded check that decides whether the learner's part is used, 
 * ``"checked"``: the part's shape cannot serve (or it belongs to the client side that drives and
   reports a run), so it is only run against its check, on the check's inputs.
 
-``wired`` says whether the server plugs the part in today (:func:`serving_slots`); a slot meant to
+``wired`` says whether the server plugs the part in today (:func:`serving_slots`; a checked slot may
+be wired too, run beside the engine's part while serving, as ``prefix_cache`` is); a slot meant to
 serve that is not wired yet keeps the course's part and is reported as not serving, never claimed.
 ``how`` is one line on how it plugs in, or why it is only checked.
 
@@ -33,6 +34,7 @@ class Slot:
     mode: str  # "serves" or "checked" (module docstring)
     how: str  # how it plugs in, or why it is only checked
     wired: bool = False  # the server plugs the learner's part in today
+    gpu_only: bool = False  # a Triton kernel: serves where Triton compiles (a GPU); on a CPU checked on one forward pass
 
     @property
     def part(self) -> str:
@@ -41,8 +43,9 @@ class Slot:
 
     @property
     def serves(self) -> bool:
-        """True when the learner's part, once it passes its check, runs on every request today."""
-        return self.mode == "serves" and self.wired
+        """True when the learner's part, once it passes its check, runs on every request today (on this
+        machine: a :attr:`gpu_only` slot serves only where Triton compiles for a GPU)."""
+        return self.mode == "serves" and self.wired and (not self.gpu_only or _triton_compiles())
 
 
 SLOTS: tuple[Slot, ...] = (
@@ -66,32 +69,44 @@ SLOTS: tuple[Slot, ...] = (
     Slot("kv_bytes_per_token", "06_kv_cache", ("kv_bytes_per_token",), "check_kv_bytes_per_token", "checked",
          "checked: the bytes per token that kv_capacity's budget divides by (lab 12's kv_capacity sizes the blocks)"),
     Slot("kv_capacity", "12_engines", ("kv_capacity",), "check_kv_capacity", "serves",
-         "sizes the engine's number of KV blocks at start-up (takes a model config and GPU memory in GiB: "
-         "on a CPU an adapter must say what memory it budgets); not wired yet"),
+         "at start-up: sizes the engine's number of KV blocks (--engine continuous, no --num-blocks); the "
+         "server budgets --kv-memory-gib for the weights and the cache at utilisation 1.0 (default: the "
+         "weights plus the course's default cache), since a CPU has no GPU memory to read", wired=True),
     # lab 07: attention
     Slot("flash_attention", "07_attention", ("flash_attention", "flash_attention_kernel"), "check_flash_attention",
-         "serves", "whole-prompt prefill with no cache hit where Triton runs on a GPU; its interface is "
-         "equal-length sequences without grouped-query heads, so the engine's ragged GQA prefill needs an "
-         "adapter; not wired yet"),
+         "serves", "step-wide, on a GPU: steps of whole prompts with no cache hit; its interface is equal-length "
+         "sequences without grouped-query heads, so an adapter groups the step's prompts by length and repeats "
+         "the KV heads; other steps run the course's kernel. On a CPU: checked against the course's attention "
+         "on one forward pass at start-up", wired=True, gpu_only=True),
     # lab 08: position
     Slot("rope", "08_position", ("apply_rope",), "check_apply_rope", "serves",
-         "a hook where the model rotates queries and keys; not wired yet (the transformer has no such hook)"),
+         "step-wide: every layer's Attention.rope hook rotates queries and keys with it (halves layout, the "
+         "model's rope_theta); a model with scaled frequencies (rope_scaling) keeps the course's rotation",
+         wired=True),
     Slot("fused_rope", "08_position", ("fused_rope", "fused_rope_kernel"), "check_fused_rope", "serves",
-         "the Triton kernel behind the same RoPE hook on a GPU; not wired yet"),
+         "step-wide, on a GPU: the Triton kernel behind the same rope hook (the model's own frequencies, "
+         "scaled ones included). On a CPU: checked against the course's rotation on one forward pass at "
+         "start-up", wired=True, gpu_only=True),
     # lab 09: GGUF dequantisation
     Slot("dequantize_q8_0", "09_precision", ("dequantize_q8_0",), "check_dequantize_q8_0", "serves",
-         "inside the loader's dequantisation, with the converted-weights cache keyed by whose dequantiser "
-         "made it; not wired yet"),
+         "at load time: reads the GGUF file's Q8_0 blocks inside the loader (--model a GGUF file), its "
+         "conversion cached in the course's cache folder under a key of its own (a hash of your module file)",
+         wired=True),
     Slot("dequantize_q4_1", "09_precision", ("dequantize_q4_1",), "check_dequantize_q4_1", "serves",
-         "as dequantize_q8_0, for Q4_1 blocks; not wired yet"),
+         "as dequantize_q8_0, for the Q4_1 blocks", wired=True),
     # lab 10: the paged cache
     Slot("block_allocator", "10_cache_ops", ("BlockAllocator",), "check_block_allocator", "serves",
-         "step-wide: the engine's block pool with prefix caching off; not wired yet"),
-    Slot("prefix_cache", "10_cache_ops", ("PrefixCachingAllocator",), "check_prefix_cache", "serves",
-         "step-wide: checked by replaying the engine's admissions against the course's pool; not wired yet"),
+         "step-wide, behind an adapter: the engine's block pool, with prefix caching off (its interface counts "
+         "tokens, it never sees their ids, so no block can be found by its prefix)", wired=True),
+    Slot("prefix_cache", "10_cache_ops", ("PrefixCachingAllocator",), "check_prefix_cache", "checked",
+         "checked while serving: its interface cannot grow a sequence, so it cannot be the engine's pool; the "
+         "engine's admissions are replayed on it beside the engine's pool and its hits compared with the "
+         "engine's (GET /health: stack_prefix_cache)", wired=True),
     Slot("paged_attention", "10_cache_ops", ("paged_attention", "paged_decode_attention_kernel"),
          "check_paged_attention", "serves",
-         "step-wide: decode-only steps where Triton runs on a GPU; not wired yet"),
+         "step-wide, on a GPU: steps of decodes only, on the engine's own block tables and cache; other "
+         "steps run the course's kernel. On a CPU: checked against the course's attention on one decode "
+         "step at start-up", wired=True, gpu_only=True),
     # lab 11: tensor parallelism
     Slot("ring_all_reduce", "11_many_gpus", ("ring_all_reduce",), "check_ring_all_reduce", "checked",
          "checked only: the engine has no tensor parallelism"),
@@ -107,7 +122,8 @@ SLOTS: tuple[Slot, ...] = (
     Slot("sampler", "13_decode_loop", ("sample",), "check_sample", "serves",
          "step-wide: called once per row (Engine(sampler=...), the engine's PerRowSampler)", wired=True),
     Slot("speculative_accept", "13_decode_loop", ("speculative_accept",), "check_speculative_accept", "serves",
-         "the acceptance rule of speculative decoding (--num-speculative-tokens); not wired yet"),
+         "step-wide, with --num-speculative-tokens: the engine's draft verification (engine.runner.verify), "
+         "one-hot draft probabilities for the prompt-lookup drafts; your sampler is left out meanwhile", wired=True),
     # lab 15: the load generator and the report
     Slot("poisson_arrivals", "15_production", ("poisson_arrivals",), "check_poisson_arrivals", "checked",
          "client side: the capstone trace's arrival times"),
@@ -120,6 +136,16 @@ SLOTS: tuple[Slot, ...] = (
 )
 
 BY_NAME = {slot.name: slot for slot in SLOTS}
+
+
+def _triton_compiles() -> bool:
+    """Whether Triton kernels compile for a GPU here (a CUDA device, not the interpreter)."""
+    import os
+
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in (
+        "1", "true", "yes", "on")
 
 
 def slot(name: str) -> Slot:

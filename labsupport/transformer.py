@@ -262,7 +262,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention (Ainslie et al., 2023): H query heads share Hkv key/value heads."""
+    """Grouped-query attention (Ainslie et al., 2023): H query heads share Hkv key/value heads.
+
+    ``rope`` is where the model rotates: None (the default) is the course's rotation
+    (:func:`apply_rope` with the model's cos and sin); a function ``rope(q, k, positions) -> (q, k)``
+    (q (B, H, S, D), k (B, Hkv, S, D), positions (S,) int64, every row at the same positions) rotates
+    instead, as a learner's lab 08 part does when it serves (:mod:`labsupport.serve.stack_model`)."""
+
+    rope = None  # set on a layer's instance to rotate another way (the class's None: the course's)
 
     def __init__(self, cfg: ModelConfig, **factory):
         super().__init__()
@@ -282,8 +289,12 @@ class Attention(nn.Module):
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.wqkv is not None and self.q_norm is None:  # fused (fuse()): one matmul, and one rotation
             qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
-            qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # the queries' and keys' heads together (elementwise)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (B, H, S, D), (B, Hkv, S, D) twice
+            if self.rope is None:
+                qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # the queries' and keys' heads together (elementwise)
+                q, k = qk[:, :H], qk[:, H:]  # (B, H, S, D), (B, Hkv, S, D)
+            else:
+                q, k = self.rope(qkv[:, :H], qkv[:, H:H + Hkv], kv.positions)
+            v = qkv[:, H + Hkv:]  # (B, Hkv, S, D)
         else:
             if self.wqkv is not None:
                 q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -294,7 +305,10 @@ class Attention(nn.Module):
             v = v.view(B, S, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)  # per head, over D
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.rope is None:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            else:
+                q, k = self.rope(q, k, kv.positions)
         out = kv.attend(layer, q, k, v)  # (B, H, S, D): the KV batch stores k, v and attends
         out = out.transpose(1, 2).reshape(B, S, H * D)  # (B, S, H*D)
         return self.wo(out)

@@ -119,6 +119,8 @@ def _add_stack(sub) -> None:
                     help="where the parts' module files and the check results go (default $LABSUPPORT_CACHE/stack)")
     st.add_argument("--slot", action="append", default=None, metavar="NAME",
                     help="assemble only this slot (repeatable; default: every slot)")
+    st.add_argument("--jobs", type=int, default=None, metavar="N",
+                    help="check N labs at once, each in its own process (default: the CPU cores, at most 4)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stack":
         from . import stack
 
-        return stack.main(args.labs_dir, args.cache, as_json=args.json, only=args.slot)
+        return stack.main(args.labs_dir, args.cache, as_json=args.json, only=args.slot, jobs=args.jobs)
     return _grade(args)
 
 

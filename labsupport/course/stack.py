@@ -6,7 +6,8 @@ learner's exercise cells are taken as the grader takes them (:func:`labsupport.c
 and written, with what the course's earlier cells define, as one module file per lab in the cache
 folder (never in the learner's folder: Triton reads a kernel's source from a real file). Each slot's
 check then runs against the learner's part in a subprocess with a time limit, so a part that hangs or
-crashes cannot take the assembly down. A slot keeps the learner's part where its check passes and the
+crashes cannot take the assembly down; several labs' subprocesses run at once (``--jobs N``, default
+the CPU cores up to four), each with its own time limit and its share of the cores. A slot keeps the learner's part where its check passes and the
 course's where it fails, raises, times out or the exercise is not done.
 
 **The namespace rule.** A learner's exercise cell often uses names an earlier course cell of the lab
@@ -37,18 +38,20 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import nbformat
 
 from .. import __version__
-from ..stack import SLOTS, Slot
+from ..stack import BY_NAME, SLOTS, Slot
 from .manifest import load_course_cells
 from .splice import splice
 
 CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"  # a lab's checks' source is part of its cache key
 CHECK_TIMEOUT_S = 600.0  # one lab's checks together
+MAX_JOBS = 4  # labs checked at once by default (each check process takes a few hundred MB)
 MANIFEST_NAME = "stack.json"
 RESULTS_PREFIX = "LABSUPPORT_STACK_RESULT "
 
@@ -93,6 +96,8 @@ class Assembly:
         lines = []
         for r in self.rows:
             mode = "serves" if r.serves else ("checked" if r.mode == "checked" else "not wired yet (the course's serves)")
+            if not r.serves and BY_NAME[r.slot].gpu_only and BY_NAME[r.slot].wired:
+                mode = "checked on CPU (serves on a GPU)"
             lines.append((r.slot, r.lab, "yours" if r.source == "learner" else "course's", mode, r.check))
         widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
         out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
@@ -193,13 +198,17 @@ for check, part in pairs:
 """
 
 
-def run_checks(path: Path, lab: str, pairs: list[tuple[str, str]], timeout_s: float = CHECK_TIMEOUT_S) -> dict:
+def run_checks(path: Path, lab: str, pairs: list[tuple[str, str]], timeout_s: float = CHECK_TIMEOUT_S,
+               threads: int | None = None) -> dict:
     """Run ``pairs`` (check, part) against the module file ``path`` in a subprocess: check -> (result,
-    message). A check the subprocess never reported (it crashed or ran out of time) failed."""
+    message). A check the subprocess never reported (it crashed or ran out of time) failed.
+    ``threads``: torch's threads in it (``OMP_NUM_THREADS``, unless set), when several labs run at once."""
     # the parts' folder is on the path of every process the checks start (lab 11's spawn their ranks,
     # which import the part by its module's name)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(path.parent), os.environ.get("PYTHONPATH")]))}
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.pop("LABSUPPORT_GRADING", None)
     cmd = [sys.executable, "-c", _RUNNER, str(path.parent), path.stem, RESULTS_PREFIX,
            json.dumps([list(p) for p in pairs])]
@@ -222,7 +231,8 @@ def run_checks(path: Path, lab: str, pairs: list[tuple[str, str]], timeout_s: fl
     return results
 
 
-def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: list[str]) -> tuple[list[Row], int]:
+def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: list[str],
+             threads: int | None = None) -> tuple[list[Row], int]:
     """The rows of one lab's slots, and how many checks ran."""
     def course_rows(check: str, message: str = "") -> list[Row]:
         return [Row(s.name, lab, "course", s.serves, check, s.mode, message) for s in slots]
@@ -253,7 +263,7 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
         results = {k: tuple(v) for k, v in json.loads(results_file.read_text(encoding="utf-8")).items()}
     todo = [p for p in pairs if p[0] not in results]  # an earlier --slot run may have checked only some
     if todo:
-        results.update(run_checks(module, lab, todo))
+        results.update(run_checks(module, lab, todo, threads=threads))
         ran = len(todo)
         results_file.parent.mkdir(parents=True, exist_ok=True)
         results_file.write_text(json.dumps(results), encoding="utf-8")
@@ -266,9 +276,16 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
     return rows, ran
 
 
-def assemble(labs_dir, cache_dir=None, only: list[str] | None = None) -> Assembly:
+def default_jobs() -> int:
+    """Labs checked at once by default: the CPU cores, at most :data:`MAX_JOBS`."""
+    return max(1, min(MAX_JOBS, os.cpu_count() or 1))
+
+
+def assemble(labs_dir, cache_dir=None, only: list[str] | None = None, jobs: int | None = None) -> Assembly:
     """Assemble the stack from the notebooks in ``labs_dir`` (module docstring); ``only``: slot names
-    to assemble (default: every slot). Writes ``<cache_dir>/stack.json`` for the server."""
+    to assemble (default: every slot); ``jobs``: labs checked at once, each in its own process with
+    its own time limit and its share of the cores (default :func:`default_jobs`). Writes
+    ``<cache_dir>/stack.json`` for the server."""
     labs_dir = Path(labs_dir).expanduser()
     if not labs_dir.is_dir():
         raise ValueError(f"{labs_dir} is not a folder: give the folder that holds your lab notebooks")
@@ -277,11 +294,24 @@ def assemble(labs_dir, cache_dir=None, only: list[str] | None = None) -> Assembl
     unknown = set(only or ()) - {s.name for s in SLOTS}
     if unknown:
         raise ValueError(f"no stack slot {', '.join(sorted(unknown))}; the slots are {', '.join(s.name for s in SLOTS)}")
+    jobs = default_jobs() if jobs is None else jobs
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be 1 or more (labs checked at once), got {jobs!r}")
+    labs = sorted({s.lab for s in slots})  # course order; a lab's slots in SLOTS's order
+    threads = max(1, (os.cpu_count() or 1) // min(jobs, len(labs) or 1)) if jobs > 1 else None
+
+    def one(lab: str) -> tuple[list[Row], int, list[str]]:
+        lab_notes: list[str] = []
+        lab_rows, n = _lab_rows(lab, [s for s in slots if s.lab == lab], labs_dir, cache, lab_notes, threads)
+        return lab_rows, n, lab_notes
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each lab's checks run in a process of their own
+        done = list(pool.map(one, labs))
     rows, ran, notes = [], 0, []
-    for lab in sorted({s.lab for s in slots}):  # course order; a lab's slots in SLOTS's order
-        lab_rows, n = _lab_rows(lab, [s for s in slots if s.lab == lab], labs_dir, cache, notes)
+    for lab_rows, n, lab_notes in done:
         rows += lab_rows
         ran += n
+        notes += lab_notes
     assembly = Assembly(rows, cache, ran, notes)
     cache.mkdir(parents=True, exist_ok=True)
     manifest = {"course_version": __version__, "labs_dir": str(labs_dir.resolve()), "written": time.time(),
@@ -290,10 +320,11 @@ def assemble(labs_dir, cache_dir=None, only: list[str] | None = None) -> Assembl
     return assembly
 
 
-def main(labs_dir: str, cache_dir: str | None = None, as_json: bool = False, only: list[str] | None = None) -> int:
+def main(labs_dir: str, cache_dir: str | None = None, as_json: bool = False, only: list[str] | None = None,
+         jobs: int | None = None) -> int:
     """``python -m labsupport stack``: assemble and print the table (or ``--json``)."""
     try:
-        assembly = assemble(labs_dir, cache_dir, only)
+        assembly = assemble(labs_dir, cache_dir, only, jobs)
     except ValueError as exc:
         print(f"stack: {exc}", file=sys.stderr)
         return 2

@@ -295,6 +295,7 @@ class ModelRunner:
         self.group = cfg.n_heads // cfg.n_kv_heads
         self.buffers = StepBuffers(self.device, self.max_blocks, tokens=256, seqs=max_num_seqs)
         self.assemble: AssembleFn | None = assemble  # None: the engine's own prepare_step
+        self.verify = verify_drafts  # a speculative step's draft verification (lab 13's rule can be plugged in)
         self.graph_sizes: list[int] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_vars: dict[str, torch.Tensor] = {}
@@ -351,7 +352,7 @@ class ModelRunner:
             histories = [r.all_ids if p.repetition_penalty != 1 else () for r, p in zip(sampling, params)]
         generators = [r.generator for r in sampling]
         if any(drafts):
-            return verify_drafts(logits, params, generators, drafts, histories)
+            return self.verify(logits, params, generators, drafts, histories)
         # a row the sampler could not sample comes back as its RowSamplingError: the engine fails it alone
         return [[t] if isinstance(t, int) else t for t in sampler(logits, params, generators, histories)]
 

@@ -25,6 +25,7 @@ from .guidellm import GUIDELLM_VERSION, startup_command
 from .process import LISTENING
 from .served_model import BASE_PRESET, cache_dir, checkpoint_model, course_model
 from .stack import assemble_stack, load_parts, plug_in
+from .stack_model import model_side, plug_model_side
 from .timeouts import HEADER_TIMEOUT_S, timed_protocol
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -90,6 +91,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stack", default=None, metavar="LABS_DIR",
                    help="serve through your own parts: assemble the stack from the lab notebooks in LABS_DIR "
                         "(python -m labsupport stack) and plug in each wired part whose check passes")
+    p.add_argument("--kv-memory-gib", type=float, default=None, metavar="GIB",
+                   help="with --stack and --engine continuous, where your kv_capacity (lab 12) sizes the KV cache: the "
+                        "memory it budgets, in GiB, for the weights and the cache together (utilisation 1.0, no "
+                        "reserve; a CPU has no GPU memory to read). Default: the weights plus the course's default "
+                        "cache (--max-running requests at the full --context)")
     p.add_argument("--stack-cache", default=None, metavar="DIR",
                    help="with --stack: the assembly's cache folder (default $LABSUPPORT_CACHE/stack)")
     p.add_argument("--exit-with-parent", action="store_true",
@@ -109,6 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_blocks is not None and args.num_blocks * args.block_size < args.context:
         p.error(f"--num-blocks {args.num_blocks} of --block-size {args.block_size} hold "
                 f"{args.num_blocks * args.block_size} tokens, fewer than one request at --context {args.context}")
+    if args.kv_memory_gib is not None and not args.kv_memory_gib > 0:
+        p.error(f"--kv-memory-gib must be a positive number of GiB, got {args.kv_memory_gib}")
+    if args.kv_memory_gib is not None and not args.stack:
+        p.error("--kv-memory-gib is the budget of your kv_capacity part: it goes with --stack LABS_DIR")
     if not args.step_delay >= 0:
         p.error(f"--step-delay must be 0 or more seconds, got {args.step_delay}")
     for name in ("drain_timeout", "header_timeout", "body_timeout"):
@@ -168,25 +178,37 @@ def _served_name(args: argparse.Namespace, own_name: str) -> str:
 
 
 def _backend(args: argparse.Namespace):
-    """The back end the options ask for, with the model they name (a ValueError if it cannot load)."""
-    served = checkpoint_model(args.model) if args.model else course_model(args.seed, args.base_model)
+    """The back end the options ask for, with the model they name (a ValueError if it cannot load).
+    With ``--stack`` the stack is assembled first: its model-side parts act while the model loads."""
+    parts, side = {}, None
+    if args.stack:
+        manifest, table = assemble_stack(args.stack, args.stack_cache)
+        print(f"labsupport.serve: your stack ({args.stack}):\n{table}", flush=True)
+        parts = load_parts(manifest)
+        side = model_side(parts)
+    if args.model:  # a learner's dequantisers (lab 09) read the GGUF file's blocks
+        served = side.load(args.model) if side is not None else checkpoint_model(args.model)
+    else:
+        served = course_model(args.seed, args.base_model)
     served = dataclasses.replace(served, name=_served_name(args, served.name))
     served.model.to(DTYPES[args.dtype])  # the engine's KV cache follows the model's dtype
     if args.prepack:
         prepack(served.model)
     common = dict(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
                   max_requests=args.max_requests, seed=args.seed)
+    num_blocks = args.num_blocks
+    if args.engine == "continuous" and num_blocks is None and side is not None and "kv_capacity" in side.parts:
+        num_blocks = side.num_blocks(served.model, args.context, args.block_size, args.max_running, args.kv_memory_gib)
     if args.engine == "continuous":
-        backend = ContinuousBackend(served, **common, block_size=args.block_size, num_blocks=args.num_blocks,
+        backend = ContinuousBackend(served, **common, block_size=args.block_size, num_blocks=num_blocks,
                                    token_budget=args.token_budget, max_running=args.max_running,
                                    speculative_tokens=args.num_speculative_tokens)
     else:
         backend = FifoBackend(served, **common)
     backend.step_delay_s = args.step_delay
     if args.stack:
-        manifest, table = assemble_stack(args.stack, args.stack_cache)
-        print(f"labsupport.serve: your stack ({args.stack}):\n{table}", flush=True)
-        plug_in(backend, load_parts(manifest))
+        plug_in(backend, parts)
+        plug_model_side(backend, side)
     return backend
 
 

@@ -30,6 +30,9 @@ continuous engine only)                             ``vllm:gpu_cache_usage_perc`
 ``course:request_rejected_total{reason}``           none: vLLM's opt-in admission caps (#49445) answer
                                                     503 and no release counts the refusals (a
                                                     counter is proposed in #55812)
+``course:stack_prefix_cache_admissions_total``      none: with ``--stack``, the admissions replayed on
+``{result}`` (``agreed`` or ``disagreed``)          a learner's prefix cache, by whether its hits
+                                                    agreed (:mod:`labsupport.serve.stack_engine`)
 ==================================================  ==================================================
 
 Conventions: latencies are measured in the HTTP layer from a request's arrival (its headers are in)
@@ -81,6 +84,14 @@ class _StateCollector:
         ):
             if key in stats:
                 yield CounterMetricFamily(PREFIX + name, doc, value=stats[key])
+        replay = stats.get("stack_prefix_cache")  # --stack with a learner's prefix cache
+        if replay:
+            family = CounterMetricFamily(PREFIX + "stack_prefix_cache_admissions",
+                                         "Admissions replayed on the learner's prefix cache, by whether its hits agreed.",
+                                         labels=["result"])
+            for result in ("agreed", "disagreed"):
+                family.add_metric([result], replay[result])
+            yield family
 
 
 class ServerMetrics:

@@ -209,15 +209,16 @@ def course_model(seed: int = 0, base: str = BASE_PRESET, device: str = "cpu") ->
                        description=WEIGHTS_NOTE.format(seed=seed))
 
 
-def checkpoint_model(source: str, device: str = "cpu") -> ServedModel:
+def checkpoint_model(source: str, device: str = "cpu", dequantizers=None) -> ServedModel:
     """A real checkpoint, loaded by ``labsupport.checkpoints.load`` (raises its ``CheckpointError``,
-    a ValueError saying what is wrong and what to do)."""
+    a ValueError saying what is wrong and what to do); ``dequantizers``: a learner's GGUF
+    dequantisers (``labsupport.checkpoints.Dequantizers``, ``--stack``)."""
     try:
         from .. import checkpoints  # heavy (the Hugging Face stack) and only for --model: imported here
     except ImportError as error:
         raise ValueError(f"--model needs labsupport.checkpoints, which this version of labsupport lacks "
                          f"({error}); serve the course model (leave out --model) or update labsupport") from None
-    loaded = checkpoints.load(source, device=device)
+    loaded = checkpoints.load(source, device=device, **({"dequantizers": dequantizers} if dequantizers else {}))
     weights = "trained weights" if loaded.trained else "random weights (not trained: its text is meaningless)"
     return ServedModel(loaded.name, loaded.model, loaded.tokenizer, trained=bool(loaded.trained),
                        source=str(loaded.source), description=f"{loaded.name}: {weights}, from {loaded.source}")

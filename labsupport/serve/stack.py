@@ -12,17 +12,24 @@ The wired slots (:func:`labsupport.stack.serving_slots`) plug in as follows:
 * ``sampler`` (lab 13): the engine's per-row sampler (``PerRowSampler``); step-wide;
 * ``stop_strings`` (lab 01): the back end's stop-string filter (``Backend.stop_filter``); per request;
 * ``detokenizer`` (lab 01): each request's incremental detokenizer (``Backend.detokenizer``), reading
-  the model tokenizer's token bytes through :class:`TokenBytes`; per request.
+  the model tokenizer's token bytes through :class:`TokenBytes`; per request;
+* the engine-side slots of :mod:`.stack_engine`: ``block_allocator`` (lab 10) as the engine's block
+  pool with prefix caching off, step-wide; ``speculative_accept`` (lab 13) as the engine's draft
+  verification with ``--num-speculative-tokens``, step-wide (the learner's sampler is then left out:
+  the engine samples every step with its own); ``prefix_cache`` (lab 10), checked while serving by
+  replaying the engine's admissions on it (``GET /health``: ``stack_prefix_cache``).
 
-Every part is wrapped so that an exception it raises becomes a :class:`PartFailed` whose message names
-the slot, the lab and the learner's line. The server's own failure handling does the rest: a step-wide
-part that raises fails the requests of that step, a per-request part fails its request, and the
-server goes on with the learner's part (the course's part is never substituted mid-run).
+A part that cannot serve with the server's options is left out, and the server's description says
+which and why. Every part is wrapped so that an exception it raises becomes a :class:`PartFailed`
+(:mod:`.stack_guard`) whose message names the slot, the lab and the learner's line. The server's own
+failure handling does the rest: a step-wide part that raises fails the requests of that step, a
+per-request part fails its request, and the server goes on with the learner's part (the course's
+part is never substituted mid-run).
 
-**A profile by slot** (the capstone, lab 16): every guarded call also adds its time to a
-:class:`SlotProfile`, and so does every engine step, the learner's parts or not; ``GET /health`` then
-says, under ``stack_profile``, each slot's calls and seconds, the steps' and the prefix cache's counts,
-so a client can tell what each of the learner's parts cost in the step.
+**A profile by slot** (the capstone, lab 16): every guarded call also adds its time to
+:data:`.stack_guard.PROFILE`, and so does every engine step, the learner's parts or not; ``GET /health``
+then says, under ``stack_profile``, each slot's calls and seconds, the steps' and the prefix cache's
+counts, so a client can tell what each of the learner's parts cost in the step.
 """
 
 from __future__ import annotations
@@ -30,89 +37,17 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import linecache
 import os
 import subprocess
 import sys
-import threading
-import time
-import traceback
 from pathlib import Path
 
 from ..engine.sampler import PerRowSampler
-from ..stack import BY_NAME, Slot, serving_slots
+from ..stack import BY_NAME, SLOTS, Slot
+from .stack_engine import ENGINE_SLOTS, plug_engine_part
+from .stack_guard import PROFILE, PartFailed, SlotProfile, guarded, learner_line  # noqa: F401 (PartFailed, learner_line: re-exported)
 
 MANIFEST_NAME = "stack.json"  # as labsupport.course.stack writes it
-
-
-class PartFailed(RuntimeError):
-    """A learner's part raised while serving; the message names the slot and the learner's line."""
-
-
-def learner_line(exc: BaseException, file: str) -> str:
-    """``file:line: source`` of the deepest frame of ``exc``'s traceback in the learner's module file."""
-    where = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if os.path.abspath(frame.filename) == os.path.abspath(file):
-            line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-            where = f"{frame.filename}:{frame.lineno}: {line}"
-    return where or f"{file} (no line of it in the traceback)"
-
-
-def _failed(slot: Slot, exc: BaseException, file: str) -> PartFailed:
-    scope = "its request fails" if slot.name in ("stop_strings", "detokenizer") else "the step's requests fail"
-    return PartFailed(f"your {slot.name} part (lab {slot.lab[:2]}, {slot.part}) raised {type(exc).__name__}: {exc} "
-                      f"at {learner_line(exc, file)}; {scope}, the server goes on with your part")
-
-
-class SlotProfile:
-    """Calls and seconds (``time.perf_counter``, the call's whole time, its exceptions included) of
-    each slot's part, and of the engine's steps under ``"step"``; the capstone's profile by slot."""
-
-    def __init__(self):
-        self._lock = threading.Lock()  # per-request parts run on the event loop, step-wide ones in the step's thread
-        self.totals: dict[str, list] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        with self._lock:
-            calls, total = self.totals.get(name, (0, 0.0))
-            self.totals[name] = [calls + 1, total + seconds]
-
-    def timed(self, name: str, fn):
-        """``fn`` with its time added under ``name``."""
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.add(name, time.perf_counter() - started)
-        return call
-
-    def snapshot(self) -> dict[str, dict]:
-        """``{name: {"calls": n, "seconds": s}}``."""
-        with self._lock:
-            return {name: {"calls": c, "seconds": s} for name, (c, s) in self.totals.items()}
-
-
-PROFILE = SlotProfile()  # this server's; one server per process
-
-
-def guarded(slot: Slot, fn, file: str, profile: SlotProfile | None = None):
-    """``fn`` (a learner's function) with its exceptions turned into :class:`PartFailed`, and its time
-    added to ``profile`` (default :data:`PROFILE`) under the slot's name."""
-    profile = PROFILE if profile is None else profile
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            raise _failed(slot, exc, file) from exc
-        finally:
-            profile.add(slot.name, time.perf_counter() - started)
-    return call
 
 
 class GuardedFilter:
@@ -199,9 +134,10 @@ class GuardedDetokenizer:
 
 
 def load_parts(manifest: Path) -> dict[str, tuple[object, str]]:
-    """slot -> (the learner's part, its module file) for every wired slot the manifest gives the learner."""
+    """slot -> (the learner's part, its module file) for every wired slot the manifest gives the learner
+    (a GPU-only slot too: on a CPU its kernel is checked at start-up, :mod:`.stack_model`)."""
     data = json.loads(Path(manifest).read_text(encoding="utf-8"))
-    wired = {s.name for s in serving_slots()}
+    wired = {s.name for s in SLOTS if s.wired}
     modules: dict[str, object] = {}
     parts = {}
     for name, where in data.get("parts", {}).items():
@@ -237,18 +173,21 @@ def assemble_stack(labs_dir: str, cache_dir: str | None = None) -> tuple[Path, s
 
 def plug_in(backend, parts: dict[str, tuple[object, str]]) -> list[str]:
     """Plug the learner's parts into ``backend`` (a ContinuousBackend for the engine's slots); returns
-    the slots plugged in. A ValueError where a part cannot go into this back end."""
-    done = []
+    the slots plugged in. A ValueError where a part cannot go into this back end. A part that cannot
+    serve with the back end's options is left out, and the back end's description says why."""
+    done, left_out = [], {}
     engine = getattr(backend, "engine", None)
-    engine_slots = [n for n in ("prepare_step", "scheduler", "sampler") if n in parts]
+    engine_slots = [n for n in ("prepare_step", "scheduler", "sampler", *ENGINE_SLOTS) if n in parts]
     if engine_slots and engine is None:
         raise ValueError(f"--stack: your {', '.join(engine_slots)} part(s) serve in the continuous engine: "
                          f"add --engine continuous")
     if "sampler" in parts and getattr(engine, "speculative", None) is not None:
-        raise ValueError("--stack: your sampler cannot serve with speculative decoding (the engine verifies "
-                         "drafts with its own sampler): leave out --num-speculative-tokens")
+        left_out["sampler"] = ("speculative decoding (--num-speculative-tokens) verifies drafts, so the engine "
+                               "samples every step with its own sampler")
     for name, (part, file) in parts.items():
         slot = BY_NAME[name]
+        if name in left_out:
+            continue
         if name == "prepare_step":
             engine.runner.assemble = guarded(slot, part, file)
         elif name == "scheduler":
@@ -261,11 +200,20 @@ def plug_in(backend, parts: dict[str, tuple[object, str]]) -> list[str]:
             tok = getattr(backend.tokenizer, "bpe", backend.tokenizer)  # the course model's: its BPE has token_bytes
             token_bytes = tok if callable(getattr(tok, "token_bytes", None)) else TokenBytes(tok)
             backend.detokenizer = functools.partial(GuardedDetokenizer, slot, part, file, token_bytes)
+        elif name in ENGINE_SLOTS:
+            why = plug_engine_part(backend, slot, part, file)
+            if why:
+                left_out[name] = why
+                continue
         else:
             continue
         done.append(name)
-    if done:
-        backend.description += f" Your stack's parts serve: {', '.join(done)}."
+    serving = [n for n in done if BY_NAME[n].serves]
+    if serving:
+        backend.description += f" Your stack's parts serve: {', '.join(serving)}."
+    if left_out:
+        backend.description += " Left out (the course's part serves): " + "; ".join(
+            f"your {n} ({why})" for n, why in left_out.items()) + "."
     _profile(backend, PROFILE)
     return done
 
