@@ -109,8 +109,9 @@ def server_options(trace: Trace, *, max_running: int = 16) -> list[str]:
 
 
 def run_slots() -> list[str]:
-    """The slots the capstone's run uses: every slot wired to serve today, and the client's slots."""
-    return [s.name for s in SLOTS if s.serves] + list(CLIENT_SLOTS)
+    """The slots the capstone's run uses: every slot wired to serve today, the slots checked while
+    serving (``prefix_cache``, replayed beside the engine's pool), and the client's slots."""
+    return [s.name for s in SLOTS if s.serves or (s.wired and s.mode == "checked")] + list(CLIENT_SLOTS)
 
 
 def assemble(labs_dir, cache_dir, slots: Sequence[str] | None = None) -> dict:
@@ -353,6 +354,12 @@ def stack_figures(stack: dict) -> dict:
             "tpot_s": {p: nearest_rank(tpot, p) for p in PERCENTILES},
             "output_tokens_per_s": throughput,
             "prefix_cache_hit_rate": hits / queries if queries else None}
+
+
+def prefix_cache_check(stack: dict) -> dict | None:
+    """What the server said at the end of ``stack``'s run (``GET /health``: ``stack_prefix_cache``) of
+    the learner's prefix cache replayed beside the engine's pool (lab 10); None where it was not replayed."""
+    return stack.get("health_after", {}).get("stack_prefix_cache")
 
 
 @answer
