@@ -7,6 +7,7 @@ answers are worked out by hand."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +150,12 @@ def test_the_recorded_run_says_on_which_machine_and_when_and_a_run_without_it_is
     bare.write_text(json.dumps({k: v for k, v in run.items() if k != "recorded"}), encoding="utf-8")
     with pytest.raises(ValueError, match="python -m labsupport.capstone --out"):
         capstone.load_recorded(bare)
+
+
+def test_the_grader_tells_the_capstone_where_the_learners_labs_are(tmp_path):
+    """The grader's kernel gets the graded notebook's folder under the name the lab reads."""
+    from labsupport.course.grade import LABS_DIR_ENV, labs_dir_env
+
+    assert labs_dir_env(tmp_path / "16_capstone.ipynb") == {LABS_DIR_ENV: str(tmp_path.resolve())}
+    source = (Path(__file__).resolve().parents[1] / "solutions" / "16_capstone.py").read_text(encoding="utf-8")
+    assert f'os.environ.get("{LABS_DIR_ENV}")' in source
