@@ -47,6 +47,10 @@ MODEL = "smollm2-135m-instruct"
 STACKS = ("yours", "course")  # the run's two stacks, the learner's first
 CLIENT_SLOTS = ("sse_client", "latency_metrics", "poisson_arrivals", "open_loop", "histogram_quantile", "slo_report")
 RECORDED = Path(__file__).resolve().parents[1] / "results" / "cpu_capstone.json"  # chapter 16's run (main())
+#: Slots whose part the trace calls on every run once it serves (each request is detokenized and has a stop
+#: string; every step is scheduled, assembled and sampled). Other serving slots may run only at start-up
+#: (kv_capacity, the dequantisers) or in modes the trace does not use (speculative_accept).
+CALLED_BY_THE_TRACE = ("stop_strings", "detokenizer", "prepare_step", "scheduler", "sampler")
 TOP_LOGPROBS = 5  # vLLM's tests compare against the reference's top 5 (check_logprobs_close's callers)
 
 #: The stated prompt set: short chat questions whose greedy answers on SmolLM2-135M-Instruct are short.
@@ -108,10 +112,22 @@ def server_options(trace: Trace, *, max_running: int = 16) -> list[str]:
 # --- assembly: which parts are whose ------------------------------------------------------------------
 
 
+#: Slots wired to serve that this run leaves out, and why: each would be called at no point of the
+#: trace, so the run could not show it served (and checking it would only lengthen the lab).
+LEFT_OUT = {
+    "kv_capacity": "the run fixes --num-blocks, so both stacks get the same KV cache",
+    "dequantize_q8_0": "the run loads the model's own weights, not a quantised GGUF file",
+    "dequantize_q4_1": "the run loads the model's own weights, not a quantised GGUF file",
+    "speculative_accept": "the run does not speculate (no --num-speculative-tokens)",
+}
+
+
 def run_slots() -> list[str]:
-    """The slots the capstone's run uses: every slot wired to serve today, the slots checked while
-    serving (``prefix_cache``, replayed beside the engine's pool), and the client's slots."""
-    return [s.name for s in SLOTS if s.serves or (s.wired and s.mode == "checked")] + list(CLIENT_SLOTS)
+    """The slots the capstone's run uses: every slot wired to serve today that the run calls (not
+    :data:`LEFT_OUT`), the slots checked while serving (``prefix_cache``, replayed beside the engine's
+    pool), and the client's slots."""
+    wired = [s.name for s in SLOTS if s.serves or (s.wired and s.mode == "checked")]
+    return [name for name in wired if name not in LEFT_OUT] + list(CLIENT_SLOTS)
 
 
 def assemble(labs_dir, cache_dir, slots: Sequence[str] | None = None) -> dict:
@@ -140,13 +156,14 @@ def find_notebook(labs_dir: Path, lab: str) -> Path | None:
 
 
 def serving_folder(labs_dir, into) -> Path:
-    """A folder ``into`` of links to the learner's notebooks of the labs with a slot that serves today
-    (read from :data:`labsupport.stack.SLOTS` now, so newly wired slots come in by themselves). A
+    """A folder ``into`` of links to the learner's notebooks of the labs with a slot that serves in this
+    run (:func:`run_slots`, read from :data:`labsupport.stack.SLOTS`, so newly wired slots come in by
+    themselves). A
     server started with ``--stack`` on it assembles only those labs, from the same cache, instead of
     checking every lab; nothing is written in ``labs_dir``."""
     into = Path(into)
     into.mkdir(parents=True, exist_ok=True)
-    for lab in sorted({s.lab for s in SLOTS if s.serves}):
+    for lab in sorted({BY_NAME[name].lab for name in run_slots() if BY_NAME[name].serves}):
         found = find_notebook(Path(labs_dir), lab)
         link = into / f"{lab}.ipynb"
         if found is not None and not link.exists():

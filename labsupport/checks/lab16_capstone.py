@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ..capstone import (
+    CALLED_BY_THE_TRACE,
     PERCENTILES,
     STACKS,
     greedy_agreement,
@@ -98,7 +99,7 @@ def check_capstone_run(fn, checker, run=None):
                            "started with --stack, so the run did not serve through your parts.",
                      "start your server as the lab does: --stack with the folder capstone.serving_folder made.")
     costs = slot_costs(run["yours"])
-    idle = [slot for slot in run["yours"].get("serving", []) if slot not in costs]
+    idle = [slot for slot in run["yours"].get("serving", []) if slot in CALLED_BY_THE_TRACE and not costs.get(slot)]
     if idle:
         checker.fail(case, f"your server says your {', '.join(idle)} part(s) serve, yet the run never called "
                            f"them (no time in /health's stack_profile).",
