@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LABS = ("01_tokens", "12_engines", "13_decode_loop")  # the labs with a wired slot
 NAME = "smollm2-135m-instruct"
 PROMPT = "The capital of France is"
+ENGINE_SIDE = {"stop_strings", "detokenizer", "prepare_step", "scheduler", "sampler"}  # plug_in's; the model side: test_stack_model.py
 SERVER = ["--model", NAME, "--context", 256, "--engine", "continuous", "--max-running", 4, "--num-blocks", 64]
 
 
@@ -107,14 +108,15 @@ def test_every_slot_is_well_formed_and_names_a_real_check():
         assert s.check in [c["check"] for c in lab_checks[s.lab]["checks"]], s
         defined = [n for c in lab_checks[s.lab]["cells"] if c["exercise"] for n in c.get("defines", [])]
         assert set(s.names) <= set(defined), s
-    assert {s.name for s in serving_slots()} == {"stop_strings", "detokenizer", "prepare_step", "scheduler", "sampler"}
+    assert {s.name for s in serving_slots() if not s.gpu_only} == ENGINE_SIDE | {
+        "block_allocator", "speculative_accept", "rope", "dequantize_q8_0", "dequantize_q4_1", "kv_capacity"}
 
 
 def test_the_solutions_assemble_into_a_stack_of_the_learners_parts(solutions, cache):
     labs_dir, assembly = solutions
     assert [r.slot for r in assembly.rows] == _slots_of(LABS)
     assert all(r.source == "learner" and r.check == "passed" for r in assembly.rows), assembly.table()
-    assert {r.slot for r in assembly.rows if r.serves} == {s.name for s in serving_slots()}
+    assert {r.slot for r in assembly.rows if r.serves} == {s.name for s in serving_slots() if s.lab in LABS}
     assert assembly.checks_run == len(assembly.rows)
     assert sorted(p.name for p in labs_dir.iterdir()) == [f"{lab}.ipynb" for lab in LABS]  # nothing written there
     again = course_stack.assemble(labs_dir, cache, only=_slots_of(LABS))
@@ -148,7 +150,7 @@ def test_the_command_prints_json_with_exactly_the_documented_keys(solutions, cac
                           "--json", "--slot", "sampler", "--slot", "kv_capacity"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [
-        {"slot": "kv_capacity", "lab": "12_engines", "source": "learner", "serves": False, "check": "passed"},
+        {"slot": "kv_capacity", "lab": "12_engines", "source": "learner", "serves": True, "check": "passed"},
         {"slot": "sampler", "lab": "13_decode_loop", "source": "learner", "serves": True, "check": "passed"}]
 
 
@@ -183,7 +185,7 @@ def test_a_server_with_the_solutions_stack_answers_openai_with_the_course_stacks
         assert stopped.choices[0].text == course_greedy[:course_greedy.index(course_greedy.split()[1])]
     said = "".join(srv.output)
     plugged = said.split("Your stack's parts serve: ")[1].split(".")[0].split(", ")
-    assert sorted(plugged) == sorted(s.name for s in serving_slots())
+    assert sorted(plugged) == sorted(ENGINE_SIDE)
 
 
 def test_a_part_that_raises_while_serving_fails_only_its_requests_and_names_its_slot(planted, cache, smollm2,
@@ -218,7 +220,7 @@ def test_the_learners_detokenizer_reads_the_token_bytes_of_both_served_tokenizer
     assert course_stack.assemble(labs_dir, cache, only=_slots_of(LABS)).checks_run == 0  # stack.json: the solutions'
     parts = load_parts(cache / course_stack.MANIFEST_NAME)
     backend = ContinuousBackend()  # the course model (random weights) and the course tokenizer
-    assert sorted(plug_in(backend, parts)) == sorted(s.name for s in serving_slots())
+    assert sorted(plug_in(backend, parts)) == sorted(ENGINE_SIDE)
     text = "Ünïcödé — 日本語 🙂 and  spaces\n"
     for tokenizer, make in ((backend.tokenizer, backend.detokenizer),
                             (smollm2.tokenizer, lambda: parts["detokenizer"][0](TokenBytes(smollm2.tokenizer)))):

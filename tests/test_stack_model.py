@@ -13,7 +13,9 @@ read it in about 2 s. The kernels' checks run in Triton's interpreter, on the fi
 
 from __future__ import annotations
 
+import copy
 import json
+from collections import Counter
 from pathlib import Path
 
 import nbformat
@@ -25,7 +27,9 @@ from labsupport.checkpoints import cache_dir_for, cache_root, registered_path
 from labsupport.costs import param_count
 from labsupport.course import stack as course_stack
 from labsupport.course.manifest import load_course_cells
+from labsupport.device import interpreter_mode
 from labsupport.engine import Engine
+from labsupport.models import get_model
 from labsupport.sampling import SamplingParams
 from labsupport.serve import ServerProcess
 from labsupport.serve.stack import load_parts
@@ -34,10 +38,13 @@ from labsupport.serve.stack_model import (
     KERNEL_SLOTS,
     MODEL_SLOTS,
     check_kernels_on_cpu,
+    kernels_serve,
     model_side,
     owner_of,
+    plug_kernels,
 )
 from labsupport.stack import BY_NAME
+from labsupport.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "smollm2-135m-instruct"
@@ -256,15 +263,18 @@ def test_the_kernels_are_checked_beside_the_courses_on_one_forward_pass_on_a_cpu
     said = check_kernels_on_cpu(smollm2.model, right)
     assert sorted(said) == sorted(KERNEL_SLOTS)
     assert all(s.startswith("checked on CPU") and f"first {CPU_CHECK_LAYERS} layers" in s for s in said.values()), said
-    wrong = module_parts(tmp_path, "wrong", {slot: WRONG[slot][2] for slot in KERNEL_SLOTS})
-    said = check_kernels_on_cpu(smollm2.model, wrong)
-    assert all(s.startswith("FAILED the check on CPU") for s in said.values()), said
-    raising = module_parts(tmp_path, "raising", {"fused_rope": '''
+    # wrong attention kernels (fused_rope's wrong rotation fails its lab check in the planted assembly
+    # above) and a rotation that raises
+    wrong = module_parts(tmp_path, "wrong", {"flash_attention": WRONG["flash_attention"][2],
+                                             "paged_attention": WRONG["paged_attention"][2], "fused_rope": '''
 def fused_rope(q, k, positions, inv_freq):
     raise RuntimeError("planted: no rotation today")
 '''})
-    said = check_kernels_on_cpu(smollm2.model, raising)["fused_rope"]
-    assert "your fused_rope part" in said and "lab08_position_raising.py" in said and "no rotation today" in said
+    said = check_kernels_on_cpu(smollm2.model, wrong)
+    assert said["flash_attention"].startswith("FAILED the check on CPU"), said
+    assert said["paged_attention"].startswith("FAILED the check on CPU"), said
+    assert ("your fused_rope part" in said["fused_rope"] and "lab08_position_wrong.py" in said["fused_rope"]
+            and "no rotation today" in said["fused_rope"]), said
     assert all("rope" not in layer.attention.__dict__ for layer in smollm2.model.layers)  # hooks taken out again
 
 
@@ -304,3 +314,57 @@ def test_a_server_through_the_model_side_answers_openai_and_goes_on_after_a_part
     out = "".join(srv.output)
     assert "Your stack's model-side parts serve: dequantize_q8_0, dequantize_q4_1, rope." in out
     assert "fused_rope: checked on CPU" in out
+
+
+def counting(part, slot: str, calls: Counter):
+    """``part`` counting its calls in ``calls[slot]``."""
+    def call(*args, **kwargs):
+        calls[slot] += 1
+        return part(*args, **kwargs)
+    return call
+
+
+def kernel_run(model, parts, prompts, max_tokens: int, calls: Counter | None = None, **engine):
+    """Greedy tokens of ``prompts`` from a course engine on ``model``, through ``parts``' kernels where
+    given (counted in ``calls``)."""
+    eng = Engine(model, num_blocks=64, block_size=16, max_running=8, cuda_graphs=False, **engine)
+    if parts:
+        counted = {slot: (counting(part, slot, calls), file) for slot, (part, file) in parts.items()}
+        assert plug_kernels(eng, counted) == list(KERNEL_SLOTS)
+    return eng.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def test_the_kernels_gpu_path_serves_in_a_dry_run_in_the_interpreter(tmp_path):
+    """plug_kernels on a CPU, in Triton's interpreter: the course's tiny shape (random weights, 4 query
+    heads on 2 KV heads), prompts of equal and unequal lengths in one step (flash's groups), then
+    decodes (paged) and a prompt that hits the prefix cache (a step the kernels leave to the course's)."""
+    parts = module_parts(tmp_path, "dry", dict.fromkeys(KERNEL_SLOTS))
+    cfg = get_model("tiny-2m")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 5, 20)]
+    prompts.append(prompts[3][:16] + prompts[0])  # finds prompt 3's first block in the prefix cache
+    reference = kernel_run(Transformer(cfg, seed=0), None, prompts, 6, attention="torch")
+    calls = Counter()
+    got = kernel_run(Transformer(cfg, seed=0), parts, prompts, 6, calls, attention="triton")
+    assert got == reference
+    assert all(calls[slot] > 0 for slot in KERNEL_SLOTS), calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreter_mode(), reason="needs a CUDA GPU (Triton compiling)")
+def test_on_a_gpu_the_learners_kernels_serve_the_real_model_with_the_course_stacks_tokens(tmp_path, smollm2):
+    """The solutions' three kernels serving SmolLM2 in fp32 (TF32 off) on a GPU: every greedy token equals
+    the course's Triton kernels' (CUDA graphs off on both sides), and each kernel ran."""
+    assert kernels_serve("cuda")
+    parts = module_parts(tmp_path, "gpu", dict.fromkeys(KERNEL_SLOTS))
+    prompts = [*chat_prompts(smollm2.tokenizer), smollm2.tokenizer.encode_prompt(" ".join(QUESTIONS * 12))]
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        reference = kernel_run(copy.deepcopy(smollm2.model).to("cuda"), None, prompts, 32)
+        calls = Counter()
+        got = kernel_run(copy.deepcopy(smollm2.model).to("cuda"), parts, prompts, 32, calls)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert got == reference
+    assert all(calls[slot] > 0 for slot in KERNEL_SLOTS), calls

@@ -5,9 +5,11 @@ For each lab with a slot (:data:`labsupport.stack.SLOTS`) whose notebook is in t
 learner's exercise cells are taken as the grader takes them (:func:`labsupport.course.splice.splice`)
 and written, with what the course's earlier cells define, as one module file per lab in the cache
 folder (never in the learner's folder: Triton reads a kernel's source from a real file). Each slot's
-check then runs against the learner's part in a subprocess with a time limit, so a part that hangs or
-crashes cannot take the assembly down; several labs' subprocesses run at once (``--jobs N``, default
-the CPU cores up to four), each with its own time limit and its share of the cores. A slot keeps the learner's part where its check passes and the
+check then runs against the learner's part in a process of its own with a time limit, so a part that
+hangs or crashes cannot take the assembly down (:mod:`labsupport.course.stack_checks`: on a machine
+without a GPU, forked from one process that imported the checks once); several labs' processes run
+at once (``--jobs N``, default the CPU cores up to four), each with its own time limit and its share
+of the cores. A slot keeps the learner's part where its check passes and the
 course's where it fails, raises, times out or the exercise is not done.
 
 **The namespace rule.** A learner's exercise cell often uses names an earlier course cell of the lab
@@ -35,8 +37,8 @@ import ast
 import hashlib
 import json
 import os
-import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -48,12 +50,11 @@ from .. import __version__
 from ..stack import BY_NAME, SLOTS, Slot
 from .manifest import load_course_cells
 from .splice import splice
+from .stack_checks import CHECK_TIMEOUT_S, RESULTS_PREFIX, CheckProcess, run_checks  # noqa: F401 (re-exported)
 
 CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"  # a lab's checks' source is part of its cache key
-CHECK_TIMEOUT_S = 600.0  # one lab's checks together
 MAX_JOBS = 4  # labs checked at once by default (each check process takes a few hundred MB)
 MANIFEST_NAME = "stack.json"
-RESULTS_PREFIX = "LABSUPPORT_STACK_RESULT "
 
 
 @dataclass
@@ -171,69 +172,10 @@ def _exercise_of(slot: Slot, course: list[dict]) -> str | None:
     return None
 
 
-_RUNNER = r"""
-import importlib, io, json, sys, contextlib
-folder, module_name, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
-pairs = json.loads(sys.argv[4])  # [[check, part], ...]
-def say(check, result, message):
-    print(prefix + json.dumps({"check": check, "check_result": result, "message": message}), flush=True)
-quiet = io.StringIO()
-try:
-    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        sys.path.insert(0, folder)
-        module = importlib.import_module(module_name)
-except BaseException as exc:
-    for check, _ in pairs:
-        say(check, "failed", f"the lab's cells raised when run: {type(exc).__name__}: {exc}")
-    sys.exit(0)
-import labsupport.checks as checks
-for check, part in pairs:
-    try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            getattr(checks, check)(getattr(module, part))
-        say(check, "passed", "")
-    except BaseException as exc:
-        reason = getattr(exc, "reason", "failed")
-        say(check, "not done" if reason == "not done" else "failed", f"{type(exc).__name__}: {exc}")
-"""
-
-
-def run_checks(path: Path, lab: str, pairs: list[tuple[str, str]], timeout_s: float = CHECK_TIMEOUT_S,
-               threads: int | None = None) -> dict:
-    """Run ``pairs`` (check, part) against the module file ``path`` in a subprocess: check -> (result,
-    message). A check the subprocess never reported (it crashed or ran out of time) failed.
-    ``threads``: torch's threads in it (``OMP_NUM_THREADS``, unless set), when several labs run at once."""
-    # the parts' folder is on the path of every process the checks start (lab 11's spawn their ranks,
-    # which import the part by its module's name)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(path.parent), os.environ.get("PYTHONPATH")]))}
-    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(threads)
-    env.pop("LABSUPPORT_GRADING", None)
-    cmd = [sys.executable, "-c", _RUNNER, str(path.parent), path.stem, RESULTS_PREFIX,
-           json.dumps([list(p) for p in pairs])]
-    why = ""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        out = proc.stdout
-        if proc.returncode:
-            why = f"the checks' process exited with code {proc.returncode}: {proc.stderr.strip()[-300:]}"
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        why = f"the checks ran past {timeout_s:g} s (a part that hangs?)"
-    results = {}
-    for line in out.splitlines():
-        if line.startswith(RESULTS_PREFIX):
-            got = json.loads(line[len(RESULTS_PREFIX):])
-            results[got["check"]] = (got["check_result"], got["message"])
-    for check, _ in pairs:
-        results.setdefault(check, ("failed", why or "the check did not report"))
-    return results
-
-
 def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: list[str],
-             threads: int | None = None) -> tuple[list[Row], int]:
-    """The rows of one lab's slots, and how many checks ran."""
+             threads: int | None = None, runner=None) -> tuple[list[Row], int]:
+    """The rows of one lab's slots, and how many checks ran (by ``runner``, :func:`run_checks`'s
+    interface; default :func:`run_checks`)."""
     def course_rows(check: str, message: str = "") -> list[Row]:
         return [Row(s.name, lab, "course", s.serves, check, s.mode, message) for s in slots]
 
@@ -263,7 +205,7 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
         results = {k: tuple(v) for k, v in json.loads(results_file.read_text(encoding="utf-8")).items()}
     todo = [p for p in pairs if p[0] not in results]  # an earlier --slot run may have checked only some
     if todo:
-        results.update(run_checks(module, lab, todo, threads=threads))
+        results.update((runner or run_checks)(module, lab, todo, threads=threads))
         ran = len(todo)
         results_file.parent.mkdir(parents=True, exist_ok=True)
         results_file.write_text(json.dumps(results), encoding="utf-8")
@@ -300,13 +242,26 @@ def assemble(labs_dir, cache_dir=None, only: list[str] | None = None, jobs: int 
     labs = sorted({s.lab for s in slots})  # course order; a lab's slots in SLOTS's order
     threads = max(1, (os.cpu_count() or 1) // min(jobs, len(labs) or 1)) if jobs > 1 else None
 
+    forker, lock = [], threading.Lock()
+
+    def runner(*args, **kwargs) -> dict:  # the forking check process, started when a lab has checks to run
+        with lock:
+            if not forker:
+                forker.append(CheckProcess())
+        return forker[0].run_checks(*args, **kwargs)
+
     def one(lab: str) -> tuple[list[Row], int, list[str]]:
         lab_notes: list[str] = []
-        lab_rows, n = _lab_rows(lab, [s for s in slots if s.lab == lab], labs_dir, cache, lab_notes, threads)
+        lab_rows, n = _lab_rows(lab, [s for s in slots if s.lab == lab], labs_dir, cache, lab_notes, threads,
+                                runner)
         return lab_rows, n, lab_notes
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each lab's checks run in a process of their own
-        done = list(pool.map(one, labs))
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:  # each lab's checks run in a process of their own
+            done = list(pool.map(one, labs))
+    finally:
+        for f in forker:
+            f.close()
     rows, ran, notes = [], 0, []
     for lab_rows, n, lab_notes in done:
         rows += lab_rows

@@ -233,12 +233,13 @@ def kernels_serve(device) -> bool:
     return torch.device(device).type == "cuda" and not interpreter_mode()
 
 
-def fused_rope_hook(fused_rope, inv_freq: torch.Tensor):
+def fused_rope_hook(fused_rope, model):
     """The :attr:`Attention.rope` hook of a learner's ``fused_rope(q, k, positions, inv_freq)``: one
-    launch for the queries and keys; the kernel takes one position per token of the whole batch
-    (``(B * S,)``), so the step's positions (the same for every row) are repeated per row."""
+    launch for the queries and keys, with ``model``'s own frequencies (read at each call: the model
+    moves them to its device at its first forward pass); the kernel takes one position per token of
+    the whole batch (``(B * S,)``), so the step's positions (the same for every row) are repeated per row."""
     def rope(q, k, positions):
-        return fused_rope(q, k, positions.repeat(q.shape[0]), inv_freq)
+        return fused_rope(q, k, positions.repeat(q.shape[0]), model._inv_freq)
     return rope
 
 
@@ -342,7 +343,7 @@ def plug_kernels(engine, kernels: dict[str, tuple[object, str]]) -> list[str]:
     runner._graphs.clear()
     runner.graph_sizes = []
     if "fused_rope" in fn:
-        hook = fused_rope_hook(fn["fused_rope"], model._inv_freq)
+        hook = fused_rope_hook(fn["fused_rope"], model)
         for layer in model.layers:
             layer.attention.rope = hook
     if "flash_attention" in fn or "paged_attention" in fn:
@@ -439,7 +440,7 @@ def _checking_rope(fused, model, serving, errors: dict, raised: dict, layer: int
             q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if "fused_rope" not in raised:
             try:
-                mine = fused_rope_hook(fused, model._inv_freq)(q, k, positions)
+                mine = fused_rope_hook(fused, model)(q, k, positions)
                 _record(errors, "fused_rope", layer, mine[0], q_ref)
                 _record(errors, "fused_rope", layer, mine[1], k_ref)
             except (PartFailed, ValueError, TypeError, IndexError) as exc:
