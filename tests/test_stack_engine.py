@@ -258,12 +258,12 @@ def test_a_stack_server_with_speculation_answers_openai_with_the_course_stacks_g
     assert "sampler" not in serving and "your sampler (speculative decoding" in said  # left out, with the reason
     assert "Prefix caching is off: your block_allocator" in said
     client = _client(srv)
-    text = client.completions.create(model=srv.name, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
-    assert text == _greedy(smollm2, tok.encode_prompt(PROMPT), 16)
-    chat_expected = _greedy(smollm2, tok.apply_chat_template(CHAT, add_generation_prompt=True), 24)
-    whole = client.chat.completions.create(model=srv.name, messages=CHAT, max_tokens=24, temperature=0)
+    text = client.completions.create(model=srv.name, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    assert text == _greedy(smollm2, tok.encode_prompt(PROMPT), 10)
+    chat_expected = _greedy(smollm2, tok.apply_chat_template(CHAT, add_generation_prompt=True), 16)
+    whole = client.chat.completions.create(model=srv.name, messages=CHAT, max_tokens=16, temperature=0)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=srv.name, messages=CHAT, max_tokens=24, temperature=0, stream=True) if c.choices)
+        model=srv.name, messages=CHAT, max_tokens=16, temperature=0, stream=True) if c.choices)
     assert whole.choices[0].message.content == streamed == chat_expected and streamed
     health = httpx.get(srv.url + "/health").json()
     assert health["spec_draft_tokens"] > 0  # the drafts were verified by the learner's rule
@@ -300,8 +300,8 @@ def test_a_raising_allocator_fails_only_its_steps_requests_and_the_server_keeps_
     said = str(failed.value)  # the slot, the learner's module file and line, and their exception
     assert "your block_allocator part (lab 10" in said and "lab10_cache_ops_" in said
     assert 'raise MemoryError("planted' in said
-    expected = _greedy(smollm2, smollm2.tokenizer.encode_prompt(PROMPT), 16)
-    again = client.completions.create(model=srv.name, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    expected = _greedy(smollm2, smollm2.tokenizer.encode_prompt(PROMPT), 10)
+    again = client.completions.create(model=srv.name, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
     assert again == expected  # the server goes on, with the learner's allocator
     health = httpx.get(srv.url + "/health").json()
     assert health["status"] == "ok" and health["kv_blocks_free"] == 64  # the failed request's blocks came back
@@ -339,6 +339,19 @@ def test_the_prefix_cache_replay_agrees_with_the_engine_and_catches_a_cache_that
     assert report["status"] == "disagrees" and report["disagreed"] == report["yours_wrong"] == 2, report
     assert "your prefix cache found 0 cached, the course's on the same replay 32, the engine 32" in \
         report["last_disagreement"]
+
+    class Raises(cls):  # a checked part that raises stops the replay; the requests never notice
+        def allocate(self, seq_id, token_ids):
+            raise KeyError("planted")
+
+    backend = ContinuousBackend(num_blocks=32, max_running=4, context_tokens=128)
+    plug_in(backend, {"prefix_cache": (Raises, file)})
+    _shared_prefix_requests(backend.engine)
+    report = backend.stats()["stack_prefix_cache"]
+    assert report["status"] == "stopped" and report["admissions"] == 0, report
+    assert report["stopped"].startswith("your prefix_cache part (lab 10, PrefixCachingAllocator) raised KeyError")
+    assert "the replay stopped, the requests go on" in report["stopped"]
+    assert backend.engine.stats()["prefix_cache_hits"] == 2 * 32  # the engine served on, its own cache hitting
 
 
 def test_the_learners_acceptance_rule_gives_the_engines_greedy_tokens_and_a_wrong_return_names_its_slot(

@@ -47,12 +47,13 @@ from pathlib import Path
 import nbformat
 
 from .. import __version__
-from ..stack import BY_NAME, SLOTS, Slot
+from ..stack import SLOTS, Slot
 from .manifest import load_course_cells
 from .splice import splice
 from .stack_checks import CHECK_TIMEOUT_S, RESULTS_PREFIX, CheckProcess, run_checks  # noqa: F401 (re-exported)
 
 CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"  # a lab's checks' source is part of its cache key
+LONGEST = ("11_many_gpus",)  # its checks spawn rank processes (about 13 s on a CPU): started first, not last
 MAX_JOBS = 4  # labs checked at once by default (each check process takes a few hundred MB)
 MANIFEST_NAME = "stack.json"
 
@@ -97,8 +98,6 @@ class Assembly:
         lines = []
         for r in self.rows:
             mode = "serves" if r.serves else ("checked" if r.mode == "checked" else "not wired yet (the course's serves)")
-            if not r.serves and BY_NAME[r.slot].gpu_only and BY_NAME[r.slot].wired:
-                mode = "checked on CPU (serves on a GPU)"
             lines.append((r.slot, r.lab, "yours" if r.source == "learner" else "course's", mode, r.check))
         widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
         out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
@@ -258,7 +257,8 @@ def assemble(labs_dir, cache_dir=None, only: list[str] | None = None, jobs: int 
 
     try:
         with ThreadPoolExecutor(max_workers=jobs) as pool:  # each lab's checks run in a process of their own
-            done = list(pool.map(one, labs))
+            started = {lab: pool.submit(one, lab) for lab in sorted(labs, key=lambda lab: lab not in LONGEST)}
+            done = [started[lab].result() for lab in labs]  # rows in course order
     finally:
         for f in forker:
             f.close()

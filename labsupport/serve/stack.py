@@ -19,6 +19,21 @@ The wired slots (:func:`labsupport.stack.serving_slots`) plug in as follows:
   the engine samples every step with its own); ``prefix_cache`` (lab 10), checked while serving by
   replaying the engine's admissions on it (``GET /health``: ``stack_prefix_cache``).
 
+The model-side slots act where the model is loaded, sized and run, so the server assembles the stack
+*before* it loads the model (:mod:`labsupport.serve.stack_model`, ``plug_model_side``):
+
+* ``dequantize_q8_0``, ``dequantize_q4_1`` (lab 09): read the GGUF file's blocks inside the loader,
+  their conversion cached apart from the course's (keyed by a hash of the learner's module file); at load;
+* ``kv_capacity`` (lab 12): the engine's number of KV blocks, from the budget ``--kv-memory-gib`` says;
+  at start-up;
+* ``rope`` (lab 08): every layer's ``Attention.rope`` hook; step-wide;
+* ``fused_rope`` (lab 08), ``flash_attention`` (lab 07), ``paged_attention`` (lab 10): Triton kernels
+  that serve on a GPU (the rope hook; steps of whole prompts; steps of decodes only) and on a CPU are
+  checked beside the course's kernels on one forward pass at start-up, never served; step-wide.
+
+A load-time part that raises stops the start-up with a message naming the slot and the learner's line
+(there is no request yet to fail).
+
 A part that cannot serve with the server's options is left out, and the server's description says
 which and why. Every part is wrapped so that an exception it raises becomes a :class:`PartFailed`
 (:mod:`.stack_guard`) whose message names the slot, the lab and the learner's line. The server's own

@@ -241,8 +241,8 @@ class PrefixCacheReplay:
         try:
             work()
         except PartFailed as exc:
-            self.stopped = f"{exc}; the replay stopped".replace("the step's requests fail, the server goes on "
-                                                                 "with your part; ", "")
+            said = str(exc).split("; the step's requests fail")[0]  # a checked part fails no request
+            self.stopped = f"{said}; the replay stopped, the requests go on"
             log.error("labsupport.serve: the prefix_cache replay stopped: %s", exc)
 
     def admitted(self, req, cached: int) -> None:
