@@ -25,6 +25,11 @@ suffix, created exclusively): a run never overwrites another. :func:`collect` re
 recursively; the book's own GPU results (``results/gpu_<topic>.json``, written by
 ``labsupport.bench_<topic>``) are read too, through :data:`BENCH_READERS`, so ``ledger results/``
 tabulates the book's figures beside a class's.
+
+A file may say ``"learner"`` (``$LABSUPPORT_LEARNER`` when it was written); a file without it
+collected from a class's folder of learners' folders is the learner's whose folder it is in. For
+lab 16, :func:`stack_throughput` lists each learner's stack throughput against the course's stack
+(the reference, measured in the same minute on the same machine), and ``ledger`` prints it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from .device import settings as current_settings
 
 SCHEMA = "labsupport-ledger/1"
 FOLDER_VAR = "LABSUPPORT_LEDGER"
+LEARNER_VAR = "LABSUPPORT_LEARNER"
 KINDS = {"cuda-gpu": "CUDA GPU", "cpu-interpreter": "CPU interpreter", "cpu": "CPU"}
 NOT_REAL = "timings not real"
 _LAB_KEY = re.compile(r"^\d\d_[a-z0-9_]+$")
@@ -91,6 +97,7 @@ class Run:
     timings_real: bool
     figures: list[Figure]
     source: str = "lab"
+    learner: str = ""  # who ran it: the file's "learner", else the folder it was collected from (collect)
 
     @property
     def column(self) -> str:
@@ -145,14 +152,17 @@ def cpu_name() -> str:
 
 
 def make_record(lab: str, figures: Iterable, *, s: LabSettings | None = None, source: str = "lab",
-                utc: str | None = None, timings_real: bool | None = None, on_cpu: bool = False) -> dict:
+                utc: str | None = None, timings_real: bool | None = None, on_cpu: bool = False,
+                learner: str | None = None) -> dict:
     """The results-file object for ``figures`` measured by ``lab`` on the machine ``s`` describes
     (default: this one). Figures whose value is not a finite number (an out-of-memory point) are
     left out. ``timings_real`` defaults to whether Triton kernels are compiled for a GPU here; a
     lab that times only torch or Python code on a CPU passes True (those are real CPU timings).
     ``on_cpu=True`` says the figures were measured on the CPU even if a GPU is present (a lab that
-    runs its model on the CPU): the file then names the CPU, and its timings are real."""
+    runs its model on the CPU): the file then names the CPU, and its timings are real. ``learner``
+    (default ``$LABSUPPORT_LEARNER``, if set) names who ran it, for a class's ledger."""
     s = s or current_settings()
+    learner = os.environ.get(LEARNER_VAR, "") if learner is None else learner
     name, kind = (cpu_name(), "cpu") if on_cpu else (s.device_name, device_kind(s))
     if timings_real is None:
         timings_real = True if on_cpu else s.timings_meaningful
@@ -167,6 +177,8 @@ def make_record(lab: str, figures: Iterable, *, s: LabSettings | None = None, so
     data = {"schema": SCHEMA, "lab": lab, "device": {"name": name, "kind": kind},
             "utc": utc or utc_now(), "versions": versions(s), "timings_real": bool(timings_real),
             "source": source, "figures": [f.as_dict() for f in kept]}
+    if learner:
+        data["learner"] = learner
     parse(data, f"the record for {lab}")  # a lab's mistake fails here, not in the instructor's ledger
     return data
 
@@ -260,8 +272,9 @@ def parse(data, where: str) -> Run:
         _need(isinstance(f["unit"], str) and isinstance(f["convention"], str), where,
               f"figure {f['name']!r}: unit and convention must be text")
         figures.append(Figure(f["name"], float(value), f["unit"], f["convention"], bool(f.get("timing", True))))
+    _need(isinstance(data.get("learner", ""), str), where, '"learner" must be text (a name or a folder)')
     return Run(Path(where), data["lab"], dev["name"], dev["kind"], data["utc"], data["versions"],
-               data["timings_real"], figures, str(data.get("source", "lab")))
+               data["timings_real"], figures, str(data.get("source", "lab")), data.get("learner", ""))
 
 
 def load(path: str | os.PathLike) -> Run:
@@ -298,10 +311,47 @@ def collect(folder: str | os.PathLike) -> tuple[list[Run], list[str]]:
                                                  if p.is_file() and "gpu_logs" not in p.relative_to(root).parts)
     for path in files:
         try:
-            runs.append(load(path))
+            run = load(path)
         except LedgerError as exc:
             problems.append(f"skipped {exc}")
+            continue
+        if not run.learner and path != root and len(path.relative_to(root).parts) > 1:
+            run.learner = path.relative_to(root).parts[0]  # a class's folder of learners' folders
+        runs.append(run)
     return runs, problems
+
+
+# --- the capstone's stacks (lab 16) ----------------------------------------------------------------
+
+STACK_LAB = "16_capstone"
+STACK_FIGURES = ("stack_output_tokens_per_s", "course_stack_output_tokens_per_s")  # as lab 16 records them
+
+
+def stack_throughput(runs: list[Run]) -> list[dict]:
+    """One row per lab-16 run: the learner, the device, their stack's output throughput and the
+    reference (the course's stack, measured in the same minute on the same machine), and the ratio;
+    ordered by learner, then time."""
+    rows = []
+    for run in runs:
+        found = {f.name: f.value for f in run.figures}
+        if run.lab != STACK_LAB or not set(STACK_FIGURES) <= set(found):
+            continue
+        yours, course = (found[n] for n in STACK_FIGURES)
+        rows.append({"learner": run.learner or "(unnamed)", "device": run.column, "utc": run.utc,
+                     "stack_tokens_per_s": yours, "reference_tokens_per_s": course,
+                     "ratio": yours / course if course else None})
+    return sorted(rows, key=lambda r: (r["learner"], r["utc"]))
+
+
+def format_stacks(rows: list[dict]) -> str:
+    """:func:`stack_throughput`'s rows for a terminal."""
+    head = ["learner", "device", "stack tokens/s", "reference tokens/s", "ratio"]
+    body = [[r["learner"], r["device"], f"{r['stack_tokens_per_s']:.4g}", f"{r['reference_tokens_per_s']:.4g}",
+             "" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = [f"== {STACK_LAB}: each learner's stack against the course's (the reference)",
+             "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    return "\n".join(lines + ["  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in body]) + "\n"
 
 
 # --- the book's own GPU results ------------------------------------------------------------------
@@ -617,6 +667,9 @@ def main(folder: str, out: str | None = None, plots: bool = True) -> int:
     print(f"{len(runs)} results file(s), {len(t.columns)} device(s), {len(t.rows)} figure(s)"
           + (f"; {len(problems)} file(s) skipped" if problems else "") + "\n")
     print(format_text(t))
+    stacks = stack_throughput(runs)
+    if stacks:
+        print(format_stacks(stacks))
     if out is not None:
         where = Path(out)
         where.mkdir(parents=True, exist_ok=True)

@@ -234,3 +234,30 @@ def test_test_runs_and_the_grader_keep_lab_figures_out_of_the_users_folder():
 
     assert nbval_plugin.LEDGER_VAR == ledger.FOLDER_VAR
     assert os.environ[ledger.FOLDER_VAR] != str(Path.home() / ".labsupport" / "results")  # set by the plugin
+
+
+def stack_figures(yours, course):
+    return [ledger.Figure("stack_output_tokens_per_s", yours, "tokens/s", "your stack"),
+            ledger.Figure("course_stack_output_tokens_per_s", course, "tokens/s", "the course's stack")]
+
+
+def test_each_learners_stack_throughput_is_listed_against_the_reference(tmp_path, monkeypatch, capsys):
+    cpu = replace(current_settings(), device="cpu", device_name="CPU (x86_64, 2 cores)", interpreter=False)
+    # one learner names themselves; another's file is found in their folder of a class's results
+    monkeypatch.setenv(ledger.LEARNER_VAR, "ada")
+    ledger.record("16_capstone", stack_figures(20.0, 25.0), folder=tmp_path / "class", settings=cpu, quiet=True)
+    monkeypatch.delenv(ledger.LEARNER_VAR)
+    ledger.record("16_capstone", stack_figures(30.0, 24.0), folder=tmp_path / "class" / "bo", settings=cpu, quiet=True)
+    ledger.record("04_roofline", FIGURES, folder=tmp_path / "class" / "bo", settings=gpu(), quiet=True)
+    runs, problems = ledger.collect(tmp_path / "class")
+    assert not problems and len(runs) == 3
+    rows = ledger.stack_throughput(runs)
+    assert [(r["learner"], r["stack_tokens_per_s"], r["reference_tokens_per_s"]) for r in rows] == [
+        ("ada", 20.0, 25.0), ("bo", 30.0, 24.0)]
+    assert rows[0]["ratio"] == pytest.approx(0.8) and rows[1]["ratio"] == pytest.approx(1.25)
+    assert ledger.main(str(tmp_path / "class"), plots=False) == 0
+    out = capsys.readouterr().out
+    assert "each learner's stack against the course's" in out and "1.25" in out and "0.80" in out
+    bad = ledger.make_record("16_capstone", stack_figures(1.0, 1.0), s=cpu) | {"learner": 7}
+    with pytest.raises(ledger.LedgerError, match='"learner" must be text'):
+        ledger.parse(bad, "f.json")

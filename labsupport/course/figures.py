@@ -339,3 +339,33 @@ def knee_figure(service_s: float = 0.1, n: int = 4000, seed: int = 0, *, duratio
                  title=f"A {stall[1]:.0f} s stall at {load:.0%} of the capacity")
     omission.legend(frameon=False, fontsize=8.5, loc="upper right")
     return fig
+
+
+# --- 16 Your stack ------------------------------------------------------------------------------------
+
+
+def capstone_figure(figures_: dict, costs: dict[str, dict[str, float]]):
+    """Chapter 16: a recorded run (``labsupport.capstone``): (left) each stack's latency percentiles
+    from the report's figures; (right) the milliseconds per engine step of each of the learner's parts
+    (``stack_profile``, :func:`labsupport.capstone.slot_costs`), the whole step of each stack beside them."""
+    fig, (latency, parts) = _figure(6.9, 3.4, 2)
+    labels = ["TTFT p50", "TTFT p90", "TPOT p50"]
+    width = 0.38
+    for k, (name, colour) in enumerate((("yours", ORANGE), ("course", BLUE))):
+        f = figures_[name]
+        values = [f["ttft_s"][50] * 1e3, f["ttft_s"][90] * 1e3, f["tpot_s"][50] * 1e3]
+        latency.bar(np.arange(3) + (k - 0.5) * width, values, width, color=colour,
+                    label="the solutions' stack" if name == "yours" else "the course's stack")
+    latency.set_xticks(np.arange(3), labels)
+    latency.set(ylabel="ms", title="Latency, same trace")
+    latency.set_ylim(0, latency.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    latency.legend(frameon=False, fontsize=8.5, loc="upper left", ncols=1)
+    # the parts the trace called (a kernel checked once at start-up has no time in the run)
+    mine = sorted((k for k, v in costs["yours"].items() if k != "step" and v > 0), key=costs["yours"].get)
+    rows = [*mine, "step (yours)", "step (course)"]
+    values = [costs["yours"][k] * 1e3 for k in mine] + [costs["yours"]["step"] * 1e3, costs["course"]["step"] * 1e3]
+    colours = [ORANGE] * len(mine) + [GREY, BLUE]
+    parts.barh(np.arange(len(rows)), values, color=colours)
+    parts.set_yticks(np.arange(len(rows)), rows)
+    parts.set(xscale="log", xlabel="ms per engine step (log)", title="Profile by slot")
+    return fig

@@ -317,6 +317,15 @@ def _check_rows(sub: _Notebook, manifest, recorded: dict[str, dict], called: dic
     return rows
 
 
+LABS_DIR_ENV = "LABSUPPORT_LABS_DIR"  # the capstone (lab 16) assembles the learner's stack from this folder
+
+
+def labs_dir_env(path: Path) -> dict[str, str]:
+    """The kernel's ``LABSUPPORT_LABS_DIR``: the folder of the graded notebook, which holds the learner's
+    other notebooks (the capstone assembles their stack from it, read-only; every other lab ignores it)."""
+    return {LABS_DIR_ENV: str(Path(path).resolve().parent)}
+
+
 def grade_notebook(
     path: Path,
     timeout: int = 600,
@@ -380,7 +389,8 @@ def grade_notebook(
     # 3. run it, and read what the checks reported
     called = calls_by_cell(run_nb)
     run = execute(run_nb, timeout=timeout, stop_on_error=False, quiet=True, notebook_timeout=notebook_timeout,
-                  env={GRADING_ENV: "1"}, after_timeout=skip_what_hung(timeout), sandbox=sandbox)
+                  env={GRADING_ENV: "1", **labs_dir_env(sub.path)}, after_timeout=skip_what_hung(timeout),
+                  sandbox=sandbox)
     recorded, forged = collect_results(run, spliced)
     flags += forged
     if nonce is not None:

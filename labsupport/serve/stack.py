@@ -40,6 +40,11 @@ which and why. Every part is wrapped so that an exception it raises becomes a :c
 failure handling does the rest: a step-wide part that raises fails the requests of that step, a
 per-request part fails its request, and the server goes on with the learner's part (the course's
 part is never substituted mid-run).
+
+**A profile by slot** (the capstone, lab 16): every guarded call also adds its time to
+:data:`.stack_guard.PROFILE`, and so does every engine step, the learner's parts or not; ``GET /health``
+then says, under ``stack_profile``, each slot's calls and seconds, the steps' and the prefix cache's
+counts, so a client can tell what each of the learner's parts cost in the step.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from pathlib import Path
 from ..engine.sampler import PerRowSampler
 from ..stack import BY_NAME, SLOTS, Slot
 from .stack_engine import ENGINE_SLOTS, plug_engine_part
-from .stack_guard import PartFailed, guarded, learner_line  # noqa: F401 (PartFailed and learner_line: re-exported)
+from .stack_guard import PROFILE, PartFailed, SlotProfile, guarded, learner_line  # noqa: F401 (PartFailed, learner_line: re-exported)
 
 MANIFEST_NAME = "stack.json"  # as labsupport.course.stack writes it
 
@@ -224,4 +229,20 @@ def plug_in(backend, parts: dict[str, tuple[object, str]]) -> list[str]:
     if left_out:
         backend.description += " Left out (the course's part serves): " + "; ".join(
             f"your {n} ({why})" for n, why in left_out.items()) + "."
+    _profile(backend, PROFILE)
     return done
+
+
+def _profile(backend, profile: SlotProfile) -> None:
+    """Time every engine step too, and add ``stack_profile`` to the back end's stats (``/health``)."""
+    engine = getattr(backend, "engine", None)
+    if engine is not None:
+        engine.step = profile.timed("step", engine.step)
+    own_stats = backend.stats
+
+    def stats() -> dict:
+        found = {"slots": profile.snapshot()}
+        if engine is not None:
+            found["prefix_cache"] = engine.block_manager.stats()  # queries and hits in prompt tokens
+        return {**own_stats(), "stack_profile": found}
+    backend.stats = stats
