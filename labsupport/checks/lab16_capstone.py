@@ -78,6 +78,26 @@ def _fail_request(run: dict, i: int, why: str) -> dict:
     return planted(run, change)
 
 
+def _error_after_stream(run: dict, i: int, side: str = "yours") -> dict:
+    """Request ``i`` streamed in full (text, chunks and finish_reason kept), then reading its timeline
+    raised: ``capstone.run_stack`` records the error and no token ids."""
+    return planted(run, lambda r: r[side]["records"][i].update(error="HTTPError: planted, reading the timeline",
+                                                              token_ids=[]))
+
+
+def _last_to_finish(stack: dict) -> int:
+    """The request whose last chunk came last (0 when no record has a chunk)."""
+    timed = [r for r in stack["records"] if r["token_times_s"]]
+    return max(timed, key=lambda r: r["token_times_s"][-1])["i"] if timed else 0
+
+
+def _unfinished(run: dict) -> tuple[int, dict]:
+    """Your request that finished last ends with no finish_reason and no error (a stream cut short):
+    its chunks and token ids are kept, as ``capstone.run_stack`` keeps them."""
+    i = _last_to_finish(run["yours"])
+    return i, planted(run, lambda r: r["yours"]["records"][i].update(finish_reason=None, error=None))
+
+
 @graded(points=4, bans=(report, stack_figures, greedy_agreement))
 def check_capstone_run(fn, checker, run=None):
     """Your stack served the whole trace, through the parts it says it served; your report counts it."""
@@ -104,39 +124,106 @@ def check_capstone_run(fn, checker, run=None):
         checker.fail(case, f"your server says your {', '.join(idle)} part(s) serve, yet the run never called "
                            f"them (no time in /health's stack_profile).",
                      "start your server with --stack from the same assembly as the run (capstone.serving_folder).")
-    for label, this, served in (("your run", run, n),
-                                ("your run, request 0 failed (planted)", _fail_request(run, 0, "RuntimeError: planted"),
-                                 n - 1)):
+    last, unfinished = _unfinished(run)
+    for label, this, mistake in (
+            ("your run", run, "every record is counted, failed ones too"),
+            ("your run, request 0 failed (planted)", _fail_request(run, 0, "RuntimeError: planted"),
+             "every record is counted, failed ones too"),
+            ("request 0 streamed in full, then failed: an error with chunks and a finish_reason (planted)",
+             _error_after_stream(run, 0), "a record with an error counts when it has chunks and a finish_reason "
+                                          "(served needs no error as well)"),
+            (f"request {last} ended with no finish_reason and no error, chunks kept (planted)", unfinished,
+             "a record without a finish_reason counts when it has chunks and no error (served needs "
+             "finish_reason 'stop' or 'length' as well)")):
         c = Case(case=label)
         got = _report(checker, fn, this, c)
-        checker.expect_number(got["yours"].get("served") if isinstance(got["yours"], dict) else None, served,
+        checker.expect_number(got["yours"].get("served") if isinstance(got["yours"], dict) else None,
+                              sum(_served(r) for r in this["yours"]["records"]),
                               case=c, what="report['yours']['served']", hint=SERVED_RULE,
-                              mistakes={"every record is counted, failed ones too": n})
+                              mistakes={mistake: n})
         checker.expect_number(got["requests"], n, case=c, what="report['requests']",
                               hint="the trace's number of requests: run['trace']['requests'].")
 
 
 def _agree_cases(run: dict) -> list[tuple[str, dict]]:
-    """Planted copies of ``run``: request 0's answer changed three ways."""
-    def diverge(token_in_top: bool, same_ids: bool):
+    """Planted copies of ``run``: request 0's answer changed (a divergence at the last token or in the
+    middle, the course's top_logprobs keyed by ints or by strings as in a run saved to JSON, the same
+    ids with another text) or failed on one side or both."""
+    def diverge(token_in_top: bool, same_ids: bool, middle: bool = False, str_keys: bool = False):
         def change(r):
             ref, mine = r["course"]["records"][0], r["yours"]["records"][0]
             ids = list(ref["token_ids"]) or [0]
-            top = [{t: -0.01} for t in ids]
-            k = len(ids) - 1  # diverge at the last token
+            ids += [ids[-1]] * (3 - len(ids)) if middle else []  # a middle with tokens after it
+            key = str if str_keys else int
+            top = [{key(t): -0.01} for t in ids]
+            k = len(ids) // 2 if middle else len(ids) - 1  # where the ids first differ
             other = max(ids) + 1
             if token_in_top:
-                top[k][other] = -2.0
+                top[k][key(other)] = -2.0
             ref["token_ids"], ref["top_logprobs"] = ids, top
-            mine["token_ids"] = ids if same_ids else ids[:k] + [other]
+            # after the divergence every token differs, and none is in the course's top 5 there
+            mine["token_ids"] = ids if same_ids else ids[:k] + [other] + [other + 1 + j for j in range(len(ids) - k - 1)]
             mine["text"] = ref["text"] + " (planted)"
             mine["error"], mine["finish_reason"] = None, "length"
             mine["token_times_s"] = mine["token_times_s"] or [mine["sent_s"] + 0.1]
         return planted(run, change)
+
+    def fail(*sides: str):
+        def change(r):
+            for name in sides:
+                r[name]["records"][0].update(error="RuntimeError: planted", token_times_s=[], text="",
+                                             finish_reason=None, token_ids=[])
+        return planted(run, change)
+
     return [("your run", run),
             ("request 0 diverges to a token outside the course's top 5 (planted)", diverge(False, False)),
             ("request 0 diverges to a token in the course's top 5 (planted)", diverge(True, False)),
-            ("request 0: same token ids, another text (planted)", diverge(False, True))]
+            ("request 0: same token ids, another text (planted)", diverge(False, True)),
+            ("request 0 diverges mid-answer to a token in the course's top 5, and every token after it differs "
+             "(planted)", diverge(True, False, middle=True)),
+            ("request 0 diverges mid-answer to a token in the course's top 5, top_logprobs keyed by strings as in "
+             "a run saved to JSON (planted)", diverge(True, False, middle=True, str_keys=True)),
+            ("request 0 failed on your side (planted)", fail("yours")),
+            ("request 0 failed on both sides (planted)", fail("yours", "course")),
+            ("request 0 failed on the course's side after streaming the same text (planted)",
+             _error_after_stream(run, 0, "course"))]
+
+
+def _agree_with(ref: dict, mine: dict, *, errors: str = "both", first_only: bool = True, int_keys: bool = True) -> bool:
+    """``greedy_agreement``'s answer, or (other arguments) a common mistake's: ``errors`` 'both',
+    'yours' or 'none' (which sides' errors are looked at), every differing position compared rather
+    than the first, top_logprobs keys compared as they are."""
+    if (errors == "both" and ref.get("error")) or (errors != "none" and mine.get("error")):
+        return False
+    if ref["text"] == mine["text"]:
+        return True
+    top = ref.get("top_logprobs") or []
+    differ = [i for i, (a, b) in enumerate(zip(ref["token_ids"], mine["token_ids"])) if a != b]
+    return bool(differ) and all(i < len(top) and mine["token_ids"][i] in ({int(k) for k in top[i]} if int_keys
+                                                                          else set(top[i]))
+                                for i in (differ[:1] if first_only else differ))
+
+
+def _agree_mistakes(run: dict, got) -> list[str]:
+    """The common mistakes whose ``agree`` list on ``run`` is ``got``: the rule's own slips first (the
+    error check, the keys' type, the first difference); comparing texts or ids only where none fits."""
+    pairs = list(zip(run["course"]["records"], run["yours"]["records"]))
+    slips = (
+        ("only your record's error is looked at (an error on the course's side makes the request False too)",
+         dict(errors="yours")),
+        ("an error is not looked at (an error on either side makes the request False, even with equal texts)",
+         dict(errors="none")),
+        ("top_logprobs keys are compared as they are (a run saved as JSON has string keys: compare int(key))",
+         dict(int_keys=False)),
+        ("every position after the first difference is compared too (only the first counts: after it the "
+         "two answers continue from different text)", dict(first_only=False)))
+    slips = [what for what, options in slips if got == [_agree_with(r, m, **options) for r, m in pairs]]
+    texts = [r["text"] == m["text"] for r, m in pairs]
+    ids = [r["token_ids"] == m["token_ids"] for r, m in pairs]
+    return slips or [what for what, lists in (
+        ("comparing texts only (a divergence to one of the course's top 5 tokens agrees)", [texts]),
+        ("comparing token ids (same ids with another text do not agree)", [ids, [a or b for a, b in zip(ids, texts)]]))
+        if got in lists]
 
 
 @graded(points=4, bans=(report, stack_figures, greedy_agreement))
@@ -160,14 +247,12 @@ def check_capstone_greedy(fn, checker, run=None):
         c = Case(case=label)
         got = _report(checker, fn, this, c)["agree"]
         want = [greedy_agreement(ref, mine)[0] for ref, mine in zip(this["course"]["records"], this["yours"]["records"])]
+        if isinstance(got, list) and len(got) != len(want):
+            checker.fail(c, f"report['agree'] has {len(got)} entries for {len(want)} requests: {got!r:.300}.",
+                         "one entry per request of the trace, in order, a failed request included (False: an "
+                         "error on either side never agrees). " + AGREE_RULE)
         if not isinstance(got, list) or [bool(x) for x in got] != want or not all(isinstance(x, bool) for x in got):
-            texts = [r["text"] == m["text"] for r, m in zip(this["course"]["records"], this["yours"]["records"])]
-            ids = [r["token_ids"] == m["token_ids"] for r, m in zip(this["course"]["records"], this["yours"]["records"])]
-            said = []
-            if got == texts:
-                said.append("comparing texts only (a divergence to one of the course's top 5 tokens agrees)")
-            if got == ids or got == [a or b for a, b in zip(ids, texts)]:
-                said.append("comparing token ids (same ids with another text do not agree)")
+            said = _agree_mistakes(this, got)
             said = f" Your list matches {'; or '.join(said)}." if said else ""
             checker.fail(c, f"report['agree'] is {got!r:.300}, expected {want}.{said}", AGREE_RULE)
 
@@ -190,10 +275,26 @@ def _figure_cases(run: dict) -> list[tuple[str, dict]]:
             counts["prefix_cache_queries"] = counts.get("prefix_cache_queries", 0) + queries
             counts["prefix_cache_hits"] = counts.get("prefix_cache_hits", 0) + hits
 
+    def one_chunk(r):  # request 0 answered in one chunk: served, but no TPOT
+        rec = r["yours"]["records"][0]
+        rec.update(token_times_s=rec["token_times_s"][:1], token_ids=rec["token_ids"][:1], finish_reason="length")
+
+    def no_query(r):  # the prefix cache was not asked during the run: its counts did not change
+        stack = r["yours"]
+        after = stack["health_after"].setdefault("stack_profile", {}).setdefault("prefix_cache", {})
+        before = stack["health_before"].get("stack_profile", {}).get("prefix_cache", {})
+        for key in ("prefix_cache_queries", "prefix_cache_hits"):
+            after[key] = before.get(key, 0)
+
+    last, unfinished = _unfinished(run)
     return [("your run", run), ("every time doubled (planted)", planted(run, stretch)),
             ("request 0's last chunk a second late (planted)", planted(run, late_last)),
             ("500 prompt tokens looked up before the run, 1000 more during it (planted)", planted(run, cache)),
-            ("request 0 failed (planted)", _fail_request(run, 0, "RuntimeError: planted"))]
+            ("request 0 failed (planted)", _fail_request(run, 0, "RuntimeError: planted")),
+            ("request 0 answered in one chunk (planted)", planted(run, one_chunk)),
+            (f"request {last}, the last to finish, ended with no finish_reason and no error, its chunks and "
+             f"token ids kept (planted)", unfinished),
+            ("no prompt token looked up in the prefix cache during the run (planted)", planted(run, no_query))]
 
 
 def _figure_mistakes(stack: dict, key: str, p: int | None = None) -> dict[str, float]:
@@ -212,12 +313,21 @@ def _figure_mistakes(stack: dict, key: str, p: int | None = None) -> dict[str, f
         if key == "tpot_s":
             e2e = [(r["token_times_s"][-1] - r["sent_s"]) / len(r["token_times_s"]) for r in done]
             out["TPOT is the whole time over the chunks (the first token's wait counted in)"] = nearest_rank(e2e, p)
+            zeros = [(r["token_times_s"][-1] - r["token_times_s"][0]) / max(1, len(r["token_times_s"]) - 1)
+                     for r in done]
+            out["a one-chunk request counts with a TPOT of 0 (TPOT covers requests with two chunks or more)"] = \
+                nearest_rank(zeros, p)
     if key == "output_tokens_per_s" and done:
         wall = max(r["token_times_s"][-1] for r in done) - min(r["sent_s"] for r in stack["records"])
         out["tokens are counted as content chunks, not sampled token ids"] = \
             sum(len(r["token_times_s"]) for r in done) / wall
         out["the time is the sum of the requests' own times, not the wall time"] = \
             sum(len(r["token_ids"]) for r in done) / sum(r["token_times_s"][-1] - r["sent_s"] for r in done)
+        out["the token ids of requests that were not served are counted too (only served records' count)"] = \
+            sum(len(r["token_ids"]) for r in stack["records"]) / wall
+        last = max(r["token_times_s"][-1] for r in stack["records"] if r["token_times_s"])
+        out["the wall time ends at the last chunk of any record, served or not (it ends at a served one's)"] = \
+            sum(len(r["token_ids"]) for r in done) / (last - min(r["sent_s"] for r in stack["records"]))
     if key == "prefix_cache_hit_rate":
         after = stack["health_after"].get("stack_profile", {}).get("prefix_cache", {})
         if after.get("prefix_cache_queries"):
@@ -244,7 +354,11 @@ def check_capstone_figures(fn, checker, run=None):
                 what = f"report[{name!r}][{key!r}]" + (f"[{p}]" if p is not None else "")
                 if expected is None:
                     if actual is not None:
-                        checker.fail(c, f"{what} is {actual!r}, expected None (nothing to measure it on).", FIGURES_RULE)
+                        why = " Your figure is 0 where no prompt token was looked up: with no query there is no " \
+                              "rate (0 hits of 0 queries), so it is None." if key == "prefix_cache_hit_rate" and \
+                              actual == 0 else ""
+                        checker.fail(c, f"{what} is {actual!r}, expected None (nothing to measure it on).{why}",
+                                     FIGURES_RULE)
                     continue
                 checker.expect_number(actual, expected, case=c, rel=1e-9, what=what, hint=FIGURES_RULE,
                                       mistakes=_figure_mistakes(this[name], key, p))

@@ -28,37 +28,43 @@ def rank(values, p):
     return data[max(1, math.ceil(p * len(data) / 100)) - 1] if data else None
 
 
-def agree(ref, mine):
-    if ref.get("error") or mine.get("error"):
+def agree(ref, mine, errors="both", first_only=True, as_int=lambda k: int(k)):
+    if (errors == "both" and ref.get("error")) or (errors != "none" and mine.get("error")):
         return False
     if ref["text"] == mine["text"]:
         return True
     for i, (a, b) in enumerate(zip(ref["token_ids"], mine["token_ids"])):
         if a != b:
             top = ref.get("top_logprobs") or []
-            return i < len(top) and str(b) in {str(k) for k in top[i]}
-    return False
+            if not (i < len(top) and b in {as_int(k) for k in top[i]}):
+                return False
+            if first_only:
+                return True
+    return not first_only and ref["token_ids"] != mine["token_ids"]
 
 
-def figures(stack, tokens=lambda r: len(r["token_ids"]), pct=rank, tpot=None, totals=False):
-    done = [r for r in stack["records"] if served(r)]
+def figures(stack, tokens=lambda r: len(r["token_ids"]), pct=rank, tpot=None, totals=False, counted=served,
+            min_chunks=2, zero_rate=False, ids_of_all=False, wall_of_all=False):
+    done = [r for r in stack["records"] if counted(r)]
     ttft = [r["token_times_s"][0] - r["sent_s"] for r in done]
-    tpot = tpot or (lambda r: (r["token_times_s"][-1] - r["token_times_s"][0]) / (len(r["token_times_s"]) - 1))
-    tpots = [tpot(r) for r in done if len(r["token_times_s"]) > 1]
-    wall = max(r["token_times_s"][-1] for r in done) - min(r["sent_s"] for r in stack["records"]) if done else 0
+    tpot = tpot or (lambda r: (r["token_times_s"][-1] - r["token_times_s"][0]) / max(1, len(r["token_times_s"]) - 1))
+    tpots = [tpot(r) for r in done if len(r["token_times_s"]) >= min_chunks]
+    ends = [r["token_times_s"][-1] for r in (stack["records"] if wall_of_all else done) if r["token_times_s"]]
+    wall = max(ends) - min(r["sent_s"] for r in stack["records"]) if done else 0
     caches = [stack[h].get("stack_profile", {}).get("prefix_cache", {}) for h in ("health_before", "health_after")]
     base = {} if totals else caches[0]
     queries = caches[1].get("prefix_cache_queries", 0) - base.get("prefix_cache_queries", 0)
     hits = caches[1].get("prefix_cache_hits", 0) - base.get("prefix_cache_hits", 0)
     return {"served": len(done), "ttft_s": {p: pct(ttft, p) for p in (50, 90, 99)},
             "tpot_s": {p: pct(tpots, p) for p in (50, 90, 99)},
-            "output_tokens_per_s": sum(tokens(r) for r in done) / wall if wall else None,
-            "prefix_cache_hit_rate": hits / queries if queries else None}
+            "output_tokens_per_s": sum(tokens(r) for r in (stack["records"] if ids_of_all else done)) / wall
+            if wall else None,
+            "prefix_cache_hit_rate": hits / queries if queries else (0.0 if zero_rate else None)}
 
 
-def ref_report(run, **options):
+def ref_report(run, agreeing=agree, **options):
     return {"requests": run["trace"]["requests"],
-            "agree": [agree(a, b) for a, b in zip(run["course"]["records"], run["yours"]["records"])],
+            "agree": [agreeing(a, b) for a, b in zip(run["course"]["records"], run["yours"]["records"])],
             "yours": figures(run["yours"], **options), "course": figures(run["course"], **options)}
 
 
@@ -182,3 +188,46 @@ def test_a_report_of_fixed_numbers_fails_on_the_planted_runs():
     fixed = ref_report(RUN)
     fails(check_capstone_figures, lambda run: copy.deepcopy(fixed), match="every time doubled")
     fails(check_capstone_run, lambda run: copy.deepcopy(fixed), match="request 0 failed")
+
+
+# --- the red team's survivors (notes/redteam-lab16.md): each now fails on the plant made for it -----
+
+
+@pytest.mark.parametrize("counted, said", [
+    (lambda r: bool(r["token_times_s"]) and r.get("finish_reason") in ("stop", "length"),
+     "request 0 streamed in full, then failed.*a record with an error counts"),
+    (lambda r: not r.get("error") and bool(r["token_times_s"]),
+     "ended with no finish_reason and no error.*a record without a finish_reason counts"),
+])
+def test_a_report_that_counts_an_errored_or_unfinished_record_as_served_fails(counted, said):
+    fails(check_capstone_run, lambda run: ref_report(run, counted=counted), match=said)
+
+
+@pytest.mark.parametrize("agreeing, case, said", [
+    (lambda a, b: agree(a, b, errors="none"), "failed on both sides", "an error is not looked at"),
+    (lambda a, b: agree(a, b, errors="yours"), "failed on the course's side", "only your record's error"),
+    (lambda a, b: agree(a, b, first_only=False), "diverges mid-answer.*every token after it differs",
+     "every position after the first difference"),
+    (lambda a, b: agree(a, b, as_int=lambda k: k), "keyed by strings as in a run saved to JSON",
+     "keys are compared as they are"),
+])
+def test_an_agree_rule_with_a_slip_fails_and_names_it(agreeing, case, said):
+    fails(check_capstone_greedy, lambda run: ref_report(run, agreeing=agreeing), match=f"case=[^]]*{case}.*{said}")
+
+
+def test_an_agree_list_that_leaves_out_a_failed_request_fails():
+    def served_only(run):
+        out = ref_report(run)
+        out["agree"] = [a for a, mine in zip(out["agree"], run["yours"]["records"]) if not mine.get("error")]
+        return out
+    fails(check_capstone_greedy, served_only, match="failed on your side.*has 9 entries for 10 requests")
+
+
+@pytest.mark.parametrize("options, case, said", [
+    (dict(min_chunks=1), "answered in one chunk", "one-chunk request counts with a TPOT of 0"),
+    (dict(ids_of_all=True), "the last to finish, ended with no finish_reason", "not served are counted too"),
+    (dict(wall_of_all=True), "the last to finish, ended with no finish_reason", "last chunk of any record"),
+    (dict(zero_rate=True), "no prompt token looked up", "is 0.0, expected None.*no query there is no rate"),
+])
+def test_a_figure_from_unserved_records_or_of_nothing_fails_and_names_the_mistake(options, case, said):
+    fails(check_capstone_figures, lambda run: ref_report(run, **options), match=f"case=[^]]*{case}.*{said}")
