@@ -264,10 +264,11 @@ ledger.record("16_capstone", [
 #   first `sent_s` of all records to the last chunk of any served record;
 # * **prefix_cache_hit_rate**: `health_after["stack_profile"]["prefix_cache"]["prefix_cache_hits"]`
 #   minus the same before, over the same change of `"prefix_cache_queries"` (None when no query);
-# * **agree[i]**: True when the two records' texts are equal; otherwise walk both `"token_ids"` to the
+# * **agree[i]**: False when either record has an error, even with equal texts (look at this first);
+#   otherwise True when the two records' texts are equal; otherwise walk both `"token_ids"` to the
 #   first position where they differ: True only when your token there is a key of the course record's
 #   `"top_logprobs"[position]` (compare keys as ints: a run saved as JSON has them as strings); same
-#   ids with different texts, an error on either side: False.
+#   ids with different texts: False. One entry per request, in the trace's order.
 #
 # The checks judge the run first (your stack served every request, through the parts it says it
 # served; every answer agrees), then call your function on the run and on planted copies of it.
