@@ -227,3 +227,17 @@ def test_the_learners_detokenizer_reads_the_token_bytes_of_both_served_tokenizer
         ids = tokenizer.encode(text)
         detok = make()
         assert "".join(detok.push(i) for i in ids) + detok.flush() == tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("leftover", [lambda: sys.exit(3), lambda: exit(), lambda: (_ for _ in ()).throw(KeyboardInterrupt)])
+def test_a_part_that_exits_or_interrupts_becomes_a_failure_of_its_slot_not_of_the_server(leftover, tmp_path):
+    from labsupport.serve.stack_guard import PartFailed, guarded
+    from labsupport.stack import BY_NAME
+
+    file = tmp_path / "lab13.py"  # the learner's module file: the message names its line
+    file.write_text("def sample(fn):\n    return fn()\n")
+    namespace: dict = {}
+    exec(compile(file.read_text(), str(file), "exec"), namespace)
+    part = guarded(BY_NAME["sampler"], namespace["sample"], str(file))
+    with pytest.raises(PartFailed, match=r"your sampler part .* at .*lab13\.py:2: return fn\(\)"):
+        part(leftover)

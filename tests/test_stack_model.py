@@ -231,6 +231,8 @@ def test_the_learners_conversion_is_cached_apart_from_the_courses(solutions, lea
     changed = tmp_path / "changed.py"  # another cell, another owner: its own entry
     changed.write_text(Path(parts["dequantize_q4_1"][1]).read_text() + "\n# an edit\n")
     assert owner_of([changed]) != owner
+    file = parts["dequantize_q4_1"][1]  # one of the two the course's: a mixed conversion, an entry of its own
+    assert owner_of([file], ("Q8_0",)) != owner_of([file], ("Q4_1", "Q8_0")) == owner
 
 
 def test_a_wrong_part_in_each_model_slot_fails_its_check_and_the_course_part_stays(tmp_path_factory):

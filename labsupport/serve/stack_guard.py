@@ -70,7 +70,8 @@ PROFILE = SlotProfile()  # this server's; one server per process
 
 
 def guarded(slot: Slot, fn, file: str, profile: SlotProfile | None = None):
-    """``fn`` (a learner's function) with its exceptions turned into :class:`PartFailed`, and its time
+    """``fn`` (a learner's function) with its exceptions (``SystemExit`` and ``KeyboardInterrupt`` too: a
+    learner's part never stops the server) turned into :class:`PartFailed`, and its time
     added to ``profile`` (default :data:`PROFILE`) under the slot's name."""
     profile = PROFILE if profile is None else profile
 
@@ -79,7 +80,9 @@ def guarded(slot: Slot, fn, file: str, profile: SlotProfile | None = None):
         started = time.perf_counter()
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:
+        except GeneratorExit:
+            raise
+        except BaseException as exc:  # sys.exit() or a KeyboardInterrupt left in a cell must not stop the server
             raise _failed(slot, exc, file) from exc
         finally:
             profile.add(slot.name, time.perf_counter() - started)

@@ -71,12 +71,14 @@ def _at_load(slot: str, fn, file: str):
     return call
 
 
-def owner_of(files) -> str:
-    """Whose dequantisers: ``yours-`` and a hash of the learner's module files' text (a changed cell is
-    another owner, with a cache entry of its own)."""
+def owner_of(files, block_types=()) -> str:
+    """Whose dequantisers: ``yours-`` and a hash of the learner's module files' text and of the block
+    types they read (a changed cell is another owner, with a cache entry of its own; so is a stack where
+    only one of the two dequantisers is the learner's, its other blocks read by the course's)."""
     digest = hashlib.sha256()
     for file in sorted(set(files)):
         digest.update(Path(file).read_bytes())
+    digest.update(",".join(sorted(block_types)).encode())
     return f"yours-{digest.hexdigest()[:12]}"
 
 
@@ -107,7 +109,7 @@ class ModelSide:
         if not mine:
             return None
         by_type = {DEQUANTIZE_SLOTS[slot]: _at_load(slot, part, file) for slot, (part, file) in mine.items()}
-        return Dequantizers(by_type, owner_of(file for _, file in mine.values()))
+        return Dequantizers(by_type, owner_of((file for _, file in mine.values()), by_type))
 
     def load(self, source: str):
         """The checkpoint ``source`` as the server serves it (a ServedModel), its GGUF blocks read by
@@ -288,8 +290,7 @@ class StackPagedBatch(PagedBatch):
             qg = q[idx].view(len(spans), length, *q.shape[1:]).transpose(1, 2)  # (B', H, S, D)
             kg = k[idx].view(len(spans), length, *k.shape[1:]).transpose(1, 2).repeat_interleave(group, dim=1)
             vg = v[idx].view(len(spans), length, *v.shape[1:]).transpose(1, 2).repeat_interleave(group, dim=1)
-            got = self.flash(qg, kg, vg, True)
-            got = got[0] if isinstance(got, (tuple, list)) else got  # lab 07's returns (out, lse)
+            got = _kernel_output("flash_attention", self.flash(qg, kg, vg, True), qg.shape)  # (B', H, S, D)
             out[idx] = got.transpose(1, 2).reshape(len(idx), *q.shape[1:]).to(q.dtype)
         return out
 
@@ -314,10 +315,24 @@ class StackPagedBatch(PagedBatch):
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)
         _store(k3, v3, k_cache, v_cache, m.slot_mapping, self.backend)
         if use_paged:
-            out = self.paged(q3, k_cache, v_cache, m.block_tables, m.seq_lens)  # (B, H, D): a row per sequence
+            out = _kernel_output("paged_attention", self.paged(q3, k_cache, v_cache, m.block_tables, m.seq_lens),
+                                 q3.shape)  # (B, H, D): a row per sequence (decode: one token each)
         else:
             out = self._flash(q3, k3, v3)
         return out.to(q.dtype).transpose(0, 1)[None]  # (1, H, N, D)
+
+
+def _kernel_output(name: str, got, shape) -> torch.Tensor:
+    """A learner kernel's output, or a PartFailed naming the slot where it is not a tensor of ``shape``
+    (the step's requests fail, the server goes on)."""
+    if isinstance(got, (tuple, list)) and got and isinstance(got[0], torch.Tensor):
+        got = got[0]  # lab 07's returns (out, lse)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(shape):
+        slot = BY_NAME[name]
+        what = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise PartFailed(f"your {name} part (lab {slot.lab[:2]}, {slot.part}) returned {what} where the step needs "
+                         f"a tensor of shape {tuple(shape)}; the step's requests fail, the server goes on with your part")
+    return got
 
 
 def _record(check: dict, slot: str, layer: int, mine, course) -> None:
@@ -419,7 +434,7 @@ class _CheckingBatch(StackPagedBatch):
     def attend(self, layer: int, q, k, v):
         try:
             return super().attend(layer, q, k, v)
-        except (PartFailed, ValueError) as exc:
+        except Exception as exc:  # whatever the learner's kernel does, the start-up check reports it
             name = "paged_attention" if self.meta.decode_only else "flash_attention"
             self.raised.setdefault(name, str(exc) if isinstance(exc, PartFailed) else f"your {name} part {exc}")
             if name == "paged_attention":
@@ -430,20 +445,19 @@ class _CheckingBatch(StackPagedBatch):
 
 
 def _checking_rope(fused, model, serving, errors: dict, raised: dict, layer: int):
-    """A rope hook that rotates as the model serves (``serving``, or the course's rotation) and runs
-    the learner's fused_rope beside it, recording the largest difference."""
+    """A rope hook for the check's one forward pass: it rotates with the course's rotation (the
+    reference, also where the learner's ``apply_rope`` serves: ``serving`` is not used here, so the
+    check never compares the learner's kernel with the learner's own rotation) and runs the learner's
+    fused_rope beside it, recording the largest difference."""
     def rope(q, k, positions):
-        if serving is not None:
-            q_ref, k_ref = serving(q, k, positions)
-        else:
-            cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.dtype, inv_freq=model._inv_freq)
-            q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.dtype, inv_freq=model._inv_freq)
+        q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if "fused_rope" not in raised:
             try:
                 mine = fused_rope_hook(fused, model)(q, k, positions)
                 _record(errors, "fused_rope", layer, mine[0], q_ref)
                 _record(errors, "fused_rope", layer, mine[1], k_ref)
-            except (PartFailed, ValueError, TypeError, IndexError) as exc:
+            except Exception as exc:  # whatever the learner's kernel does, the start-up check reports it
                 raised["fused_rope"] = str(exc) if isinstance(exc, PartFailed) else f"your fused_rope part: {exc}"
         return q_ref, k_ref
     return rope
