@@ -200,6 +200,12 @@ def client_parts(stack: dict) -> tuple[dict[str, Callable], dict[str, str]]:
     return parts, whose
 
 
+def labs_dir() -> Path:
+    """The folder of the learner's lab notebooks: ``$LABSUPPORT_LABS_DIR`` where the grader set it (the
+    graded notebook's folder), else the notebook's own folder (the working directory)."""
+    return Path(os.environ.get("LABSUPPORT_LABS_DIR") or ".").resolve()
+
+
 def writable_cache() -> Path:
     """The assembly's cache: ``$LABSUPPORT_CACHE/stack`` where it can be written, else a folder in
     the temporary directory (in the grader's sandbox the home folder is read-only)."""

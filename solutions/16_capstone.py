@@ -28,7 +28,7 @@
 # runs. Every timing here is taken on this machine, and says so.
 #
 # **Run All** (*Run > Run All Cells*) runs sections 1 to 4 with whatever parts you have (an exercise
-# not done keeps the course's part), and stops at the report's exercise until you write it.
+# not done keeps the course's part), and stops at the first exercise, the report, until you write it.
 
 # %% [setup]
 import labsupport
@@ -67,7 +67,7 @@ print(f"timings below are taken on: {WHERE}, {DATE}")
 # takes seconds. The table says, for each slot, whose part it holds and why.
 
 # %%
-LABS_DIR = Path(os.environ.get("LABSUPPORT_LABS_DIR") or ".").resolve()
+LABS_DIR = capstone.labs_dir()  # this folder, or the one the grader names
 CACHE = capstone.writable_cache()
 started = time.perf_counter()
 stack = capstone.assemble(LABS_DIR, CACHE)

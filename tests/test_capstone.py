@@ -158,4 +158,12 @@ def test_the_grader_tells_the_capstone_where_the_learners_labs_are(tmp_path):
 
     assert labs_dir_env(tmp_path / "16_capstone.ipynb") == {LABS_DIR_ENV: str(tmp_path.resolve())}
     source = (Path(__file__).resolve().parents[1] / "solutions" / "16_capstone.py").read_text(encoding="utf-8")
-    assert f'os.environ.get("{LABS_DIR_ENV}")' in source
+    assert "capstone.labs_dir()" in source  # the lab reads the folder through labsupport (no os.environ in a cell)
+    from labsupport import capstone
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LABS_DIR_ENV, str(tmp_path))
+        assert capstone.labs_dir() == tmp_path.resolve()
+        mp.delenv(LABS_DIR_ENV)
+        mp.chdir(tmp_path / "..")
+        assert capstone.labs_dir() == tmp_path.parent.resolve()

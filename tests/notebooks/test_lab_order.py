@@ -17,7 +17,7 @@ LABS = sorted((ROOT / "labs").glob("[0-9]*.ipynb"))
 # What counts as a measurement: a timing or a memory measurement of the device.
 MEASUREMENT = re.compile(
     r"\b(benchmark|timed_stream|measure_matmul|measure_copy|measure_prefill|measure_decode|peak_bytes"
-    r"|profile_step|time_step|run_benchmark|profile_decode_step|time_all_reduce|time_decode_step)\("
+    r"|profile_step|time_step|run_benchmark|profile_decode_step|time_all_reduce|time_decode_step|run_stack)\("
 )
 
 
