@@ -125,9 +125,10 @@ LEFT_OUT = {
 
 def run_slots() -> list[str]:
     """The slots the capstone's run uses: every slot wired to serve today that the run calls (not
-    :data:`LEFT_OUT`), the slots checked while serving (``prefix_cache``, replayed beside the engine's
-    pool), and the client's slots."""
-    wired = [s.name for s in SLOTS if s.serves or (s.wired and s.mode == "checked")]
+    :data:`LEFT_OUT`), the Triton kernels (they serve on a GPU; on a CPU the server checks them beside
+    the course's on one forward pass at start-up), the slots checked while serving (``prefix_cache``,
+    replayed beside the engine's pool), and the client's slots."""
+    wired = [s.name for s in SLOTS if s.serves or (s.wired and (s.mode == "checked" or s.gpu_only))]
     return [name for name in wired if name not in LEFT_OUT] + list(CLIENT_SLOTS)
 
 
@@ -164,7 +165,7 @@ def serving_folder(labs_dir, into) -> Path:
     checking every lab; nothing is written in ``labs_dir``."""
     into = Path(into)
     into.mkdir(parents=True, exist_ok=True)
-    for lab in sorted({BY_NAME[name].lab for name in run_slots() if BY_NAME[name].serves}):
+    for lab in sorted({BY_NAME[name].lab for name in run_slots() if BY_NAME[name].mode == "serves"}):
         found = find_notebook(Path(labs_dir), lab)
         link = into / f"{lab}.ipynb"
         if found is not None and not link.exists():
