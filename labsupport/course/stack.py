@@ -52,6 +52,8 @@ from .manifest import load_course_cells
 from .splice import splice
 from .stack_checks import CHECK_TIMEOUT_S, RESULTS_PREFIX, CheckProcess, run_checks  # noqa: F401 (re-exported)
 
+_PARSING = threading.Lock()  # the labs are assembled in threads (--jobs); their cells are parsed one at a time
+
 CHECKS_DIR = Path(__file__).resolve().parents[1] / "checks"  # a lab's checks' source is part of its cache key
 LONGEST = ("11_many_gpus",)  # its checks spawn rank processes (about 13 s on a CPU): started first, not last
 MAX_JOBS = 4  # labs checked at once by default (each check process takes a few hundred MB)
@@ -189,7 +191,8 @@ def _lab_rows(lab: str, slots: list[Slot], labs_dir: Path, cache: Path, notes: l
     except Exception as exc:  # noqa: BLE001 - an unreadable notebook is reported, not fatal
         notes.append(f"{lab}: {nb_path.name} could not be read ({type(exc).__name__}: {exc}): the course's parts")
         return course_rows("not done"), 0
-    text, theirs = module_text(lab, course, learner_nb)
+    with _PARSING:  # CPython 3.11's parser is not thread-safe (SystemError: AST constructor recursion depth mismatch)
+        text, theirs = module_text(lab, course, learner_nb)
     checks_source = "".join(f.read_text(encoding="utf-8") for f in sorted(CHECKS_DIR.glob(f"lab{lab[:2]}_*.py")))
     key = hashlib.sha256(f"{__version__}\n{sys.version_info[:2]}\n{checks_source}\n{text}".encode()).hexdigest()[:16]
     module = cache / "parts" / f"lab{lab}_{key}.py"  # an importable name: lab 11's ranks import it
