@@ -51,6 +51,31 @@ CHROMIUM_FLAGS = [
 ]
 
 
+def copy_solutions(labs_dir: Path, labs) -> Path:
+    """The solution notebooks of ``labs`` (lab keys) copied into a new folder ``labs_dir``: a learner's
+    folder with every exercise done (the stack's tests)."""
+    labs_dir.mkdir(parents=True)
+    for lab in labs:
+        shutil.copy(ROOT / "solutions" / f"{lab}.ipynb", labs_dir / f"{lab}.ipynb")
+    return labs_dir
+
+
+def plant_part(labs_dir: Path, lab: str, kind: str, name: str, code: str) -> None:
+    """In ``labs_dir``'s notebook of ``lab``, rename the solution's ``name`` (a ``def`` or a ``class``,
+    ``kind``) in its cell to ``_solution_<name>`` and append ``code``, a planted part of that name."""
+    import re
+
+    import nbformat
+
+    path = labs_dir / f"{lab}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    pattern = re.compile(rf"^{kind} {name}(?=[(:])", re.MULTILINE)
+    cells = [c for c in nb.cells if c.cell_type == "code" and pattern.search(c.source)]
+    assert len(cells) == 1, f"{name} is defined in {len(cells)} cells of {lab}"
+    cells[0].source = pattern.sub(f"{kind} _solution_{name}", cells[0].source) + "\n\n" + code
+    nbformat.write(nb, path)
+
+
 def _missing(reason: str):
     """In CI a missing prerequisite is a failure; on a learner's machine, a skip."""
     if os.environ.get("CI"):

@@ -10,14 +10,13 @@ for its cost); here they are not, to keep the suite fast."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import openai
 import pytest
+from conftest import copy_solutions, plant_part
 
 from labsupport.course import stack as course_stack
 from labsupport.engine import Engine
@@ -37,23 +36,6 @@ SERVER = ["--model", NAME, "--context", 256, "--engine", "continuous", "--max-ru
 
 def _slots_of(labs):
     return [s.name for lab in sorted(labs) for s in SLOTS if s.lab == lab]
-
-
-def _copy(labs_dir: Path) -> Path:
-    labs_dir.mkdir()
-    for lab in LABS:
-        shutil.copy(ROOT / "solutions" / f"{lab}.ipynb", labs_dir / f"{lab}.ipynb")
-    return labs_dir
-
-
-def _plant(labs_dir: Path, lab: str, name: str, kind: str, extra: str) -> None:
-    """Rename the solution's ``name`` in its cell to ``_solution_<name>`` and append ``extra``."""
-    path = labs_dir / f"{lab}.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    cells = [c for c in nb.cells if c.cell_type == "code" and f"{kind} {name}" in c.source]
-    assert len(cells) == 1, f"{name} is defined in {len(cells)} cells of {lab}"
-    cells[0].source = cells[0].source.replace(f"{kind} {name}", f"{kind} _solution_{name}") + "\n\n" + extra
-    nbformat.write(nb, path)
 
 
 IGNORES_BUDGET = '''
@@ -82,7 +64,7 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def solutions(tmp_path_factory, cache):
-    labs_dir = _copy(tmp_path_factory.mktemp("solutions") / "labs")
+    labs_dir = copy_solutions(tmp_path_factory.mktemp("solutions") / "labs", LABS)
     return labs_dir, course_stack.assemble(labs_dir, cache, only=_slots_of(LABS))
 
 
@@ -90,10 +72,10 @@ def solutions(tmp_path_factory, cache):
 def planted(tmp_path_factory, cache, solutions):
     """A copy with a scheduler that ignores the token budget (fails its check), and a sampler and a
     stop-string filter that pass their checks but raise on one request's settings while serving."""
-    labs_dir = _copy(tmp_path_factory.mktemp("planted") / "labs")
-    _plant(labs_dir, "13_decode_loop", "schedule_step", "def", IGNORES_BUDGET)
-    _plant(labs_dir, "13_decode_loop", "sample", "def", RAISING_SAMPLER)
-    _plant(labs_dir, "01_tokens", "StopStringFilter", "class", RAISING_STOPS)
+    labs_dir = copy_solutions(tmp_path_factory.mktemp("planted") / "labs", LABS)
+    plant_part(labs_dir, "13_decode_loop", "def", "schedule_step", IGNORES_BUDGET)
+    plant_part(labs_dir, "13_decode_loop", "def", "sample", RAISING_SAMPLER)
+    plant_part(labs_dir, "01_tokens", "class", "StopStringFilter", RAISING_STOPS)
     return labs_dir, course_stack.assemble(labs_dir, cache, only=_slots_of(LABS))
 
 

@@ -9,15 +9,13 @@ the real model, and a few steps of the course model in this process."""
 from __future__ import annotations
 
 import json
-import re
-import shutil
 from pathlib import Path
 
 import httpx
-import nbformat
 import openai
 import pytest
 import torch
+from conftest import copy_solutions, plant_part
 from transformers import AutoTokenizer
 
 from labsupport.course import stack as course_stack
@@ -174,29 +172,11 @@ SERVER = ["--model", NAME, "--context", 256, "--engine", "continuous", "--max-ru
           "--num-speculative-tokens", 3]
 
 
-def _copy(labs_dir: Path, lab_keys) -> Path:
-    labs_dir.mkdir(parents=True)
-    for lab in lab_keys:
-        shutil.copy(ROOT / "solutions" / f"{lab}.ipynb", labs_dir / f"{lab}.ipynb")
-    return labs_dir
-
-
-def _plant(labs_dir: Path, lab: str, kind: str, name: str, code: str) -> None:
-    """Rename the solution's ``name`` in its cell to ``_solution_<name>`` and append ``code``."""
-    path = labs_dir / f"{lab}.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    pattern = re.compile(rf"^{kind} {name}(?=[(:])", re.MULTILINE)
-    cells = [c for c in nb.cells if c.cell_type == "code" and pattern.search(c.source)]
-    assert len(cells) == 1, f"{name} is defined in {len(cells)} cells of {lab}"
-    cells[0].source = pattern.sub(f"{kind} _solution_{name}", cells[0].source) + "\n\n" + code
-    nbformat.write(nb, path)
-
-
 def test_a_planted_mistake_in_every_slot_fails_its_check_and_the_course_part_takes_each_slot(tmp_path):
     assert set(MISTAKES) == set(BY_NAME)  # every slot of the 26 has its mistake
-    labs_dir = _copy(tmp_path / "labs", labs())
+    labs_dir = copy_solutions(tmp_path / "labs", labs())
     for slot, (kind, name, code) in MISTAKES.items():
-        _plant(labs_dir, BY_NAME[slot].lab, kind, name, code)
+        plant_part(labs_dir, BY_NAME[slot].lab, kind, name, code)
     assembly = course_stack.assemble(labs_dir, tmp_path / "cache")
     assert [r.slot for r in assembly.rows] == [s.name for lab in labs() for s in SLOTS if s.lab == lab]
     wrong = {r.slot: (r.source, r.check, r.message[:200]) for r in assembly.rows
@@ -212,9 +192,9 @@ def server_labs(tmp_path_factory):
     """Labs 01, 10, 12 and 13 solved, with lab 10's allocator raising at 120 tokens in a large pool,
     assembled into a cache (the server's own assembly then runs no check)."""
     root = tmp_path_factory.mktemp("stack-engine")
-    labs_dir = _copy(root / "labs", SERVER_LABS)
-    _plant(labs_dir, "10_cache_ops", "class", "BlockAllocator", RAISING_ALLOCATOR)
-    _plant(labs_dir, "10_cache_ops", "def", "paged_attention", FAILS_FAST)
+    labs_dir = copy_solutions(root / "labs", SERVER_LABS)
+    plant_part(labs_dir, "10_cache_ops", "class", "BlockAllocator", RAISING_ALLOCATOR)
+    plant_part(labs_dir, "10_cache_ops", "def", "paged_attention", FAILS_FAST)
     assembly = course_stack.assemble(labs_dir, root / "cache")
     return labs_dir, root / "cache", assembly
 
