@@ -14,13 +14,13 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
-import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from testhelpers import load_script  # noqa: E402
 
 import labsupport  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no CUDA device)
 
@@ -28,14 +28,6 @@ if "OMP_NUM_THREADS" in os.environ:  # torch may already be imported (by the nbv
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_script(name: str):
-    """A module from scripts/ (not a package), imported by path."""
-    spec = importlib.util.spec_from_file_location(f"course_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 serve_book = load_script("serve_book")
@@ -49,31 +41,6 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-
-
-def copy_solutions(labs_dir: Path, labs) -> Path:
-    """The solution notebooks of ``labs`` (lab keys) copied into a new folder ``labs_dir``: a learner's
-    folder with every exercise done (the stack's tests)."""
-    labs_dir.mkdir(parents=True)
-    for lab in labs:
-        shutil.copy(ROOT / "solutions" / f"{lab}.ipynb", labs_dir / f"{lab}.ipynb")
-    return labs_dir
-
-
-def plant_part(labs_dir: Path, lab: str, kind: str, name: str, code: str) -> None:
-    """In ``labs_dir``'s notebook of ``lab``, rename the solution's ``name`` (a ``def`` or a ``class``,
-    ``kind``) in its cell to ``_solution_<name>`` and append ``code``, a planted part of that name."""
-    import re
-
-    import nbformat
-
-    path = labs_dir / f"{lab}.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    pattern = re.compile(rf"^{kind} {name}(?=[(:])", re.MULTILINE)
-    cells = [c for c in nb.cells if c.cell_type == "code" and pattern.search(c.source)]
-    assert len(cells) == 1, f"{name} is defined in {len(cells)} cells of {lab}"
-    cells[0].source = pattern.sub(f"{kind} _solution_{name}", cells[0].source) + "\n\n" + code
-    nbformat.write(nb, path)
 
 
 def _missing(reason: str):

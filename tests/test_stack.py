@@ -16,7 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import copy_solutions, plant_part
+from testhelpers import copy_solutions, plant_part
 
 from labsupport.course import stack as course_stack
 from labsupport.engine import Engine

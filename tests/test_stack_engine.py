@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import copy_solutions, plant_part
+from testhelpers import copy_solutions, plant_part
 from transformers import AutoTokenizer
 
 from labsupport.course import stack as course_stack

@@ -34,7 +34,7 @@ FAILED = "Array.from(document.querySelectorAll('.jp-Notebook .jp-OutputArea-outp
 @pytest.fixture
 def jupyterlab(tmp_path):
     """JupyterLab as `make lab` starts it (scripts/my_labs.py), on a copy of lab 13."""
-    from conftest import load_script
+    from testhelpers import load_script
 
     work = tmp_path / "my-labs"
     work.mkdir()
