@@ -175,7 +175,7 @@ def greedy(model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int, s
 # --- the entry point ----------------------------------------------------------------------------
 
 
-def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bool = True,
+def load(source, *, device="cpu", dtype=None, prepack: bool | str = False, verbose: bool = True,
          dequantizers: Dequantizers | None = None) -> LoadedModel:
     """Load ``source`` (a registered name, a ``.gguf`` file, a Hugging Face folder or a Hub id) into
     the course model on ``device``; see the module's documentation.
@@ -184,7 +184,8 @@ def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bo
     bfloat16 halves the bytes a decode step reads, at the perplexity ``python -m
     labsupport.bench_engine --cpu-real-model`` records). ``prepack=True`` (a CPU only) fuses the
     projections and packs every linear layer's weights once for oneDNN
-    (:func:`labsupport.cpu_linear.prepack`: about twice as fast a decode on a CPU). ``verbose``
+    (:func:`labsupport.cpu_linear.prepack`: about twice as fast a decode on a CPU); ``prepack="int8"``
+    stores them as chapter 09's weight-only int8 instead (with ``dtype=torch.bfloat16``). ``verbose``
     prints the size before loading and where the cached conversion is. ``dequantizers`` (a GGUF file
     only; :class:`Dequantizers`) read the block types they name instead of the ``gguf`` package, into
     a cache entry of their own.
@@ -193,6 +194,10 @@ def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bo
     dtype = _dtype(dtype, device)
     if prepack and device.type != "cpu":
         raise CheckpointError(f"prepack=True packs weights for the CPU; the model goes to {device}: leave it False")
+    if prepack not in (False, True, *cpu_linear.FORMATS):
+        raise CheckpointError(f"prepack must be False, True or one of {cpu_linear.FORMATS}, got {prepack!r}")
+    if prepack == "int8" and dtype != torch.bfloat16:
+        raise CheckpointError("prepack='int8' computes with bfloat16 activations: pass dtype=torch.bfloat16")
     name, path = resolve(source)
     if dequantizers is not None and path.suffix != ".gguf":
         raise CheckpointError(f"dequantizers read GGUF blocks, and {source} is not a GGUF file")
@@ -201,7 +206,7 @@ def load(source, *, device="cpu", dtype=None, prepack: bool = False, verbose: bo
     else:
         loaded = _load_folder(path, name, device, dtype, verbose)
     if prepack:
-        cpu_linear.prepack(loaded.model)
+        cpu_linear.prepack(loaded.model, "int8" if prepack == "int8" else "onednn")
     return loaded
 
 

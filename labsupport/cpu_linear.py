@@ -32,7 +32,7 @@ from torch import nn
 
 from .transformer import Transformer
 
-__all__ = ["PackedLinear", "prepack", "is_packed", "available"]
+__all__ = ["PackedLinear", "Int8Linear", "FORMATS", "prepack", "is_packed", "available", "step_weight_bytes"]
 
 
 def available() -> bool:
@@ -61,13 +61,23 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)  # opaque blocked layout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fuses_residual = True  # forward(x, residual=r) adds r inside oneDNN's kernel (labsupport.transformer._project)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``, plus ``residual`` (the shape of the output) when given. In float32
+        oneDNN adds it as the product's post-op, as it writes the output: one pass, the same numbers as
+        adding after. In bfloat16 the post-op would round once where the unpacked model rounds twice, so
+        the sum is taken after, and the packed model stays bit for bit the plain one."""
         w = self.weight
         if w.device.type != "cpu":  # the model was moved off the CPU after packing: the plain product
-            return F.linear(x, w, self.bias)
+            out = F.linear(x, w, self.bias)
+            return out if residual is None else residual + out
         if self.packed is None or self._packed_from != (w.data_ptr(), w.dtype, w._version):
             self._pack()  # model.to(dtype), load_state_dict or a copy since packing: pack the weight it has now
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if residual is not None and x.dtype == torch.float32:  # added as the output is written: the same numbers
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if residual is None else residual + out
 
     def __getstate__(self):
         """A copy (``copy.deepcopy``, pickling) leaves the packed tensor behind (oneDNN's opaque
@@ -79,10 +89,72 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
 
 
-def prepack(model: Transformer) -> Transformer:
+class Int8Linear(nn.Module):
+    """``y = x @ (codes * scales).T + bias`` with the weight stored as chapter 09's weight-only int8:
+    one symmetric scale per output channel (:func:`labsupport.quantize.quantize_groupwise` with one group
+    per row), the scales rounded to bfloat16 first so that ``codes * scales`` is exactly the weight the
+    layer computes with. ``x`` must be bfloat16.
+
+    Decode (at most :attr:`GEMV_ROWS` rows) runs torch's weight-only int8 kernel
+    (``torch.ops.aten._weight_int8pack_mm``: each int8 weight read once, converted in registers, the
+    scale applied to the sum), so a step reads one byte per weight. That kernel walks its rows one at a
+    time (measured on this course's 2-core Xeon, 2026-12-06, a 3072x576 layer: 66 us for 1 row,
+    456 us for 16, 14 ms for 512, where oneDNN's bfloat16 product took 111, 134 and 866 us), so more rows
+    (prompts, large decode batches) run oneDNN's packed product on the weight dequantised once at
+    quantisation time: the layer keeps both, and the bytes a small decode step reads are the int8 ones."""
+
+    GEMV_ROWS = 4
+    fuses_residual = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"Int8Linear quantises a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            w = weight.detach().float()
+            scales = (w.abs().amax(dim=1) / 127).to(torch.bfloat16).float()  # (N,): exact in bfloat16
+            scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: codes 0
+            codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K), as chapter 09 rounds
+            self.register_buffer("codes", codes)
+            self.register_buffer("scales", scales.to(torch.bfloat16))  # (N,)
+            dense = (codes.float() * scales[:, None]).to(torch.bfloat16)  # exact: codes x bf16 scale fits
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.dense = PackedLinear(nn.Parameter(dense, requires_grad=False), self.bias)  # rows > GEMV_ROWS
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"Int8Linear computes with bfloat16 activations, got {x.dtype}: cast the model "
+                             f"with model.to(torch.bfloat16) before prepack(model, 'int8')")
+        rows = x.numel() // self.in_features
+        if rows > self.GEMV_ROWS:
+            out = self.dense(x)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.codes, self.scales)
+            out = out.view(*x.shape[:-1], self.out_features)
+            if self.bias is not None:
+                out = out + self.bias
+        return out if residual is None else residual + out
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads: the codes and the scales (and the bias)."""
+        extra = 0 if self.bias is None else self.bias.numel() * 2
+        return self.codes.numel() + self.scales.numel() * 2 + extra
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only, bf16 scales"
+
+
+FORMATS = ("onednn", "int8")
+
+
+def prepack(model: Transformer, weights: str = "onednn") -> Transformer:
     """Fuse ``model``'s projections and pack every linear layer and the output head (module
-    docstring); returns the model. A model already packed is returned as it is. Raises ValueError
-    on a GPU, or where torch lacks oneDNN (say what to do)."""
+    docstring); returns the model. ``weights="int8"`` stores them as :class:`Int8Linear` instead (a
+    bfloat16 model only). A model already packed is returned as it is. Raises ValueError on a GPU,
+    or where torch lacks oneDNN (say what to do)."""
+    if weights not in FORMATS:
+        raise ValueError(f"weights must be one of {FORMATS}, got {weights!r}")
     if not isinstance(model, Transformer):
         raise ValueError(f"prepack takes a labsupport.transformer.Transformer, got {type(model).__name__}")
     if model.device.type != "cpu":
@@ -91,19 +163,37 @@ def prepack(model: Transformer) -> Transformer:
     if not available():
         raise ValueError("this torch was built without oneDNN (torch.backends.mkldnn.is_available() is False): "
                          "leave the weights unpacked")
+    if weights == "int8" and model.dtype != torch.bfloat16:
+        raise ValueError(f"int8 weights compute with bfloat16 activations and this model is {model.dtype}: "
+                         f"model.to(torch.bfloat16) first (the server: --dtype bfloat16 --prepack int8)")
     if is_packed(model):
         return model
+    layer = PackedLinear if weights == "onednn" else Int8Linear
     model.fuse_projections()
     for block in model.layers:
         for parent in (block.attention, block.feed_forward):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, PackedLinear(child.weight, child.bias))
+                    setattr(parent, name, layer(child.weight, child.bias))
     head = model.tok_embeddings.weight if model.output is None else model.output.weight  # (V, d)
-    model.packed_head = PackedLinear(head)
+    model.packed_head = layer(head)
     return model
 
 
+def step_weight_bytes(model: Transformer) -> int:
+    """The bytes of weights one decode step reads: every parameter and buffer once (a tied embedding
+    once, as the output head reads it), less, for int8 weights (:class:`Int8Linear`), the embedding
+    table (a step reads one row of it; the head reads its int8 codes) and the dequantised copies kept
+    for many rows."""
+    int8 = isinstance(getattr(model, "packed_head", None), Int8Linear)
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if int8 and (".dense." in name or name.startswith("packed_head.dense") or name == "tok_embeddings.weight"):
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
 def is_packed(model: Transformer) -> bool:
-    """Whether :func:`prepack` has packed ``model``."""
+    """Whether :func:`prepack` has packed ``model`` (either format)."""
     return getattr(model, "packed_head", None) is not None

@@ -228,8 +228,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        inv_rms = (xf * xf).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # (..., 1), in place: fewer kernels
+        return (xf * inv_rms).to(x.dtype) * self.weight
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = ROPE_THETA,
@@ -261,6 +261,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _project(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual + linear(x)`` (just ``linear(x)`` without a residual). A layer packed for the CPU
+    (:class:`labsupport.cpu_linear.PackedLinear`, which takes ``residual=``) adds it inside the matmul's
+    kernel: one pass over the output instead of two."""
+    if residual is None:
+        return linear(x)
+    if getattr(linear, "fuses_residual", False):
+        return linear(x, residual=residual)
+    return residual + linear(x)
+
+
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al., 2023): H query heads share Hkv key/value heads.
 
@@ -284,7 +295,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.wqkv = None  # fuse() stacks wq, wk, wv into one projection
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int,
+                residual: torch.Tensor | None = None):
+        """The attention's output projection (B, S, d); plus ``residual`` (B, S, d) when given."""
         B, S, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if self.wqkv is not None and self.q_norm is None:  # fused (fuse()): one matmul, and one rotation
@@ -311,7 +324,7 @@ class Attention(nn.Module):
                 q, k = self.rope(q, k, kv.positions)
         out = kv.attend(layer, q, k, v)  # (B, H, S, D): the KV batch stores k, v and attends
         out = out.transpose(1, 2).reshape(B, S, H * D)  # (B, S, H*D)
-        return self.wo(out)
+        return _project(self.wo, out, residual)
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -339,11 +352,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False, **factory)  # down
         self.w13 = None  # fuse() stacks the gate and up projections into one
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S, d) in, (B, S, d) out (d_ff inside); plus ``residual`` (B, S, d) when given."""
         if self.w13 is not None:
             gate, up = self.w13(x).chunk(2, dim=-1)  # (B, S, d_ff) each
-            return self.w2(F.silu(gate) * up)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, S, d_ff) inside, (B, S, d) out
+            return _project(self.w2, F.silu(gate) * up, residual)
+        return _project(self.w2, F.silu(self.w1(x)) * self.w3(x), residual)
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -369,8 +383,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = self.attention(self.attention_norm(x), cos, sin, kv, layer, residual=x)  # x + attention
+        return self.feed_forward(self.ffn_norm(x), residual=x)  # x + feed-forward
 
 
 # --- the model ----------------------------------------------------------------------------

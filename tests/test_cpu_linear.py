@@ -97,3 +97,79 @@ def test_a_packed_model_copied_cast_or_reloaded_packs_the_weights_it_has_now():
 def test_a_packed_layer_moved_off_the_cpu_runs_the_plain_product():
     layer = cpu_linear.PackedLinear(torch.randn(6, 4)).to("meta")  # "meta" stands for a GPU here
     assert layer(torch.randn(3, 4, device="meta")).shape == (3, 6)
+
+
+# --- chapter 09's weight-only int8 on the CPU (prepack(model, "int8")) ---------------------------
+
+
+def _int8_model():
+    return cpu_linear.prepack(Transformer(get_model("tiny-2m"), dtype=torch.bfloat16), "int8")
+
+
+def test_int8_layers_compute_with_exactly_their_codes_times_scales():
+    """Each layer's weight is ``codes * scales`` (int8, one bf16 scale per output channel), the
+    codes within [-127, 127] with a row's largest magnitude at 127 (chapter 09's symmetric rounding),
+    and the decode rows (int8 kernel) and the prompt rows (the dequantised copy) give that product."""
+    torch.manual_seed(0)
+    weight = torch.randn(24, 32) * torch.linspace(0.1, 3.0, 24)[:, None]  # rows of very different scales
+    layer = cpu_linear.Int8Linear(weight)
+    assert layer.codes.dtype == torch.int8 and layer.scales.dtype == torch.bfloat16
+    assert int(layer.codes.abs().max(dim=1).values.min()) >= 126  # each row's largest weight lands at the top
+    dequant = layer.codes.float() * layer.scales.float()[:, None]  # (N, K)
+    assert (dequant - weight).abs().max() <= layer.scales.float().max() * 0.51 + 1e-6  # half a step, a bf16 scale
+    for rows in (1, cpu_linear.Int8Linear.GEMV_ROWS, cpu_linear.Int8Linear.GEMV_ROWS + 3):
+        x = torch.randn(rows, 32).to(torch.bfloat16)
+        want = x.float() @ dequant.T
+        torch.testing.assert_close(layer(x).float(), want, atol=0.05 * want.abs().max().item(), rtol=0.02)
+    residual = torch.randn(1, 24).to(torch.bfloat16)
+    x = torch.randn(1, 32).to(torch.bfloat16)
+    assert torch.equal(layer(x, residual=residual), residual + layer(x))
+
+
+def test_int8_model_runs_int8_products_and_its_engine_gives_its_generate():
+    model = _int8_model()
+    cache = _filled(model)
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, *_: calls.append(1) if isinstance(mod, cpu_linear.Int8Linear) else None)
+    try:
+        model.decode_step(torch.tensor([[3]]), cache)
+    finally:
+        handle.remove()
+    assert len(calls) == 4 * model.cfg.n_layers + 1  # every projection and the head
+    prompts = [model.random_prompt(1, n, seed=n)[0].tolist() for n in (5, 9, 3)]
+    engine = Engine(model, num_blocks=24, block_size=4, token_budget=8, max_running=3, clock="steps")
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    for p, out in zip(prompts, outs):
+        assert out == model.generate(torch.tensor([p]), 6)[0, len(p):].tolist()
+
+
+def _filled(model):
+    cache = model.new_cache(1, 8)
+    model.prefill(torch.tensor([[1, 2]]), cache)
+    return cache
+
+
+def test_int8_step_bytes_are_a_quarter_of_float32s_projections():
+    fp32 = Transformer(get_model("tiny-2m"))
+    int8 = cpu_linear.prepack(copy.deepcopy(fp32).to(torch.bfloat16), "int8")
+    cfg = fp32.cfg
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model * 2  # bf16 norm weights
+    layers = [m for m in int8.modules() if isinstance(m, cpu_linear.Int8Linear)]
+    want = sum(m.codes.numel() + m.scales.numel() * 2 for m in layers) + norms
+    assert cpu_linear.step_weight_bytes(int8) == want
+    assert cpu_linear.step_weight_bytes(fp32) == fp32.param_bytes()
+    assert cpu_linear.step_weight_bytes(int8) < 0.3 * fp32.param_bytes()
+
+
+def test_int8_bad_input_says_what_to_do():
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_linear.prepack(Transformer(get_model("tiny-2m")), "int8")  # a float32 model
+    with pytest.raises(ValueError, match="onednn"):
+        cpu_linear.prepack(Transformer(get_model("tiny-2m")), "int4")
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        cpu_linear.Int8Linear(torch.randn(4, 8))(torch.randn(1, 8))
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--prepack", "int8"])  # float32 by default: the parser says to add --dtype bfloat16
+    backend = cli._backend(cli.parse_args(["--engine", "continuous", "--dtype", "bfloat16", "--prepack", "int8"]))
+    assert isinstance(backend.model.packed_head, cpu_linear.Int8Linear)

@@ -65,9 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="the weights' and KV cache's dtype: float32 (default, the exact reference) or bfloat16 "
                    "(half the bytes a decode step reads)")
-    p.add_argument("--prepack", action="store_true",
-                   help="pack the weights once for the CPU's matmuls (oneDNN's layout; labsupport.cpu_linear): "
-                   "about twice as fast a decode on a CPU")
+    p.add_argument("--prepack", nargs="?", const="onednn", default=None, choices=("onednn", "int8"),
+                   help="pack the weights once for the CPU's matmuls (labsupport.cpu_linear): onednn (the default "
+                   "when the flag is given alone: oneDNN's layout, about twice as fast a decode) or int8 (chapter "
+                   "09's weight-only int8, one scale per output channel: a quarter of float32's bytes per decode "
+                   "step; needs --dtype bfloat16)")
     p.add_argument("--engine", choices=("fifo", "continuous"), default="fifo",
                    help="fifo (default): chapter 03's one request at a time; continuous: chapter 13's engine, "
                    "concurrent requests share each forward pass (chapter 12)")
@@ -119,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--kv-memory-gib must be a positive number of GiB, got {args.kv_memory_gib}")
     if args.kv_memory_gib is not None and not args.stack:
         p.error("--kv-memory-gib is the budget of your kv_capacity part: it goes with --stack LABS_DIR")
+    if args.prepack == "int8" and args.dtype != "bfloat16":
+        p.error("--prepack int8 computes with bfloat16 activations: add --dtype bfloat16")
     if not args.step_delay >= 0:
         p.error(f"--step-delay must be 0 or more seconds, got {args.step_delay}")
     for name in ("drain_timeout", "header_timeout", "body_timeout"):
@@ -193,7 +197,7 @@ def _backend(args: argparse.Namespace):
     served = dataclasses.replace(served, name=_served_name(args, served.name))
     served.model.to(DTYPES[args.dtype])  # the engine's KV cache follows the model's dtype
     if args.prepack:
-        prepack(served.model)
+        prepack(served.model, args.prepack)
     common = dict(context_tokens=args.context, max_tokens_limit=args.max_tokens_limit,
                   max_requests=args.max_requests, seed=args.seed)
     num_blocks = args.num_blocks
