@@ -81,6 +81,8 @@ TARGETS = {  # name: (what, threshold)
     "b1_bound_fp32": ("batch-1 decode, engine / bandwidth bound, float32 packed", 0.75),
     "b1_engine_vs_generate_bf16": ("batch-1 decode, engine / generate, bfloat16 packed", 1.0),
     "b1_bound_bf16": ("batch-1 decode, engine / bandwidth bound, bfloat16 packed", 0.75),
+    "b1_engine_vs_generate_int8": ("batch-1 decode, engine / generate, int8 weight-only", 1.0),
+    "b1_bound_int8": ("batch-1 decode, engine / bandwidth bound, int8 weight-only", 0.75),
     "equal_vs_static": ("16 equal requests, engine / transformers static batching (float32)", 1.2),
     "varied_vs_static": ("varied trace, engine / transformers static batching (float32), useful tokens", 1.5),
     "varied_ttft_p50": ("varied trace, TTFT p50, static / engine (at least 1: no worse)", 1.0),
@@ -349,7 +351,8 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     ref = lm.model
     vocab = ref.cfg.vocab_size
     models = {"float32": ref, "float32 packed": cpu_linear.prepack(copy.deepcopy(ref)),
-              "bfloat16 packed": cpu_linear.prepack(copy.deepcopy(ref).to(torch.bfloat16))}
+              "bfloat16 packed": cpu_linear.prepack(copy.deepcopy(ref).to(torch.bfloat16)),
+              "int8 weight-only": cpu_linear.prepack(copy.deepcopy(ref).to(torch.bfloat16), "int8")}
     hf = transformers_model(ref)
     prompt = _prompt(B1_PROMPT, 0, vocab)
     b1_tokens = sizes.get("b1_tokens", B1_TOKENS)
@@ -389,11 +392,11 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     ppl_tokens, window = sizes.get("ppl", (PPL_TOKENS, PPL_WINDOW))
     ids = lm.tokenizer.encode(perplexity.heldout_text())[:ppl_tokens]
     ppl = {label: perplexity.perplexity(perplexity.token_nll(models[label], ids, window))
-           for label in ("float32", "bfloat16 packed")}
+           for label in ("float32", "bfloat16 packed", "int8 weight-only")}
     b1 = {key[3:]: statistics.median(v) for key, v in runs.items() if key.startswith("b1 ")}
     if llama is not None:
         b1["llama.cpp (the GGUF file)"] = llama
-    weight_bytes = {label: m.param_bytes() for label, m in models.items()}
+    weight_bytes = {label: cpu_linear.step_weight_bytes(m) for label, m in models.items()}
     gguf_bytes = Path(lm.source).stat().st_size
     bounds = {label: bandwidth / nbytes for label, nbytes in weight_bytes.items()}
     bounds["transformers float32"] = bounds["float32"]
@@ -416,9 +419,16 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
         "conventions": "greedy, end-of-text ignored; medians of `repeats` runs taken in turn; batch-1 tokens/s "
                        "after the first token; traces on a virtual clock advanced by measured compute; useful "
                        "tokens only (static batching's padding and the tokens past a request's own length are "
-                       "not counted); bound: weights' bytes (a tied embedding once) over the read bandwidth "
+                       "not counted); bound: the weights' bytes a decode step reads (a tied embedding once; int8: "
+                       "codes and scales, cpu_linear.step_weight_bytes) over the read bandwidth "
                        "(torch.sum over 1 GiB of float32, median of 5)",
     }
+
+
+def _ratio(b1: dict, num: str, den: str | None, value: float | None = None) -> float | None:
+    """``b1[num] / b1[den]`` (or ``/ value``); None where a run before int8 weights has no such row."""
+    top, bottom = b1.get(num), (b1.get(den) if den is not None else value)
+    return None if top is None or not bottom else top / bottom
 
 
 def verdicts(results: dict) -> dict:
@@ -429,6 +439,8 @@ def verdicts(results: dict) -> dict:
         "b1_bound_fp32": b1["engine float32 packed"] / bound["float32 packed"],
         "b1_engine_vs_generate_bf16": b1["engine bfloat16 packed"] / b1["generate bfloat16 packed"],
         "b1_bound_bf16": b1["engine bfloat16 packed"] / bound["bfloat16 packed"],
+        "b1_engine_vs_generate_int8": _ratio(b1, "engine int8 weight-only", "generate int8 weight-only"),
+        "b1_bound_int8": _ratio(b1, "engine int8 weight-only", None, bound.get("int8 weight-only")),
         "equal_vs_static": None, "varied_vs_static": None, "varied_ttft_p50": None,
     }
     if "equal static" in tr:
@@ -488,8 +500,10 @@ def results_markdown(results: dict | None) -> str:
         else:
             lines.append(f"| {name} | {_tps(e['tokens_per_s'])} | not measured | - | - |")
     ppl = results["perplexity"]["values"]
+    int8 = f", int8 weight-only {ppl['int8 weight-only']:.3f}" if "int8 weight-only" in ppl else ""
     lines += ["", f"Perplexity on the held-out text ({results['perplexity']['tokens']:,} tokens, windows of "
-              f"{results['perplexity']['window']}): float32 {ppl['float32']:.3f}, bfloat16 {ppl['bfloat16 packed']:.3f}."]
+              f"{results['perplexity']['window']}): float32 {ppl['float32']:.3f}, bfloat16 {ppl['bfloat16 packed']:.3f}"
+              f"{int8}."]
     return "\n".join(lines)
 
 

@@ -104,3 +104,28 @@ def test_one_sequence_on_consecutive_blocks_reads_a_view_and_matches_the_spec(q_
     torch.testing.assert_close(plan.attend(q, k, v, k_cache, v_cache), want, atol=1e-5, rtol=1e-5)
     meta.block_tables[0, :3] = torch.tensor([2, 5, 4], dtype=meta.block_tables.dtype)
     assert CpuAttentionPlan(meta, 4, k_cache.dtype).run_start is None  # not consecutive: gathered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_1_decode_through_the_paged_batch_stores_and_attends_through_views(dtype):
+    """One decoding sequence on consecutive blocks (a lone request): PagedBatch.attend takes the plan's
+    view-only path (attend_one) for every layer, writes the token's key and value in that layer's slot
+    only, and gives the spec's attention (and the general path's numbers)."""
+    meta, q, k, v, k_cache, v_cache = step([11], [1], heads=(6, 2), block_size=4, dtype=dtype)
+    meta.block_tables[0, :3] = torch.tensor([2, 3, 4], dtype=meta.block_tables.dtype)  # consecutive blocks
+    meta.slot_mapping[:] = torch.tensor([4 * 4 + 2])  # position 10: block 4, offset 2
+    want, k_want, v_want = expected(meta, q, k, v, k_cache, v_cache)
+    layers = 3
+    k_all, v_all = torch.stack([k_cache] * layers), torch.stack([v_cache] * layers)  # (L, NB, BS, Hkv, D)
+    before = k_all.clone()
+    kv = PagedBatch(k_all, v_all, meta, "torch")
+    for layer in range(layers):
+        out = kv.attend(layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        assert kv.plan.one_slot == 18 and out.shape == (1, 6, 1, 16)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[0].transpose(0, 1), want, atol=tol, rtol=tol)
+        assert torch.equal(k_all[layer], k_want) and torch.equal(v_all[layer], v_want)
+        general = CpuAttentionPlan(meta, 4, dtype)._read(q, k_want, v_want)
+        assert torch.equal(out[0].transpose(0, 1), general)  # the same numbers as the gathered path
+    changed = (k_all != before).flatten(2).any(-1)  # (L, NB): blocks written
+    assert changed.sum() == layers and changed[:, 4].all()  # one slot of block 4 per layer, nothing else

@@ -43,6 +43,7 @@ class CpuAttentionPlan:
 
     def __init__(self, meta, block_size: int, dtype: torch.dtype):
         self.decode_only = bool(meta.decode_only)
+        self.one_slot = None  # set below for batch-1 decode on consecutive blocks (attend_one)
         slots = meta.slot_mapping.long()
         keep = slots >= 0  # a padded row (slot -1) writes nothing
         self.store_rows = None if bool(keep.all()) else keep.nonzero().flatten()  # (N',) or None: every row
@@ -72,6 +73,11 @@ class CpuAttentionPlan:
         first = int(self.kv_index[0])
         self.run_start = first if b == 1 and torch.equal(self.kv_index, torch.arange(first, first + self.w, device=dev)) else None
         self.b, self.t = b, t
+        # batch-1 decode on consecutive blocks (the common case of one request): attend_one stores and
+        # reads through views of the whole cache, a few operators per layer instead of about thirty
+        one = self.decode_only and self.run_start is not None and self.store_rows is None and slots.shape[0] == 1
+        self.one_slot = int(slots[0]) if one else None
+        self._flat = None  # attend_one's (slots, Hkv, D) views of every layer's cache, made at its first call
         masked = pos[None, :] >= lens[:, None]  # (B, T): keys past a sequence's end
         if self.decode_only:
             self.mask = _additive(masked[:, None, None, :], dtype) if bool(masked.any()) else None  # (B, 1, 1, T)
@@ -107,6 +113,28 @@ class CpuAttentionPlan:
         for rows, part in self.parts:  # the decodes, then the prompt chunks
             out.index_copy_(0, rows, part._read(q.index_select(0, rows), k_cache, v_cache))
         return out
+
+    def attend_one(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_all: torch.Tensor,
+                   v_all: torch.Tensor) -> torch.Tensor:
+        """Batch-1 decode on consecutive blocks (``one_slot`` set): ``q`` (1, H, 1, D), ``k`` and ``v``
+        (1, Hkv, 1, D), the whole caches ``k_all``, ``v_all`` (L, num_blocks, BS, Hkv, D). Stores the
+        token's key and value in its slot of ``layer`` and attends over the sequence's ``T`` keys, read as
+        one strided view per cache; returns (1, H, 1, D). The same numbers as :meth:`attend`."""
+        _, h, _, d = q.shape
+        hkv = k_all.shape[3]
+        slots_per_layer = k_all.shape[1] * k_all.shape[2]
+        if self._flat is None:
+            self._flat = (k_all.view(-1, hkv, d), v_all.view(-1, hkv, d))  # (L * slots, Hkv, D)
+        row = layer * slots_per_layer + self.one_slot
+        self._flat[0][row].copy_(k.reshape(hkv, d))
+        self._flat[1][row].copy_(v.reshape(hkv, d))
+        # sequence b = 0's keys: T rows from block run_start of this layer, as (1, Hkv, T, D)
+        size, stride = (1, hkv, self.t, d), (self.t * hkv * d, d, hkv * d, 1)
+        offset = layer * k_all.stride(0) + self.run_start * k_all.stride(1)
+        keys = torch.as_strided(k_all, size, stride, k_all.storage_offset() + offset)
+        values = torch.as_strided(v_all, size, stride, v_all.storage_offset() + offset)
+        out = F.scaled_dot_product_attention(q.reshape(1, hkv, h // hkv, d), keys, values)  # (1, Hkv, G, D)
+        return out.view(1, h, 1, d)
 
     def _read(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The attention of the plan's query rows ``q`` (N, H, D) over the cache (its keys stored)."""

@@ -67,11 +67,14 @@ class PagedBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D): store k and v in their slots, attend over the cache."""
         m = self.meta
+        if self.backend == "torch":
+            if self.plan is None:  # once per step: every layer reads the same positions
+                self.plan = CpuAttentionPlan(m, self.k_cache.shape[2], self.k_cache.dtype)
+            if self.plan.one_slot is not None:  # batch-1 decode on consecutive blocks: views only
+                return self.plan.attend_one(layer, q, k, v, self.k_cache, self.v_cache)  # (1, H, 1, D)
         q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, heads, D) views
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)
         if self.backend == "torch":
-            if self.plan is None:  # once per step: every layer reads the same positions
-                self.plan = CpuAttentionPlan(m, k_cache.shape[1], k_cache.dtype)
             out = self.plan.attend(q, k, v, k_cache, v_cache)
         else:
             store_kv_triton(k, v, k_cache, v_cache, m.slot_mapping)
