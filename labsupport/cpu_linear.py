@@ -26,6 +26,9 @@ an edit through ``weight.data`` is not seen. Only on a CPU, with torch built wit
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +47,8 @@ class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` reordered once into oneDNN's layout (module
     docstring). ``weight`` and ``bias`` stay parameters (the same tensors as the layer's); ``x``
     must be in the weight's dtype."""
+
+    plain_rows = 0  # products of at most this many rows run F.linear on the plain weight (prepack measures it)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -69,8 +74,8 @@ class PackedLinear(nn.Module):
         adding after. In bfloat16 the post-op would round once where the unpacked model rounds twice, so
         the sum is taken after, and the packed model stays bit for bit the plain one."""
         w = self.weight
-        if w.device.type != "cpu":  # the model was moved off the CPU after packing: the plain product
-            out = F.linear(x, w, self.bias)
+        if w.device.type != "cpu" or x.numel() <= self.plain_rows * self.in_features:
+            out = F.linear(x, w, self.bias)  # moved off the CPU after packing, or a row the plain product does faster
             return out if residual is None else residual + out
         if self.packed is None or self._packed_from != (w.data_ptr(), w.dtype, w._version):
             self._pack()  # model.to(dtype), load_state_dict or a copy since packing: pack the weight it has now
@@ -177,7 +182,32 @@ def prepack(model: Transformer, weights: str = "onednn") -> Transformer:
                     setattr(parent, name, layer(child.weight, child.bias))
     head = model.tok_embeddings.weight if model.output is None else model.output.weight  # (V, d)
     model.packed_head = layer(head)
+    if weights == "onednn" and plain_one_row_is_faster(model.layers[0].feed_forward.w13):
+        for m in model.modules():
+            if isinstance(m, PackedLinear):
+                m.plain_rows = 1
     return model
+
+
+def plain_one_row_is_faster(layer: PackedLinear, repeats: int = 15) -> bool:
+    """Whether ``F.linear`` on the plain weight beats oneDNN's packed product for one row of ``layer``
+    on this CPU: the medians of ``repeats`` calls each, taken in turn. Packing is not a win everywhere:
+    on the course's AMD EPYC (AVX-512 BF16, 2026-12-06) a packed float32 row ran 2.2x faster, and on its
+    Intel Xeon (AMX, 2026-12-06) 10-40% slower than ``F.linear`` in float32 while 4 rows and more ran
+    faster packed. Where the plain row wins, :func:`prepack` sets every layer's ``plain_rows`` to 1:
+    decode at batch 1 runs the plain product (float32 sums in another order: equal up to rounding)."""
+    x = torch.randn(1, layer.in_features, dtype=layer.weight.dtype)
+    times = {"plain": [], "packed": []}
+    for i in range(repeats + 2):
+        for kind in ("plain", "packed"):
+            t0 = time.perf_counter()
+            if kind == "plain":
+                F.linear(x, layer.weight)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
+            if i >= 2:  # the first calls warm the caches and oneDNN's primitive
+                times[kind].append(time.perf_counter() - t0)
+    return statistics.median(times["plain"]) < 0.95 * statistics.median(times["packed"])
 
 
 def step_weight_bytes(model: Transformer) -> int:

@@ -517,12 +517,29 @@ class Transformer(nn.Module):
         point (prefill, decode, the engine's batched steps, speculative verification) runs this."""
         if self._inv_freq.device != self.device:  # the model was moved; the next call (or capture) needs no copy
             self._inv_freq = self._inv_freq.to(self.device)
-        cos, sin = rope_cos_sin(kv.positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta,
-                                self.cfg.rope_scaling, inv_freq=self._inv_freq)  # (S, D) each
+        if self.device.type == "cpu":  # rows of a table computed once (the same numbers): two operators a step
+            cos, sin = self._rope_rows(kv.positions)  # (S, D) each
+        else:  # a GPU computes them in the step (a table lookup sized on the host would sync inside a CUDA graph)
+            cos, sin = rope_cos_sin(kv.positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta,
+                                    self.cfg.rope_scaling, inv_freq=self._inv_freq)  # (S, D) each
         x = self.tok_embeddings(tokens)  # (B, S, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv, i)  # (B, S, d)
         return self.norm(x)  # (B, S, d)
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (S, D) of ``positions`` (S,), as rows of a table of :func:`rope_cos_sin` for
+        positions 0 .. n-1, made again (twice as long) when a position is past it or the dtype changed
+        (vLLM keeps such a ``cos_sin_cache``). Elementwise, so each row is the number computed alone."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[0] < need or table[0].dtype != self.dtype or table[0].device != self.device:
+            n = max(256, 1 << (need - 1).bit_length())
+            table = rope_cos_sin(torch.arange(n, device=self.device), self.cfg.head_dim, self.dtype,
+                                 self.cfg.rope_theta, self.cfg.rope_scaling, inv_freq=self._inv_freq)  # (n, D) each
+            self._rope_table = table
+        positions = positions.long()
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head on hidden states (..., d): (..., V) logits in float32."""

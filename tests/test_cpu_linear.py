@@ -173,3 +173,21 @@ def test_int8_bad_input_says_what_to_do():
         cli.parse_args(["--prepack", "int8"])  # float32 by default: the parser says to add --dtype bfloat16
     backend = cli._backend(cli.parse_args(["--engine", "continuous", "--dtype", "bfloat16", "--prepack", "int8"]))
     assert isinstance(backend.model.packed_head, cpu_linear.Int8Linear)
+
+
+def test_a_packed_layer_runs_the_plain_product_for_the_rows_prepack_found_faster():
+    """``plain_rows`` (set by prepack where one plain row beats oneDNN's on this CPU): rows up to it run
+    ``F.linear`` (bit for bit), more rows the packed product; the residual is added either way."""
+    torch.manual_seed(0)
+    layer = cpu_linear.PackedLinear(torch.randn(48, 32))
+    one, three, residual = torch.randn(1, 32), torch.randn(3, 32), torch.randn(1, 48)
+    packed_one = torch.ops.mkldnn._linear_pointwise(one, layer.packed, None, "none", [], "")
+    assert torch.equal(layer(one), packed_one)  # plain_rows = 0: always packed
+    layer.plain_rows = 1
+    assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight))
+    assert torch.equal(layer(one, residual=residual), residual + torch.nn.functional.linear(one, layer.weight))
+    assert torch.equal(layer(three), torch.ops.mkldnn._linear_pointwise(three, layer.packed, None, "none", [], ""))
+    assert isinstance(cpu_linear.plain_one_row_is_faster(layer, repeats=3), bool)
+    model = cpu_linear.prepack(Transformer(get_model("tiny-2m")))
+    rows = {m.plain_rows for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)}
+    assert len(rows) == 1 and rows <= {0, 1}  # one choice for the whole model
