@@ -1,6 +1,6 @@
 """Chapters 12 and 13 on a CPU with the real model: the engine at its bound, against static batching.
 
-``python -m labsupport.bench_engine --cpu-real-model`` (about 5 minutes on a quiet 2-core machine)
+``python -m labsupport.bench_engine --cpu-real-model`` (about 5-7 minutes on a quiet 2-core machine)
 loads SmolLM2-135M-Instruct (:func:`labsupport.checkpoints.load`, the Q4_1 GGUF dequantised to
 float32) and measures, in one process, with torch's threads on every core, greedy, end-of-text
 ignored, each figure the median of :data:`REPEATS` runs taken in turn (run 1 of every
@@ -8,12 +8,14 @@ configuration, then run 2, ...):
 
 * **the machine's read bandwidth**: the median time of ``torch.sum`` over a 1 GiB float32 tensor
   (:func:`read_bandwidth`), and from it each format's **bandwidth bound** of batch-1 decode: the
-  weights' bytes (a tied embedding once, as the output head reads it) over that bandwidth;
+  weights' bytes a decode step reads (:func:`labsupport.cpu_linear.step_weight_bytes`: a tied embedding
+  once, as the output head reads it; int8: the codes and scales) over that bandwidth;
 * **batch-1 decode** (tokens per second after the first token): the course engine
   (:class:`labsupport.engine.Engine`, one request), the course's ``generate`` loop
   (:meth:`~labsupport.transformer.Transformer.prefill`, then one
   :meth:`~labsupport.transformer.Transformer.decode_step` per token), each in float32 as loaded,
-  in float32 packed for the CPU and in bfloat16 packed (:func:`labsupport.cpu_linear.prepack`), and
+  in float32 packed for the CPU, in bfloat16 packed (:func:`labsupport.cpu_linear.prepack`) and in chapter 09's
+  weight-only int8 (``prepack(model, "int8")``, bfloat16 activations), and
   ``transformers``' ``generate`` (float32, the same weights copied into ``LlamaForCausalLM``);
   llama.cpp on the GGUF file only where ``llama_cpp`` is importable (it is not a dependency);
 * **16 equal requests** (random prompts of :data:`EQUAL_PROMPT` tokens, :data:`EQUAL_OUTPUT` tokens
@@ -25,7 +27,7 @@ configuration, then run 2, ...):
   runs it to its longest request; only each request's own tokens count (useful tokens). Both on a virtual clock that
   advances by measured compute time (the engine's steps; each ``generate`` call), so waiting for an
   arrival costs no wall time;
-* **perplexity** of float32 and bfloat16 on the course's held-out text
+* **perplexity** of float32, bfloat16 and int8 on the course's held-out text
   (:func:`labsupport.perplexity.token_nll`, windows of 512).
 
 Torch's two threads on a 2-core machine collapse when another process is busy (decode measured

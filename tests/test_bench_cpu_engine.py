@@ -21,12 +21,15 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     assert checks["max logit difference, transformers float32"] < 1e-3  # transformers holds the same weights
     assert set(results["b1_tokens_per_s"]) >= {"engine float32 packed", "generate bfloat16 packed", "transformers float32"}
     assert results["weight_bytes"]["bfloat16 packed"] * 2 == results["weight_bytes"]["float32 packed"]
+    assert {"engine int8 weight-only", "generate int8 weight-only"} <= set(results["b1_tokens_per_s"])
+    assert results["weight_bytes"]["int8 weight-only"] < 0.3 * results["weight_bytes"]["float32"]  # codes + scales
+    assert checks["engine equals generate, int8 weight-only"]
     tr = results["traces"]
     n, _, out = BC.QUICK["equal"]
     assert tr["equal engine"]["tokens"] == tr["equal static"]["tokens"] == n * out
     assert tr["varied engine"]["tokens"] == tr["varied static"]["tokens"]  # useful tokens, the same trace
     ppl = results["perplexity"]["values"]
-    assert 1 < ppl["float32"] != ppl["bfloat16 packed"]
+    assert 1 < ppl["float32"] != ppl["bfloat16 packed"] and 1 < ppl["int8 weight-only"] != ppl["float32"]
     results.update(quiet=True, verdicts=BC.verdicts(results))
     assert all(v["met"] is not None for v in results["verdicts"].values())
     path = tmp_path / "cpu_engine.json"
@@ -54,6 +57,12 @@ def test_verdicts_say_met_or_missed_against_each_target():
     assert v["b1_bound_fp32"]["ratio"] == pytest.approx(0.75) and v["b1_bound_fp32"]["met"] is True
     assert v["equal_vs_static"]["met"] is True and v["varied_vs_static"]["met"] is True
     assert v["varied_ttft_p50"]["ratio"] == pytest.approx(5.0)
+    assert v["b1_bound_int8"]["met"] is None and v["b1_engine_vs_generate_int8"]["ratio"] is None  # a run before int8
+    b1.update({"engine int8 weight-only": 90.0, "generate int8 weight-only": 100.0})
+    results["bound_tokens_per_s"]["int8 weight-only"] = 160.0
+    v = BC.verdicts(results)
+    assert v["b1_engine_vs_generate_int8"]["ratio"] == pytest.approx(0.9) and v["b1_engine_vs_generate_int8"]["met"] is False
+    assert v["b1_bound_int8"]["ratio"] == pytest.approx(90 / 160)
     del results["traces"]["equal static"], results["traces"]["varied static"]
     assert BC.verdicts(results)["equal_vs_static"]["met"] is None  # transformers missing: not measured
 
