@@ -27,6 +27,9 @@ configuration, then run 2, ...):
   runs it to its longest request; only each request's own tokens count (useful tokens). Both on a virtual clock that
   advances by measured compute time (the engine's steps; each ``generate`` call), so waiting for an
   arrival costs no wall time;
+* **a profile of one batch-1 decode step** of the engine in each packed format (:func:`profile_decode`,
+  torch's profiler): the matrix products' time and read rate, attention's, and every other operator's,
+  with the operator calls per step (where a step stands far from its bound, this says why);
 * **perplexity** of float32, bfloat16 and int8 on the course's held-out text
   (:func:`labsupport.perplexity.token_nll`, windows of 512).
 
@@ -76,7 +79,7 @@ STATIC_BATCH = 8  # static batching's batch on the varied trace
 ENGINE = dict(block_size=16, token_budget=512)  # the engine's cache blocks and tokens per step
 PPL_TOKENS, PPL_WINDOW = 2048, 512
 QUICK = dict(b1_tokens=4, equal=(3, 8, 4), varied=dict(n=4, rate=50.0, prompt_lens=(8, 12), output_lens=(2, 6)),
-             static_batch=2, ppl=(64, 32), repeats=1, bandwidth_bytes=2**24)
+             static_batch=2, ppl=(64, 32), repeats=1, bandwidth_bytes=2**24, profile_steps=2)
 QUIET_LOAD, QUIET_BUSY, QUIET_OTHERS = 1.5, 0.15, 0.05  # load average, a core's busy share, others' CPU share
 TARGETS = {  # name: (what, threshold)
     "b1_engine_vs_generate_fp32": ("batch-1 decode, engine / generate, float32 packed", 1.0),
@@ -195,6 +198,38 @@ def engine_decode(model, prompt: list[int], tokens: int) -> float:
     while engine.has_unfinished():
         engine.step()
     return (tokens - 1) / (time.perf_counter() - t0)
+
+
+PRODUCT_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::_weight_int8pack_mm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+
+
+def profile_decode(model, prompt: list[int], steps: int = 5) -> dict:
+    """Where a batch-1 decode step of the engine spends its time, from torch's profiler over ``steps``
+    steps (after a warm-up): milliseconds per step of the matrix products (:data:`PRODUCT_OPS`), of
+    attention (:data:`ATTENTION_OPS`) and of every other operator's own time, the operator calls per step,
+    and the weights' read rate of the products (the bytes a step reads over their time). Under the
+    profiler a step runs slower than without it; the wall time per step is measured without it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _engine(model, 1, len(prompt) + 3 * steps + 8, clock="wall")
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3 * steps + 4))
+    for _ in range(steps + 1):  # the prompt, then warm decode steps
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    events = prof.key_averages()
+    ms = {"products": 0.0, "attention": 0.0, "other operators": 0.0}
+    for e in events:
+        kind = "products" if e.key in PRODUCT_OPS else "attention" if e.key in ATTENTION_OPS else "other operators"
+        ms[kind] += e.self_cpu_time_total / 1e3 / steps
+    return {"wall_ms": wall * 1e3, "ms": ms, "operator_calls": sum(e.count for e in events) / steps,
+            "products_GBps": cpu_linear.step_weight_bytes(model) / (ms["products"] / 1e3) / 1e9}
 
 
 @torch.no_grad()
@@ -390,6 +425,8 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
         llama = llama_cpp_decode(str(lm.source), prompt, b1_tokens, torch.get_num_threads())
     except Exception as exc:  # llama_cpp raises its own errors (a model it cannot load, a crash in decode)
         llama, llama_error = None, f"{type(exc).__name__}: {exc}"
+    profiles = {label: profile_decode(models[label], prompt, sizes.get("profile_steps", 5))
+                for label in ("float32 packed", "bfloat16 packed", "int8 weight-only")}
     share = others.share()
     ppl_tokens, window = sizes.get("ppl", (PPL_TOKENS, PPL_WINDOW))
     ids = lm.tokenizer.encode(perplexity.heldout_text())[:ppl_tokens]
@@ -414,7 +451,7 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
         "read_bandwidth_Bps": bandwidth, "weight_bytes": weight_bytes, "gguf_bytes": gguf_bytes,
         "bound_tokens_per_s": bounds, "b1_tokens_per_s": b1, "traces": traces,
         "perplexity": {"values": ppl, "tokens": len(ids), "window": window, "text": perplexity.heldout_identity()},
-        "llama_cpp_error": llama_error, "checks": checks, "part_seconds": {k: round(v, 1) for k, v in spent.items()}, "repeats": repeats, "others_cpu_share": round(share, 4), "seconds": round(time.time() - started, 1),
+        "profile": profiles, "llama_cpp_error": llama_error, "checks": checks, "part_seconds": {k: round(v, 1) for k, v in spent.items()}, "repeats": repeats, "others_cpu_share": round(share, 4), "seconds": round(time.time() - started, 1),
         "sizes": {"b1": [B1_PROMPT, b1_tokens], "equal": [n_eq, p_eq, o_eq],
                   "varied": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.get("varied", VARIED).items()},
                   "static_batch": static_batch, "engine": ENGINE},
@@ -502,6 +539,13 @@ def results_markdown(results: dict | None) -> str:
         else:
             lines.append(f"| {name} | {_tps(e['tokens_per_s'])} | not measured | - | - |")
     ppl = results["perplexity"]["values"]
+    if results.get("profile"):
+        lines += ["", "| batch-1 decode step, engine (torch's profiler) | wall ms | matrix products ms (read rate) | "
+                  "attention ms | other operators ms | operator calls |", "| --- | --- | --- | --- | --- | --- |"]
+        for label, prof in results["profile"].items():
+            ms = prof["ms"]
+            lines.append(f"| {label} | {prof['wall_ms']:.1f} | {ms['products']:.1f} ({prof['products_GBps']:.1f} GB/s) | "
+                         f"{ms['attention']:.1f} | {ms['other operators']:.1f} | {prof['operator_calls']:,.0f} |")
     int8 = f", int8 weight-only {ppl['int8 weight-only']:.3f}" if "int8 weight-only" in ppl else ""
     lines += ["", f"Perplexity on the held-out text ({results['perplexity']['tokens']:,} tokens, windows of "
               f"{results['perplexity']['window']}): float32 {ppl['float32']:.3f}, bfloat16 {ppl['bfloat16 packed']:.3f}"

@@ -184,8 +184,9 @@ def load(source, *, device="cpu", dtype=None, prepack: bool | str = False, verbo
     bfloat16 halves the bytes a decode step reads, at the perplexity ``python -m
     labsupport.bench_engine --cpu-real-model`` records). ``prepack=True`` (a CPU only) fuses the
     projections and packs every linear layer's weights once for oneDNN
-    (:func:`labsupport.cpu_linear.prepack`: about twice as fast a decode on a CPU); ``prepack="int8"``
-    stores them as chapter 09's weight-only int8 instead (with ``dtype=torch.bfloat16``). ``verbose``
+    (:func:`labsupport.cpu_linear.prepack`: faster products on most CPUs; ``results/cpu_engine.json`` has
+    this course's measurements); ``prepack="int8"`` stores them as chapter 09's weight-only int8 instead
+    (with ``dtype=torch.bfloat16``). ``verbose``
     prints the size before loading and where the cached conversion is. ``dequantizers`` (a GGUF file
     only; :class:`Dequantizers`) read the block types they name instead of the ``gguf`` package, into
     a cache entry of their own.
@@ -193,7 +194,7 @@ def load(source, *, device="cpu", dtype=None, prepack: bool | str = False, verbo
     device = _device(device)
     dtype = _dtype(dtype, device)
     if prepack and device.type != "cpu":
-        raise CheckpointError(f"prepack=True packs weights for the CPU; the model goes to {device}: leave it False")
+        raise CheckpointError(f"prepack={prepack!r} packs weights for the CPU; the model goes to {device}: leave it False")
     if prepack not in (False, True, *cpu_linear.FORMATS):
         raise CheckpointError(f"prepack must be False, True or one of {cpu_linear.FORMATS}, got {prepack!r}")
     if prepack == "int8" and dtype != torch.bfloat16:

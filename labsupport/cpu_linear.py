@@ -35,7 +35,8 @@ from torch import nn
 
 from .transformer import Transformer
 
-__all__ = ["PackedLinear", "Int8Linear", "FORMATS", "prepack", "is_packed", "available", "step_weight_bytes"]
+__all__ = ["PackedLinear", "Int8Linear", "FORMATS", "prepack", "packed_format", "is_packed", "available",
+           "step_weight_bytes", "plain_one_row_is_faster"]
 
 
 def available() -> bool:
@@ -79,7 +80,8 @@ class PackedLinear(nn.Module):
             return out if residual is None else residual + out
         if self.packed is None or self._packed_from != (w.data_ptr(), w.dtype, w._version):
             self._pack()  # model.to(dtype), load_state_dict or a copy since packing: pack the weight it has now
-        if residual is not None and x.dtype == torch.float32:  # added as the output is written: the same numbers
+        if residual is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():  # same numbers, one pass
+            # (oneDNN's fused op has no backward: with gradients on, the add stays outside it)
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out if residual is None else residual + out
@@ -95,18 +97,21 @@ class PackedLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ (codes * scales).T + bias`` with the weight stored as chapter 09's weight-only int8:
-    one symmetric scale per output channel (:func:`labsupport.quantize.quantize_groupwise` with one group
-    per row), the scales rounded to bfloat16 first so that ``codes * scales`` is exactly the weight the
-    layer computes with. ``x`` must be bfloat16.
+    """``y = (x @ codes.T) * scales + bias``: the weight stored as chapter 09's weight-only int8, int8
+    ``codes`` and one symmetric scale per output channel (chapter 09's rounding and clamping with one group
+    per row; the scales rounded to bfloat16 first, the dtype the kernel takes them in). ``x`` must be
+    bfloat16.
 
-    Decode (at most :attr:`GEMV_ROWS` rows) runs torch's weight-only int8 kernel
-    (``torch.ops.aten._weight_int8pack_mm``: each int8 weight read once, converted in registers, the
-    scale applied to the sum), so a step reads one byte per weight. That kernel walks its rows one at a
-    time (measured on this course's 2-core Xeon, 2026-12-06, a 3072x576 layer: 66 us for 1 row,
+    Decode rows (at most :attr:`GEMV_ROWS`) run torch's weight-only int8 kernel
+    (``torch.ops.aten._weight_int8pack_mm``: each int8 weight read once and converted in registers, the
+    scale applied to the float32 sum), so such a step reads one byte per weight. That kernel's time grows
+    with every row (measured on this course's 2-core Xeon, 2026-12-06, a 3072x576 layer: 66 us for 1 row,
     456 us for 16, 14 ms for 512, where oneDNN's bfloat16 product took 111, 134 and 866 us), so more rows
-    (prompts, large decode batches) run oneDNN's packed product on the weight dequantised once at
-    quantisation time: the layer keeps both, and the bytes a small decode step reads are the int8 ones."""
+    (prompts, decode batches above :attr:`GEMV_ROWS`) run oneDNN's packed product on the codes as bfloat16
+    (exact: every code from -127 to 127 is a bfloat16) and scale its output: the same weights, the sums
+    rounded to bfloat16 before the scale instead of after. Those steps read the bfloat16 copy, two bytes per
+    weight, and the layer holds the codes, that copy and oneDNN's packed one: more memory than a bfloat16
+    model, fewer bytes per small decode step."""
 
     GEMV_ROWS = 4
     fuses_residual = False
@@ -114,37 +119,32 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         if weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"Int8Linear quantises a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
+            raise ValueError(f"Int8Linear quantises a 2-D weight on the CPU, got {tuple(weight.shape)} on "
+                             f"{weight.device}: move the model to the CPU first (model.to('cpu'))")
         self.out_features, self.in_features = weight.shape
         with torch.no_grad():
             w = weight.detach().float()
             scales = (w.abs().amax(dim=1) / 127).to(torch.bfloat16).float()  # (N,): exact in bfloat16
             scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: codes 0
             codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K), as chapter 09 rounds
-            self.register_buffer("codes", codes)
-            self.register_buffer("scales", scales.to(torch.bfloat16))  # (N,)
-            dense = (codes.float() * scales[:, None]).to(torch.bfloat16)  # exact: codes x bf16 scale fits
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales.to(torch.bfloat16))  # (N,)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
-        self.dense = PackedLinear(nn.Parameter(dense, requires_grad=False), self.bias)  # rows > GEMV_ROWS
+        self.dense = PackedLinear(nn.Parameter(codes.to(torch.bfloat16), requires_grad=False))  # rows > GEMV_ROWS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
-            raise ValueError(f"Int8Linear computes with bfloat16 activations, got {x.dtype}: cast the model "
-                             f"with model.to(torch.bfloat16) before prepack(model, 'int8')")
+            raise ValueError(f"Int8Linear computes with bfloat16 activations, got {x.dtype}: keep a model with "
+                             f"int8 weights in bfloat16 (model.to(torch.bfloat16))")
         rows = x.numel() // self.in_features
         if rows > self.GEMV_ROWS:
-            out = self.dense(x)
+            out = self.dense(x) * self.scales  # (..., N): the codes' product, scaled per output channel
         else:
             out = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.codes, self.scales)
             out = out.view(*x.shape[:-1], self.out_features)
-            if self.bias is not None:
-                out = out + self.bias
+        if self.bias is not None:
+            out = out + self.bias
         return out if residual is None else residual + out
-
-    def weight_bytes(self) -> int:
-        """Bytes a decode step reads: the codes and the scales (and the bias)."""
-        extra = 0 if self.bias is None else self.bias.numel() * 2
-        return self.codes.numel() + self.scales.numel() * 2 + extra
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only, bf16 scales"
@@ -153,13 +153,18 @@ class Int8Linear(nn.Module):
 FORMATS = ("onednn", "int8")
 
 
-def prepack(model: Transformer, weights: str = "onednn") -> Transformer:
+def prepack(model: Transformer, weights: str = "onednn", plain_rows: int | None = None) -> Transformer:
     """Fuse ``model``'s projections and pack every linear layer and the output head (module
     docstring); returns the model. ``weights="int8"`` stores them as :class:`Int8Linear` instead (a
-    bfloat16 model only). A model already packed is returned as it is. Raises ValueError on a GPU,
-    or where torch lacks oneDNN (say what to do)."""
+    bfloat16 model only). ``plain_rows`` (oneDNN only): products of at most that many rows run the
+    plain ``F.linear`` (0 or 1); None measures which one-row product is faster on this CPU
+    (:func:`plain_one_row_is_faster`). A model already packed the same way is returned as it is.
+    Raises ValueError on a GPU, where torch lacks oneDNN, or for a model packed the other way (say
+    what to do)."""
     if weights not in FORMATS:
         raise ValueError(f"weights must be one of {FORMATS}, got {weights!r}")
+    if plain_rows is not None and plain_rows not in (0, 1):
+        raise ValueError(f"plain_rows must be 0, 1 or None (measure), got {plain_rows!r}")
     if not isinstance(model, Transformer):
         raise ValueError(f"prepack takes a labsupport.transformer.Transformer, got {type(model).__name__}")
     if model.device.type != "cpu":
@@ -172,6 +177,9 @@ def prepack(model: Transformer, weights: str = "onednn") -> Transformer:
         raise ValueError(f"int8 weights compute with bfloat16 activations and this model is {model.dtype}: "
                          f"model.to(torch.bfloat16) first (the server: --dtype bfloat16 --prepack int8)")
     if is_packed(model):
+        if packed_format(model) != weights:
+            raise ValueError(f"this model is already packed as {packed_format(model)!r}, not {weights!r}: load it "
+                             f"again without prepack, then prepack(model, {weights!r})")
         return model
     layer = PackedLinear if weights == "onednn" else Int8Linear
     model.fuse_projections()
@@ -182,30 +190,35 @@ def prepack(model: Transformer, weights: str = "onednn") -> Transformer:
                     setattr(parent, name, layer(child.weight, child.bias))
     head = model.tok_embeddings.weight if model.output is None else model.output.weight  # (V, d)
     model.packed_head = layer(head)
-    if weights == "onednn" and plain_one_row_is_faster(model.layers[0].feed_forward.w13):
+    if weights == "onednn":
+        if plain_rows is None:
+            plain_rows = int(plain_one_row_is_faster([b.feed_forward.w13 for b in model.layers]))
         for m in model.modules():
             if isinstance(m, PackedLinear):
-                m.plain_rows = 1
+                m.plain_rows = plain_rows
     return model
 
 
-def plain_one_row_is_faster(layer: PackedLinear, repeats: int = 15) -> bool:
-    """Whether ``F.linear`` on the plain weight beats oneDNN's packed product for one row of ``layer``
-    on this CPU: the medians of ``repeats`` calls each, taken in turn. Packing is not a win everywhere:
-    on the course's AMD EPYC (AVX-512 BF16, 2026-12-06) a packed float32 row ran 2.2x faster, and on its
-    Intel Xeon (AMX, 2026-12-06) 10-40% slower than ``F.linear`` in float32 while 4 rows and more ran
-    faster packed. Where the plain row wins, :func:`prepack` sets every layer's ``plain_rows`` to 1:
-    decode at batch 1 runs the plain product (float32 sums in another order: equal up to rounding)."""
-    x = torch.randn(1, layer.in_features, dtype=layer.weight.dtype)
-    times = {"plain": [], "packed": []}
-    for i in range(repeats + 2):
+def plain_one_row_is_faster(layers: list[PackedLinear], repeats: int = 5) -> bool:
+    """Whether ``F.linear`` on the plain weights beats oneDNN's packed product for one row on this CPU,
+    timed as decode meets it: one pass over ``layers`` (every block's gate/up projection, whose weights
+    together outgrow the caches), the medians of ``repeats`` passes each, taken in turn. Packing is not a
+    win everywhere: on the course's AMD EPYC (AVX-512 BF16, 2026-12-06) a packed float32 row ran 2.2x
+    faster, and on its Intel Xeon (AMX, 2026-12-06) 10-40% slower than ``F.linear`` in float32 while 4 rows
+    and more ran faster packed. Where the plain row wins, :func:`prepack` sets every layer's
+    ``plain_rows`` to 1: decode at batch 1 runs the plain product (float32 sums in another order: equal up
+    to rounding)."""
+    x = torch.randn(1, layers[0].in_features, dtype=layers[0].weight.dtype)
+    times: dict[str, list[float]] = {"plain": [], "packed": []}
+    for i in range(repeats + 1):
         for kind in ("plain", "packed"):
             t0 = time.perf_counter()
-            if kind == "plain":
-                F.linear(x, layer.weight)
-            else:
-                torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
-            if i >= 2:  # the first calls warm the caches and oneDNN's primitive
+            for layer in layers:
+                if kind == "plain":
+                    F.linear(x, layer.weight)
+                else:
+                    torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
+            if i:  # the first pass warms oneDNN's primitives
                 times[kind].append(time.perf_counter() - t0)
     return statistics.median(times["plain"]) < 0.95 * statistics.median(times["packed"])
 
@@ -213,15 +226,22 @@ def plain_one_row_is_faster(layer: PackedLinear, repeats: int = 15) -> bool:
 def step_weight_bytes(model: Transformer) -> int:
     """The bytes of weights one decode step reads: every parameter and buffer once (a tied embedding
     once, as the output head reads it), less, for int8 weights (:class:`Int8Linear`), the embedding
-    table (a step reads one row of it; the head reads its int8 codes) and the dequantised copies kept
-    for many rows."""
+    table (a step reads one row of it; the head reads its int8 codes) and the bfloat16 copies of the
+    codes kept for many rows."""
     int8 = isinstance(getattr(model, "packed_head", None), Int8Linear)
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if int8 and (".dense." in name or name.startswith("packed_head.dense") or name == "tok_embeddings.weight"):
+        if int8 and (".dense." in name or name.startswith("packed_head.dense")
+                     or name in ("tok_embeddings.weight", "output.weight")):  # the head reads its codes
             continue
         total += t.numel() * t.element_size()
     return total
+
+
+def packed_format(model: Transformer) -> str | None:
+    """``"onednn"`` or ``"int8"``: how :func:`prepack` packed ``model``; None if it is not packed."""
+    head = getattr(model, "packed_head", None)
+    return None if head is None else ("int8" if isinstance(head, Int8Linear) else "onednn")
 
 
 def is_packed(model: Transformer) -> bool:

@@ -228,7 +228,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        inv_rms = (xf * xf).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # (..., 1), in place: fewer kernels
+        inv_rms = (xf * xf).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # (..., 1); in place: two fewer temporaries
         return (xf * inv_rms).to(x.dtype) * self.weight
 
 
@@ -383,8 +383,11 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg, **factory)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch, layer: int):
-        x = self.attention(self.attention_norm(x), cos, sin, kv, layer, residual=x)  # x + attention
-        return self.feed_forward(self.ffn_norm(x), residual=x)  # x + feed-forward
+        if getattr(self.attention.wo, "fuses_residual", False):  # packed for the CPU: the add inside the matmul
+            x = self.attention(self.attention_norm(x), cos, sin, kv, layer, residual=x)  # x + attention
+            return self.feed_forward(self.ffn_norm(x), residual=x)  # x + feed-forward
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, layer)
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -517,7 +520,7 @@ class Transformer(nn.Module):
         point (prefill, decode, the engine's batched steps, speculative verification) runs this."""
         if self._inv_freq.device != self.device:  # the model was moved; the next call (or capture) needs no copy
             self._inv_freq = self._inv_freq.to(self.device)
-        if self.device.type == "cpu":  # rows of a table computed once (the same numbers): two operators a step
+        if self.device.type == "cpu":  # rows of a table computed once (the same numbers): a lookup, not a computation
             cos, sin = self._rope_rows(kv.positions)  # (S, D) each
         else:  # a GPU computes them in the step (a table lookup sized on the host would sync inside a CUDA graph)
             cos, sin = rope_cos_sin(kv.positions, self.cfg.head_dim, self.dtype, self.cfg.rope_theta,

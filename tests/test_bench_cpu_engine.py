@@ -28,6 +28,10 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     n, _, out = BC.QUICK["equal"]
     assert tr["equal engine"]["tokens"] == tr["equal static"]["tokens"] == n * out
     assert tr["varied engine"]["tokens"] == tr["varied static"]["tokens"]  # useful tokens, the same trace
+    for label in ("float32 packed", "bfloat16 packed", "int8 weight-only"):
+        prof = results["profile"][label]
+        assert prof["ms"]["products"] > 0 and prof["ms"]["attention"] > 0 and prof["operator_calls"] > 100
+        assert prof["wall_ms"] > 0 and prof["products_GBps"] > 0
     ppl = results["perplexity"]["values"]
     assert 1 < ppl["float32"] != ppl["bfloat16 packed"] and 1 < ppl["int8 weight-only"] != ppl["float32"]
     results.update(quiet=True, verdicts=BC.verdicts(results))
@@ -42,6 +46,7 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     table = BC.results_markdown(shown)
     assert "AMD" in table or shown["machine"]["cpu"] in table
     assert "engine bfloat16 packed" in table and f"{n} equal requests" in table and "Perplexity" in table
+    assert "operator calls" in table and "| int8 weight-only |" in table
     assert "not yet measured" in BC.results_markdown(None).lower()
 
 

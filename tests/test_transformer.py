@@ -269,3 +269,30 @@ def test_the_old_module_name_still_imports():
     from labsupport import model
 
     assert model.Transformer is Transformer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_the_cpu_rope_table_rows_are_the_numbers_computed_alone(dtype, scaling):
+    """A CPU model looks its rotation up in a table (``_rope_rows``); every row must be bit for bit what
+    ``rope_cos_sin`` gives for that position alone, at any offset, after the table grows and after the
+    model's dtype changes."""
+    import dataclasses
+
+    from labsupport.models import _frozen
+    from labsupport.transformer import rope_cos_sin
+
+    cfg = get_model("tiny-2m")
+    if scaling is not None:
+        cfg = dataclasses.replace(cfg, rope_scaling_items=_frozen(scaling))
+    model = Transformer(cfg, dtype=dtype)
+    for positions in ([0], [5], [3, 4, 5, 6], list(range(250, 262)), [1000], [7, 2000, 9]):
+        pos = torch.tensor(positions)
+        cos, sin = model._rope_rows(pos)
+        want_cos, want_sin = rope_cos_sin(pos, cfg.head_dim, dtype, cfg.rope_theta, cfg.rope_scaling,
+                                          inv_freq=model._inv_freq)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), positions
+    assert model._rope_table[0].shape[0] == 2048  # grown to a power of two past the largest position
+    model.to(torch.float64 if dtype == torch.float32 else torch.float32)
+    assert model._rope_rows(torch.tensor([3]))[0].dtype == model.dtype  # made again in the new dtype

@@ -22,6 +22,11 @@ backends build their metadata once per step), and :meth:`CpuAttentionPlan.attend
   chunks' (padded): padded to the longest chunk, every decode would cost that chunk's length in
   arithmetic (a 128-token prompt beside 7 decodes: 8 x 128 query rows for 135 real ones).
 
+A step of one decoding sequence whose blocks follow each other in the pool (a lone request on a fresh
+pool: batch-1 decode) takes :meth:`CpuAttentionPlan.attend_one` instead: it writes the token's key and
+value into its slot and hands SDPA one strided view per cache of the whole (layers, blocks, ...) tensor,
+a handful of operators per layer instead of about thirty.
+
 The result equals :func:`labsupport.batch_attention.paged_attention_spec` (the tests check it).
 """
 

@@ -51,7 +51,8 @@ class StepMetadata:
 class PagedBatch:
     """The KV batch of one engine step (module docstring). ``backend``: ``"torch"`` (the CPU path:
     :class:`~labsupport.engine.cpu_attention.CpuAttentionPlan`, built at the first layer and reused by
-    the others: one ``index_copy_`` per cache and one SDPA call per layer, two for a mixed step) or ``"triton"`` (the kernels; a GPU, or the
+    the others: one ``index_copy_`` per cache and one SDPA call per layer, two for a mixed step; one
+    decoding sequence on consecutive blocks stores and reads through views, :meth:`CpuAttentionPlan.attend_one`) or ``"triton"`` (the kernels; a GPU, or the
     interpreter in tests). ``num_splits`` fixes the split-KV kernel's grid (a captured CUDA graph
     needs a fixed one); None lets it choose."""
 
@@ -63,6 +64,8 @@ class PagedBatch:
         self.meta, self.backend, self.num_splits = meta, backend, num_splits
         self.positions = meta.positions  # (N,): the model's RoPE reads them
         self.plan: CpuAttentionPlan | None = None  # the torch path's per-step indices and masks (first layer)
+        # the plan's batch-1 decode reads the caches through strided views, which needs them contiguous
+        self._views = backend == "torch" and k_cache.is_contiguous() and v_cache.is_contiguous()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D): store k and v in their slots, attend over the cache."""
@@ -70,7 +73,7 @@ class PagedBatch:
         if self.backend == "torch":
             if self.plan is None:  # once per step: every layer reads the same positions
                 self.plan = CpuAttentionPlan(m, self.k_cache.shape[2], self.k_cache.dtype)
-            if self.plan.one_slot is not None:  # batch-1 decode on consecutive blocks: views only
+            if self.plan.one_slot is not None and self._views:  # batch-1 decode on consecutive blocks: views only
                 return self.plan.attend_one(layer, q, k, v, self.k_cache, self.v_cache)  # (1, H, 1, D)
         q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, heads, D) views
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)

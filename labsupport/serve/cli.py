@@ -67,9 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(half the bytes a decode step reads)")
     p.add_argument("--prepack", nargs="?", const="onednn", default=None, choices=("onednn", "int8"),
                    help="pack the weights once for the CPU's matmuls (labsupport.cpu_linear): onednn (the default "
-                   "when the flag is given alone: oneDNN's layout, about twice as fast a decode) or int8 (chapter "
-                   "09's weight-only int8, one scale per output channel: a quarter of float32's bytes per decode "
-                   "step; needs --dtype bfloat16)")
+                   "when the flag is given alone: oneDNN's layout; faster on most CPUs, and where one plain row "
+                   "is faster batch-1 decode keeps it) or int8 (chapter 09's weight-only int8, one scale per "
+                   "output channel: a quarter of float32's bytes for decode steps of up to 4 sequences, more "
+                   "memory than bfloat16; needs --dtype bfloat16)")
     p.add_argument("--engine", choices=("fifo", "continuous"), default="fifo",
                    help="fifo (default): chapter 03's one request at a time; continuous: chapter 13's engine, "
                    "concurrent requests share each forward pass (chapter 12)")
