@@ -105,9 +105,11 @@ class Int8Linear(nn.Module):
     Decode rows (at most :attr:`GEMV_ROWS`) run torch's weight-only int8 kernel
     (``torch.ops.aten._weight_int8pack_mm``: each int8 weight read once and converted in registers, the
     scale applied to the float32 sum), so such a step reads one byte per weight. That kernel's time grows
-    with every row (measured on this course's 2-core Xeon, 2026-12-06, a 3072x576 layer: 66 us for 1 row,
-    456 us for 16, 14 ms for 512, where oneDNN's bfloat16 product took 111, 134 and 866 us), so more rows
-    (prompts, decode batches above :attr:`GEMV_ROWS`) run oneDNN's packed product on the codes as bfloat16
+    with the rows, in steps of four (measured on this course's 2-core Xeon, 2026-12-06, 3072x576 layers,
+    40 of them in turn so their weights come from memory: 215, 274, 408 and 482 us for 1, 4, 5 and 8 rows,
+    where oneDNN on the codes took 307-367 us at every count from 1 to 8; with the weights in cache 14 ms
+    for 512 rows against oneDNN's 0.9 ms), so more rows (prompts, decode batches above :attr:`GEMV_ROWS`)
+    run oneDNN's packed product on the codes as bfloat16
     (exact: every code from -127 to 127 is a bfloat16) and scale its output: the same weights, the sums
     rounded to bfloat16 before the scale instead of after. Those steps read the bfloat16 copy, two bytes per
     weight, and the layer holds the codes, that copy and oneDNN's packed one: more memory than a bfloat16
