@@ -109,8 +109,8 @@ def _int8_model():
 def test_int8_layers_compute_with_their_codes_times_scales():
     """Each layer's weight is ``codes * scales`` (int8, one bf16 scale per output channel): the codes within
     [-127, 127], a row's largest magnitude at 127 and every weight within half a step of its row's scale
-    (chapter 09's symmetric rounding); decode rows (torch's int8 kernel) and more rows (oneDNN on the codes,
-    scaled after) both give that product to bfloat16's rounding, and agree with each other."""
+    (chapter 09's symmetric rounding); decode rows (torch's int8 kernel) and more rows (oneDNN on the
+    weights dequantised to bfloat16) both give that product to bfloat16's rounding, and agree."""
     torch.manual_seed(0)
     weight = torch.randn(24, 32) * torch.linspace(0.1, 3.0, 24)[:, None]  # rows of very different scales
     layer = cpu_linear.Int8Linear(weight)
@@ -121,7 +121,7 @@ def test_int8_layers_compute_with_their_codes_times_scales():
     assert ((dequant - weight).abs().amax(dim=1) <= 0.51 * scales).all()  # half a step of each row's own scale
     x = torch.randn(cpu_linear.Int8Linear.GEMV_ROWS + 3, 32).to(torch.bfloat16)
     want = x.float() @ dequant.T  # (rows, N)
-    small, large = layer(x[:1]).float(), layer(x).float()  # the int8 kernel; oneDNN on the codes
+    small, large = layer(x[:1]).float(), layer(x).float()  # the int8 kernel; oneDNN on the bf16 copy
     for got, ref in ((small, want[:1]), (large, want)):
         assert ((got - ref).abs() <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all()  # bf16 rounding
     assert ((small - large[:1]).abs() <= 2 ** -7 * small.abs() + 1e-3 * small.abs().max()).all()
