@@ -1,6 +1,6 @@
 """Chapters 12 and 13 on a CPU with the real model: the engine at its bound, against static batching.
 
-``python -m labsupport.bench_engine --cpu-real-model`` (about 5-7 minutes on a quiet 2-core machine)
+``python -m labsupport.bench_engine --cpu-real-model`` (about 5-9 minutes on a quiet 2-core machine)
 loads SmolLM2-135M-Instruct (:func:`labsupport.checkpoints.load`, the Q4_1 GGUF dequantised to
 float32) and measures, in one process, with torch's threads on every core, greedy, end-of-text
 ignored, each figure the median of :data:`REPEATS` runs taken in turn (run 1 of every
@@ -209,17 +209,22 @@ def profile_decode(model, prompt: list[int], steps: int = 5) -> dict:
     steps (after a warm-up): milliseconds per step of the matrix products (:data:`PRODUCT_OPS`), of
     attention (:data:`ATTENTION_OPS`) and of every other operator's own time, the operator calls per step,
     and the weights' read rate of the products (the bytes a step reads over their time). Under the
-    profiler a step runs slower than without it; the wall time per step is measured without it."""
+    profiler a step runs slower than without it; the wall time per step is measured without it (the
+    median of three timings). ``plain_rows``: what :func:`labsupport.cpu_linear.prepack` chose for a oneDNN
+    model (1: batch-1 rows on the plain weight)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = _engine(model, 1, len(prompt) + 3 * steps + 8, clock="wall")
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3 * steps + 4))
+    engine = _engine(model, 1, len(prompt) + 6 * steps + 8, clock="wall")
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6 * steps + 4))
     for _ in range(steps + 1):  # the prompt, then warm decode steps
         engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = (time.perf_counter() - t0) / steps
+    walls = []
+    for _ in range(3):  # the median of three timings of `steps` steps
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        walls.append((time.perf_counter() - t0) / steps)
+    wall = statistics.median(walls)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
@@ -228,7 +233,9 @@ def profile_decode(model, prompt: list[int], steps: int = 5) -> dict:
     for e in events:
         kind = "products" if e.key in PRODUCT_OPS else "attention" if e.key in ATTENTION_OPS else "other operators"
         ms[kind] += e.self_cpu_time_total / 1e3 / steps
+    plain = {m.plain_rows for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)}
     return {"wall_ms": wall * 1e3, "ms": ms, "operator_calls": sum(e.count for e in events) / steps,
+            "plain_rows": max(plain) if plain and cpu_linear.packed_format(model) == "onednn" else None,
             "products_GBps": cpu_linear.step_weight_bytes(model) / (ms["products"] / 1e3) / 1e9}
 
 
@@ -511,8 +518,8 @@ def _tps(x: float | None) -> str:
 
 
 def results_markdown(results: dict | None) -> str:
-    """The table of the issue (batch-1 decode and its bound; the two traces), with machine and date,
-    or "not yet measured"."""
+    """The table of the issue (batch-1 decode and its bound; the two traces; the profile of a batch-1
+    step per packed format, where the run has one), with machine and date, or "not yet measured"."""
     if not results:
         return ("**Not yet measured** on a quiet machine: `python -m labsupport.bench_engine --cpu-real-model` "
                 "writes `results/cpu_engine.json`.")
@@ -544,7 +551,8 @@ def results_markdown(results: dict | None) -> str:
                   "attention ms | other operators ms | operator calls |", "| --- | --- | --- | --- | --- | --- |"]
         for label, prof in results["profile"].items():
             ms = prof["ms"]
-            lines.append(f"| {label} | {prof['wall_ms']:.1f} | {ms['products']:.1f} ({prof['products_GBps']:.1f} GB/s) | "
+            row = " (batch-1 rows on the plain weight)" if prof.get("plain_rows") == 1 else ""
+            lines.append(f"| {label}{row} | {prof['wall_ms']:.1f} | {ms['products']:.1f} ({prof['products_GBps']:.1f} GB/s) | "
                          f"{ms['attention']:.1f} | {ms['other operators']:.1f} | {prof['operator_calls']:,.0f} |")
     int8 = f", int8 weight-only {ppl['int8 weight-only']:.3f}" if "int8 weight-only" in ppl else ""
     lines += ["", f"Perplexity on the held-out text ({results['perplexity']['tokens']:,} tokens, windows of "

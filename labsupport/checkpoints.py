@@ -184,8 +184,9 @@ def load(source, *, device="cpu", dtype=None, prepack: bool | str = False, verbo
     bfloat16 halves the bytes a decode step reads, at the perplexity ``python -m
     labsupport.bench_engine --cpu-real-model`` records). ``prepack=True`` (a CPU only) fuses the
     projections and packs every linear layer's weights once for oneDNN
-    (:func:`labsupport.cpu_linear.prepack`: faster products on most CPUs; ``results/cpu_engine.json`` has
-    this course's measurements); ``prepack="int8"`` stores them as chapter 09's weight-only int8 instead
+    (:func:`labsupport.cpu_linear.prepack`: much faster products on the AMD EPYC measured, at four rows and
+    more on the Intel Xeon, where batch-1 rows keep the plain weight; ``results/cpu_engine.json`` has the
+    latest run); ``prepack="int8"`` stores them as chapter 09's weight-only int8 instead
     (with ``dtype=torch.bfloat16``). ``verbose``
     prints the size before loading and where the cached conversion is. ``dequantizers`` (a GGUF file
     only; :class:`Dequantizers`) read the block types they name instead of the ``gguf`` package, into

@@ -22,6 +22,11 @@ the packed copies add the weights' size again in memory, never in the bytes a st
 layer repacks its weight when it changed (``model.to(dtype)``, ``load_state_dict``, a
 ``copy.deepcopy``) and runs the plain product if the model leaves the CPU (``model.to("cuda")``);
 an edit through ``weight.data`` is not seen. Only on a CPU, with torch built with oneDNN (``torch.backends.mkldnn.is_available()``).
+
+Packing does not win everywhere: :func:`prepack` times one row both ways and, where the plain product is
+faster (an Intel Xeon with AMX, float32), runs batch-1 rows on the plain weight (``plain_rows``).
+``prepack(model, "int8")`` stores the layers as chapter 09's weight-only int8 instead
+(:class:`Int8Linear`: a quarter of float32's bytes for decode steps of up to four rows).
 """
 
 from __future__ import annotations
@@ -75,13 +80,13 @@ class PackedLinear(nn.Module):
         adding after. In bfloat16 the post-op would round once where the unpacked model rounds twice, so
         the sum is taken after, and the packed model stays bit for bit the plain one."""
         w = self.weight
-        if w.device.type != "cpu" or x.numel() <= self.plain_rows * self.in_features:
-            out = F.linear(x, w, self.bias)  # moved off the CPU after packing, or a row the plain product does faster
+        grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)  # oneDNN's ops have no backward
+        if grads or w.device.type != "cpu" or x.numel() <= self.plain_rows * self.in_features:
+            out = F.linear(x, w, self.bias)  # gradients, moved off the CPU, or a row the plain product does faster
             return out if residual is None else residual + out
         if self.packed is None or self._packed_from != (w.data_ptr(), w.dtype, w._version):
             self._pack()  # model.to(dtype), load_state_dict or a copy since packing: pack the weight it has now
-        if residual is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():  # same numbers, one pass
-            # (oneDNN's fused op has no backward: with gradients on, the add stays outside it)
+        if residual is not None and x.dtype == torch.float32:  # the same numbers, in one pass
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out if residual is None else residual + out
@@ -177,14 +182,18 @@ def prepack(model: Transformer, weights: str = "onednn", plain_rows: int | None 
     if not available():
         raise ValueError("this torch was built without oneDNN (torch.backends.mkldnn.is_available() is False): "
                          "leave the weights unpacked")
-    if weights == "int8" and model.dtype != torch.bfloat16:
-        raise ValueError(f"int8 weights compute with bfloat16 activations and this model is {model.dtype}: "
-                         f"model.to(torch.bfloat16) first (the server: --dtype bfloat16 --prepack int8)")
     if is_packed(model):
         if packed_format(model) != weights:
             raise ValueError(f"this model is already packed as {packed_format(model)!r}, not {weights!r}: load it "
                              f"again without prepack, then prepack(model, {weights!r})")
+        if weights == "onednn" and plain_rows is not None:  # an explicit choice on a packed model: applied
+            for m in model.modules():
+                if isinstance(m, PackedLinear):
+                    m.plain_rows = plain_rows
         return model
+    if weights == "int8" and model.dtype != torch.bfloat16:
+        raise ValueError(f"int8 weights compute with bfloat16 activations and this model is {model.dtype}: "
+                         f"model.to(torch.bfloat16) first (the server: --dtype bfloat16 --prepack int8)")
     layer = PackedLinear if weights == "onednn" else Int8Linear
     model.fuse_projections()
     for block in model.layers:

@@ -222,3 +222,21 @@ def test_a_float32_packed_projection_adds_the_residual_inside_its_product_to_the
     prompt = plain.random_prompt(1, 6)
     torch.testing.assert_close(model.prefill(prompt, model.new_cache(1, 6)), plain.prefill(prompt, plain.new_cache(1, 6)),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_layer_with_gradients_on_runs_the_differentiable_product():
+    """oneDNN's packed ops have no backward: with gradients on, a packed layer gives the plain product,
+    and its input, weight and residual get their gradients."""
+    layer = cpu_linear.PackedLinear(torch.nn.Parameter(torch.randn(8, 6)))
+    x, residual = torch.randn(2, 6, requires_grad=True), torch.randn(2, 8, requires_grad=True)
+    layer(x, residual=residual).sum().backward()
+    assert x.grad is not None and residual.grad is not None and layer.weight.grad is not None
+    torch.testing.assert_close(x.grad, layer.weight.detach().sum(0).expand(2, 6))
+
+
+def test_prepack_on_a_packed_model_applies_an_explicit_plain_rows_and_names_the_format():
+    model = cpu_linear.prepack(Transformer(get_model("tiny-2m")), plain_rows=0)
+    cpu_linear.prepack(model, plain_rows=1)
+    assert {m.plain_rows for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)} == {1}
+    with pytest.raises(ValueError, match="already packed as 'onednn'"):
+        cpu_linear.prepack(model, "int8")  # the format first, not the dtype advice

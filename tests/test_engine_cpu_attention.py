@@ -129,3 +129,19 @@ def test_batch_1_decode_through_the_paged_batch_stores_and_attends_through_views
         assert torch.equal(out[0].transpose(0, 1), general)  # the same numbers as the gathered path
     changed = (k_all != before).flatten(2).any(-1)  # (L, NB): blocks written
     assert changed.sum() == layers and changed[:, 4].all()  # one slot of block 4 per layer, nothing else
+
+
+def test_a_non_contiguous_cache_takes_the_gathered_path_with_the_same_numbers():
+    """attend_one's strided views assume contiguous caches; caches that are views of a larger tensor
+    (keys and values interleaved per layer) fall back to the gathered path, with the spec's result."""
+    meta, q, k, v, k_cache, v_cache = step([11], [1], block_size=4)
+    meta.block_tables[0, :3] = torch.tensor([2, 3, 4], dtype=meta.block_tables.dtype)
+    meta.slot_mapping[:] = torch.tensor([4 * 4 + 2])
+    want, k_want, _ = expected(meta, q, k, v, k_cache, v_cache)
+    both = torch.stack([torch.stack([k_cache, v_cache])] * 2)  # (L, 2, NB, BS, Hkv, D)
+    k_all, v_all = both[:, 0], both[:, 1]  # non-contiguous views
+    kv = PagedBatch(k_all, v_all, meta, "torch")
+    out = kv.attend(1, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    assert not kv._views and kv.plan.one_slot is not None  # the plan would, the caches do not allow it
+    torch.testing.assert_close(out[0].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_all[1], k_want)

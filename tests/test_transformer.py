@@ -295,4 +295,7 @@ def test_the_cpu_rope_table_rows_are_the_numbers_computed_alone(dtype, scaling):
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), positions
     assert model._rope_table[0].shape[0] == 2048  # grown to a power of two past the largest position
     model.to(torch.float64 if dtype == torch.float32 else torch.float32)
-    assert model._rope_rows(torch.tensor([3]))[0].dtype == model.dtype  # made again in the new dtype
+    pos = torch.tensor([3, 700])
+    want = rope_cos_sin(pos, cfg.head_dim, model.dtype, cfg.rope_theta, cfg.rope_scaling, inv_freq=model._inv_freq)
+    got = model._rope_rows(pos)
+    assert got[0].dtype == model.dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
