@@ -205,28 +205,30 @@ def prepack(model: Transformer, weights: str = "onednn", plain_rows: int | None 
     model.packed_head = layer(head)
     if weights == "onednn":
         if plain_rows is None:
-            plain_rows = int(plain_one_row_is_faster([b.feed_forward.w13 for b in model.layers]))
+            projections = [m for b in model.layers for m in b.modules() if isinstance(m, PackedLinear)]
+            plain_rows = int(plain_one_row_is_faster(projections))
         for m in model.modules():
             if isinstance(m, PackedLinear):
                 m.plain_rows = plain_rows
     return model
 
 
-def plain_one_row_is_faster(layers: list[PackedLinear], repeats: int = 5) -> bool:
+def plain_one_row_is_faster(layers: list[PackedLinear], repeats: int = 7) -> bool:
     """Whether ``F.linear`` on the plain weights beats oneDNN's packed product for one row on this CPU,
-    timed as decode meets it: one pass over ``layers`` (every block's gate/up projection, whose weights
-    together outgrow the caches), the medians of ``repeats`` passes each, taken in turn. Packing is not a
+    timed as decode meets it: one pass over ``layers`` (every projection of every block, in order, as a
+    decode step reads them), the medians of ``repeats`` passes each, taken in turn. Packing is not a
     win everywhere: on the course's AMD EPYC (AVX-512 BF16, 2026-12-06) a packed float32 row ran 2.2x
     faster, and on its Intel Xeon (AMX, 2026-12-06) 10-40% slower than ``F.linear`` in float32 while 4 rows
     and more ran faster packed. Where the plain row wins, :func:`prepack` sets every layer's
     ``plain_rows`` to 1: decode at batch 1 runs the plain product (float32 sums in another order: equal up
     to rounding)."""
-    x = torch.randn(1, layers[0].in_features, dtype=layers[0].weight.dtype)
+    rows = {n: torch.randn(1, n, dtype=layers[0].weight.dtype) for n in {layer.in_features for layer in layers}}
     times: dict[str, list[float]] = {"plain": [], "packed": []}
     for i in range(repeats + 1):
         for kind in ("plain", "packed"):
             t0 = time.perf_counter()
             for layer in layers:
+                x = rows[layer.in_features]  # (1, K): one row
                 if kind == "plain":
                     F.linear(x, layer.weight)
                 else:
