@@ -187,9 +187,7 @@ def prepack(model: Transformer, weights: str = "onednn", plain_rows: int | None 
             raise ValueError(f"this model is already packed as {packed_format(model)!r}, not {weights!r}: load it "
                              f"again without prepack, then prepack(model, {weights!r})")
         if weights == "onednn" and plain_rows is not None:  # an explicit choice on a packed model: applied
-            for m in model.modules():
-                if isinstance(m, PackedLinear):
-                    m.plain_rows = plain_rows
+            _set_plain_rows(model, plain_rows)
         return model
     if weights == "int8" and model.dtype != torch.bfloat16:
         raise ValueError(f"int8 weights compute with bfloat16 activations and this model is {model.dtype}: "
@@ -207,10 +205,15 @@ def prepack(model: Transformer, weights: str = "onednn", plain_rows: int | None 
         if plain_rows is None:
             projections = [m for b in model.layers for m in b.modules() if isinstance(m, PackedLinear)]
             plain_rows = int(plain_one_row_is_faster(projections))
-        for m in model.modules():
-            if isinstance(m, PackedLinear):
-                m.plain_rows = plain_rows
+        _set_plain_rows(model, plain_rows)
     return model
+
+
+def _set_plain_rows(model: Transformer, plain_rows: int) -> None:
+    """Every packed layer of ``model`` runs products of at most ``plain_rows`` rows on the plain weight."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.plain_rows = plain_rows
 
 
 def plain_one_row_is_faster(layers: list[PackedLinear], repeats: int = 7) -> bool:
