@@ -40,13 +40,29 @@ from torch import nn
 
 from .transformer import Transformer
 
-__all__ = ["PackedLinear", "Int8Linear", "FORMATS", "prepack", "packed_format", "is_packed", "available",
+__all__ = ["PackedLinear", "Int8Linear", "FORMATS", "prepack", "packed_format", "is_packed", "available", "can_pack",
            "step_weight_bytes", "plain_one_row_is_faster"]
 
 
 def available() -> bool:
     """Whether this torch can pack weights for the CPU (built with oneDNN)."""
     return bool(torch.backends.mkldnn.is_available())
+
+
+_PACKABLE: dict[torch.dtype, bool] = {}
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU (tried once per dtype). bfloat16 needs
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AMD EPYC with AVX2 only (2026-12-06) refuses it, and
+    there a :class:`PackedLinear` of bfloat16 runs the plain ``F.linear``."""
+    if dtype not in _PACKABLE:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+            _PACKABLE[dtype] = True
+        except RuntimeError:
+            _PACKABLE[dtype] = False
+    return _PACKABLE[dtype]
 
 
 class PackedLinear(nn.Module):
@@ -66,11 +82,12 @@ class PackedLinear(nn.Module):
         self._pack()
 
     def _pack(self) -> None:
-        """Reorder ``weight`` into oneDNN's layout, noting which weight it was (storage, dtype, version)."""
+        """Reorder ``weight`` into oneDNN's layout, noting which weight it was (storage, dtype, version);
+        None where oneDNN cannot pack its dtype on this CPU (:func:`can_pack`: the plain product runs)."""
         w = self.weight
         self._packed_from = (w.data_ptr(), w.dtype, w._version)
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)  # opaque blocked layout
+        with torch.no_grad():  # an opaque blocked layout
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None) if can_pack(w.dtype) else None
 
     fuses_residual = True  # forward(x, residual=r) adds r inside oneDNN's kernel (labsupport.transformer._project)
 
@@ -81,11 +98,11 @@ class PackedLinear(nn.Module):
         the sum is taken after, and the packed model stays bit for bit the plain one."""
         w = self.weight
         grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)  # oneDNN's ops have no backward
-        if grads or w.device.type != "cpu" or x.numel() <= self.plain_rows * self.in_features:
-            out = F.linear(x, w, self.bias)  # gradients, moved off the CPU, or a row the plain product does faster
-            return out if residual is None else residual + out
-        if self.packed is None or self._packed_from != (w.data_ptr(), w.dtype, w._version):
+        if not grads and w.device.type == "cpu" and self._packed_from != (w.data_ptr(), w.dtype, w._version):
             self._pack()  # model.to(dtype), load_state_dict or a copy since packing: pack the weight it has now
+        if grads or self.packed is None or w.device.type != "cpu" or x.numel() <= self.plain_rows * self.in_features:
+            out = F.linear(x, w, self.bias)  # gradients, moved off the CPU, not packable, or a row F.linear does faster
+            return out if residual is None else residual + out
         if residual is not None and x.dtype == torch.float32:  # the same numbers, in one pass
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -95,7 +112,7 @@ class PackedLinear(nn.Module):
         """A copy (``copy.deepcopy``, pickling) leaves the packed tensor behind (oneDNN's opaque
         tensors cannot be copied); the copy packs its own weight at its first call."""
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        return {**state, "packed": None}
+        return {**state, "packed": None, "_packed_from": None}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
@@ -204,7 +221,7 @@ def prepack(model: Transformer, weights: str = "onednn", plain_rows: int | None 
     if weights == "onednn":
         if plain_rows is None:
             projections = [m for b in model.layers for m in b.modules() if isinstance(m, PackedLinear)]
-            plain_rows = int(plain_one_row_is_faster(projections))
+            plain_rows = int(not can_pack(model.dtype) or plain_one_row_is_faster(projections))
         _set_plain_rows(model, plain_rows)
     return model
 

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from labsupport import cpu_linear
 from labsupport.engine import Engine
@@ -240,3 +241,26 @@ def test_prepack_on_a_packed_model_applies_an_explicit_plain_rows_and_names_the_
     assert {m.plain_rows for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)} == {1}
     with pytest.raises(ValueError, match="already packed as 'onednn'"):
         cpu_linear.prepack(model, "int8")  # the format first, not the dtype advice
+
+
+def test_a_cpu_that_cannot_pack_bf16_runs_the_plain_product(monkeypatch):
+    """oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT (an AVX2-only AMD EPYC refuses it):
+    there a bfloat16 PackedLinear keeps no packed copy and gives F.linear's numbers, and prepack works."""
+    monkeypatch.setitem(cpu_linear._PACKABLE, torch.bfloat16, False)
+    w = torch.randn(24, 16, dtype=torch.bfloat16)
+    layer = cpu_linear.PackedLinear(w)
+    assert layer.packed is None
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, w))
+    r = torch.randn(5, 24, dtype=torch.bfloat16)
+    assert torch.equal(layer(x, residual=r), r + F.linear(x, w))
+    model = Transformer("tiny-2m", dtype=torch.bfloat16)
+    tokens = model.random_prompt(1, 6)
+    want = model.forward_no_cache(tokens)
+    cpu_linear.prepack(model)
+    assert all(m.packed is None for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))
+    torch.testing.assert_close(model.forward_no_cache(tokens), want, atol=0, rtol=0)
+
+
+def test_can_pack_float32_here():
+    assert cpu_linear.can_pack(torch.float32)  # every oneDNN build packs float32

@@ -98,6 +98,9 @@ class Engine:
     ``"triton"``; ``cuda_graphs`` (default: on a GPU with the Triton kernels) captures decode steps.
     ``speculative`` (a :class:`~labsupport.engine.speculative.SpeculativeConfig`, default None: off)
     drafts tokens by prompt lookup and verifies them in the step's forward pass (:mod:`.speculative`).
+    ``cpu_decode``: ``"torch"`` (default) or ``"fused"``, which runs a step that decodes one sequence
+    on a CPU as one C call (:class:`labsupport.cpu_decode.FusedDecoder`: float32 activations, the
+    same cache; every other step runs torch).
 
     After construction ``engine.scheduler`` is the :class:`~labsupport.engine.scheduler.Scheduler`
     (its ``decide`` is the step decision), ``engine.runner`` the
@@ -109,7 +112,7 @@ class Engine:
                  token_budget: int | None = 256, max_running: int = 32, scheduler: Decision = schedule_step,
                  sampler: SampleFn | None = None, max_model_len: int | None = None, clock: str = "wall",
                  prefix_caching: bool = True, attention: str = "auto", cuda_graphs: bool | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, cpu_decode: str = "torch"):
         if not isinstance(model, Transformer):
             raise ValueError(f"model must be a labsupport.transformer.Transformer, got {type(model).__name__}")
         self.model = model
@@ -137,7 +140,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, scheduler, self.token_budget, self.max_running, self.clock,
                                    self.max_model_len)
         self.runner = ModelRunner(model, self.block_manager, self.num_blocks, self.block_size, self.max_running,
-                                  self.max_model_len, attention, cuda_graphs)
+                                  self.max_model_len, attention, cuda_graphs, cpu_decode=cpu_decode)
         self.requests: dict[Hashable, Request] = {}
         self.steps: list[StepRecord] = []  # a server trims it: the totals below are kept apart
         self.totals = {"steps": 0, "preemptions": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}

@@ -43,6 +43,7 @@ import torch
 
 from .._answers import answer
 from ..batch_attention import query_tiles
+from ..cpu_decode import FusedDecoder
 from ..device import interpreter_mode
 from ..flash_decoding import num_kv_splits
 from ..paged_cache import PagedKVStore
@@ -51,6 +52,8 @@ from .block_manager import BlockManager
 from .paged_batch import BACKENDS, PagedBatch, StepMetadata
 from .sequence import Request
 from .speculative import verify_drafts
+
+CPU_DECODE = ("torch", "fused")  # how a CPU engine runs a one-sequence decode step
 
 
 class Copier:
@@ -277,7 +280,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, block_manager: BlockManager, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, attention: str = "auto", cuda_graphs: bool | None = None,
-                 assemble: AssembleFn | None = None):
+                 assemble: AssembleFn | None = None, cpu_decode: str = "torch"):
         self.model, self.device = model, model.device
         self.block_manager, self.block_size = block_manager, block_size
         self.max_model_len = max_model_len
@@ -303,6 +306,11 @@ class ModelRunner:
         self._graph_splits = {}
         if cuda and attention == "triton" and (cuda_graphs is None or cuda_graphs):
             self.capture_cudagraphs(graph_batch_sizes(max_graph))
+        if cpu_decode not in CPU_DECODE:
+            raise ValueError(f"cpu_decode must be one of {CPU_DECODE}, got {cpu_decode!r}")
+        self.fused = None  # cpu_decode="fused": batch-1 decode steps in one C call (labsupport.cpu_decode)
+        if cpu_decode == "fused":
+            self.fused = FusedDecoder(model, self.store.k, self.store.v, max_model_len)
 
     # -- 1. the step's metadata ------------------------------------------------------------------
 
@@ -344,8 +352,11 @@ class ModelRunner:
         drafts = [req.draft_ids for req in sampling]
         if any(drafts):  # every drafted position's logits, not only the last row's
             meta.logits_indices = self.verify_rows(batch)
-        hidden = self.forward(meta)  # (N, d) or (R, d): see forward
-        logits = self.model.logits(hidden)  # (R, V)
+        if self.fused is not None and meta.decode_only and len(batch) == 1 and not any(drafts):
+            logits = self.fused_step(meta)  # (1, V): the whole step in one C call
+        else:
+            hidden = self.forward(meta)  # (N, d) or (R, d): see forward
+            logits = self.model.logits(hidden)  # (R, V)
         params = [r.params for r in sampling]
         histories = None  # the usual case, no penalty: no sequence is copied
         if any(p.repetition_penalty != 1 for p in params):
@@ -355,6 +366,13 @@ class ModelRunner:
             return self.verify(logits, params, generators, drafts, histories)
         # a row the sampler could not sample comes back as its RowSamplingError: the engine fails it alone
         return [[t] if isinstance(t, int) else t for t in sampler(logits, params, generators, histories)]
+
+    def fused_step(self, meta: StepMetadata) -> torch.Tensor:
+        """A one-sequence decode step's logits (1, V) from the C step (:class:`~labsupport.cpu_decode.FusedDecoder`),
+        which stores the token's keys and values in the same cache the torch path uses."""
+        table = meta.block_tables[0]
+        return self.fused.step(int(meta.input_ids[0]), int(meta.positions[0]),
+                               table if table.is_contiguous() else table.contiguous())
 
     def verify_rows(self, batch: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """The flat rows whose logits a speculative step needs: for each request that samples, its
