@@ -159,3 +159,32 @@ def test_real_model_fused_greedy_equals_generate(smollm2):
     model = smollm2.model
     out, _ = engine_tokens(model, [p], "fused", max_tokens=24, block_size=16)
     assert out[0] == model.generate(torch.tensor([p]), 24)[0, len(p):].tolist()
+
+
+def test_a_started_server_with_int8_weights_and_the_fused_step_answers(smollm2):
+    """``--dtype bfloat16 --prepack int8 --cpu-decode fused``: the official client gets the answer,
+    streamed and whole alike, and the server says how it decodes."""
+    import openai
+
+    from labsupport.serve import ServerProcess
+
+    args = ["--model", "smollm2-135m-instruct", "--context", 256, "--engine", "continuous", "--max-running", "2",
+            "--dtype", "bfloat16", "--prepack", "int8", "--cpu-decode", "fused"]
+    with ServerProcess(args, threads=2) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=120)
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=chat, max_tokens=16,
+                                               temperature=0).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=chat, max_tokens=16, temperature=0, stream=True) if c.choices)
+        assert "Paris" in whole and streamed == whole
+
+
+def test_the_server_refuses_fused_without_the_engine_or_with_a_stack(capsys):
+    from labsupport.serve import cli
+
+    for argv, says in ((["--cpu-decode", "fused"], "needs --engine continuous"),
+                       (["--engine", "continuous", "--cpu-decode", "fused", "--stack", "labs"], "past your parts")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv)
+        assert says in capsys.readouterr().err

@@ -25,6 +25,7 @@ ENGINES = {
     "continuous": ["--engine", "continuous", "--max-running", "4", "--num-blocks", "128"],
     "speculative": ["--engine", "continuous", "--max-running", "4", "--num-blocks", "128",
                     "--num-speculative-tokens", "3"],
+    "fused": ["--engine", "continuous", "--max-running", "4", "--num-blocks", "128", "--cpu-decode", "fused"],
 }
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

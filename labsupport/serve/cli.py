@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continuous engine: KV blocks (default: --max-running requests at the full --context)")
     p.add_argument("--token-budget", type=int, default=256, help="continuous engine: most tokens per step (256)")
     p.add_argument("--max-running", type=int, default=16, help="continuous engine: most requests per step (16)")
+    p.add_argument("--cpu-decode", choices=("torch", "fused"), default="torch",
+                   help="continuous engine on a CPU: torch (default) or fused, which runs a step that decodes one "
+                   "request as one C call compiled on this machine (labsupport.cpu_decode: float32 activations; "
+                   "several times the tokens per second at batch 1)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="continuous engine: speculative decoding with prompt-lookup drafts of up to K tokens (0: off)")
     p.add_argument("--step-delay", type=float, default=0.0,
@@ -133,6 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--port must be from 0 to 65535, got {args.port}")
     if args.num_speculative_tokens < 0:
         p.error(f"--num-speculative-tokens must be 0 (off) or more, got {args.num_speculative_tokens}")
+    if args.cpu_decode == "fused" and args.engine != "continuous":
+        p.error("--cpu-decode fused needs --engine continuous (it is the engine's decode step)")
+    if args.cpu_decode == "fused" and args.stack:
+        p.error("--cpu-decode fused would run the course's decode step in C, past your parts: leave it out with --stack")
     if args.num_speculative_tokens and args.engine != "continuous":
         p.error("--num-speculative-tokens needs --engine continuous (the FIFO engine does not speculate)")
     name = args.served_model_name
@@ -207,7 +215,7 @@ def _backend(args: argparse.Namespace):
     if args.engine == "continuous":
         backend = ContinuousBackend(served, **common, block_size=args.block_size, num_blocks=num_blocks,
                                    token_budget=args.token_budget, max_running=args.max_running,
-                                   speculative_tokens=args.num_speculative_tokens)
+                                   speculative_tokens=args.num_speculative_tokens, cpu_decode=args.cpu_decode)
     else:
         backend = FifoBackend(served, **common)
     backend.step_delay_s = args.step_delay

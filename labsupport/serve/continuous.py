@@ -54,7 +54,8 @@ class ContinuousBackend(Backend):
     kind = "continuous"
 
     def __init__(self, served=None, *, block_size: int = 16, num_blocks: int | None = None,
-                 token_budget: int = 256, max_running: int = 16, speculative_tokens: int = 0, **options):
+                 token_budget: int = 256, max_running: int = 16, speculative_tokens: int = 0,
+                 cpu_decode: str = "torch", **options):
         super().__init__(served, **options)
         if num_blocks is None:
             num_blocks = max_running * blocks_for(self.context_tokens, block_size)
@@ -63,11 +64,14 @@ class ContinuousBackend(Backend):
                              f"fewer than one request at the full context ({self.context_tokens}): raise --num-blocks")
         spec = SpeculativeConfig(num_speculative_tokens=speculative_tokens) if speculative_tokens else None
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget,
-                             max_running=max_running, max_model_len=self.context_tokens, speculative=spec)
+                             max_running=max_running, max_model_len=self.context_tokens, speculative=spec,
+                             cpu_decode=cpu_decode)
         self.description += (f" Continuous batching: {num_blocks} KV blocks of {block_size} tokens, at most "
                              f"{token_budget} tokens and {max_running} requests per step.")
         if spec:
             self.description += f" Speculative decoding: prompt-lookup drafts of up to {speculative_tokens} tokens."
+        if cpu_decode == "fused":
+            self.description += " One-request decode steps run as one C call (labsupport.cpu_decode)."
         self._new: list[RequestHandle] = []  # submitted since the last step
         self._wake: asyncio.Event | None = None
         self.steps_run = 0  # the engine's own step records are trimmed
