@@ -15,11 +15,14 @@ configuration, then run 2, ...):
   (:meth:`~labsupport.transformer.Transformer.prefill`, then one
   :meth:`~labsupport.transformer.Transformer.decode_step` per token), each in float32 as loaded,
   in float32 packed for the CPU, in bfloat16 packed (:func:`labsupport.cpu_linear.prepack`) and in chapter 09's
-  weight-only int8 (``prepack(model, "int8")``, bfloat16 activations), and
+  weight-only int8 (``prepack(model, "int8")``, bfloat16 activations), the engine again with its
+  fused C step (``cpu_decode="fused"``, :mod:`labsupport.cpu_decode`: float32 activations) in the
+  three packed formats, and
   ``transformers``' ``generate`` (float32, the same weights copied into ``LlamaForCausalLM``);
   llama.cpp on the GGUF file only where ``llama_cpp`` is importable (it is not a dependency);
 * **16 equal requests** (random prompts of :data:`EQUAL_PROMPT` tokens, :data:`EQUAL_OUTPUT` tokens
-  each, all at time 0): the engine against ``transformers``' static batching (one left-padded
+  each, all at time 0): the engine (float32 packed; a step of one decoding request runs the fused C
+  step, on both traces) against ``transformers``' static batching (one left-padded
   batch), output tokens per second and TTFT;
 * **a varied trace** (:data:`VARIED`: Poisson arrivals, outputs from 16 to 256 tokens): the engine
   (continuous batching, at most :data:`STATIC_BATCH` requests at once) against static batching that
@@ -31,7 +34,8 @@ configuration, then run 2, ...):
   torch's profiler): the matrix products' time and read rate, attention's, and every other operator's,
   with the operator calls per step (where a step stands far from its bound, this says why);
 * **perplexity** of float32, bfloat16 and int8 on the course's held-out text
-  (:func:`labsupport.perplexity.token_nll`, windows of 512).
+  (:func:`labsupport.perplexity.token_nll`, windows of 512), and of bfloat16 and int8 through the
+  fused C step (every position decoded in turn: :func:`fused_nll`).
 
 Torch's two threads on a 2-core machine collapse when another process is busy (decode measured
 24 -> 2 tokens/s), so :func:`machine_load` looks first (load average, and each core's busy share
@@ -58,8 +62,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from . import cpu_linear, perplexity
+from . import cpu_decode, cpu_linear, perplexity
 from .checkpoints import hf_names, load
 from .engine import Engine, TraceRequest, poisson_trace, run_trace, trace_summary
 from .models import to_hf_config
@@ -81,13 +86,14 @@ PPL_TOKENS, PPL_WINDOW = 2048, 512
 QUICK = dict(b1_tokens=4, equal=(3, 8, 4), varied=dict(n=4, rate=50.0, prompt_lens=(8, 12), output_lens=(2, 6)),
              static_batch=2, ppl=(64, 32), repeats=1, bandwidth_bytes=2**24, profile_steps=2)
 QUIET_LOAD, QUIET_BUSY, QUIET_OTHERS = 1.5, 0.15, 0.05  # load average, a core's busy share, others' CPU share
-TARGETS = {  # name: (what, threshold)
-    "b1_engine_vs_generate_fp32": ("batch-1 decode, engine / generate, float32 packed", 1.0),
-    "b1_bound_fp32": ("batch-1 decode, engine / bandwidth bound, float32 packed", 0.75),
-    "b1_engine_vs_generate_bf16": ("batch-1 decode, engine / generate, bfloat16 packed", 1.0),
-    "b1_bound_bf16": ("batch-1 decode, engine / bandwidth bound, bfloat16 packed", 0.75),
-    "b1_engine_vs_generate_int8": ("batch-1 decode, engine / generate, int8 weight-only", 1.0),
-    "b1_bound_int8": ("batch-1 decode, engine / bandwidth bound, int8 weight-only", 0.75),
+FUSED = ("float32 packed", "bfloat16 packed", "int8 weight-only")  # formats timed with the fused C step too
+TARGETS = {  # name: (what, threshold); the engine at batch 1: its fused C step (labsupport.cpu_decode)
+    "b1_engine_vs_generate_fp32": ("batch-1 decode, fused engine / generate, float32 packed", 1.0),
+    "b1_bound_fp32": ("batch-1 decode, fused engine / bandwidth bound, float32 packed", 0.75),
+    "b1_engine_vs_generate_bf16": ("batch-1 decode, fused engine / generate, bfloat16 packed", 1.0),
+    "b1_bound_bf16": ("batch-1 decode, fused engine / bandwidth bound, bfloat16 packed", 0.75),
+    "b1_engine_vs_generate_int8": ("batch-1 decode, fused engine / generate, int8 weight-only", 1.0),
+    "b1_bound_int8": ("batch-1 decode, fused engine / bandwidth bound, int8 weight-only", 0.75),
     "equal_vs_static": ("16 equal requests, engine / transformers static batching (float32)", 1.2),
     "varied_vs_static": ("varied trace, engine / transformers static batching (float32), useful tokens", 1.5),
     "varied_ttft_p50": ("varied trace, TTFT p50, static / engine (at least 1: no worse)", 1.0),
@@ -183,15 +189,16 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engine(model, max_running: int, need_tokens: int, clock: str = "virtual") -> Engine:
+def _engine(model, max_running: int, need_tokens: int, clock: str = "virtual", cpu_decode: str = "torch") -> Engine:
     blocks = max_running * -(-need_tokens // ENGINE["block_size"]) + 8
     return Engine(model, num_blocks=blocks, block_size=ENGINE["block_size"], token_budget=ENGINE["token_budget"],
-                  max_running=max_running, clock=clock, prefix_caching=False)
+                  max_running=max_running, clock=clock, prefix_caching=False, cpu_decode=cpu_decode)
 
 
-def engine_decode(model, prompt: list[int], tokens: int) -> float:
-    """Batch-1 decode tokens per second of the engine: one request, timed from its first token."""
-    engine = _engine(model, 1, len(prompt) + tokens, clock="wall")
+def engine_decode(model, prompt: list[int], tokens: int, cpu_decode: str = "torch") -> float:
+    """Batch-1 decode tokens per second of the engine: one request, timed from its first token.
+    ``cpu_decode="fused"``: its decode steps are the C step (:mod:`labsupport.cpu_decode`)."""
+    engine = _engine(model, 1, len(prompt) + tokens, clock="wall", cpu_decode=cpu_decode)
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens))
     engine.step()  # the prompt: the first token
     t0 = time.perf_counter()
@@ -330,11 +337,11 @@ def llama_cpp_decode(path: str, prompt: list[int], tokens: int, threads: int) ->
     return (tokens - 1) / (run(tokens) - first)
 
 
-def engine_trace(model, trace: list[TraceRequest], max_running: int) -> dict:
-    """The engine replaying ``trace`` on a virtual clock, at most ``max_running`` requests at once:
-    useful tokens per second and TTFT p50."""
+def engine_trace(model, trace: list[TraceRequest], max_running: int, cpu_decode: str = "fused") -> dict:
+    """The engine replaying ``trace`` on a virtual clock, at most ``max_running`` requests at once
+    (a step of one decoding request as the fused C step by default): useful tokens per second and TTFT p50."""
     need = max(len(t.prompt_ids) + t.params.max_tokens for t in trace)
-    engine = _engine(model, max_running, need)
+    engine = _engine(model, max_running, need, cpu_decode=cpu_decode)
     s = trace_summary(run_trace(engine, trace))
     return {"tokens": s["output_tokens"], "seconds": s["makespan"], "tokens_per_s": s["throughput"],
             "ttft_p50_s": s["ttft"].p50}
@@ -370,12 +377,27 @@ def same_answers(models: dict, hf, prompt: list[int], tokens: int) -> dict:
         (got,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens))
         alone = model.generate(torch.tensor([prompt]), tokens)[0, len(prompt):].tolist()
         out[f"engine equals generate, {label}"] = got == alone
+        if model.dtype == torch.float32:  # the C step computes in float32: the same greedy tokens, up to ties
+            engine = _engine(model, 1, len(prompt) + tokens, clock="steps", cpu_decode="fused")
+            (got,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens))
+            out[f"fused engine equals generate, {label}"] = got == alone
         logits = model.prefill(torch.tensor([prompt]), model.new_cache(1, len(prompt)))
         out[f"max logit difference, {label}"] = float((logits - want).abs().max())
     if hf is not None:
         logits = hf(torch.tensor([prompt])).logits[0, -1].float()
         out["max logit difference, transformers float32"] = float((logits - want[0]).abs().max())
     return out
+
+
+def fused_nll(model, ids: list[int], window: int) -> torch.Tensor:
+    """:func:`labsupport.perplexity.token_nll` of the fused C step (every position decoded in turn,
+    :func:`labsupport.cpu_decode.teacher_forced_logits`): ``(n_windows, window - 1)``."""
+    rows = []
+    for start in perplexity.window_starts(len(ids), window, None):  # token_nll's windows
+        chunk = ids[start:start + window]
+        logits = cpu_decode.teacher_forced_logits(model, chunk)  # (W, V)
+        rows.append(F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="none").double())
+    return torch.stack(rows)
 
 
 def _median(runs: list[dict]) -> dict:
@@ -418,6 +440,8 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     for r in range(repeats):  # interleaved: run r of every configuration, then run r + 1
         for label, model in models.items():
             note(f"b1 engine {label}", engine_decode, model, prompt, b1_tokens)
+            if label in FUSED:
+                note(f"b1 fused engine {label}", engine_decode, model, prompt, b1_tokens, "fused")
             note(f"b1 generate {label}", generate_decode, model, prompt, b1_tokens)
         if hf is not None:
             note("b1 transformers float32", hf_decode, hf, prompt, b1_tokens)
@@ -439,6 +463,8 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     ids = lm.tokenizer.encode(perplexity.heldout_text())[:ppl_tokens]
     ppl = {label: perplexity.perplexity(perplexity.token_nll(models[label], ids, window))
            for label in ("float32", "bfloat16 packed", "int8 weight-only")}
+    for label in ("bfloat16 packed", "int8 weight-only"):  # the C step's float32 activations: its own quality
+        ppl[f"fused {label}"] = perplexity.perplexity(fused_nll(models[label], ids, window))
     b1 = {key[3:]: statistics.median(v) for key, v in runs.items() if key.startswith("b1 ")}
     if llama is not None:
         b1["llama.cpp (the GGUF file)"] = llama
@@ -480,13 +506,14 @@ def _ratio(b1: dict, num: str, den: str | None, value: float | None = None) -> f
 def verdicts(results: dict) -> dict:
     """Each target of :data:`TARGETS`: its ratio and whether it is met (None where not measured)."""
     b1, bound, tr = results["b1_tokens_per_s"], results["bound_tokens_per_s"], results["traces"]
+    engine = "fused engine" if "fused engine float32 packed" in b1 else "engine"  # a run before the C step: torch's
     ratios = {
-        "b1_engine_vs_generate_fp32": b1["engine float32 packed"] / b1["generate float32 packed"],
-        "b1_bound_fp32": b1["engine float32 packed"] / bound["float32 packed"],
-        "b1_engine_vs_generate_bf16": b1["engine bfloat16 packed"] / b1["generate bfloat16 packed"],
-        "b1_bound_bf16": b1["engine bfloat16 packed"] / bound["bfloat16 packed"],
-        "b1_engine_vs_generate_int8": _ratio(b1, "engine int8 weight-only", "generate int8 weight-only"),
-        "b1_bound_int8": _ratio(b1, "engine int8 weight-only", None, bound.get("int8 weight-only")),
+        "b1_engine_vs_generate_fp32": b1[f"{engine} float32 packed"] / b1["generate float32 packed"],
+        "b1_bound_fp32": b1[f"{engine} float32 packed"] / bound["float32 packed"],
+        "b1_engine_vs_generate_bf16": b1[f"{engine} bfloat16 packed"] / b1["generate bfloat16 packed"],
+        "b1_bound_bf16": b1[f"{engine} bfloat16 packed"] / bound["bfloat16 packed"],
+        "b1_engine_vs_generate_int8": _ratio(b1, f"{engine} int8 weight-only", "generate int8 weight-only"),
+        "b1_bound_int8": _ratio(b1, f"{engine} int8 weight-only", None, bound.get("int8 weight-only")),
         "equal_vs_static": None, "varied_vs_static": None, "varied_ttft_p50": None,
     }
     if "equal static" in tr:
@@ -534,7 +561,7 @@ def results_markdown(results: dict | None) -> str:
         fmt = next((f for f in bound if label.endswith(f)), None)
         share = f"{tps / bound[fmt]:.0%}" if fmt else "-"
         lines.append(f"| {label} | {_tps(tps)} | {_tps(bound.get(fmt))} | {share} |")
-    lines += ["", "| trace (useful tokens) | engine, float32 packed (tokens/s) | transformers static batching, "
+    lines += ["", "| trace (useful tokens) | engine, float32 packed, fused one-request steps (tokens/s) | transformers static batching, "
               "float32 (tokens/s) | engine / static | TTFT p50 engine / static (s) |", "| --- | --- | --- | --- | --- |"]
     n_equal, out_lens = results["sizes"]["equal"][0], results["sizes"]["varied"]["output_lens"]
     for key, name in (("equal", f"{n_equal} equal requests"),
@@ -555,9 +582,12 @@ def results_markdown(results: dict | None) -> str:
             lines.append(f"| {label}{row} | {prof['wall_ms']:.1f} | {ms['products']:.1f} ({prof['products_GBps']:.1f} GB/s) | "
                          f"{ms['attention']:.1f} | {ms['other operators']:.1f} | {prof['operator_calls']:,.0f} |")
     int8 = f", int8 weight-only {ppl['int8 weight-only']:.3f}" if "int8 weight-only" in ppl else ""
+    fused = "".join(f", {label} through the fused C step {ppl[f'fused {label}']:.3f}"
+                    for label in ("bfloat16 packed", "int8 weight-only") if f"fused {label}" in ppl)
     lines += ["", f"Perplexity on the held-out text ({results['perplexity']['tokens']:,} tokens, windows of "
               f"{results['perplexity']['window']}): float32 {ppl['float32']:.3f}, bfloat16 {ppl['bfloat16 packed']:.3f}"
-              f"{int8}."]
+              f"{int8}{fused} (the fused step computes in float32 between the weights; torch's bfloat16 and int8 "
+              f"paths in bfloat16)."]
     return "\n".join(lines)
 
 

@@ -45,9 +45,10 @@ import torch
 from torch import nn
 
 from .cpu_linear import Int8Linear, PackedLinear
+from .paged_cache import PagedKVStore
 from .transformer import Attention, Transformer, rope_cos_sin
 
-__all__ = ["FusedDecoder", "unsupported", "build", "SOURCE"]
+__all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "SOURCE"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -277,3 +278,14 @@ class FusedDecoder:
         if rc:
             raise RuntimeError(f"the fused decode step refused the step (code {rc})")
         return logits
+
+
+@torch.no_grad()
+def teacher_forced_logits(model: Transformer, tokens: list[int], block_size: int = 16) -> torch.Tensor:
+    """The logits (S, V) after each of ``tokens``, every one computed by the C step from the ones
+    before it (a fresh paged cache): what the fused decode path predicts, for a perplexity."""
+    blocks = -(-len(tokens) // block_size)
+    store = PagedKVStore(model.cfg, blocks, block_size, dtype=model.dtype)
+    decoder = FusedDecoder(model, store.k, store.v, blocks * block_size)
+    table = torch.arange(blocks, dtype=torch.int32)
+    return torch.cat([decoder.step(int(t), i, table) for i, t in enumerate(tokens)])

@@ -24,6 +24,8 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     assert {"engine int8 weight-only", "generate int8 weight-only"} <= set(results["b1_tokens_per_s"])
     assert results["weight_bytes"]["int8 weight-only"] < 0.3 * results["weight_bytes"]["float32"]  # codes + scales
     assert checks["engine equals generate, int8 weight-only"]
+    assert checks["fused engine equals generate, float32 packed"] and checks["fused engine equals generate, float32"]
+    assert {f"fused engine {f}" for f in BC.FUSED} <= set(results["b1_tokens_per_s"])
     tr = results["traces"]
     n, _, out = BC.QUICK["equal"]
     assert tr["equal engine"]["tokens"] == tr["equal static"]["tokens"] == n * out
@@ -34,6 +36,8 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
         assert prof["wall_ms"] > 0 and prof["products_GBps"] > 0
     ppl = results["perplexity"]["values"]
     assert 1 < ppl["float32"] != ppl["bfloat16 packed"] and 1 < ppl["int8 weight-only"] != ppl["float32"]
+    for label in ("bfloat16 packed", "int8 weight-only"):  # the C step's own predictions, near float32's
+        assert ppl[f"fused {label}"] != ppl[label] and abs(ppl[f"fused {label}"] / ppl["float32"] - 1) < 0.1
     results.update(quiet=True, verdicts=BC.verdicts(results))
     assert all(v["met"] is not None for v in results["verdicts"].values())
     path = tmp_path / "cpu_engine.json"
@@ -47,6 +51,7 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     assert "AMD" in table or shown["machine"]["cpu"] in table
     assert "engine bfloat16 packed" in table and f"{n} equal requests" in table and "Perplexity" in table
     assert "operator calls" in table and "| int8 weight-only |" in table
+    assert "| fused engine int8 weight-only |" in table and "through the fused C step" in table
     assert "not yet measured" in BC.results_markdown(None).lower()
 
 
@@ -68,6 +73,11 @@ def test_verdicts_say_met_or_missed_against_each_target():
     v = BC.verdicts(results)
     assert v["b1_engine_vs_generate_int8"]["ratio"] == pytest.approx(0.9) and v["b1_engine_vs_generate_int8"]["met"] is False
     assert v["b1_bound_int8"]["ratio"] == pytest.approx(90 / 160)
+    b1.update({"fused engine float32 packed": 33.0, "fused engine bfloat16 packed": 40.0,
+               "fused engine int8 weight-only": 130.0})  # a run with the C step: its verdicts are the fused rows'
+    v = BC.verdicts(results)
+    assert v["b1_engine_vs_generate_fp32"]["met"] is True and v["b1_engine_vs_generate_bf16"]["met"] is False
+    assert v["b1_bound_int8"]["ratio"] == pytest.approx(130 / 160) and v["b1_bound_int8"]["met"] is True
     del results["traces"]["equal static"], results["traces"]["varied static"]
     assert BC.verdicts(results)["equal_vs_static"]["met"] is None  # transformers missing: not measured
 
