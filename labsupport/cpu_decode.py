@@ -1,44 +1,56 @@
 """Batch-1 decode on a CPU in one call: the whole forward pass in C (``labsupport/csrc/cpu_decode.c``).
 
 A decode step reads every weight once, so its floor is the weights' bytes over the memory's read
-bandwidth (chapter 13). On a CPU, torch's matrix products read at close to that rate, but the
-same step also dispatches thousands of small operators from Python (norms, views, rotations,
-the cache write, attention's pieces), which on SmolLM2-135M cost about as much as the products
-(``python -m labsupport.bench_engine --cpu-real-model`` profiles it). A GPU engine removes that
-cost with CUDA graphs (one launch replays the whole step); a CPU engine has no graphs, so vLLM's
-CPU backend and llama.cpp run the step in compiled code. :class:`FusedDecoder` does the same for
-the course's engine: one C function runs the step (embedding row, every layer, final norm,
-output head), the threads splitting each matrix's rows, and returns the logits; the engine
-samples them as usual.
+bandwidth (chapter 13). Through torch, a decode step of SmolLM2-135M on a CPU also dispatches
+thousands of small operators from Python (norms, views, rotations, the cache write, attention's
+pieces), which cost about as much as the matrix products, and the products themselves read below
+the bandwidth (``python -m labsupport.bench_engine --cpu-real-model`` profiles both). A GPU engine
+removes the dispatch cost with CUDA graphs (one launch replays the whole step); a CPU has no graphs,
+and runtimes such as llama.cpp run the step in compiled code. :class:`FusedDecoder` does that for the
+course's engine: one C function runs the step (embedding row, every layer, final norm, output
+head), the threads splitting each matrix's rows, and returns the logits; the engine samples them
+as usual.
 
 * **What it reads**: the model's own weight tensors, not copies (float32 and bfloat16 layers,
   plain or packed by :func:`labsupport.cpu_linear.prepack`, and :class:`~labsupport.cpu_linear.Int8Linear`'s
   int8 codes with their per-row scales), and the engine's paged KV cache, where it writes the
   token's keys and values as torch would (bfloat16 rounded to nearest even).
 * **Its numbers**: every activation in float32. A float32 model gives the torch path's logits up
-  to the order of float32 sums; a bfloat16 or int8 model's logits are closer to float32 than
-  the torch path's, which rounds every activation to bfloat16.
-* **Its limits**: one sequence decoding (the engine's other steps run torch), a Llama-style
-  model without per-head query/key norms (Qwen3's), the course's rotation (no learner ``rope``
-  plugged in), weights it knows the layout of. :func:`unsupported` says why a model is refused.
+  to the order and rounding of float32 sums (so the same greedy tokens, but for near-ties); with
+  bfloat16 weights its logits sit closer to the float32 model's than the torch path's, which rounds
+  every activation to bfloat16; with int8 weights the weights' own rounding dominates (the bench's
+  perplexities put the two int8 paths within a few hundredths of each other).
+* **Its limits**: one sequence decoding and sampling (the engine's other steps run torch), a
+  Llama-style model without per-head query/key norms (Qwen3's), the course's rotation and step
+  assembly (the engine takes the torch path while a learner's ``rope`` or ``assemble`` is plugged
+  in), weights it knows the layout of. :func:`unsupported` says why a model is refused. The decoder
+  reads the weight tensors it was made from; :meth:`FusedDecoder.stale` says when the model's have
+  changed since (the engine then makes a new one).
 * **Building it**: the C file is compiled once per machine with the system's C compiler
   (``cc -O3 -march=native -fopenmp``, about a second) into ``$LABSUPPORT_CACHE`` or
-  ``~/.cache/labsupport``, keyed by the source, the compiler and the CPU's flags. Without a
-  compiler it raises a RuntimeError that says so; the engine's torch path needs none.
+  ``~/.cache/labsupport``, keyed by the source, the compiler and what it takes ``native`` to mean
+  (or the CPU's flags). Without a compiler, or when the build fails, it raises a RuntimeError that
+  says so; the engine's torch path needs none.
 
-Its OpenMP threads are torch's own: torch loads ``libgomp.so.1`` first, and the library built here
-asks for the same name, which the loader resolves to the one already loaded.
+Its OpenMP threads are torch's own where torch's Linux wheels ship ``libgomp.so.1``: torch loads it
+first, and the library built here asks for the same name, which the loader resolves to the one
+already loaded. Where two OpenMP runtimes end up in the process (a torch built with another one),
+:func:`build` warns: two thread pools would share the cores.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -46,7 +58,7 @@ from torch import nn
 
 from .cpu_linear import Int8Linear, PackedLinear
 from .paged_cache import PagedKVStore
-from .transformer import Attention, Transformer, rope_cos_sin
+from .transformer import Transformer, rope_cos_sin
 
 __all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "SOURCE"]
 
@@ -57,7 +69,8 @@ _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("type", ctypes.c_int32)]
+                ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("type", ctypes.c_int32),
+                ("vec_type", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -68,7 +81,8 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int32) for name in ("n_layers", "d", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                                                       "vocab", "block_size", "cache_type", "threads")),
+                                                       "vocab", "block_size", "num_blocks", "cache_type", "norm_type",
+                                                       "threads")),
                 ("eps", ctypes.c_float), ("embed", ctypes.c_void_p), ("embed_type", ctypes.c_int32),
                 ("final_norm", ctypes.c_void_p), ("head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
                 ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("rope_len", ctypes.c_int64),
@@ -86,19 +100,42 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
 
-def _compiler() -> str | None:
-    """The C compiler: ``$CC`` if set (None when it is not found), else ``cc`` or ``gcc`` on the PATH."""
+def _compiler() -> list[str] | None:
+    """The C compiler's command: ``$CC`` if set (split as a shell would: ``ccache gcc``; None when its
+    program is not found), else ``cc`` or ``gcc`` on the PATH."""
     if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"])
-    return shutil.which("cc") or shutil.which("gcc")
+        words = shlex.split(os.environ["CC"])
+        found = shutil.which(words[0]) if words else None
+        return None if found is None else [found, *words[1:]]
+    found = shutil.which("cc") or shutil.which("gcc")
+    return None if found is None else [found]
 
 
-def _cpu_flags() -> str:
+def _target_key(cc: list[str]) -> str:
+    """What ``-march=native`` means here: GCC's resolved target options where it answers, and the
+    CPU's own description (x86 ``flags``, ARM ``Features`` and ``CPU part``, the model name)."""
+    try:
+        resolved = subprocess.run([*cc, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                                  timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        resolved = ""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            cpu = sorted({line.strip() for line in f if line.split(":")[0].strip() in
+                          ("flags", "Features", "CPU part", "CPU implementer", "model name")})
     except OSError:
-        return platform.processor()
+        cpu = [platform.machine(), platform.processor()]
+    return resolved + "\n".join(cpu)
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime libraries mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return set()
+    return {p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))}
 
 
 def _cache_root() -> Path:
@@ -119,19 +156,31 @@ def build() -> ctypes.CDLL:
                                f"({'CC=' + os.environ['CC'] if os.environ.get('CC') else 'cc or gcc'}; set CC to "
                                f"another): install one (apt-get install gcc) or run the engine "
                                "with cpu_decode='torch'")
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_flags()]).encode())
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(cc), version, " ".join(FLAGS),
+                                        _target_key(cc)]).encode())
         target = _cache_root() / f"cpu_decode-{key.hexdigest()[:16]}.so"
         if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_suffix(f".{os.getpid()}.tmp")
-            done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd, partial = tempfile.mkstemp(suffix=".so.tmp", dir=target.parent)  # a name no other build shares
+                os.close(fd)
+            except OSError as exc:
+                raise RuntimeError(f"cannot write the compiled step into {target.parent} ({exc}): set "
+                                   f"LABSUPPORT_CACHE to a folder you can write, or use cpu_decode='torch'") from exc
+            done = subprocess.run([*cc, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True)
             if done.returncode != 0:
-                partial.unlink(missing_ok=True)
-                raise RuntimeError(f"building {SOURCE.name} with {cc} failed (run the engine with cpu_decode='torch' "
-                                   f"meanwhile):\n{done.stderr[-2000:]}")
+                Path(partial).unlink(missing_ok=True)
+                hint = " (Apple's clang needs libomp for -fopenmp: brew install libomp)" if platform.system() == "Darwin" else ""
+                raise RuntimeError(f"building {SOURCE.name} with {' '.join(cc)} failed{hint}; run the engine with "
+                                   f"cpu_decode='torch' meanwhile:\n{done.stderr[-2000:]}")
             os.replace(partial, target)  # whole or absent: another process never loads half a file
         lib = ctypes.CDLL(str(target))
+        runtimes = _openmp_runtimes()
+        if len(runtimes) > 1:
+            warnings.warn(f"two OpenMP runtimes are loaded ({', '.join(sorted(runtimes))}): the fused step's threads and "
+                          f"torch's are separate pools on the same cores, which can slow both", RuntimeWarning,
+                          stacklevel=2)
         lib.decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
         lib.decode_step.restype = ctypes.c_int
         lib.work_floats.argtypes = [ctypes.POINTER(_Model)]
@@ -159,9 +208,14 @@ def unsupported(model: Transformer) -> str | None:
                 f"it runs (head_dim a multiple of 8 up to 512, at most 16 query heads per key/value head)")
     if cfg.d_model % 8 or cfg.d_ff % 8:
         return f"its widths (d_model {cfg.d_model}, d_ff {cfg.d_ff}) must be multiples of 8"
+    why = plugged_in(model)
+    if why:
+        return why
+    for name, t in (("the embedding", model.tok_embeddings.weight), ("the final norm", model.norm.weight),
+                    ("the output head", None if model.output is None else model.output.weight)):
+        if t is not None and t.dtype not in (torch.float32, torch.bfloat16):
+            return f"{name} holds {t.dtype} weights (it reads float32 or bfloat16)"
     for i, block in enumerate(model.layers):
-        if block.attention.rope is not Attention.rope:
-            return f"layer {i} rotates with a plugged-in rope function (a learner's part), which the C step would bypass"
         for name, layer in [*block.attention.named_children(), *block.feed_forward.named_children()]:
             if not isinstance(layer, (nn.Linear, PackedLinear, Int8Linear)) and name not in ("q_norm", "k_norm"):
                 return f"layer {i}'s {name} is a {type(layer).__name__}, whose weights the C step cannot read"
@@ -170,34 +224,53 @@ def unsupported(model: Transformer) -> str | None:
     return None
 
 
+def plugged_in(model: Transformer) -> str | None:
+    """Why the C step would bypass a part plugged into ``model`` (a rotation other than the course's,
+    on one layer or on the class), or None. Cheap: the engine asks before every fused step."""
+    for i, block in enumerate(model.layers):
+        if block.attention.rope is not None:
+            return f"layer {i} rotates with a plugged-in rope function (a learner's part), which the C step would bypass"
+    return None
+
+
 class FusedDecoder:
     """Runs a batch-1 decode step of ``model`` on the engine's paged cache ``k_cache``/``v_cache``
     (``(L, num_blocks, block_size, Hkv, D)``, contiguous) in one C call (module docstring).
     ``max_len``: the longest sequence it will see (the rotation's table is made that long).
 
-    It reads the weights the model holds when it is made, and keeps them alive: a model changed
-    afterwards (``load_state_dict``, ``model.to``) needs a new decoder."""
+    It reads the model's own tensors in place (an in-place update is read at the next step) and keeps
+    them alive: :meth:`stale` says when the model holds other tensors since (``model.to``, ``prepack``,
+    a parameter or module swapped), and then a new decoder is needed; the engine makes one itself after
+    ``model.to`` or ``prepack`` (:meth:`repacked`), not after a single parameter is swapped. One step at
+    a time: a lock guards the workspace."""
 
     def __init__(self, model: Transformer, k_cache: torch.Tensor, v_cache: torch.Tensor, max_len: int,
                  threads: int | None = None):
         why = unsupported(model)
         if why:
             raise ValueError(f"the fused CPU decode step cannot run this model: {why}; use cpu_decode='torch'")
+        cfg = model.cfg
+        if k_cache.dim() != 5 or k_cache.shape != v_cache.shape or k_cache.shape[0] != cfg.n_layers \
+                or tuple(k_cache.shape[3:]) != (cfg.n_kv_heads, cfg.head_dim):
+            raise ValueError(f"the KV cache must be paged, (n_layers, num_blocks, block_size, n_kv_heads, head_dim) = "
+                             f"({cfg.n_layers}, *, *, {cfg.n_kv_heads}, {cfg.head_dim}) for keys and values alike "
+                             f"(the engine's PagedKVStore); got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
         if k_cache.dtype != model.dtype or v_cache.dtype != model.dtype or not (k_cache.is_contiguous()
                                                                                and v_cache.is_contiguous()):
             raise ValueError("the KV cache must be contiguous and in the model's dtype (the engine's PagedKVStore)")
         self.lib = build()
-        cfg = self.cfg = model.cfg
-        self.model = model
+        self.cfg, self.model = cfg, model
+        self._lock = threading.Lock()
         self._keep: list[torch.Tensor] = []  # every tensor the C structures point into, kept alive
         m = self._c = _Model()
         m.n_layers, m.d, m.n_heads, m.n_kv_heads = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         m.head_dim, m.d_ff, m.vocab, m.block_size = cfg.head_dim, cfg.d_ff, cfg.vocab_size, k_cache.shape[2]
-        m.cache_type, m.eps = _TYPES[k_cache.dtype], cfg.rms_norm_eps
+        m.num_blocks = k_cache.shape[1]
+        m.cache_type, m.norm_type, m.eps = _TYPES[k_cache.dtype], _TYPES[model.norm.weight.dtype], cfg.rms_norm_eps
         m.threads = threads or torch.get_num_threads()
-        emb = self._hold(model.tok_embeddings.weight.detach())
+        emb = self._hold(self._source(model.tok_embeddings.weight))
         m.embed, m.embed_type = emb.data_ptr(), _TYPES[emb.dtype]
-        m.final_norm = self._floats(model.norm.weight)
+        m.final_norm = self._vector(model.norm.weight, m.norm_type)
         if model.packed_head is not None:
             self._matrices(model.packed_head, (cfg.vocab_size,), [m.head])
         else:
@@ -207,7 +280,8 @@ class FusedDecoder:
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         for i, block in enumerate(model.layers):
             c, att, ff = self._layers[i], block.attention, block.feed_forward
-            c.attn_norm, c.ffn_norm = self._floats(block.attention_norm.weight), self._floats(block.ffn_norm.weight)
+            c.attn_norm = self._vector(block.attention_norm.weight, m.norm_type)
+            c.ffn_norm = self._vector(block.ffn_norm.weight, m.norm_type)
             if att.wqkv is not None:
                 self._matrices(att.wqkv, (H * D, Hkv * D, Hkv * D), [c.q, c.k, c.v])
             else:
@@ -227,34 +301,68 @@ class FusedDecoder:
         m.rope_cos, m.rope_sin, m.rope_len = self._hold(cos).data_ptr(), self._hold(sin).data_ptr(), max_len
         m.work = self._hold(torch.zeros(self.lib.work_floats(ctypes.byref(m)))).data_ptr()
         self._step = _Step()
+        self._layout = self._model_layout()
+        self._quick = (model.dtype, id(model.packed_head), model.tok_embeddings.weight.data_ptr())
+
+    def _source(self, t: torch.Tensor) -> torch.Tensor:
+        """One of the model's tensors the step reads in place (so an in-place update is read too)."""
+        if not t.is_contiguous():
+            raise ValueError(f"a weight of shape {tuple(t.shape)} is not contiguous: the C step reads the model's "
+                             f"tensors in place (make the model's parameters contiguous, or use cpu_decode='torch')")
+        t = t.detach()
+        return t
 
     def _hold(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the same tensor where it is contiguous, as the model's weights are), kept alive."""
         t = t.contiguous()
         self._keep.append(t)
         return t
 
-    def _floats(self, t: torch.Tensor | None) -> int | None:
-        """A float32 copy of a small vector (norm weights, scales, biases), kept; its address."""
-        return None if t is None else self._hold(t.detach().float().reshape(-1)).data_ptr()
+    def _vector(self, t: torch.Tensor, vec_type: int) -> int:
+        """The address of one of the model's vectors (a norm's weight, scales, a bias), read in place."""
+        if _TYPES.get(t.dtype) != vec_type:
+            want = next(d for d, v in _TYPES.items() if v == vec_type)
+            raise ValueError(f"a vector of {t.dtype} where the C step reads {want}: the model's norms and each "
+                             f"layer's bias and scales must be in the dtype of the model's norms and that layer's weights")
+        return self._hold(self._source(t)).data_ptr()
+
+    def stale(self) -> bool:
+        """Whether the model's tensors it reads have been replaced since it was made (``model.to``,
+        ``prepack``, a module or a parameter swapped, ``load_state_dict(assign=True)``): then make a new
+        decoder. In-place updates (``load_state_dict``, an optimizer's step) need none: the C step reads
+        the model's own tensors. It walks every parameter (milliseconds on SmolLM2): the engine asks the
+        cheaper :meth:`repacked` before each step."""
+        return self._layout != self._model_layout()
+
+    def repacked(self) -> bool:
+        """Whether the model was moved to another dtype or packed (``prepack``) since: the changes that
+        replace every weight, checked in microseconds (the engine asks before each fused step)."""
+        m = self.model
+        return (m.dtype, id(m.packed_head), m.tok_embeddings.weight.data_ptr()) != self._quick
+
+    def _model_layout(self) -> tuple:
+        """Where the model's parameters and buffers are now (a swapped module or parameter moves some)."""
+        return tuple(t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers()))
 
     def _matrices(self, layer, rows: tuple[int, ...], outs: list) -> None:
         """Fill ``outs`` with consecutive row ranges of ``rows`` of ``layer``'s weight (a fused layer
         splits into its parts: q, k, v or gate, up): pointers into the model's own tensors."""
         if isinstance(layer, Int8Linear):
-            w, scale, bias = layer.codes, layer.scales.float(), layer.bias
+            w, scale, bias, vec = layer.codes, layer.scales, layer.bias, layer.scales.dtype
         elif isinstance(layer, torch.Tensor):
-            w, scale, bias = layer.detach(), None, None
+            w, scale, bias, vec = layer, None, None, layer.dtype
         else:
-            w, scale, bias = layer.weight.detach(), None, layer.bias
-        w = self._hold(w)
-        scale = None if scale is None else self._hold(scale)
-        bias = None if bias is None else self._hold(bias.detach().float())
-        start, cols = 0, w.shape[1]
+            w, scale, bias, vec = layer.weight, None, layer.bias, layer.weight.dtype
+        w = self._hold(self._source(w))
+        vec_type = _TYPES[vec]
+        scale = None if scale is None else self._vector(scale, vec_type)  # addresses
+        bias = None if bias is None else self._vector(bias, vec_type)
+        start, cols, size = 0, w.shape[1], torch.tensor([], dtype=vec).element_size()
         for n, out in zip(rows, outs):
             out.w = w.data_ptr() + start * cols * w.element_size()
-            out.scale = None if scale is None else scale.data_ptr() + start * 4
-            out.bias = None if bias is None else bias.data_ptr() + start * 4
-            out.rows, out.cols, out.type = n, cols, _TYPES[w.dtype]
+            out.scale = None if scale is None else scale + start * size
+            out.bias = None if bias is None else bias + start * size
+            out.rows, out.cols, out.type, out.vec_type = n, cols, _TYPES[w.dtype], vec_type
             start += n
         if start != w.shape[0]:
             raise ValueError(f"a weight of {w.shape[0]} rows was read as {start}: not the model's shape")
@@ -265,18 +373,23 @@ class FusedDecoder:
         are written to the cache slot of ``position``."""
         if not 0 <= token < self.cfg.vocab_size:
             raise ValueError(f"token id {token} is outside the vocabulary [0, {self.cfg.vocab_size - 1}]")
-        if position >= self._c.rope_len:
-            raise ValueError(f"position {position} is past the longest sequence this decoder was made for "
-                             f"({self._c.rope_len})")
-        if block_table.dtype != torch.int32 or not block_table.is_contiguous() \
+        if not 0 <= position < self._c.rope_len:
+            raise ValueError(f"position {position} is outside [0, {self._c.rope_len - 1}], the positions this decoder "
+                             f"was made for")
+        if block_table.dtype != torch.int32 or block_table.dim() != 1 or not block_table.is_contiguous() \
                 or block_table.numel() * self._c.block_size <= position:
-            raise ValueError("block_table must be a contiguous int32 tensor covering the position")
+            raise ValueError("block_table must be a contiguous 1-D int32 tensor covering the position")
         logits = torch.empty(1, self.cfg.vocab_size)  # (1, V): a new tensor each step (the sampler may keep it)
-        s = self._step
-        s.token, s.position, s.block_table, s.logits = token, position, block_table.data_ptr(), logits.data_ptr()
-        rc = self.lib.decode_step(ctypes.byref(self._c), ctypes.byref(s))
+        with self._lock:  # one workspace: one step at a time
+            s = self._step
+            s.token, s.position, s.block_table, s.logits = token, position, block_table.data_ptr(), logits.data_ptr()
+            rc = self.lib.decode_step(ctypes.byref(self._c), ctypes.byref(s))
+        if rc == 3:  # the C step checks the blocks it will read and write before it touches the cache
+            used = block_table[:position // self._c.block_size + 1].tolist()
+            raise ValueError(f"the block table's blocks up to position {position} ({used}) must be ids of the cache's "
+                             f"{self._c.num_blocks} blocks")
         if rc:
-            raise RuntimeError(f"the fused decode step refused the step (code {rc})")
+            raise RuntimeError(f"the fused decode step refused the step (code {rc}: see decode_step in {SOURCE.name})")
         return logits
 
 

@@ -5,12 +5,15 @@ with a reason, what it cannot run."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from labsupport import cpu_decode, cpu_linear
 from labsupport.engine import Engine
 from labsupport.models import ModelConfig
+from labsupport.paged_cache import PagedKVStore
 from labsupport.sampling import SamplingParams
 from labsupport.transformer import Transformer
 
@@ -66,20 +69,132 @@ def test_logits_equal_the_torch_step_and_the_cache_gets_the_same_keys(shape):
 
 
 def test_the_engine_serves_generates_tokens_on_scattered_blocks_and_mixed_steps():
-    """Fused batch-1 steps between torch steps (prompts, batches of two): every output equals the
-    torch engine's and generate's; the blocks of a sequence are not consecutive (requests interleave)."""
+    """Three requests of different lengths share steps (torch), then the last one decodes alone (the C
+    step) on the blocks it got while the others interleaved: every output equals generate's."""
     model = small(seed=3)
-    prompts = [prompt(n, seed=n) for n in (5, 11, 3)]
-    fused, eng = engine_tokens(model, prompts, "fused", max_tokens=14)
-    torch_out, _ = engine_tokens(model, prompts, "torch", max_tokens=14)
-    assert fused == torch_out
-    for p, out in zip(prompts, fused):
-        assert model.generate(torch.tensor([p]), 14)[0, len(p):].tolist() == out
+    prompts, lengths = [prompt(n, seed=n) for n in (5, 11, 3)], (4, 14, 9)
+    eng = Engine(model, num_blocks=40, block_size=4, cpu_decode="fused", prefix_caching=False)
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=n)) for p, n in zip(prompts, lengths)]
+    fused_step, fused_tables = eng.runner.fused_step, []
+    eng.runner.fused_step = lambda meta: (fused_tables.append(meta.block_tables[0].tolist()), fused_step(meta))[1]
+    while eng.has_unfinished():
+        eng.step()
+    assert len(fused_tables) >= 4  # the longest request's last steps ran in C
+    assert any(t != list(range(t[0], t[0] + len(t))) for t in fused_tables)  # on blocks that are not consecutive
+    for rid, p, n in zip(ids, prompts, lengths):
+        assert eng.requests[rid].output_ids == model.generate(torch.tensor([p]), n)[0, len(p):].tolist()
 
 
-def test_bf16_and_int8_weights_stay_close_to_float32():
-    """bfloat16 and int8 weights with float32 activations: logits near the float32 model's (closer than
-    the bfloat16 torch path's), the bfloat16 cache written as torch rounds it."""
+def test_a_scattered_block_table_reads_and_writes_only_its_blocks():
+    """Teacher-forced through blocks 5, 2, 7, 0 of a 9-block cache: each position's logits are the
+    model's own for that prefix, and the blocks outside the table are never written."""
+    model = small(seed=11, vocab_size=301)  # 301 rows: a head whose rows are not a multiple of 4
+    tokens = prompt(14, seed=11, vocab=301)
+    store = PagedKVStore(model.cfg, 9, 4, dtype=torch.float32)
+    decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 16)
+    table = torch.tensor([5, 2, 7, 0], dtype=torch.int32)
+    got = torch.cat([decoder.step(t, i, table) for i, t in enumerate(tokens)])  # (14, V)
+    want = model.logits(model(torch.tensor([tokens]), model.contiguous_batch(None, 0, len(tokens))))[0]  # (14, V)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    written = {b for b in range(9) if store.k[:, b].abs().sum() > 0}
+    assert written == {5, 2, 7, 0} and all(store.v[:, b].abs().sum() == 0 for b in (1, 3, 4, 6, 8))
+
+
+def test_bad_positions_blocks_and_caches_are_refused_before_the_cache_is_touched():
+    model = small()
+    store = PagedKVStore(model.cfg, 4, 4, dtype=torch.float32)
+    decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 16)
+    for position, table, says in ((-1, [1], "outside"), (16, [0, 1, 2, 3, 0], "outside"),
+                                  (5, [0, 4], "ids of the cache's 4 blocks"), (1, [-1], "ids of the cache's"),
+                                  (9, [0, 1], "covering the position")):
+        with pytest.raises(ValueError, match=says):
+            decoder.step(3, position, torch.tensor(table, dtype=torch.int32))
+    assert store.k.abs().sum() == 0 and store.v.abs().sum() == 0
+    contiguous = model.new_cache(1, 16)  # (L, B, Hkv, S, D): not a paged cache
+    with pytest.raises(ValueError, match="must be paged"):
+        cpu_decode.FusedDecoder(model, contiguous.k, contiguous.v, 16)
+
+
+def test_every_thread_count_gives_the_same_bits():
+    """The threads split rows, never a sum: 1, 2, 3 and 5 threads give bit-identical logits (the suite
+    runs with one thread per worker, so this is where the split is checked)."""
+    model = small(seed=2, vocab_size=301, n_layers=3)
+    tokens = prompt(9, seed=2, vocab=301)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        store = PagedKVStore(model.cfg, 4, 4, dtype=torch.float32)
+        decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 16, threads=threads)
+        table = torch.tensor([3, 1, 0], dtype=torch.int32)
+        outs.append(torch.cat([decoder.step(t, i, table) for i, t in enumerate(tokens)]))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def full_logits(model, tokens):
+    """The torch model's logits (S, V) at every position of ``tokens`` (one forward pass, float32)."""
+    return model.logits(model(torch.tensor([tokens]), model.contiguous_batch(None, 0, len(tokens))))[0]
+
+
+def through_c(model, tokens, block_size=4):
+    """The C step's logits at every position, and the paged cache it wrote."""
+    blocks = -(-len(tokens) // block_size)
+    store = PagedKVStore(model.cfg, blocks, block_size, dtype=model.dtype)
+    decoder = cpu_decode.FusedDecoder(model, store.k, store.v, blocks * block_size)
+    table = torch.arange(blocks, dtype=torch.int32)
+    return torch.cat([decoder.step(t, i, table) for i, t in enumerate(tokens)]), store
+
+
+def test_bf16_weights_compute_as_their_float32_twin_and_the_cache_rounds_to_nearest_even():
+    """bfloat16 weights are read exactly (their float32 twin gives layer 0's keys and values bit for
+    bit, which the bfloat16 cache holds rounded to nearest even, as torch rounds); the logits stay
+    closer to the twin's than torch's bfloat16 path, which rounds every activation."""
+    model = small(seed=5, n_layers=3).to(torch.bfloat16)
+    twin = copy.deepcopy(model).float()  # the same weights, exactly, in float32
+    tokens = prompt(11, seed=5)
+    got, store = through_c(model, tokens)
+    want, twin_store = through_c(twin, tokens)
+    assert torch.equal(store.k[0], twin_store.k[0].to(torch.bfloat16))  # layer 0: the same float32 keys, rounded
+    assert torch.equal(store.v[0], twin_store.v[0].to(torch.bfloat16))
+    torch_bf16 = full_logits(model, tokens)
+    assert (got - want).abs().max() < 0.5 * (torch_bf16 - want).abs().max()
+
+
+def dequantised_twin(model):
+    """A float32 copy of an int8 model (prepack "int8") holding ``codes * scales`` in float32."""
+    twin = copy.deepcopy(model)
+    for parent in [m for b in twin.layers for m in (b.attention, b.feed_forward)]:
+        for name, layer in list(parent.named_children()):
+            if isinstance(layer, cpu_linear.Int8Linear):
+                dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+                with torch.no_grad():
+                    dense.weight.copy_(layer.codes.float() * layer.scales.float()[:, None])
+                    if layer.bias is not None:
+                        dense.bias.copy_(layer.bias.float())
+                setattr(parent, name, dense)
+    head = twin.packed_head
+    twin.packed_head = None
+    with torch.no_grad():
+        twin.output.weight.copy_(head.codes.float() * head.scales.float()[:, None])
+    return twin.float()
+
+
+def test_int8_weights_with_biases_compute_as_their_dequantised_twin():
+    """Int8 codes times their row's scale, plus the biases: the C step's logits are those of a float32
+    model holding ``codes * scales`` (up to the bfloat16 cache), and a twin missing one layer's output
+    bias is far outside that tolerance (the comparison can fail)."""
+    model = small(seed=6, vocab_size=301, qkv_bias=True, o_bias=True).to(torch.bfloat16)
+    cpu_linear.prepack(model, "int8")
+    twin = dequantised_twin(model)
+    tokens = prompt(10, seed=6, vocab=301)
+    got, _ = through_c(model, tokens)
+    want = full_logits(twin, tokens)
+    gap = (got - want).abs().max()
+    assert gap < 2e-2
+    with torch.no_grad():
+        twin.layers[1].attention.wo.bias.zero_()
+    assert (got - full_logits(twin, tokens)).abs().max() > 10 * gap
+
+
+def test_bf16_and_int8_engines_give_the_float32_greedy_tokens():
     ref = small(seed=5, n_layers=3)
     p = prompt(7, seed=5)
     want, _ = engine_tokens(ref, [p], "fused", max_tokens=10)
@@ -89,35 +204,19 @@ def test_bf16_and_int8_weights_stay_close_to_float32():
             cpu_linear.prepack(model, "int8")
         got, eng = engine_tokens(model, [p], "fused", max_tokens=10)
         assert got == want, fmt
-        assert eng.store.k.dtype == torch.bfloat16
-    model = small(seed=5, n_layers=3).to(torch.bfloat16)
-    eng = Engine(model, num_blocks=40, block_size=4, cpu_decode="fused", prefix_caching=False)
-    eng.add_request(p, SamplingParams(temperature=0, max_tokens=3), request_id="a")
-    eng.step()
-    meta = eng.runner.prepare([(eng.requests["a"], 1)])
-    k_before = eng.store.k.clone()
-    fused = eng.runner.fused_step(meta)
-    k_fused = eng.store.k.clone()
-    eng.store.k.copy_(k_before)
-    torch_logits = model.logits(eng.runner.forward(meta))
-    assert not torch.equal(k_fused, k_before)  # it wrote the token's keys
-    torch.testing.assert_close(k_fused, eng.store.k, atol=0.02, rtol=0.02)  # within bfloat16 of torch's
-    ref_eng = Engine(ref, num_blocks=40, block_size=4, prefix_caching=False)
-    ref_eng.add_request(p, SamplingParams(temperature=0, max_tokens=3), request_id="a")
-    ref_eng.step()
-    f32 = ref.logits(ref_eng.runner.forward(ref_eng.runner.prepare([(ref_eng.requests["a"], 1)])))
-    assert (fused - f32).abs().max() < (torch_logits - f32).abs().max()
 
 
-def test_packed_models_and_unfused_projections_give_the_same_logits():
-    base = small(seed=7)
-    packed = small(seed=7)
-    cpu_linear.prepack(packed, plain_rows=0)
-    p = prompt(6, seed=7)
-    a, _ = engine_tokens(base, [p], "fused")  # wq, wk, wv and w1, w3 apart
-    b, _ = engine_tokens(packed, [p], "fused")  # wqkv and w13 (prepack fuses them), the packed head
+def test_packed_models_and_unfused_projections_give_the_torch_logits():
+    """wq, wk, wv and w1, w3 apart, or fused by prepack with the packed head: the C step's logits are
+    the unpacked torch model's."""
+    base = small(seed=7, qkv_bias=True)
+    packed = cpu_linear.prepack(small(seed=7, qkv_bias=True), plain_rows=0)
     assert base.layers[0].attention.wqkv is None and packed.layers[0].attention.wqkv is not None
-    assert a == b
+    tokens = prompt(10, seed=7)
+    want = base.logits(base(torch.tensor([tokens]), base.contiguous_batch(None, 0, len(tokens))))[0]  # (S, V)
+    for model in (base, packed):
+        torch.testing.assert_close(cpu_decode.teacher_forced_logits(model, tokens, block_size=4), want,
+                                   atol=2e-5, rtol=1e-4)
 
 
 def test_refusals_say_why():
@@ -132,7 +231,7 @@ def test_refusals_say_why():
     with pytest.raises(ValueError, match="cpu_decode must be one of"):
         Engine(small(), num_blocks=8, block_size=4, cpu_decode="c")
     eng = Engine(small(), num_blocks=8, block_size=4, max_model_len=16, cpu_decode="fused")
-    with pytest.raises(ValueError, match="past the longest sequence"):
+    with pytest.raises(ValueError, match=r"position 16 is outside \[0, 15\]"):
         eng.runner.fused.step(1, 16, torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="token id"):
         eng.runner.fused.step(300, 3, torch.zeros(4, dtype=torch.int32))
@@ -188,3 +287,65 @@ def test_the_server_refuses_fused_without_the_engine_or_with_a_stack(capsys):
         with pytest.raises(SystemExit):
             cli.parse_args(argv)
         assert says in capsys.readouterr().err
+
+
+def counting(eng):
+    """Count the engine's fused steps."""
+    calls, step = [], eng.runner.fused_step
+    eng.runner.fused_step = lambda meta: (calls.append(1), step(meta))[1]
+    return calls
+
+
+def test_parts_plugged_in_after_the_engine_take_the_torch_path(monkeypatch):
+    """A rotation (on a layer or on the class) or a step assembly plugged in after the engine was
+    built: one-request decode steps run torch, which uses them."""
+    model = small(seed=8)
+    p = prompt(6, seed=8)
+    for plug in ("layer rope", "class rope", "assemble"):
+        eng = Engine(model, num_blocks=40, block_size=4, cpu_decode="fused", prefix_caching=False)
+        calls, seen = counting(eng), []
+
+        def rope(q, k, positions, seen=seen):
+            seen.append(1)
+            return q, k  # a (wrong) rotation that does nothing: visible in the output if it runs
+
+        if plug == "layer rope":
+            model.layers[0].attention.rope = rope
+        elif plug == "class rope":
+            monkeypatch.setattr(type(model.layers[0].attention), "rope", staticmethod(rope))
+        else:
+            from labsupport.engine.model_runner import prepare_step
+            eng.runner.assemble = lambda seqs, bs, seen=seen: (seen.append(1), prepare_step(seqs, bs))[1]
+        eng.generate([p], SamplingParams(temperature=0, max_tokens=5))
+        assert calls == [] and len(seen) >= 5, plug
+        if plug == "layer rope":
+            del model.layers[0].attention.rope
+        monkeypatch.undo()
+
+
+def test_changed_weights_get_a_new_decoder_and_prompt_steps_never_reach_it():
+    model = small(seed=9)
+    p = prompt(5, seed=9)
+    eng = Engine(model, num_blocks=40, block_size=4, cpu_decode="fused", prefix_caching=False)
+    first = eng.runner.fused
+    eng.generate([p], SamplingParams(temperature=0, max_tokens=3))
+    assert not first.stale()
+    with torch.no_grad():
+        model.norm.weight.mul_(-1.5)  # in place: the C step reads the model's own tensor
+        model.layers[0].attention.wq.weight.mul_(3.0)
+    assert not first.stale()
+    (out,) = eng.generate([p], SamplingParams(temperature=0, max_tokens=6))
+    assert eng.runner.fused is first and out == model.generate(torch.tensor([p]), 6)[0, len(p):].tolist()
+    cpu_linear.prepack(model, plain_rows=0)  # every weight replaced: the engine makes a new decoder
+    assert first.stale() and first.repacked()
+    (out,) = eng.generate([p], SamplingParams(temperature=0, max_tokens=6))
+    assert eng.runner.fused is not first and not eng.runner.fused.stale()
+    assert out == model.generate(torch.tensor([p]), 6)[0, len(p):].tolist()
+    second = eng.runner.fused
+    model.layers[1].feed_forward.w2.weight = torch.nn.Parameter(model.layers[1].feed_forward.w2.weight * -2)
+    assert second.stale() and not second.repacked()  # one parameter swapped: stale() sees it
+    one = Engine(model, num_blocks=40, block_size=4, token_budget=1, cpu_decode="fused", prefix_caching=False)
+    calls = counting(one)  # a budget of one token: prompt steps of one token that sample nothing stay on torch
+    (out,) = one.generate([p], SamplingParams(temperature=0, max_tokens=6))
+    assert out == model.generate(torch.tensor([p]), 6)[0, len(p):].tolist()
+    assert len(calls) == 6  # the prompt's last token (it samples the first output) and 5 decodes; 4 prompt steps not

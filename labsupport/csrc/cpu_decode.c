@@ -1,20 +1,22 @@
 /* One batch-1 decode step of a Llama-style model on a CPU, in one call (labsupport.cpu_decode).
  *
  * Decode reads every weight once per token, so a step's floor is the weights' bytes over the
- * memory's read bandwidth (chapter 13). torch reaches the matrix products' share of that floor,
- * but a step also runs thousands of small operators, each a dispatch from Python, that cost
- * about as much as the products on a small model. This file is the same forward pass written as
- * one function: the weights are read by plain loops the compiler vectorises (float32, bfloat16 or
+ * memory's read bandwidth (chapter 13). Through torch, a step of the course's small model also
+ * runs thousands of small operators, each a dispatch from Python, that cost about as much as the
+ * matrix products (bench_cpu_engine's step profile). This file is the same forward pass written
+ * as one function: the weights are read by loops over 256-bit vectors (float32, bfloat16 or
  * weight-only int8 with one scale per output row), everything else is a few loops over vectors of
  * the model's width, and the threads split each matrix's rows. It is what CUDA graphs are to a GPU
- * step (one launch instead of hundreds), and what llama.cpp's CPU loop is to its graph.
+ * step (one launch instead of hundreds).
  *
  * Every activation is float32 (the residual stream, the norms, attention's sums); only the
  * weights and the paged KV cache keep their own type (the cache: float32 or bfloat16, rounded to
  * nearest even as torch rounds). The arithmetic is the model's (labsupport.transformer):
  * RMSNorm, rotary embedding in the halves layout from a cos/sin table, grouped-query attention
- * over the paged cache (the softmax taken online: a running maximum and sum, as flash-decoding
- * does), SwiGLU, a final norm and the output head. */
+ * over the paged cache (the softmax taken online: a running maximum and sum, Milakov and
+ * Gimelshein's online softmax as FlashAttention uses it), SwiGLU, a final norm and the output head.
+ * -O3 lets the compiler fuse multiplies and adds (FMA) where the CPU has them: float32 logits equal
+ * torch's up to the order and rounding of the sums, which can differ a little from machine to machine. */
 
 #include <math.h>
 #include <stdint.h>
@@ -29,25 +31,26 @@ enum { F32 = 0, BF16 = 1, I8 = 2 };  /* a weight's or the cache's element type *
 
 typedef struct {           /* rows x cols, row-major */
     const void *w;         /* float, uint16_t (bfloat16 bits) or int8_t */
-    const float *scale;    /* I8: one per row (y = scale * sum(code * x)); otherwise NULL */
-    const float *bias;     /* one per row, or NULL */
+    const void *scale;     /* I8: one per row (y = scale * sum(code * x)); otherwise NULL */
+    const void *bias;      /* one per row, or NULL */
     int64_t rows, cols;
-    int32_t type;
+    int32_t type, vec_type;  /* the weights' element type; the scales' and the bias's (F32 or BF16) */
 } Matrix;
 
 typedef struct {
-    const float *attn_norm, *ffn_norm;  /* (d,) */
+    const void *attn_norm, *ffn_norm;   /* (d,) of the model's norm_type */
     Matrix q, k, v, o;                  /* (H*D, d), (Hkv*D, d), (Hkv*D, d), (d, H*D) */
     Matrix gate, up, down;              /* (d_ff, d), (d_ff, d), (d, d_ff) */
     void *k_cache, *v_cache;            /* (num_blocks, block_size, Hkv, D), of cache_type */
 } Layer;
 
 typedef struct {
-    int32_t n_layers, d, n_heads, n_kv_heads, head_dim, d_ff, vocab, block_size, cache_type, threads;
+    int32_t n_layers, d, n_heads, n_kv_heads, head_dim, d_ff, vocab, block_size, num_blocks, cache_type, norm_type,
+            threads;
     float eps;
     const void *embed;       /* (vocab, d) of embed_type */
     int32_t embed_type;
-    const float *final_norm; /* (d,) */
+    const void *final_norm;  /* (d,) of norm_type */
     Matrix head;             /* (vocab, d) */
     const Layer *layers;
     const float *rope_cos, *rope_sin;  /* (rope_len, D): the model's table, float32 */
@@ -68,6 +71,10 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+static inline float vec_at(const void *v, int type, int64_t i) {  /* one element of a float32 or bfloat16 vector */
+    return type == F32 ? ((const float *)v)[i] : bf16_to_f32(((const uint16_t *)v)[i]);
+}
+
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest, ties to even (NaN stays NaN) */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -78,7 +85,8 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest, ties to even
 
 /* Matrix times vector, four rows at a time: each 8-wide load of x serves four rows of weights
  * (four streams from memory at once), and each row keeps its own 8 partial sums in a vector
- * register. GCC's vector extensions: the same source gives AVX2 or AVX-512 code (-march=native).
+ * register. GCC's vector extensions, 256 bits wide whatever the CPU (AVX2 instructions where
+ * -march=native has them; other CPUs get the compiler's own lowering).
  * Every weight matrix has a multiple of 8 columns (cpu_decode.unsupported checks). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int8_t v8b __attribute__((vector_size(8)));
@@ -108,10 +116,10 @@ static inline float sum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4
 
 /* y[r] = W[r] . x for rows lo .. hi-1 of W (n columns), four rows per pass. While it reads a pass's
  * four rows it asks for the rows AHEAD passes on (__builtin_prefetch, two cache lines per step of 8
- * columns, so a pass covers the 4n elements of a later one): the hardware's own prefetcher alone
- * left one core reading int8 and bfloat16 rows at 7-8 GB/s against 16 GB/s for float32, and 13-17
- * GB/s with this (an AMD EPYC with AVX2, 2026-12-06). A prefetch of an address past the matrix is
- * harmless: it never faults. */
+ * columns, so a pass covers the 4n elements of a later one; only rows of the thread's own share).
+ * In a one-off microbenchmark while this was written (one core, 100,000 rows of 576, an AMD EPYC
+ * with AVX2, 2026-12-06), the hardware's own prefetcher alone read int8 and bfloat16 rows at 7-8 GB/s
+ * against 16 GB/s for float32, and 12-17 GB/s with this. */
 #define AHEAD 4
 #define MATVEC(NAME, T, LOAD)                                                                  \
 static void NAME(const T *W, int64_t n, const float *x, float *y, int64_t lo, int64_t hi) {    \
@@ -123,9 +131,11 @@ static void NAME(const T *W, int64_t n, const float *x, float *y, int64_t lo, in
         v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                            \
         for (int64_t k = 0; k < n; k += 8) {                                                   \
             v8f xv = load_f32(x + k);                                                          \
-            const char *later = (const char *)w0 + (AHEAD * 4 * n + 4 * k) * sizeof(T);       \
-            __builtin_prefetch(later);                                                         \
-            __builtin_prefetch(later + 64);                                                    \
+            if (r + 4 * AHEAD < hi) {  /* only rows of this thread's share */                  \
+                const char *later = (const char *)w0 + (AHEAD * 4 * n + 4 * k) * sizeof(T);   \
+                __builtin_prefetch(later);                                                     \
+                __builtin_prefetch(later + 64);                                                \
+            }                                                                                  \
             a0 += LOAD(w0 + k) * xv;                                                           \
             a1 += LOAD(w1 + k) * xv;                                                           \
             a2 += LOAD(w2 + k) * xv;                                                           \
@@ -164,18 +174,18 @@ static void matvec_share(const Matrix *m, const float *x, float *y, int accumula
     else matvec_i8((const int8_t *)m->w, m->cols, x, out, lo, hi);
     for (int64_t r = lo; r < hi; r++) {
         float v = out[r];
-        if (m->scale) v *= m->scale[r];
-        if (m->bias) v += m->bias[r];
+        if (m->scale) v *= vec_at(m->scale, m->vec_type, r);
+        if (m->bias) v += vec_at(m->bias, m->vec_type, r);
         y[r] = accumulate ? y[r] + v : v;
     }
     if (lo_out) *lo_out = lo, *hi_out = hi;
 }
 
-static void rms_norm(const float *x, const float *weight, float *out, int n, float eps) {
+static void rms_norm(const float *x, const void *weight, int type, float *out, int n, float eps) {
     float ss = 0;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
     float inv = 1.0f / sqrtf(ss / n + eps);
-    for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * weight[i];
+    for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * vec_at(weight, type, i);
 }
 
 /* x (D,) rotated in place by the angles of one position: pairs (x[i], x[i + D/2]). */
@@ -199,7 +209,7 @@ static void cache_store(void *cache, int type, int64_t at, const float *x, int n
 
 /* The query heads that share key/value head kv (GQA's group) over positions 0 .. len-1 of the paged
  * cache: softmax(q k / sqrt(D)) v for each, every key and value read once for the whole group (as
- * flash-decoding's kernels do). The softmax is taken online: a running maximum m and sum l per
+ * flash-decoding's kernels do for a group). The softmax is taken online: a running maximum m and sum l per
  * head, what was summed so far rescaled when m grows. Eight elements of a head at a time (D is a
  * multiple of 8, at most 512; a group at most 16 heads). */
 static void attend_group(const Model *M, const Layer *L, const Step *S, const float *q, int kv, float *out) {
@@ -246,11 +256,14 @@ int64_t work_floats(const Model *M) {
     return 3 * d + (M->n_heads + 2 * (int64_t)M->n_kv_heads) * D + M->n_heads * D + 2 * (int64_t)M->d_ff;
 }
 
-/* 0 on success; 1 when the position is past the cos/sin table, 2 when a head is wider than 512 or
+/* 0 on success; 1 when the position is negative or past the cos/sin table, 3 when a block of the
+ * table up to the position is not one of the cache's blocks, 2 when a head is wider than 512 or
  * not a multiple of 8, or a group has more than 16 query heads. */
 int decode_step(const Model *M, const Step *S) {
     int d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, group = H / Hkv;
-    if (S->position >= M->rope_len) return 1;
+    if (S->position < 0 || S->position >= M->rope_len) return 1;
+    for (int64_t b = 0; b <= S->position / M->block_size; b++)
+        if (S->block_table[b] < 0 || S->block_table[b] >= M->num_blocks) return 3;
     if (D > 512 || D % 8 || group > 16) return 2;
     float *x = M->work, *h = x + d, *qkv = h + d;           /* (d,), (d,), ((H + 2 Hkv) D,) */
     float *att = qkv + (int64_t)(H + 2 * Hkv) * D, *a = att + (int64_t)H * D;  /* (H D,), (d_ff,) */
@@ -267,7 +280,7 @@ int decode_step(const Model *M, const Step *S) {
         for (int li = 0; li < M->n_layers; li++) {
             const Layer *L = &M->layers[li];
             #pragma omp single
-            rms_norm(x, L->attn_norm, h, d, M->eps);
+            rms_norm(x, L->attn_norm, M->norm_type, h, d, M->eps);
             /* q, k and v: each thread its share of each */
             matvec_share(&L->q, h, q, 0, NULL, NULL, NULL);
             matvec_share(&L->k, h, k, 0, NULL, NULL, NULL);
@@ -285,7 +298,7 @@ int decode_step(const Model *M, const Step *S) {
             matvec_share(&L->o, att, x, 1, tmp, NULL, NULL);  /* x += o att */
             #pragma omp barrier
             #pragma omp single
-            rms_norm(x, L->ffn_norm, h, d, M->eps);
+            rms_norm(x, L->ffn_norm, M->norm_type, h, d, M->eps);
             /* gate and up: the same rows of each in one thread, so silu(gate) * up needs no barrier */
             int64_t lo, hi;
             matvec_share(&L->gate, h, a, 0, NULL, &lo, &hi);
@@ -296,7 +309,7 @@ int decode_step(const Model *M, const Step *S) {
             #pragma omp barrier
         }
         #pragma omp single
-        rms_norm(x, M->final_norm, h, d, M->eps);
+        rms_norm(x, M->final_norm, M->norm_type, h, d, M->eps);
         matvec_share(&M->head, h, S->logits, 0, NULL, NULL, NULL);
     }
     return 0;

@@ -43,7 +43,7 @@ import torch
 
 from .._answers import answer
 from ..batch_attention import query_tiles
-from ..cpu_decode import FusedDecoder
+from ..cpu_decode import FusedDecoder, plugged_in
 from ..device import interpreter_mode
 from ..flash_decoding import num_kv_splits
 from ..paged_cache import PagedKVStore
@@ -352,7 +352,8 @@ class ModelRunner:
         drafts = [req.draft_ids for req in sampling]
         if any(drafts):  # every drafted position's logits, not only the last row's
             meta.logits_indices = self.verify_rows(batch)
-        if self.fused is not None and meta.decode_only and len(batch) == 1 and not any(drafts):
+        if self.fused is not None and meta.decode_only and len(batch) == 1 and len(sampling) == 1 \
+                and not any(drafts) and self.fused_applies():
             logits = self.fused_step(meta)  # (1, V): the whole step in one C call
         else:
             hidden = self.forward(meta)  # (N, d) or (R, d): see forward
@@ -366,6 +367,17 @@ class ModelRunner:
             return self.verify(logits, params, generators, drafts, histories)
         # a row the sampler could not sample comes back as its RowSamplingError: the engine fails it alone
         return [[t] if isinstance(t, int) else t for t in sampler(logits, params, generators, histories)]
+
+    def fused_applies(self) -> bool:
+        """Whether a one-sequence decode step may run the C step: not while a part it would bypass is
+        plugged in after the engine was built (a step assembly, a forward pass, a rotation); a model
+        moved to another dtype or packed since gets a new decoder first (in-place weight updates need
+        none: the C step reads the model's tensors in place)."""
+        if self.assemble is not None or "forward" in vars(self) or plugged_in(self.model) is not None:
+            return False
+        if self.fused.repacked():
+            self.fused = FusedDecoder(self.model, self.store.k, self.store.v, self.max_model_len)
+        return True
 
     def fused_step(self, meta: StepMetadata) -> torch.Tensor:
         """A one-sequence decode step's logits (1, V) from the C step (:class:`~labsupport.cpu_decode.FusedDecoder`),
