@@ -53,9 +53,10 @@ _PACKABLE: dict[torch.dtype, bool] = {}
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs ``dtype`` weights on this CPU (tried once per dtype). bfloat16 needs
-    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AMD EPYC with AVX2 only (2026-12-06) refuses it, and
-    there a :class:`PackedLinear` of bfloat16 runs the plain ``F.linear``."""
+    """Whether oneDNN packs ``dtype`` weights on this CPU (tried once per dtype). On an AMD EPYC with
+    AVX2 only (2026-12-06) torch 2.13 refuses bfloat16 with "mkldnn_reorder_linear_weight: bf16 path
+    needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"; there a
+    :class:`PackedLinear` of bfloat16 runs the plain ``F.linear``."""
     if dtype not in _PACKABLE:
         try:
             torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
