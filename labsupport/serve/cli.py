@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-decode", choices=("torch", "fused"), default="torch",
                    help="continuous engine on a CPU: torch (default) or fused, which runs a step that decodes one "
                    "request as one C call compiled on this machine (labsupport.cpu_decode: float32 activations; "
-                   "2.1-4.5x the torch engine's batch-1 tokens/s on the course's 2-core AMD EPYC, "
+                   "2.1-3.6x the torch engine's batch-1 tokens/s on the course's 2-core AMD EPYC, "
                    "results/cpu_engine.json). With bfloat16 or int8 weights a request's text can then depend on "
                    "whether it decoded alone or beside others")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
