@@ -38,7 +38,7 @@ configuration, then run 2, ...):
   with the operator calls per step (where a step stands far from its bound, this says why);
 * **perplexity** of float32, bfloat16 and int8 on the course's held-out text
   (:func:`labsupport.perplexity.token_nll`, windows of 512), and of bfloat16 and int8 through the
-  fused C step (every position decoded in turn: :func:`fused_nll`).
+  fused C step (every position decoded in turn: :func:`labsupport.cpu_decode.teacher_forced_logits`).
 
 Torch's two threads on a 2-core machine collapse when another process is busy (decode measured
 24 -> 2 tokens/s), so :func:`machine_load` looks first (load average, and each core's busy share
@@ -65,7 +65,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import cpu_decode, cpu_linear, perplexity
 from .checkpoints import hf_names, load
@@ -394,17 +393,6 @@ def same_answers(models: dict, hf, prompt: list[int], tokens: int) -> dict:
     return out
 
 
-def fused_nll(model, ids: list[int], window: int) -> torch.Tensor:
-    """:func:`labsupport.perplexity.token_nll` of the fused C step (every position decoded in turn,
-    :func:`labsupport.cpu_decode.teacher_forced_logits`): ``(n_windows, window - 1)``."""
-    rows = []
-    for start in perplexity.window_starts(len(ids), window, None):  # token_nll's windows
-        chunk = ids[start:start + window]
-        logits = cpu_decode.teacher_forced_logits(model, chunk)  # (W, V)
-        rows.append(F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="none").double())
-    return torch.stack(rows)
-
-
 def _median(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -472,7 +460,8 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     ppl = {label: perplexity.perplexity(perplexity.token_nll(models[label], ids, window))
            for label in ("float32", "bfloat16 packed", "int8 weight-only")}
     for label in ("bfloat16 packed", "int8 weight-only"):  # the C step's float32 activations: its own quality
-        ppl[f"fused {label}"] = perplexity.perplexity(fused_nll(models[label], ids, window))
+        nll = perplexity.token_nll(models[label], ids, window, logits_of=cpu_decode.teacher_forced_logits)
+        ppl[f"fused {label}"] = perplexity.perplexity(nll)
     b1 = {key[3:]: statistics.median(v) for key, v in runs.items() if key.startswith("b1 ")}
     if llama is not None:
         b1["llama.cpp (the GGUF file)"] = llama

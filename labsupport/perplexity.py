@@ -88,12 +88,16 @@ def _windows(ids: Sequence[int], window: int, stride: int | None) -> list[list[i
 
 
 @torch.no_grad()
-def token_nll(model, ids: Sequence[int], window: int, stride: int | None = None) -> torch.Tensor:
+def token_nll(model, ids: Sequence[int], window: int, stride: int | None = None,
+              logits_of: Callable | None = None) -> torch.Tensor:
     """Negative log-likelihood (nats) of every prediction in every window: ``(n_windows, window - 1)``
-    float64; column ``j`` is the prediction made from ``j + 1`` tokens."""
+    float64; column ``j`` is the prediction made from ``j + 1`` tokens. ``logits_of(model, chunk)``
+    gives a window's logits (W, V): :func:`window_logits` (one forward pass) unless another is given
+    (the fused CPU decode step's, :func:`labsupport.cpu_decode.teacher_forced_logits`)."""
+    logits_of = window_logits if logits_of is None else logits_of
     rows = []
     for chunk in _windows(ids, window, stride):
-        logits = window_logits(model, chunk)  # (W, V)
+        logits = logits_of(model, chunk)  # (W, V)
         targets = torch.tensor(chunk[1:], device=logits.device)
         rows.append(F.cross_entropy(logits[:-1], targets, reduction="none").double().cpu())  # (W - 1,)
     return torch.stack(rows)

@@ -383,8 +383,7 @@ class ModelRunner:
         """A one-sequence decode step's logits (1, V) from the C step (:class:`~labsupport.cpu_decode.FusedDecoder`),
         which stores the token's keys and values in the same cache the torch path uses."""
         table = meta.block_tables[0]
-        return self.fused.step(int(meta.input_ids[0]), int(meta.positions[0]),
-                               table if table.is_contiguous() else table.contiguous())
+        return self.fused.step(int(meta.input_ids[0]), int(meta.positions[0]), table.contiguous())
 
     def verify_rows(self, batch: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """The flat rows whose logits a speculative step needs: for each request that samples, its
