@@ -6,13 +6,17 @@ float32) and measures, in one process, with torch's threads on every core, greed
 ignored, each figure the median of :data:`REPEATS` runs taken in turn (run 1 of every
 configuration, then run 2, ...):
 
-* **the machine's read bandwidth**: the median time of ``torch.sum`` over a 1 GiB float32 tensor
-  (:func:`read_bandwidth`), measured before the runs and after each, the best of those taken (a
-  virtual machine's neighbours lower some measurements: on the course's AMD EPYC VM three runs of
-  2026-12-07 measured 33.2, 29.4 and 23.3 GB/s, and in the last the fused float32 step read faster
-  than that bound), and from it each format's **bandwidth bound** of batch-1 decode: the
-  weights' bytes a decode step reads (:func:`labsupport.cpu_linear.step_weight_bytes`: a tied embedding
-  once, as the output head reads it; int8: the codes and scales) over that bandwidth;
+* **each format's bandwidth bound** of batch-1 decode: the weights' bytes a decode step reads
+  (:func:`labsupport.cpu_linear.step_weight_bytes`: a tied embedding once, as the output head reads it;
+  int8: the codes and scales) over the fastest read of a buffer of that many bytes, again and again
+  (:func:`read_rates`: the faster of ``torch.sum`` and the C library's read loop,
+  :func:`labsupport.cpu_decode.read_floats`, which prefetches further ahead), and the memory's read
+  bandwidth the same way over 1 GiB. Both are measured before the runs and after each, the best
+  taken: a virtual machine's neighbours lower some measurements (on the course's AMD EPYC VM three
+  runs of 2026-12-07 measured 33.2, 29.4 and 23.3 GB/s with ``torch.sum``). The size matters where the
+  last-level cache is large: on an Intel Xeon with a 300 MiB L3 (2026-12-07) 135 MB were read at about
+  65 GB/s and 1 GiB at 31-37, so a bound set by the memory's bandwidth alone put the fused bfloat16 and
+  int8 steps above 100% of it;
 * **batch-1 decode** (tokens per second after the first token): the course engine
   (:class:`labsupport.engine.Engine`, one request), the course's ``generate`` loop
   (:meth:`~labsupport.transformer.Transformer.prefill`, then one
@@ -59,7 +63,9 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -153,17 +159,35 @@ class OthersMeter:
         return max(0.0, busy - (own - self.own)) / max(1, total)
 
 
-def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
-    """Bytes per second ``torch.sum`` reads from a float32 tensor of ``nbytes`` (median of ``repeats``
-    after one warm-up): the memory's read bandwidth with torch's threads."""
-    x = torch.ones(nbytes // 4)
-    x.sum()
+def read_bandwidth(nbytes: int = 2**30, repeats: int = 5, reader: str = "torch") -> float:
+    """Bytes per second read from a float32 tensor of ``nbytes`` (median of ``repeats`` after one
+    warm-up) by ``torch.sum`` with torch's threads (``reader="torch"``) or by the C library's plain read
+    loop (``"c"``: :func:`labsupport.cpu_decode.read_floats`, same threads, prefetching further ahead)."""
+    x = torch.ones(nbytes // 256 * 64)
+    read = x.sum if reader == "torch" else (lambda: cpu_decode.read_floats(x))
+    read()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        x.sum()
+        read()
         times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def _c_reader() -> bool:
+    try:
+        cpu_decode.build()
+        return True
+    except RuntimeError:  # no C compiler: torch.sum alone
+        return False
+
+
+def read_rates(sizes: dict[str, int], repeats: int = 5) -> dict[str, float]:
+    """For each label, the fastest read of a buffer of that many bytes, again and again as a decode
+    step reads its weights (the best of ``torch.sum`` and the C read loop, where it builds): a weight
+    set that fits in the last-level cache is read faster than one that streams from memory."""
+    readers = ("torch", "c") if _c_reader() else ("torch",)
+    return {label: max(read_bandwidth(n, repeats, r) for r in readers) for label, n in sizes.items()}
 
 
 def _flags() -> list[str]:
@@ -316,11 +340,24 @@ def hf_decode(hf, prompt: list[int], tokens: int) -> float:
     return (tokens - 1) / (total - first)
 
 
-def llama_cpp_decode(path: str, prompt: list[int], tokens: int, threads: int) -> float | None:
+def llama_cpp_decode(path: str, prompt: list[int], tokens: int, threads: int, timeout: float = 900) -> float | None:
     """Batch-1 decode tokens per second of llama.cpp on the GGUF file (None where ``llama_cpp`` is
-    not importable): the first token's time from a one-token run, subtracted."""
+    not importable), in a child process: a crash inside llama.cpp ends the child, not the bench (seen:
+    a llama-cpp-python 0.3.36 built with ``-march=native`` on a Xeon VM that lists AMX but does not let
+    a process use it died of SIGILL in its AMX kernels). Raises RuntimeError with the child's end."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
+    code = "import json, sys; from labsupport.bench_cpu_engine import _llama_cpp_run; print(_llama_cpp_run(*json.load(sys.stdin)))"
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps([path, prompt, tokens, threads]),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        end = f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+        raise RuntimeError(f"llama.cpp's process ended with {end}: {proc.stderr.strip()[-300:]}")
+    return float(proc.stdout.split()[-1])
+
+
+def _llama_cpp_run(path: str, prompt: list[int], tokens: int, threads: int) -> float:
+    """llama_cpp_decode's child: the first token's time from a one-token run, subtracted."""
     import llama_cpp  # optional: not a course dependency
 
     llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + tokens + 8, n_threads=threads, n_batch=512,
@@ -405,8 +442,6 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     started = time.time()
     others = OthersMeter().start()
     bandwidth_bytes = sizes.get("bandwidth_bytes", 2**30)
-    samples = [read_bandwidth(bandwidth_bytes)]  # again after each run: the best is the machine's
-    log(f"read bandwidth: {samples[0] / 1e9:.1f} GB/s")
     lm = load(MODEL, verbose=False) if lm is None else lm
     ref = lm.model
     vocab = ref.cfg.vocab_size
@@ -414,6 +449,13 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
               "bfloat16 packed": cpu_linear.prepack(copy.deepcopy(ref).to(torch.bfloat16)),
               "int8 weight-only": cpu_linear.prepack(copy.deepcopy(ref).to(torch.bfloat16), "int8")}
     hf = transformers_model(ref)
+    weight_bytes = {label: cpu_linear.step_weight_bytes(m) for label, m in models.items()}
+    gguf_bytes = Path(lm.source).stat().st_size
+    read_sizes = {"memory": bandwidth_bytes, **weight_bytes, "the GGUF file": gguf_bytes}
+    if quick:  # toy sizes: the formats' rates at a fraction of their bytes
+        read_sizes = {k: max(2**16, v // 64) for k, v in read_sizes.items()}
+    samples = [read_rates(read_sizes)]  # again after each run: the best of each is the machine's
+    log(f"read bandwidth: {samples[0]['memory'] / 1e9:.1f} GB/s")
     prompt = _prompt(B1_PROMPT, 0, vocab)
     b1_tokens = sizes.get("b1_tokens", B1_TOKENS)
     n_eq, p_eq, o_eq = sizes.get("equal", (EQUAL_REQUESTS, EQUAL_PROMPT, EQUAL_OUTPUT))
@@ -444,9 +486,10 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
         if hf is not None:
             note("equal static", static_trace, hf, equal, n_eq)
             note("varied static", static_trace, hf, varied, static_batch)
-        samples.append(read_bandwidth(bandwidth_bytes))
-        log(f"run {r + 1} of {repeats} done ({time.time() - started:.0f} s; read bandwidth {samples[-1] / 1e9:.1f} GB/s)")
-    bandwidth = max(samples)
+        samples.append(read_rates(read_sizes))
+        log(f"run {r + 1} of {repeats} done ({time.time() - started:.0f} s; read bandwidth {samples[-1]['memory'] / 1e9:.1f} GB/s)")
+    rates = {k: max(sample[k] for sample in samples) for k in read_sizes}
+    bandwidth = rates["memory"]
     llama_error = None
     try:  # optional, never installed by the course: a failure is recorded, not fatal
         llama = llama_cpp_decode(str(lm.source), prompt, b1_tokens, torch.get_num_threads())
@@ -465,11 +508,9 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     b1 = {key[3:]: statistics.median(v) for key, v in runs.items() if key.startswith("b1 ")}
     if llama is not None:
         b1["llama.cpp (the GGUF file)"] = llama
-    weight_bytes = {label: cpu_linear.step_weight_bytes(m) for label, m in models.items()}
-    gguf_bytes = Path(lm.source).stat().st_size
-    bounds = {label: bandwidth / nbytes for label, nbytes in weight_bytes.items()}
+    bounds = {label: rates[label] / nbytes for label, nbytes in weight_bytes.items()}
     bounds["transformers float32"] = bounds["float32"]
-    bounds["llama.cpp (the GGUF file)"] = bandwidth / gguf_bytes
+    bounds["llama.cpp (the GGUF file)"] = rates["the GGUF file"] / gguf_bytes
     traces = {key: _median(v) for key, v in runs.items() if not key.startswith("b1 ")}
     return {
         "format": "labsupport-cpu-engine", "quick": quick, "model": MODEL,
@@ -478,7 +519,8 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
                     "torch_threads": torch.get_num_threads(), "os": platform.platform(terse=True),
                     "python": platform.python_version()},
         "versions": {p: _version(p) for p in ("torch", "transformers", "numpy", "llama_cpp_python")},
-        "read_bandwidth_Bps": bandwidth, "read_bandwidth_samples_Bps": samples, "weight_bytes": weight_bytes,
+        "read_bandwidth_Bps": bandwidth, "read_bandwidth_samples_Bps": [x["memory"] for x in samples],
+        "read_rate_Bps": rates, "read_rate_samples_Bps": samples, "weight_bytes": weight_bytes,
         "gguf_bytes": gguf_bytes,
         "bound_tokens_per_s": bounds, "b1_tokens_per_s": b1, "traces": traces,
         "perplexity": {"values": ppl, "tokens": len(ids), "window": window, "text": perplexity.heldout_identity()},
@@ -490,9 +532,10 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
                        "after the first token; traces on a virtual clock advanced by measured compute; useful "
                        "tokens only (static batching's padding and the tokens past a request's own length are "
                        "not counted); bound: the weights' bytes a decode step reads (a tied embedding once; int8: "
-                       "codes and scales, cpu_linear.step_weight_bytes) over the read bandwidth "
-                       "(torch.sum over 1 GiB of float32, median of 5; measured before the runs and after each, "
-                       "the best taken)",
+                       "codes and scales, cpu_linear.step_weight_bytes) over the read rate of a float32 buffer of "
+                       "the same bytes (the faster of torch.sum and the C read loop, cpu_decode.read_floats, median "
+                       "of 5; measured before the runs and after each, the best taken); read bandwidth: the same "
+                       "over 1 GiB",
     }
 
 
@@ -553,15 +596,24 @@ def results_markdown(results: dict | None) -> str:
     vm = ", a virtual machine" if "hypervisor" in m.get("flags", ()) else ""
     samples = results.get("read_bandwidth_samples_Bps") or [results["read_bandwidth_Bps"]]
     best = f", the best of {len(samples)} measurements" if len(samples) > 1 else ""
-    lines = [f"Measured on {m['cpu']} ({m['cores']} cores{vm}, {m['torch_threads']} torch threads, read bandwidth "
-             f"{results['read_bandwidth_Bps'] / 1e9:.1f} GB/s{best}), {results['date']}, torch {results['versions']['torch']}, "
-             f"transformers {results['versions']['transformers']}; {results['model']}, greedy, end-of-text ignored, "
-             f"medians of {results['repeats']} runs.", "",
-             "| batch-1 decode | tokens/s | bandwidth bound | share of the bound |", "| --- | --- | --- | --- |"]
+    rates = results.get("read_rate_Bps")  # per format (a run before them: the memory's bandwidth for all)
+    how = ("; each format's bound: its weights' bytes per token over the fastest read of that many bytes, the "
+           "read rate column" if rates else "; bound: the weights' bytes per token over that bandwidth")
+    versions = results["versions"]
+    llama = f", llama-cpp-python {versions['llama_cpp_python']}" if versions.get("llama_cpp_python") else ""
+    lines = [f"Measured on {m['cpu']} ({m['cores']} cores{vm}, {m['torch_threads']} torch threads, memory read bandwidth "
+             f"{results['read_bandwidth_Bps'] / 1e9:.1f} GB/s over 1 GiB{best}{how}), {results['date']}, torch "
+             f"{versions['torch']}, transformers {versions['transformers']}{llama}; {results['model']}, greedy, "
+             f"end-of-text ignored, medians of {results['repeats']} runs.", "",
+             "| batch-1 decode | tokens/s | read rate (GB/s) | bandwidth bound | share of the bound |",
+             "| --- | --- | --- | --- | --- |"]
+    size_of = {"transformers float32": "float32", "llama.cpp (the GGUF file)": "the GGUF file"}
     for label, tps in b1.items():
         fmt = next((f for f in bound if label.endswith(f)), None)
         share = f"{tps / bound[fmt]:.0%}" if fmt else "-"
-        lines.append(f"| {label} | {_tps(tps)} | {_tps(bound.get(fmt))} | {share} |")
+        rate = rates.get(size_of.get(fmt, fmt)) if rates and fmt else (None if rates else results["read_bandwidth_Bps"])
+        lines.append(f"| {label} | {_tps(tps)} | {'-' if rate is None else f'{rate / 1e9:.1f}'} | "
+                     f"{_tps(bound.get(fmt))} | {share} |")
     lines += ["", "| trace (useful tokens) | engine, float32 packed, fused one-request steps (tokens/s) | transformers static batching, "
               "float32 (tokens/s) | engine / static | TTFT p50 engine / static (s) |", "| --- | --- | --- | --- | --- |"]
     n_equal, out_lens = results["sizes"]["equal"][0], results["sizes"]["varied"]["output_lens"]

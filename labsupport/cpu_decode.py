@@ -60,7 +60,7 @@ from .cpu_linear import Int8Linear, PackedLinear
 from .paged_cache import PagedKVStore
 from .transformer import Transformer, rope_cos_sin
 
-__all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "SOURCE"]
+__all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "read_floats", "SOURCE"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -185,8 +185,19 @@ def build() -> ctypes.CDLL:
         lib.decode_step.restype = ctypes.c_int
         lib.work_floats.argtypes = [ctypes.POINTER(_Model)]
         lib.work_floats.restype = ctypes.c_int64
+        lib.read_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        lib.read_floats.restype = ctypes.c_float
         _library = lib
         return lib
+
+
+def read_floats(x: torch.Tensor, threads: int | None = None) -> float:
+    """The sum of a contiguous float32 CPU tensor whose size is a multiple of 64, read by the C
+    library's plain read loop (``read_floats`` in the C file: torch's threads by default, prefetching
+    ahead): what the bench times as the fastest read of that many bytes."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.numel() % 64:
+        raise ValueError("read_floats reads a contiguous float32 CPU tensor of a multiple of 64 elements")
+    return build().read_floats(x.data_ptr(), x.numel(), threads or torch.get_num_threads())
 
 
 # --- what it runs --------------------------------------------------------------------------------

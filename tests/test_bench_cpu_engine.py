@@ -4,6 +4,7 @@ the real model, the verdicts, the quiet-machine guard and how the book reads the
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -28,6 +29,12 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     assert {f"fused engine {f}" for f in BC.FUSED} <= set(results["b1_tokens_per_s"])
     samples = results["read_bandwidth_samples_Bps"]  # before the runs and after each: the best is the bound's
     assert len(samples) == results["repeats"] + 1 and results["read_bandwidth_Bps"] == max(samples)
+    rates, nbytes, bound = results["read_rate_Bps"], results["weight_bytes"], results["bound_tokens_per_s"]
+    assert set(rates) == {"memory", "the GGUF file", *nbytes} and rates["memory"] == results["read_bandwidth_Bps"]
+    for label, n in nbytes.items():  # each format's bound: its bytes over the best read of a buffer its size
+        assert rates[label] == max(s[label] for s in results["read_rate_samples_Bps"]) > 0
+        assert bound[label] == pytest.approx(rates[label] / n)
+    assert bound["llama.cpp (the GGUF file)"] == pytest.approx(rates["the GGUF file"] / results["gguf_bytes"])
     tr = results["traces"]
     n, _, out = BC.QUICK["equal"]
     assert tr["equal engine"]["tokens"] == tr["equal static"]["tokens"] == n * out
@@ -52,7 +59,9 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     table = BC.results_markdown(shown)
     assert "AMD" in table or shown["machine"]["cpu"] in table
     assert "engine bfloat16 packed" in table and f"{n} equal requests" in table and "Perplexity" in table
-    assert "operator calls" in table and "| int8 weight-only |" in table
+    assert "operator calls" in table and "| int8 weight-only |" in table and "read rate (GB/s)" in table
+    int8 = f"| fused engine int8 weight-only | {results['b1_tokens_per_s']['fused engine int8 weight-only']:,.1f} | "
+    assert int8 + f"{rates['int8 weight-only'] / 1e9:.1f} |" in table  # the row's own read rate, not the memory's
     assert "| fused engine int8 weight-only |" in table and "through the fused C step" in table
     assert "not yet measured" in BC.results_markdown(None).lower()
 
@@ -94,3 +103,18 @@ def test_a_busy_machine_is_refused_and_a_busy_core_is_seen(monkeypatch, tmp_path
     out = tmp_path / "cpu_engine.json"
     assert BE.main(["--cpu-real-model", "--out", str(out)]) == 2  # through the command the lead runs
     assert not out.exists()
+
+
+def test_a_crash_inside_llama_cpp_is_recorded_not_fatal(tmp_path, monkeypatch):
+    """llama.cpp runs in a child process: a llama_cpp that dies of a signal (as a build with AMX did on
+    a VM that lists AMX but forbids it) gives a RuntimeError naming the signal, and the bench goes on."""
+    fake = tmp_path / "llama_cpp"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import os, signal\n"
+                                      "class Llama:\n"
+                                      "    def __init__(self, **kw):\n"
+                                      "        os.kill(os.getpid(), signal.SIGILL)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with pytest.raises(RuntimeError, match="signal SIGILL"):
+        BC.llama_cpp_decode("model.gguf", [1, 2, 3], 4, 1)

@@ -86,18 +86,20 @@ def test_the_engine_serves_generates_tokens_on_scattered_blocks_and_mixed_steps(
 
 
 def test_a_scattered_block_table_reads_and_writes_only_its_blocks():
-    """Teacher-forced through blocks 5, 2, 7, 0 of a 9-block cache: each position's logits are the
-    model's own for that prefix, and the blocks outside the table are never written."""
+    """Teacher-forced through blocks 5, 2, 7, 0, 9, 11, 3, 8, 10 of a 12-block cache (70 positions:
+    attention's chunks of 32 positions end at 31 and 63, so the partial results of three chunks are
+    combined): each position's logits are the model's own for that prefix, and the blocks outside the
+    table are never written."""
     model = small(seed=11, vocab_size=301)  # 301 rows: a head whose rows are not a multiple of 4
-    tokens = prompt(14, seed=11, vocab=301)
-    store = PagedKVStore(model.cfg, 9, 4, dtype=torch.float32)
-    decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 16)
-    table = torch.tensor([5, 2, 7, 0], dtype=torch.int32)
-    got = torch.cat([decoder.step(t, i, table) for i, t in enumerate(tokens)])  # (14, V)
-    want = model.logits(model(torch.tensor([tokens]), model.contiguous_batch(None, 0, len(tokens))))[0]  # (14, V)
+    tokens = prompt(70, seed=11, vocab=301)
+    store = PagedKVStore(model.cfg, 12, 8, dtype=torch.float32)
+    decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 96)
+    table = torch.tensor([5, 2, 7, 0, 9, 11, 3, 8, 10], dtype=torch.int32)
+    got = torch.cat([decoder.step(t, i, table) for i, t in enumerate(tokens)])  # (70, V)
+    want = model.logits(model(torch.tensor([tokens]), model.contiguous_batch(None, 0, len(tokens))))[0]  # (70, V)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    written = {b for b in range(9) if store.k[:, b].abs().sum() > 0}
-    assert written == {5, 2, 7, 0} and all(store.v[:, b].abs().sum() == 0 for b in (1, 3, 4, 6, 8))
+    written = {b for b in range(12) if store.k[:, b].abs().sum() > 0}
+    assert written == {5, 2, 7, 0, 9, 11, 3, 8, 10} and all(store.v[:, b].abs().sum() == 0 for b in (1, 4, 6))
 
 
 def test_bad_positions_blocks_and_caches_are_refused_before_the_cache_is_touched():
@@ -116,17 +118,30 @@ def test_bad_positions_blocks_and_caches_are_refused_before_the_cache_is_touched
 
 
 def test_every_thread_count_gives_the_same_bits():
-    """The threads split rows, never a sum: 1, 2, 3 and 5 threads give bit-identical logits (the suite
-    runs with one thread per worker, so this is where the split is checked)."""
+    """The threads split rows and attention's fixed chunks of positions, never a sum: 1, 2, 3 and 5
+    threads give bit-identical logits over 70 positions (three chunks; the suite runs with one thread
+    per worker, so this is where the split is checked)."""
     model = small(seed=2, vocab_size=301, n_layers=3)
-    tokens = prompt(9, seed=2, vocab=301)
+    tokens = prompt(70, seed=2, vocab=301)
     outs = []
     for threads in (1, 2, 3, 5):
-        store = PagedKVStore(model.cfg, 4, 4, dtype=torch.float32)
-        decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 16, threads=threads)
-        table = torch.tensor([3, 1, 0], dtype=torch.int32)
+        store = PagedKVStore(model.cfg, 20, 4, dtype=torch.float32)
+        decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 80, threads=threads)
+        table = torch.tensor([3, 1, 0, *range(19, 3, -1)], dtype=torch.int32)
         outs.append(torch.cat([decoder.step(t, i, table) for i, t in enumerate(tokens)]))
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_read_floats_sums_and_refuses_what_it_cannot_read():
+    """The bench's read loop (labsupport.cpu_decode.read_floats) reads every element: small integers
+    sum exactly, one changed element changes the sum, and tensors it cannot read are refused."""
+    x = torch.arange(64 * 300, dtype=torch.float32) % 7  # (19200,)
+    assert cpu_decode.read_floats(x) == float(x.sum()) == cpu_decode.read_floats(x, threads=3)
+    x[-1] += 5
+    assert cpu_decode.read_floats(x) == float(x.sum())
+    for bad in (x[:100], x.double(), x.view(2, -1).t()):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            cpu_decode.read_floats(bad)
 
 
 def full_logits(model, tokens):

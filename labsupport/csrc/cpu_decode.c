@@ -207,97 +207,136 @@ static void cache_store(void *cache, int type, int64_t at, const float *x, int n
     else for (int i = 0; i < n; i++) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
 }
 
-/* The query heads that share key/value head kv (GQA's group) over positions 0 .. len-1 of the paged
- * cache: softmax(q k / sqrt(D)) v for each, every key and value read once for the whole group (as
- * flash-decoding's kernels do for a group). The softmax is taken online: a running maximum m and sum l per
- * head, what was summed so far rescaled when m grows. Eight elements of a head at a time (D is a
- * multiple of 8, at most 512; a group at most 16 heads). */
-static void attend_group(const Model *M, const Layer *L, const Step *S, const float *q, int kv, float *out) {
+/* Attention is split into work items that the threads share: one item is one key/value head kv
+ * (with the query heads of its GQA group) over one chunk of CHUNK consecutive positions, as
+ * flash-decoding splits a long context over a GPU's thread blocks. Splitting over positions keeps
+ * both threads busy where there are fewer key/value heads than some multiple of the threads (3 on
+ * 2 threads for SmolLM2); the chunks are fixed, not one per thread, so the arithmetic and its
+ * rounding do not depend on the number of threads. */
+#define CHUNK 32
+
+/* One item: for each query head g of kv's group, over positions t0 .. t1-1 (at most CHUNK) of the
+ * paged cache, the scores s = q k / sqrt(D), their maximum m, l = sum exp(s - m) and the unnormalised
+ * acc = sum exp(s - m) v, written to part (for each head of the group: m, l, then D floats). Every
+ * key and value is read once for the whole group. D is a multiple of 8, at most 512; a group at most
+ * 16 heads. */
+static void attend_chunk(const Model *M, const Layer *L, const Step *S, const float *q, int kv,
+                         int64_t t0, int64_t t1, float *part) {
     int D = M->head_dim, V = D / 8, G = M->n_heads / M->n_kv_heads, Hkv = M->n_kv_heads;
-    int bs = M->block_size, type = M->cache_type;
-    float scale = 1.0f / sqrtf((float)D), m[16], l[16];
-    v8f acc[16][64];
-    for (int g = 0; g < G; g++) {
-        m[g] = -INFINITY, l[g] = 0;
-        for (int j = 0; j < V; j++) acc[g][j] = (v8f){0};
-    }
-    for (int64_t t = 0; t <= S->position; t++) {
-        int64_t slot = (int64_t)S->block_table[t / bs] * bs + t % bs;
-        int64_t at = (slot * Hkv + kv) * D;  /* this position's key (and value) of head kv */
+    int bs = M->block_size, type = M->cache_type, n = (int)(t1 - t0);
+    float scale = 1.0f / sqrtf((float)D), s[16][CHUNK];
+    int64_t at[CHUNK];
+    for (int i = 0; i < n; i++) {  /* the scores: each key read once, for every head of the group */
+        int64_t t = t0 + i, slot = (int64_t)S->block_table[t / bs] * bs + t % bs;
+        at[i] = (slot * Hkv + kv) * D;  /* this position's key (and value) of head kv */
+        v8f key[64];
+        for (int j = 0; j < V; j++) key[j] = cache_load(L->k_cache, type, at[i] + 8 * j);
         for (int g = 0; g < G; g++) {
-            const float *qg = q + (int64_t)g * D;
             v8f dot = {0};
-            for (int j = 0; j < V; j++) dot += load_f32(qg + 8 * j) * cache_load(L->k_cache, type, at + 8 * j);
-            float s = sum8(dot) * scale;
-            if (s > m[g]) {  /* a new maximum: what was summed so far shrinks by exp(m_old - m_new) */
-                float shrink = expf(m[g] - s);
-                l[g] *= shrink;
-                for (int j = 0; j < V; j++) acc[g][j] *= shrink;
-                m[g] = s;
-            }
-            float p = expf(s - m[g]);
-            l[g] += p;
-            for (int j = 0; j < V; j++) acc[g][j] += p * cache_load(L->v_cache, type, at + 8 * j);
+            for (int j = 0; j < V; j++) dot += load_f32(q + (int64_t)g * D + 8 * j) * key[j];
+            s[g][i] = sum8(dot) * scale;
         }
     }
+    for (int g = 0; g < G; g++) {  /* s becomes exp(s - m) */
+        float m = -INFINITY, l = 0;
+        for (int i = 0; i < n; i++) m = s[g][i] > m ? s[g][i] : m;
+        for (int i = 0; i < n; i++) s[g][i] = expf(s[g][i] - m), l += s[g][i];
+        part[(int64_t)g * (D + 2)] = m, part[(int64_t)g * (D + 2) + 1] = l;
+    }
+    v8f acc[16][64];
     for (int g = 0; g < G; g++)
+        for (int j = 0; j < V; j++) acc[g][j] = (v8f){0};
+    for (int i = 0; i < n; i++) {  /* the values: each read once */
         for (int j = 0; j < V; j++) {
-            v8f o = acc[g][j] / l[g];
-            memcpy(out + (int64_t)g * D + 8 * j, &o, sizeof o);
+            v8f val = cache_load(L->v_cache, type, at[i] + 8 * j);
+            for (int g = 0; g < G; g++) acc[g][j] += s[g][i] * val;
         }
+    }
+    for (int g = 0; g < G; g++) memcpy(part + (int64_t)g * (D + 2) + 2, acc[g], D * sizeof(float));
+}
+
+/* Every query head's output from the items' partial results, chunk by chunk in order: the running
+ * maximum and sum of the online softmax (Milakov and Gimelshein), what was summed so far rescaled
+ * when the maximum grows. parts: (chunks, H, D + 2). */
+static void attend_combine(const Model *M, const float *parts, int64_t chunks, float *out) {
+    int D = M->head_dim, H = M->n_heads;
+    for (int hd = 0; hd < H; hd++) {
+        float m = -INFINITY, l = 0, *o = out + (int64_t)hd * D;
+        for (int i = 0; i < D; i++) o[i] = 0;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *p = parts + (c * H + hd) * (D + 2);
+            float mc = p[0], big = mc > m ? mc : m, a = expf(m - big), b = expf(mc - big);
+            for (int i = 0; i < D; i++) o[i] = o[i] * a + p[2 + i] * b;
+            l = l * a + p[1] * b, m = big;
+        }
+        for (int i = 0; i < D; i++) o[i] /= l;
+    }
 }
 
 static float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* Floats of workspace a step needs: the residual x, the normed h, q|k|v, attention's output, the
- * feed-forward's gate and up, and a product before it is added to x. */
+/* Floats of workspace a step needs: shared, the residual x, q|k|v, the feed-forward's gate and
+ * up, a product before it is added to x, and attention's partial results (every chunk of the longest
+ * sequence, every head); per thread, its normed x, its rotated queries and keys, attention's output. */
 int64_t work_floats(const Model *M) {
-    int64_t d = M->d, D = M->head_dim;
-    return 3 * d + (M->n_heads + 2 * (int64_t)M->n_kv_heads) * D + M->n_heads * D + 2 * (int64_t)M->d_ff;
+    int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, chunks = (M->rope_len + CHUNK - 1) / CHUNK;
+    return 2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff + chunks * H * (D + 2)
+           + M->threads * (d + (H + Hkv) * D + H * D);
 }
 
 /* 0 on success; 1 when the position is negative or past the cos/sin table, 3 when a block of the
  * table up to the position is not one of the cache's blocks, 2 when a head is wider than 512 or
- * not a multiple of 8, or a group has more than 16 query heads. */
+ * not a multiple of 8, or a group has more than 16 query heads.
+ *
+ * Each layer: every thread norms x itself (d floats: cheaper than waiting for one thread), computes
+ * its rows of q, k and v; after a barrier it rotates its own copy of every query and key head, takes
+ * its attention items (the item holding the step's own position first writes that position's key and
+ * value to the cache: no other item reads them); after a barrier it combines the partial results and
+ * computes its rows of o att (added to x); after a barrier its rows of gate and up (and silu(gate) *
+ * up, the same rows); after a barrier its rows of down a (added to x); a barrier. Five per layer. */
 int decode_step(const Model *M, const Step *S) {
     int d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, group = H / Hkv;
     if (S->position < 0 || S->position >= M->rope_len) return 1;
     for (int64_t b = 0; b <= S->position / M->block_size; b++)
         if (S->block_table[b] < 0 || S->block_table[b] >= M->num_blocks) return 3;
     if (D > 512 || D % 8 || group > 16) return 2;
-    float *x = M->work, *h = x + d, *qkv = h + d;           /* (d,), (d,), ((H + 2 Hkv) D,) */
-    float *att = qkv + (int64_t)(H + 2 * Hkv) * D, *a = att + (int64_t)H * D;  /* (H D,), (d_ff,) */
-    float *up = a + M->d_ff, *tmp = up + M->d_ff;                                /* (d_ff,), (d,) */
+    float *x = M->work, *tmp = x + d, *qkv = tmp + d;                         /* (d,), (d,), ((H + 2 Hkv) D,) */
+    float *a = qkv + (int64_t)(H + 2 * Hkv) * D, *up = a + M->d_ff;           /* (d_ff,), (d_ff,) */
+    float *parts = up + M->d_ff, *own = parts + (M->rope_len + CHUNK - 1) / CHUNK * H * (D + 2);
     float *q = qkv, *k = qkv + (int64_t)H * D, *v = k + (int64_t)Hkv * D;
     const float *cos = M->rope_cos + S->position * D, *sin = M->rope_sin + S->position * D;
     int64_t slot = (int64_t)S->block_table[S->position / M->block_size] * M->block_size
                    + S->position % M->block_size;
+    int64_t chunks = S->position / CHUNK + 1, items = chunks * Hkv;
 
     for (int i = 0; i < d; i++) x[i] = M->embed_type == F32 ? ((const float *)M->embed)[S->token * d + i]
                                                               : bf16_to_f32(((const uint16_t *)M->embed)[S->token * d + i]);
     #pragma omp parallel num_threads(M->threads)
     {
+        float *h = own + omp_get_thread_num() * (d + (int64_t)(2 * H + Hkv) * D);  /* this thread's (d,) */
+        float *qr = h + d, *kr = qr + (int64_t)H * D, *att = kr + (int64_t)Hkv * D;  /* (H D,), (Hkv D,), (H D,) */
         for (int li = 0; li < M->n_layers; li++) {
             const Layer *L = &M->layers[li];
-            #pragma omp single
             rms_norm(x, L->attn_norm, M->norm_type, h, d, M->eps);
-            /* q, k and v: each thread its share of each */
-            matvec_share(&L->q, h, q, 0, NULL, NULL, NULL);
+            matvec_share(&L->q, h, q, 0, NULL, NULL, NULL);  /* q, k and v: each thread its share of each */
             matvec_share(&L->k, h, k, 0, NULL, NULL, NULL);
             matvec_share(&L->v, h, v, 0, NULL, NULL, NULL);
             #pragma omp barrier
-            #pragma omp single
-            {
-                for (int hd = 0; hd < H + Hkv; hd++) rope(qkv + (int64_t)hd * D, cos, sin, D);  /* queries, then keys */
-                cache_store(L->k_cache, M->cache_type, slot * Hkv * D, k, Hkv * D);
-                cache_store(L->v_cache, M->cache_type, slot * Hkv * D, v, Hkv * D);
-            }
+            memcpy(qr, q, (size_t)(H + Hkv) * D * sizeof(float));  /* queries, then keys (k follows q) */
+            for (int hd = 0; hd < H + Hkv; hd++) rope(qr + (int64_t)hd * D, cos, sin, D);
             #pragma omp for schedule(static)
-            for (int kv = 0; kv < Hkv; kv++)  /* query heads kv*group .. (kv+1)*group - 1 share key/value head kv */
-                attend_group(M, L, S, q + (int64_t)kv * group * D, kv, att + (int64_t)kv * group * D);
+            for (int64_t it = 0; it < items; it++) {  /* item it: key/value head it % Hkv, chunk it / Hkv */
+                int kv = (int)(it % Hkv);
+                int64_t c = it / Hkv, t0 = c * CHUNK, t1 = t0 + CHUNK > S->position + 1 ? S->position + 1 : t0 + CHUNK;
+                if (c == chunks - 1) {  /* the step's own key and value, read by this item only */
+                    cache_store(L->k_cache, M->cache_type, (slot * Hkv + kv) * D, kr + (int64_t)kv * D, D);
+                    cache_store(L->v_cache, M->cache_type, (slot * Hkv + kv) * D, v + (int64_t)kv * D, D);
+                }
+                attend_chunk(M, L, S, qr + (int64_t)kv * group * D, kv, t0, t1, parts + (c * H + (int64_t)kv * group) * (D + 2));
+            }  /* (the end of an omp for is a barrier) */
+            attend_combine(M, parts, chunks, att);
             matvec_share(&L->o, att, x, 1, tmp, NULL, NULL);  /* x += o att */
             #pragma omp barrier
-            #pragma omp single
             rms_norm(x, L->ffn_norm, M->norm_type, h, d, M->eps);
             /* gate and up: the same rows of each in one thread, so silu(gate) * up needs no barrier */
             int64_t lo, hi;
@@ -308,9 +347,32 @@ int decode_step(const Model *M, const Step *S) {
             matvec_share(&L->down, a, x, 1, tmp, NULL, NULL);  /* x += down a */
             #pragma omp barrier
         }
-        #pragma omp single
         rms_norm(x, M->final_norm, M->norm_type, h, d, M->eps);
         matvec_share(&M->head, h, S->logits, 0, NULL, NULL, NULL);
     }
     return 0;
+}
+
+/* The sum of n floats (a multiple of 64), read by `threads` threads, each a contiguous share, eight
+ * vectors per pass and the cache lines 8 KiB ahead asked for: the fastest plain read this file knows
+ * how to write, which the bench times to set each format's bound (labsupport.bench_cpu_engine). In a
+ * one-off test while this was written (Intel Xeon, 300 MiB L3, 2 threads, 2026-12-07) it read 269 MB
+ * at 62 GB/s where torch.sum read 33 (the difference is the prefetch distance: 2 KiB ahead, 42). */
+float read_floats(const float *x, int64_t n, int threads) {
+    float total = 0;
+    #pragma omp parallel num_threads(threads) reduction(+:total)
+    {
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), passes = n / 64;
+        int64_t lo = passes * t / nt * 64, hi = passes * (t + 1) / nt * 64;
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+        for (int64_t i = lo; i < hi; i += 64) {
+            const char *later = (const char *)(x + i) + 8192;
+            if (i + 2048 < hi)
+                for (int j = 0; j < 4; j++) __builtin_prefetch(later + 64 * j);
+            a0 += load_f32(x + i), a1 += load_f32(x + i + 8), a2 += load_f32(x + i + 16), a3 += load_f32(x + i + 24);
+            a4 += load_f32(x + i + 32), a5 += load_f32(x + i + 40), a6 += load_f32(x + i + 48), a7 += load_f32(x + i + 56);
+        }
+        total += sum8(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)));
+    }
+    return total;
 }
