@@ -60,7 +60,8 @@ from .cpu_linear import Int8Linear, PackedLinear
 from .paged_cache import PagedKVStore
 from .transformer import Transformer, rope_cos_sin
 
-__all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "read_floats", "SOURCE"]
+__all__ = ["FusedDecoder", "DecodeAttention", "unsupported", "build", "teacher_forced_logits", "read_floats",
+           "SOURCE"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -87,6 +88,14 @@ class _Model(ctypes.Structure):
                 ("final_norm", ctypes.c_void_p), ("head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
                 ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("rope_len", ctypes.c_int64),
                 ("work", ctypes.c_void_p)]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int32) for name in ("n_seqs", "n_heads", "n_kv_heads", "head_dim", "block_size",
+                                                      "num_blocks", "cache_type", "threads", "table_width")),
+                ("q", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p), ("lens", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("parts", ctypes.c_void_p)]
 
 
 class _Step(ctypes.Structure):
@@ -185,6 +194,10 @@ def build() -> ctypes.CDLL:
         lib.decode_step.restype = ctypes.c_int
         lib.work_floats.argtypes = [ctypes.POINTER(_Model)]
         lib.work_floats.restype = ctypes.c_int64
+        lib.paged_decode_attention.argtypes = [ctypes.POINTER(_Batch)]
+        lib.paged_decode_attention.restype = ctypes.c_int
+        lib.attention_work_floats.argtypes = [ctypes.POINTER(_Batch)]
+        lib.attention_work_floats.restype = ctypes.c_int64
         lib.read_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         lib.read_floats.restype = ctypes.c_float
         _library = lib
@@ -402,6 +415,55 @@ class FusedDecoder:
         if rc:
             raise RuntimeError(f"the fused decode step refused the step (code {rc}: see decode_step in {SOURCE.name})")
         return logits
+
+
+class DecodeAttention:
+    """Decode attention of a step's sequences over the paged cache in one C call per layer
+    (``paged_decode_attention`` in the C file): the engine's torch path uses it for steps of several
+    decodes when the engine runs with ``cpu_decode="fused"`` (:class:`labsupport.engine.cpu_attention.CpuAttentionPlan`).
+    Made once per step from the step's ``block_tables`` (B, W) int32 and ``seq_lens`` (B,) (keys each
+    sequence attends to, its new one stored); called per layer with the rotated queries (B, H, D) and
+    the layer's caches (num_blocks, block_size, Hkv, D), float32 or bfloat16. Computes in float32 and
+    returns the queries' dtype. Nothing is gathered: the work items of :class:`FusedDecoder`'s attention
+    (one KV head over 32 positions) read the blocks where they are, the threads sharing every
+    sequence's items."""
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, threads: int | None = None):
+        if block_tables.dim() != 2 or seq_lens.shape != block_tables.shape[:1]:
+            raise ValueError(f"block_tables must be (B, W) and seq_lens (B,); got {tuple(block_tables.shape)} and "
+                             f"{tuple(seq_lens.shape)}")
+        self.lib = build()
+        self.tables = block_tables.to(torch.int32).contiguous()  # (B, W)
+        self.lens = seq_lens.to(torch.int64).contiguous()  # (B,)
+        a = self._c = _Batch()
+        a.n_seqs, a.table_width = self.tables.shape
+        a.threads = threads or torch.get_num_threads()
+        a.block_tables, a.lens = self.tables.data_ptr(), self.lens.data_ptr()
+        self._parts: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        a = self._c
+        if q.dim() != 3 or q.shape[0] != a.n_seqs or k_cache.dim() != 4 or k_cache.shape != v_cache.shape \
+                or k_cache.dtype != v_cache.dtype or _TYPES.get(k_cache.dtype, 2) == 2 \
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[3] != q.shape[2]:
+            raise ValueError(f"decode attention takes q (B={a.n_seqs}, H, D) and contiguous float32 or bfloat16 caches "
+                             f"(num_blocks, block_size, Hkv, D); got q {tuple(q.shape)}, caches {tuple(k_cache.shape)} "
+                             f"{k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
+        qf = q.to(torch.float32).contiguous()  # (B, H, D)
+        out = torch.empty(qf.shape)  # (B, H, D) float32
+        a.n_heads, a.head_dim = q.shape[1], q.shape[2]
+        a.num_blocks, a.block_size, a.n_kv_heads = k_cache.shape[:3]
+        a.cache_type = _TYPES[k_cache.dtype]
+        a.q, a.out, a.k_cache, a.v_cache = qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        if self._parts is None:
+            self._parts = torch.empty(self.lib.attention_work_floats(ctypes.byref(a)))
+        a.parts = self._parts.data_ptr()
+        rc = self.lib.paged_decode_attention(ctypes.byref(a))
+        if rc:
+            why = {1: "a sequence's length is below 1 or past its table", 2: "the head shape is not one it runs",
+                   3: "a block it would read is not one of the cache's"}.get(rc, f"code {rc}")
+            raise ValueError(f"the C decode attention refused the step: {why}")
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 @torch.no_grad()

@@ -215,41 +215,99 @@ static void cache_store(void *cache, int type, int64_t at, const float *x, int n
  * rounding do not depend on the number of threads. */
 #define CHUNK 32
 
+/* Where one sequence's keys and values are: a layer's paged caches, the sequence's block table. */
+typedef struct {
+    const void *k_cache, *v_cache;  /* (num_blocks, block_size, Hkv, D) of type */
+    const int32_t *table;           /* the sequence's blocks, logical block 0 first */
+    int type, block_size, n_kv_heads, head_dim, group;  /* group: query heads per key/value head */
+} Keys;
+
+/* exp of 8 floats at once: e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln(2)/2, e^r from its
+ * Taylor polynomial to degree 7 (relative error under 2e-7, about expf's), 2^n put into the exponent
+ * bits. x below -87 gives 0 (as exp underflows), so e^(-inf) = 0 for a masked score. */
+static inline v8f select8(v8i mask, v8f a, v8f b) {  /* a where mask is set (-1), else b */
+    v8i ai, bi, r;
+    memcpy(&ai, &a, sizeof ai), memcpy(&bi, &b, sizeof bi);
+    r = (ai & mask) | (bi & ~mask);
+    memcpy(&a, &r, sizeof a);
+    return a;
+}
+
+static inline v8f exp8(v8f x) {
+    const v8f lo = (v8f){0} - 87.0f, hi = (v8f){0} + 88.0f, half = (v8f){0} + 0.5f;
+    v8i under = x < lo;
+    x = select8(under, lo, x);
+    x = select8(x > hi, hi, x);
+    v8f n = x * 1.44269504f;
+    n = __builtin_convertvector(__builtin_convertvector(n + select8(n < 0, -half, half), v8i), v8f);  /* round */
+    v8f r = x - n * 0.693145752f - n * 1.42860677e-6f;  /* ln 2 in two parts: r is exact to float's rounding */
+    v8f p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8f two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return select8(under, (v8f){0}, p * two_n);
+}
+
+/* The sums of 8 vectors, as one vector: out[i] = sum8(a[i]). */
+static inline v8f sum8x8(const v8f *a) {
+#if defined(__AVX__)
+    __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  /* 0-3 then 4-7, per 128-bit half */
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8f out;
+    for (int i = 0; i < 8; i++) out[i] = sum8(a[i]);
+    return out;
+#endif
+}
+
 /* One item: for each query head g of kv's group, over positions t0 .. t1-1 (at most CHUNK) of the
  * paged cache, the scores s = q k / sqrt(D), their maximum m, l = sum exp(s - m) and the unnormalised
- * acc = sum exp(s - m) v, written to part (for each head of the group: m, l, then D floats). Every
- * key and value is read once for the whole group. D is a multiple of 8, at most 512; a group at most
- * 16 heads. */
-static void attend_chunk(const Model *M, const Layer *L, const Step *S, const float *q, int kv,
-                         int64_t t0, int64_t t1, float *part) {
-    int D = M->head_dim, V = D / 8, G = M->n_heads / M->n_kv_heads, Hkv = M->n_kv_heads;
-    int bs = M->block_size, type = M->cache_type, n = (int)(t1 - t0);
-    float scale = 1.0f / sqrtf((float)D), s[16][CHUNK];
+ * acc = sum exp(s - m) v, written to part (for each head of the group: m, l, then D floats). Scores
+ * are taken eight positions at a time (eight dot products summed across in one go), exponentials
+ * eight at a time; each value is read once for the whole group. D is a multiple of 8, at most 512;
+ * a group at most 16 heads. */
+static void attend_chunk(const Keys *c, const float *q, int kv, int64_t t0, int64_t t1, float *part) {
+    int D = c->head_dim, V = D / 8, G = c->group, Hkv = c->n_kv_heads, bs = c->block_size, type = c->type;
+    int n = (int)(t1 - t0);
+    float scale = 1.0f / sqrtf((float)D);
+    v8f s[16][CHUNK / 8];  /* scores, then their exponentials; positions past n: -inf, then 0 */
     int64_t at[CHUNK];
-    for (int i = 0; i < n; i++) {  /* the scores: each key read once, for every head of the group */
-        int64_t t = t0 + i, slot = (int64_t)S->block_table[t / bs] * bs + t % bs;
-        at[i] = (slot * Hkv + kv) * D;  /* this position's key (and value) of head kv */
-        v8f key[64];
-        for (int j = 0; j < V; j++) key[j] = cache_load(L->k_cache, type, at[i] + 8 * j);
+    for (int i = 0; i < n; i++) {  /* where each position's key and value of head kv are */
+        int64_t t = t0 + i, slot = (int64_t)c->table[t / bs] * bs + t % bs;
+        at[i] = (slot * Hkv + kv) * D;
+    }
+    for (int i0 = 0; i0 < n; i0 += 8) {
+        int m = n - i0 < 8 ? n - i0 : 8;
         for (int g = 0; g < G; g++) {
-            v8f dot = {0};
-            for (int j = 0; j < V; j++) dot += load_f32(q + (int64_t)g * D + 8 * j) * key[j];
-            s[g][i] = sum8(dot) * scale;
+            const float *qg = q + (int64_t)g * D;
+            v8f dots[8];
+            for (int i = 0; i < 8; i++) dots[i] = (v8f){0};
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < V; j++) dots[i] += load_f32(qg + 8 * j) * cache_load(c->k_cache, type, at[i0 + i] + 8 * j);
+            v8f sc = sum8x8(dots) * scale;
+            for (int i = m; i < 8; i++) sc[i] = -INFINITY;
+            s[g][i0 / 8] = sc;
         }
     }
+    int blocks = (n + 7) / 8;
     for (int g = 0; g < G; g++) {  /* s becomes exp(s - m) */
-        float m = -INFINITY, l = 0;
-        for (int i = 0; i < n; i++) m = s[g][i] > m ? s[g][i] : m;
-        for (int i = 0; i < n; i++) s[g][i] = expf(s[g][i] - m), l += s[g][i];
-        part[(int64_t)g * (D + 2)] = m, part[(int64_t)g * (D + 2) + 1] = l;
+        v8f big = s[g][0];
+        for (int b = 1; b < blocks; b++) big = select8(big > s[g][b], big, s[g][b]);
+        float m = big[0];
+        for (int i = 1; i < 8; i++) m = big[i] > m ? big[i] : m;
+        v8f l = {0};
+        for (int b = 0; b < blocks; b++) s[g][b] = exp8(s[g][b] - m), l += s[g][b];
+        part[(int64_t)g * (D + 2)] = m, part[(int64_t)g * (D + 2) + 1] = sum8(l);
     }
     v8f acc[16][64];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < V; j++) acc[g][j] = (v8f){0};
     for (int i = 0; i < n; i++) {  /* the values: each read once */
         for (int j = 0; j < V; j++) {
-            v8f val = cache_load(L->v_cache, type, at[i] + 8 * j);
-            for (int g = 0; g < G; g++) acc[g][j] += s[g][i] * val;
+            v8f val = cache_load(c->v_cache, type, at[i] + 8 * j);
+            for (int g = 0; g < G; g++) acc[g][j] += s[g][i / 8][i % 8] * val;
         }
     }
     for (int g = 0; g < G; g++) memcpy(part + (int64_t)g * (D + 2) + 2, acc[g], D * sizeof(float));
@@ -258,8 +316,7 @@ static void attend_chunk(const Model *M, const Layer *L, const Step *S, const fl
 /* Every query head's output from the items' partial results, chunk by chunk in order: the running
  * maximum and sum of the online softmax (Milakov and Gimelshein), what was summed so far rescaled
  * when the maximum grows. parts: (chunks, H, D + 2). */
-static void attend_combine(const Model *M, const float *parts, int64_t chunks, float *out) {
-    int D = M->head_dim, H = M->n_heads;
+static void attend_combine(const float *parts, int64_t chunks, int H, int D, float *out) {
     for (int hd = 0; hd < H; hd++) {
         float m = -INFINITY, l = 0, *o = out + (int64_t)hd * D;
         for (int i = 0; i < D; i++) o[i] = 0;
@@ -324,6 +381,7 @@ int decode_step(const Model *M, const Step *S) {
             #pragma omp barrier
             memcpy(qr, q, (size_t)(H + Hkv) * D * sizeof(float));  /* queries, then keys (k follows q) */
             for (int hd = 0; hd < H + Hkv; hd++) rope(qr + (int64_t)hd * D, cos, sin, D);
+            Keys keys = {L->k_cache, L->v_cache, S->block_table, M->cache_type, M->block_size, Hkv, D, group};
             #pragma omp for schedule(static)
             for (int64_t it = 0; it < items; it++) {  /* item it: key/value head it % Hkv, chunk it / Hkv */
                 int kv = (int)(it % Hkv);
@@ -332,9 +390,9 @@ int decode_step(const Model *M, const Step *S) {
                     cache_store(L->k_cache, M->cache_type, (slot * Hkv + kv) * D, kr + (int64_t)kv * D, D);
                     cache_store(L->v_cache, M->cache_type, (slot * Hkv + kv) * D, v + (int64_t)kv * D, D);
                 }
-                attend_chunk(M, L, S, qr + (int64_t)kv * group * D, kv, t0, t1, parts + (c * H + (int64_t)kv * group) * (D + 2));
+                attend_chunk(&keys, qr + (int64_t)kv * group * D, kv, t0, t1, parts + (c * H + (int64_t)kv * group) * (D + 2));
             }  /* (the end of an omp for is a barrier) */
-            attend_combine(M, parts, chunks, att);
+            attend_combine(parts, chunks, H, D, att);
             matvec_share(&L->o, att, x, 1, tmp, NULL, NULL);  /* x += o att */
             #pragma omp barrier
             rms_norm(x, L->ffn_norm, M->norm_type, h, d, M->eps);
@@ -349,6 +407,66 @@ int decode_step(const Model *M, const Step *S) {
         }
         rms_norm(x, M->final_norm, M->norm_type, h, d, M->eps);
         matvec_share(&M->head, h, S->logits, 0, NULL, NULL, NULL);
+    }
+    return 0;
+}
+
+/* Decode attention of a batch of sequences over the paged cache, for the engine's torch path (a step
+ * of decodes only; labsupport.engine.cpu_attention): sequence b's one query (its heads' rows of q,
+ * already rotated, its key and value already stored) against its first lens[b] keys. The same work
+ * items as decode_step's, over every sequence's chunks, shared by the threads, then each sequence's
+ * heads combined. Reads the cache where it is: nothing gathered. */
+typedef struct {
+    int32_t n_seqs, n_heads, n_kv_heads, head_dim, block_size, num_blocks, cache_type, threads, table_width;
+    const float *q;                 /* (B, H, D) float32 */
+    const void *k_cache, *v_cache;  /* one layer's (num_blocks, block_size, Hkv, D) */
+    const int32_t *block_tables;    /* (B, table_width) */
+    const int64_t *lens;            /* (B,): keys each sequence attends to */
+    float *out;                     /* (B, H, D) float32 */
+    float *parts;                   /* attention_work_floats(...) floats */
+} Batch;
+
+/* Floats of workspace paged_decode_attention needs: every chunk of every sequence, every head. */
+int64_t attention_work_floats(const Batch *A) {
+    int64_t chunks = 0;
+    for (int b = 0; b < A->n_seqs; b++) chunks += (A->lens[b] + CHUNK - 1) / CHUNK;
+    return chunks * A->n_heads * (A->head_dim + 2);
+}
+
+/* 0 on success; 1 when a length is below 1 or past the table, 3 when a block it would read is not one
+ * of the cache's, 2 for a head shape decode_step refuses too. */
+int paged_decode_attention(const Batch *A) {
+    int B = A->n_seqs, H = A->n_heads, Hkv = A->n_kv_heads, D = A->head_dim, bs = A->block_size;
+    if (D > 512 || D % 8 || H % Hkv || H / Hkv > 16) return 2;
+    int64_t first[B + 1];  /* sequence b's items are first[b] .. first[b+1]-1 */
+    first[0] = 0;
+    for (int b = 0; b < B; b++) {
+        int64_t len = A->lens[b];
+        if (len < 1 || len > (int64_t)A->table_width * bs) return 1;
+        for (int64_t j = 0; j < (len + bs - 1) / bs; j++) {
+            int32_t block = A->block_tables[(int64_t)b * A->table_width + j];
+            if (block < 0 || block >= A->num_blocks) return 3;
+        }
+        first[b + 1] = first[b] + (len + CHUNK - 1) / CHUNK * Hkv;
+    }
+    #pragma omp parallel num_threads(A->threads)
+    {
+        int b = 0;
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < first[B]; it++) {
+            while (it >= first[b + 1]) b++;  /* a static schedule: each thread's items ascend */
+            int64_t i = it - first[b], c = i / Hkv;
+            int kv = (int)(i % Hkv);
+            int64_t t0 = c * CHUNK, t1 = t0 + CHUNK > A->lens[b] ? A->lens[b] : t0 + CHUNK;
+            Keys keys = {A->k_cache, A->v_cache, A->block_tables + (int64_t)b * A->table_width, A->cache_type, bs, Hkv, D, H / Hkv};
+            float *parts = A->parts + first[b] / Hkv * H * (D + 2);  /* sequence b's (chunks, H, D + 2) */
+            attend_chunk(&keys, A->q + ((int64_t)b * H + (int64_t)kv * (H / Hkv)) * D, kv, t0, t1,
+                         parts + (c * H + (int64_t)kv * (H / Hkv)) * (D + 2));
+        }
+        #pragma omp for schedule(static)
+        for (int b2 = 0; b2 < B; b2++)
+            attend_combine(A->parts + first[b2] / Hkv * H * (D + 2), (first[b2 + 1] - first[b2]) / Hkv, H, D,
+                           A->out + (int64_t)b2 * H * D);
     }
     return 0;
 }

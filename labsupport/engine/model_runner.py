@@ -410,7 +410,10 @@ class ModelRunner:
             self.fill_graph_inputs(meta, size)
             self._graphs[size].replay()
             return self._graph_vars["hidden"][:meta.seq_lens.shape[0]][meta.logits_indices]
-        kv = PagedBatch(self.store.k, self.store.v, meta, self.attention)
+        # cpu_decode="fused": a step of several decodes attends in C over the paged cache (the matrix
+        # products stay torch's), under the same conditions as the fused batch-1 step
+        c_decode = self.fused is not None and meta.decode_only and self.fused_applies()
+        kv = PagedBatch(self.store.k, self.store.v, meta, self.attention, c_decode=c_decode)
         return self.model(meta.input_ids[None], kv)[0][meta.logits_indices]  # (R, d)
 
     # -- 3. CUDA graphs for decode steps ---------------------------------------------------------
