@@ -67,7 +67,9 @@ class CpuAttentionPlan:
                               for kind in (one, ~one)]  # (rows, plan) per kind
                 return
         if c_decode and self.decode_only and meta.seq_lens.shape[0] > 1 and bool((meta.seq_lens >= 1).all()):
-            from labsupport.cpu_decode import DecodeAttention  # the engine's cpu_decode="fused": its C library is built
+            from labsupport.cpu_decode import (
+                DecodeAttention,  # the engine's cpu_decode="fused": its C library is built
+            )
 
             self.c_attention = DecodeAttention(meta.block_tables, meta.seq_lens)  # no gather, no mask
             return
