@@ -28,8 +28,8 @@ configuration, then run 2, ...):
   ``transformers``' ``generate`` (float32, the same weights copied into ``LlamaForCausalLM``);
   llama.cpp on the GGUF file only where ``llama_cpp`` is importable (it is not a dependency);
 * **16 equal requests** (random prompts of :data:`EQUAL_PROMPT` tokens, :data:`EQUAL_OUTPUT` tokens
-  each, all at time 0): the engine (float32 packed; a step of one decoding request runs the fused C
-  step, on both traces) against ``transformers``' static batching (one left-padded
+  each, all at time 0): the engine (float32 packed; a step that only decodes, up to 16 requests, runs
+  the fused C step, on both traces) against ``transformers``' static batching (one left-padded
   batch), output tokens per second and TTFT;
 * **a varied trace** (:data:`VARIED`: Poisson arrivals, outputs from 16 to 256 tokens): the engine
   (continuous batching, at most :data:`STATIC_BATCH` requests at once) against static batching that
@@ -102,9 +102,9 @@ TARGETS = {  # name: (what, threshold); the engine at batch 1: its fused C step 
     "b1_bound_bf16": ("batch-1 decode, fused engine / bandwidth bound, bfloat16 packed", 0.75),
     "b1_engine_vs_generate_int8": ("batch-1 decode, fused engine / generate, int8 weight-only", 1.0),
     "b1_bound_int8": ("batch-1 decode, fused engine / bandwidth bound, int8 weight-only", 0.75),
-    "equal_vs_static": ("16 equal requests, engine (one-request steps fused) / transformers static batching "
+    "equal_vs_static": ("16 equal requests, engine (decode steps fused) / transformers static batching "
                         "(float32)", 1.2),
-    "varied_vs_static": ("varied trace, engine (one-request steps fused) / transformers static batching (float32), "
+    "varied_vs_static": ("varied trace, engine (decode steps fused) / transformers static batching (float32), "
                          "useful tokens", 1.5),
     "varied_ttft_p50": ("varied trace, TTFT p50, static / engine (at least 1: no worse)", 1.0),
 }
@@ -380,7 +380,7 @@ def _llama_cpp_run(path: str, prompt: list[int], tokens: int, threads: int) -> f
 
 def engine_trace(model, trace: list[TraceRequest], max_running: int, cpu_decode: str = "fused") -> dict:
     """The engine replaying ``trace`` on a virtual clock, at most ``max_running`` requests at once
-    (a step of one decoding request as the fused C step by default): useful tokens per second and TTFT p50."""
+    (a step that only decodes as the fused C step by default): useful tokens per second and TTFT p50."""
     need = max(len(t.prompt_ids) + t.params.max_tokens for t in trace)
     engine = _engine(model, max_running, need, cpu_decode=cpu_decode)
     s = trace_summary(run_trace(engine, trace))
@@ -614,7 +614,7 @@ def results_markdown(results: dict | None) -> str:
         rate = rates.get(size_of.get(fmt, fmt)) if rates and fmt else (None if rates else results["read_bandwidth_Bps"])
         lines.append(f"| {label} | {_tps(tps)} | {'-' if rate is None else f'{rate / 1e9:.1f}'} | "
                      f"{_tps(bound.get(fmt))} | {share} |")
-    lines += ["", "| trace (useful tokens) | engine, float32 packed, fused one-request steps (tokens/s) | transformers static batching, "
+    lines += ["", "| trace (useful tokens) | engine, float32 packed, fused decode steps (tokens/s) | transformers static batching, "
               "float32 (tokens/s) | engine / static | TTFT p50 engine / static (s) |", "| --- | --- | --- | --- | --- |"]
     n_equal, out_lens = results["sizes"]["equal"][0], results["sizes"]["varied"]["output_lens"]
     for key, name in (("equal", f"{n_equal} equal requests"),

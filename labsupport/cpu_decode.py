@@ -60,12 +60,12 @@ from .cpu_linear import Int8Linear, PackedLinear
 from .paged_cache import PagedKVStore
 from .transformer import Transformer, rope_cos_sin
 
-__all__ = ["FusedDecoder", "DecodeAttention", "unsupported", "build", "teacher_forced_logits", "read_floats",
-           "SOURCE"]
+__all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "read_floats", "SOURCE"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+MAX_BATCH = 16  # sequences one C step decodes at most (the engine runs larger decode steps through torch)
 
 
 class _Matrix(ctypes.Structure):
@@ -83,24 +83,16 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int32) for name in ("n_layers", "d", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                                                        "vocab", "block_size", "num_blocks", "cache_type", "norm_type",
-                                                       "threads")),
+                                                       "threads", "max_batch")),
                 ("eps", ctypes.c_float), ("embed", ctypes.c_void_p), ("embed_type", ctypes.c_int32),
                 ("final_norm", ctypes.c_void_p), ("head", _Matrix), ("layers", ctypes.POINTER(_Layer)),
                 ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("rope_len", ctypes.c_int64),
                 ("work", ctypes.c_void_p)]
 
 
-class _Batch(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_int32) for name in ("n_seqs", "n_heads", "n_kv_heads", "head_dim", "block_size",
-                                                      "num_blocks", "cache_type", "threads", "table_width")),
-                ("q", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("block_tables", ctypes.c_void_p), ("lens", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("parts", ctypes.c_void_p)]
-
-
 class _Step(ctypes.Structure):
-    _fields_ = [("token", ctypes.c_int64), ("position", ctypes.c_int64), ("block_table", ctypes.c_void_p),
-                ("logits", ctypes.c_void_p)]
+    _fields_ = [("n", ctypes.c_int64), ("table_width", ctypes.c_int64), ("tokens", ctypes.c_void_p),
+                ("positions", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("logits", ctypes.c_void_p)]
 
 
 # --- building the library ----------------------------------------------------------------------------
@@ -194,10 +186,6 @@ def build() -> ctypes.CDLL:
         lib.decode_step.restype = ctypes.c_int
         lib.work_floats.argtypes = [ctypes.POINTER(_Model)]
         lib.work_floats.restype = ctypes.c_int64
-        lib.paged_decode_attention.argtypes = [ctypes.POINTER(_Batch)]
-        lib.paged_decode_attention.restype = ctypes.c_int
-        lib.attention_work_floats.argtypes = [ctypes.POINTER(_Batch)]
-        lib.attention_work_floats.restype = ctypes.c_int64
         lib.read_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         lib.read_floats.restype = ctypes.c_float
         _library = lib
@@ -269,7 +257,7 @@ class FusedDecoder:
     a time: a lock guards the workspace."""
 
     def __init__(self, model: Transformer, k_cache: torch.Tensor, v_cache: torch.Tensor, max_len: int,
-                 threads: int | None = None):
+                 threads: int | None = None, max_batch: int = MAX_BATCH):
         why = unsupported(model)
         if why:
             raise ValueError(f"the fused CPU decode step cannot run this model: {why}; use cpu_decode='torch'")
@@ -292,6 +280,9 @@ class FusedDecoder:
         m.num_blocks = k_cache.shape[1]
         m.cache_type, m.norm_type, m.eps = _TYPES[k_cache.dtype], _TYPES[model.norm.weight.dtype], cfg.rms_norm_eps
         m.threads = threads or torch.get_num_threads()
+        if not 1 <= max_batch <= 256:
+            raise ValueError(f"max_batch must be between 1 and 256, got {max_batch}")
+        m.max_batch = self.max_batch = max_batch
         emb = self._hold(self._source(model.tok_embeddings.weight))
         m.embed, m.embed_type = emb.data_ptr(), _TYPES[emb.dtype]
         m.final_norm = self._vector(model.norm.weight, m.norm_type)
@@ -395,75 +386,47 @@ class FusedDecoder:
         """The logits (1, V) float32 of ``token`` at ``position`` of a sequence whose blocks are
         ``block_table`` (int32, contiguous, enough blocks for ``position``); its keys and values
         are written to the cache slot of ``position``."""
-        if not 0 <= token < self.cfg.vocab_size:
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.cfg.vocab_size - 1}]")
-        if not 0 <= position < self._c.rope_len:
-            raise ValueError(f"position {position} is outside [0, {self._c.rope_len - 1}], the positions this decoder "
-                             f"was made for")
-        if block_table.dtype != torch.int32 or block_table.dim() != 1 or not block_table.is_contiguous() \
-                or block_table.numel() * self._c.block_size <= position:
+        if block_table.dtype != torch.int32 or block_table.dim() != 1:
             raise ValueError("block_table must be a contiguous 1-D int32 tensor covering the position")
-        logits = torch.empty(1, self.cfg.vocab_size)  # (1, V): a new tensor each step (the sampler may keep it)
+        return self.step_batch(torch.tensor([token]), torch.tensor([position]), block_table[None])
+
+    def step_batch(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """The logits (B, V) float32 of B sequences decoding one token each: ``tokens`` and ``positions``
+        (B,) int64, ``block_tables`` (B, W) int32 (row b: sequence b's blocks, enough for its position;
+        entries past that are not read). Each token's keys and values are written to its slot. The
+        weights are read once for all B (the batched products), so a step of 16 costs far less than 16
+        steps of one."""
+        c = self._c
+        n = tokens.shape[0] if tokens.dim() == 1 else -1
+        if not 1 <= n <= self.max_batch or positions.shape != tokens.shape or block_tables.dim() != 2 \
+                or block_tables.shape[0] != n or block_tables.dtype != torch.int32:
+            raise ValueError(f"a step takes tokens and positions (B,) and int32 block_tables (B, W), 1 <= B <= "
+                             f"{self.max_batch}; got {tuple(tokens.shape)}, {tuple(positions.shape)} and "
+                             f"{tuple(block_tables.shape)} {block_tables.dtype}")
+        tokens, positions = tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        tables = block_tables.contiguous()
+        if bool(((tokens < 0) | (tokens >= self.cfg.vocab_size)).any()):
+            raise ValueError(f"a token id of {tokens.tolist()} is outside the vocabulary [0, {self.cfg.vocab_size - 1}]")
+        if bool(((positions < 0) | (positions >= c.rope_len)).any()):
+            raise ValueError(f"a position of {positions.tolist()} is outside [0, {c.rope_len - 1}], the positions "
+                             f"this decoder was made for")
+        if bool((positions // c.block_size >= tables.shape[1]).any()):
+            raise ValueError("block_table must be a contiguous 1-D int32 tensor covering the position "
+                             "(each row of block_tables enough blocks for its position)")
+        logits = torch.empty(n, self.cfg.vocab_size)  # (B, V): a new tensor each step (the sampler may keep it)
         with self._lock:  # one workspace: one step at a time
             s = self._step
-            s.token, s.position, s.block_table, s.logits = token, position, block_table.data_ptr(), logits.data_ptr()
+            s.n, s.table_width = n, tables.shape[1]
+            s.tokens, s.positions, s.block_tables, s.logits = (tokens.data_ptr(), positions.data_ptr(),
+                                                               tables.data_ptr(), logits.data_ptr())
             rc = self.lib.decode_step(ctypes.byref(self._c), ctypes.byref(s))
         if rc == 3:  # the C step checks the blocks it will read and write before it touches the cache
-            used = block_table[:position // self._c.block_size + 1].tolist()
-            raise ValueError(f"the block table's blocks up to position {position} ({used}) must be ids of the cache's "
-                             f"{self._c.num_blocks} blocks")
+            used = [tables[b, :int(p) // c.block_size + 1].tolist() for b, p in enumerate(positions)]
+            raise ValueError(f"the block tables' blocks up to each position ({used}) must be ids of the cache's "
+                             f"{c.num_blocks} blocks")
         if rc:
             raise RuntimeError(f"the fused decode step refused the step (code {rc}: see decode_step in {SOURCE.name})")
         return logits
-
-
-class DecodeAttention:
-    """Decode attention of a step's sequences over the paged cache in one C call per layer
-    (``paged_decode_attention`` in the C file): the engine's torch path uses it for steps of several
-    decodes when the engine runs with ``cpu_decode="fused"`` (:class:`labsupport.engine.cpu_attention.CpuAttentionPlan`).
-    Made once per step from the step's ``block_tables`` (B, W) int32 and ``seq_lens`` (B,) (keys each
-    sequence attends to, its new one stored); called per layer with the rotated queries (B, H, D) and
-    the layer's caches (num_blocks, block_size, Hkv, D), float32 or bfloat16. Computes in float32 and
-    returns the queries' dtype. Nothing is gathered: the work items of :class:`FusedDecoder`'s attention
-    (one KV head over 32 positions) read the blocks where they are, the threads sharing every
-    sequence's items."""
-
-    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, threads: int | None = None):
-        if block_tables.dim() != 2 or seq_lens.shape != block_tables.shape[:1]:
-            raise ValueError(f"block_tables must be (B, W) and seq_lens (B,); got {tuple(block_tables.shape)} and "
-                             f"{tuple(seq_lens.shape)}")
-        self.lib = build()
-        self.tables = block_tables.to(torch.int32).contiguous()  # (B, W)
-        self.lens = seq_lens.to(torch.int64).contiguous()  # (B,)
-        a = self._c = _Batch()
-        a.n_seqs, a.table_width = self.tables.shape
-        a.threads = threads or torch.get_num_threads()
-        a.block_tables, a.lens = self.tables.data_ptr(), self.lens.data_ptr()
-        self._parts: torch.Tensor | None = None
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        a = self._c
-        if q.dim() != 3 or q.shape[0] != a.n_seqs or k_cache.dim() != 4 or k_cache.shape != v_cache.shape \
-                or k_cache.dtype != v_cache.dtype or _TYPES.get(k_cache.dtype, 2) == 2 \
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[3] != q.shape[2]:
-            raise ValueError(f"decode attention takes q (B={a.n_seqs}, H, D) and contiguous float32 or bfloat16 caches "
-                             f"(num_blocks, block_size, Hkv, D); got q {tuple(q.shape)}, caches {tuple(k_cache.shape)} "
-                             f"{k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
-        qf = q.to(torch.float32).contiguous()  # (B, H, D)
-        out = torch.empty(qf.shape)  # (B, H, D) float32
-        a.n_heads, a.head_dim = q.shape[1], q.shape[2]
-        a.num_blocks, a.block_size, a.n_kv_heads = k_cache.shape[:3]
-        a.cache_type = _TYPES[k_cache.dtype]
-        a.q, a.out, a.k_cache, a.v_cache = qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-        if self._parts is None:
-            self._parts = torch.empty(self.lib.attention_work_floats(ctypes.byref(a)))
-        a.parts = self._parts.data_ptr()
-        rc = self.lib.paged_decode_attention(ctypes.byref(a))
-        if rc:
-            why = {1: "a sequence's length is below 1 or past its table", 2: "the head shape is not one it runs",
-                   3: "a block it would read is not one of the cache's"}.get(rc, f"code {rc}")
-            raise ValueError(f"the C decode attention refused the step: {why}")
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 @torch.no_grad()

@@ -1,22 +1,26 @@
-/* One batch-1 decode step of a Llama-style model on a CPU, in one call (labsupport.cpu_decode).
+/* A decode step of a Llama-style model on a CPU, in one call (labsupport.cpu_decode): one to
+ * max_batch sequences, each decoding one token.
  *
- * Decode reads every weight once per token, so a step's floor is the weights' bytes over the
- * memory's read bandwidth (chapter 13). Through torch, a step of the course's small model also
+ * Decode reads every weight once per step, so a step of one sequence is bound by the weights' bytes
+ * over the memory's read bandwidth (chapter 13). Through torch, a step of the course's small model also
  * runs thousands of small operators, each a dispatch from Python, that cost about as much as the
  * matrix products (bench_cpu_engine's step profile). This file is the same forward pass written
- * as one function: the weights are read by loops over 256-bit vectors (float32, bfloat16 or
- * weight-only int8 with one scale per output row), everything else is a few loops over vectors of
- * the model's width, and the threads split each matrix's rows. It is what CUDA graphs are to a GPU
- * step (one launch instead of hundreds).
+ * as one function: the weights are read by loops over vectors (float32, bfloat16 or weight-only
+ * int8 with one scale per output row), each weight read once for every sequence of the step,
+ * everything else is a few loops over vectors of the model's width, and the threads split each
+ * matrix's rows and attention's chunks of positions. It is what CUDA graphs are to a GPU step (one
+ * launch instead of hundreds).
  *
  * Every activation is float32 (the residual stream, the norms, attention's sums); only the
  * weights and the paged KV cache keep their own type (the cache: float32 or bfloat16, rounded to
  * nearest even as torch rounds). The arithmetic is the model's (labsupport.transformer):
  * RMSNorm, rotary embedding in the halves layout from a cos/sin table, grouped-query attention
- * over the paged cache (the softmax taken online: a running maximum and sum, Milakov and
- * Gimelshein's online softmax as FlashAttention uses it), SwiGLU, a final norm and the output head.
- * -O3 lets the compiler fuse multiplies and adds (FMA) where the CPU has them: float32 logits equal
- * torch's up to the order and rounding of the sums, which can differ a little from machine to machine. */
+ * over the paged cache (the softmax taken in chunks and combined online: a running maximum and sum,
+ * Milakov and Gimelshein's online softmax as FlashAttention uses it), SwiGLU, a final norm and the
+ * output head. -O3 lets the compiler fuse multiplies and adds (FMA) where the CPU has them: float32
+ * logits equal torch's up to the order and rounding of the sums, which can differ a little from
+ * machine to machine (and between a step of one sequence and a step of several, whose products sum
+ * in another order). */
 
 #include <math.h>
 #include <stdint.h>
@@ -46,7 +50,7 @@ typedef struct {
 
 typedef struct {
     int32_t n_layers, d, n_heads, n_kv_heads, head_dim, d_ff, vocab, block_size, num_blocks, cache_type, norm_type,
-            threads;
+            threads, max_batch;
     float eps;
     const void *embed;       /* (vocab, d) of embed_type */
     int32_t embed_type;
@@ -58,10 +62,12 @@ typedef struct {
     float *work;             /* at least work_floats(model) floats */
 } Model;
 
-typedef struct {
-    int64_t token, position;     /* the token computed and its position (the sequence then holds position + 1) */
-    const int32_t *block_table;  /* the sequence's blocks, logical block 0 first */
-    float *logits;               /* (vocab,) out */
+typedef struct {                 /* n sequences, each decoding one token */
+    int64_t n, table_width;
+    const int64_t *tokens;           /* (n,): the tokens computed */
+    const int64_t *positions;        /* (n,): their positions (sequence b then holds positions[b] + 1) */
+    const int32_t *block_tables;     /* (n, table_width): each sequence's blocks, logical block 0 first */
+    float *logits;                   /* (n, vocab) out */
 } Step;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -153,6 +159,73 @@ MATVEC(matvec_f32, float, load_f32)
 MATVEC(matvec_bf16, uint16_t, load_bf16)
 MATVEC(matvec_i8, int8_t, load_i8)
 
+/* The same product for B inputs at once (a step of several decodes): Y[b][r] = W[r] . X[b] for rows
+ * lo .. hi-1. Each pass holds four rows of weights (converted to float32 once per group of inputs) and
+ * BB inputs' sums in registers, so every weight read from memory serves every input: at 16 inputs the
+ * product is bound by the multiply-adds, not the bytes, and the wider vectors of AVX-512 (VW = 16)
+ * count. A short last pass or group repeats a row or an input whose sums it drops. x: (B, xs), y: (B, ys). */
+#if defined(__AVX512F__)
+#define VW 16
+#define BB 6  /* 4 x 6 sums + 4 weights + 1 input: 29 of AVX-512's 32 registers */
+typedef float vf __attribute__((vector_size(64)));
+static inline vf loadw_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline vf loadw_bf16(const uint16_t *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline vf loadw_i8(const int8_t *p) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline float sumw(vf v) {
+    v8f lo, hi;
+    memcpy(&lo, &v, sizeof lo), memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return sum8(lo + hi);
+}
+#else
+#define VW 8
+#define BB 2  /* 4 x 2 sums + 4 weights + 1 input: 13 of AVX2's 16 registers */
+typedef v8f vf;
+#define loadw_f32 load_f32
+#define loadw_bf16 load_bf16
+#define loadw_i8 load_i8
+#define sumw sum8
+#endif
+
+#define MATMUL(NAME, T, LOAD, LOADW)                                                            \
+static void NAME(const T *W, int64_t n, const float *x, int64_t xs, int64_t B, float *y, int64_t ys, \
+                 int64_t lo, int64_t hi) {                                                      \
+    int64_t wide = n - n % VW;  /* columns 0 .. wide-1 in VW-wide steps, then 8 */              \
+    for (int64_t r = lo; r < hi; r += 4) {                                                      \
+        const T *w[4];                                                                          \
+        for (int j = 0; j < 4; j++) w[j] = W + (r + j < hi ? r + j : r) * n;                    \
+        for (int64_t b0 = 0; b0 < B; b0 += BB) {                                                \
+            const float *xb[BB];                                                                \
+            for (int i = 0; i < BB; i++) xb[i] = x + (b0 + i < B ? b0 + i : b0) * xs;           \
+            vf acc[4][BB];                                                                      \
+            for (int j = 0; j < 4; j++)                                                         \
+                for (int i = 0; i < BB; i++) acc[j][i] = (vf){0};                               \
+            for (int64_t k = 0; k < wide; k += VW) {                                            \
+                if (b0 == 0 && r + 4 * AHEAD < hi) {  /* the rows AHEAD passes on, once */      \
+                    const char *later = (const char *)w[0] + (AHEAD * 4 * n + 4 * k) * sizeof(T); \
+                    for (int64_t c = 0; c < 4 * VW * (int64_t)sizeof(T); c += 64) __builtin_prefetch(later + c); \
+                }                                                                               \
+                vf wv[4];                                                                       \
+                for (int j = 0; j < 4; j++) wv[j] = LOADW(w[j] + k);                            \
+                for (int i = 0; i < BB; i++) {                                                  \
+                    vf xv = loadw_f32(xb[i] + k);                                               \
+                    for (int j = 0; j < 4; j++) acc[j][i] += wv[j] * xv;                        \
+                }                                                                               \
+            }                                                                                   \
+            for (int j = 0; j < 4 && r + j < hi; j++)                                           \
+                for (int i = 0; i < BB && b0 + i < B; i++) {                                    \
+                    float sum = sumw(acc[j][i]);                                                \
+                    if (wide < n) sum += sum8(LOAD(w[j] + wide) * load_f32(xb[i] + wide));      \
+                    y[(b0 + i) * ys + r + j] = sum;                                             \
+                }                                                                               \
+        }                                                                                       \
+    }                                                                                           \
+}
+MATMUL(matmul_f32, float, load_f32, loadw_f32)
+MATMUL(matmul_bf16, uint16_t, load_bf16, loadw_bf16)
+MATMUL(matmul_i8, int8_t, load_i8, loadw_i8)
+
 /* This thread's share of n rows: a contiguous range, cut at multiples of 4. */
 static void share(int64_t n, int64_t *lo, int64_t *hi) {
     int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), groups = (n + 3) / 4;
@@ -162,22 +235,30 @@ static void share(int64_t n, int64_t *lo, int64_t *hi) {
     if (*hi > n) *hi = n;
 }
 
-/* This thread's share of y = m x (+ bias), or of y += m x (+ bias) with accumulate; returns the
- * share's rows through lo, hi. */
-static void matvec_share(const Matrix *m, const float *x, float *y, int accumulate, float *tmp,
-                         int64_t *lo_out, int64_t *hi_out) {
+/* This thread's share of Y = X m^T (+ bias), or of Y += X m^T (+ bias) with accumulate, for B rows
+ * of X (stride xs) and of Y and tmp (stride ys); returns the share's rows of m through lo, hi. One
+ * row: the one-row kernels above; more: the batched ones. */
+static void matvec_share(const Matrix *m, const float *x, int64_t xs, int64_t B, float *y, int64_t ys, int accumulate,
+                         float *tmp, int64_t *lo_out, int64_t *hi_out) {
     int64_t lo, hi;
     share(m->rows, &lo, &hi);
     float *out = accumulate ? tmp : y;
-    if (m->type == F32) matvec_f32((const float *)m->w, m->cols, x, out, lo, hi);
-    else if (m->type == BF16) matvec_bf16((const uint16_t *)m->w, m->cols, x, out, lo, hi);
-    else matvec_i8((const int8_t *)m->w, m->cols, x, out, lo, hi);
-    for (int64_t r = lo; r < hi; r++) {
-        float v = out[r];
-        if (m->scale) v *= vec_at(m->scale, m->vec_type, r);
-        if (m->bias) v += vec_at(m->bias, m->vec_type, r);
-        y[r] = accumulate ? y[r] + v : v;
+    if (B == 1) {
+        if (m->type == F32) matvec_f32((const float *)m->w, m->cols, x, out, lo, hi);
+        else if (m->type == BF16) matvec_bf16((const uint16_t *)m->w, m->cols, x, out, lo, hi);
+        else matvec_i8((const int8_t *)m->w, m->cols, x, out, lo, hi);
+    } else {
+        if (m->type == F32) matmul_f32((const float *)m->w, m->cols, x, xs, B, out, ys, lo, hi);
+        else if (m->type == BF16) matmul_bf16((const uint16_t *)m->w, m->cols, x, xs, B, out, ys, lo, hi);
+        else matmul_i8((const int8_t *)m->w, m->cols, x, xs, B, out, ys, lo, hi);
     }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = lo; r < hi; r++) {
+            float v = out[b * ys + r];
+            if (m->scale) v *= vec_at(m->scale, m->vec_type, r);
+            if (m->bias) v += vec_at(m->bias, m->vec_type, r);
+            y[b * ys + r] = accumulate ? y[b * ys + r] + v : v;
+        }
     if (lo_out) *lo_out = lo, *hi_out = hi;
 }
 
@@ -207,12 +288,12 @@ static void cache_store(void *cache, int type, int64_t at, const float *x, int n
     else for (int i = 0; i < n; i++) ((uint16_t *)cache)[at + i] = f32_to_bf16(x[i]);
 }
 
-/* Attention is split into work items that the threads share: one item is one key/value head kv
- * (with the query heads of its GQA group) over one chunk of CHUNK consecutive positions, as
- * flash-decoding splits a long context over a GPU's thread blocks. Splitting over positions keeps
- * both threads busy where there are fewer key/value heads than some multiple of the threads (3 on
- * 2 threads for SmolLM2); the chunks are fixed, not one per thread, so the arithmetic and its
- * rounding do not depend on the number of threads. */
+/* Attention is split into work items that the threads share: one item is one sequence's chunk of
+ * CHUNK consecutive positions (two blocks of 16), every KV head, as flash-decoding splits a long
+ * context over a GPU's thread blocks. Splitting over positions keeps both threads busy where a model
+ * has fewer KV heads than some multiple of the threads (3 on 2 threads for SmolLM2), and a chunk's
+ * keys and values for all heads lie side by side in the paged cache; the chunks are fixed, not one
+ * per thread, so the arithmetic and its rounding do not depend on the number of threads. */
 #define CHUNK 32
 
 /* Where one sequence's keys and values are: a layer's paged caches, the sequence's block table. */
@@ -332,141 +413,104 @@ static void attend_combine(const float *parts, int64_t chunks, int H, int D, flo
 
 static float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* Floats of workspace a step needs: shared, the residual x, q|k|v, the feed-forward's gate and
- * up, a product before it is added to x, and attention's partial results (every chunk of the longest
- * sequence, every head); per thread, its normed x, its rotated queries and keys, attention's output. */
+/* Floats of workspace a step of up to max_batch sequences needs: shared, the residual x, a product
+ * before it is added to x, q|k|v, the feed-forward's gate and up (each one row per sequence), and
+ * attention's partial results (every chunk of the longest sequence, every head, per sequence); per
+ * thread, its normed x, its rotated queries and keys, attention's output (one row per sequence). */
 int64_t work_floats(const Model *M) {
-    int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, chunks = (M->rope_len + CHUNK - 1) / CHUNK;
-    return 2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff + chunks * H * (D + 2)
-           + M->threads * (d + (H + Hkv) * D + H * D);
+    int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, B = M->max_batch;
+    int64_t chunks = (M->rope_len + CHUNK - 1) / CHUNK;
+    return B * (2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff + chunks * H * (D + 2))
+           + M->threads * B * (d + (2 * H + Hkv) * D);
 }
 
-/* 0 on success; 1 when the position is negative or past the cos/sin table, 3 when a block of the
- * table up to the position is not one of the cache's blocks, 2 when a head is wider than 512 or
- * not a multiple of 8, or a group has more than 16 query heads.
+/* 0 on success; 1 when a position is negative or past the cos/sin table, 3 when a block of a table up
+ * to its position is not one of the cache's blocks, 2 when a head is wider than 512 or not a multiple
+ * of 8, a group has more than 16 query heads, or the step has no sequence or more than max_batch.
  *
- * Each layer: every thread norms x itself (d floats: cheaper than waiting for one thread), computes
- * its rows of q, k and v; after a barrier it rotates its own copy of every query and key head, takes
- * its attention items (the item holding the step's own position first writes that position's key and
- * value to the cache: no other item reads them); after a barrier it combines the partial results and
- * computes its rows of o att (added to x); after a barrier its rows of gate and up (and silu(gate) *
- * up, the same rows); after a barrier its rows of down a (added to x); a barrier. Five per layer. */
+ * Each layer: every thread norms x itself (d floats a sequence: cheaper than waiting for one thread),
+ * computes its rows of q, k and v for every sequence; after a barrier it rotates its own copy of every
+ * query and key head, takes its attention items (the item holding a sequence's own position first writes
+ * that position's keys and values to the cache: no other item reads them); after a barrier it combines
+ * the partial results and computes its rows of o att (added to x); after a barrier its rows of gate and
+ * up (and silu(gate) * up, the same rows); after a barrier its rows of down a (added to x); a barrier.
+ * Five per layer. */
 int decode_step(const Model *M, const Step *S) {
-    int d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, group = H / Hkv;
-    if (S->position < 0 || S->position >= M->rope_len) return 1;
-    for (int64_t b = 0; b <= S->position / M->block_size; b++)
-        if (S->block_table[b] < 0 || S->block_table[b] >= M->num_blocks) return 3;
-    if (D > 512 || D % 8 || group > 16) return 2;
-    float *x = M->work, *tmp = x + d, *qkv = tmp + d;                         /* (d,), (d,), ((H + 2 Hkv) D,) */
-    float *a = qkv + (int64_t)(H + 2 * Hkv) * D, *up = a + M->d_ff;           /* (d_ff,), (d_ff,) */
-    float *parts = up + M->d_ff, *own = parts + (M->rope_len + CHUNK - 1) / CHUNK * H * (D + 2);
-    float *q = qkv, *k = qkv + (int64_t)H * D, *v = k + (int64_t)Hkv * D;
-    const float *cos = M->rope_cos + S->position * D, *sin = M->rope_sin + S->position * D;
-    int64_t slot = (int64_t)S->block_table[S->position / M->block_size] * M->block_size
-                   + S->position % M->block_size;
-    int64_t chunks = S->position / CHUNK + 1, items = chunks * Hkv;
+    int d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, group = H / Hkv, bs = M->block_size;
+    int64_t B = S->n, QKV = (int64_t)(H + 2 * Hkv) * D, F = M->d_ff;
+    if (D > 512 || D % 8 || group > 16 || B < 1 || B > M->max_batch) return 2;
+    int64_t first[B + 1], slot[B];  /* sequence b's attention items (chunks) are first[b] .. first[b+1]-1 */
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t pos = S->positions[b];
+        const int32_t *table = S->block_tables + b * S->table_width;
+        if (pos < 0 || pos >= M->rope_len || pos / bs >= S->table_width) return 1;
+        for (int64_t j = 0; j <= pos / bs; j++)
+            if (table[j] < 0 || table[j] >= M->num_blocks) return 3;
+        slot[b] = (int64_t)table[pos / bs] * bs + pos % bs;
+        first[b + 1] = first[b] + pos / CHUNK + 1;
+    }
+    int64_t row_parts = (M->rope_len + CHUNK - 1) / CHUNK * H * (D + 2);  /* one sequence's partial results */
+    float *x = M->work, *tmp = x + B * d, *qkv = tmp + B * d;        /* (B, d), (B, d), (B, (H + 2 Hkv) D) */
+    float *a = qkv + B * QKV, *up = a + B * F;                        /* (B, d_ff), (B, d_ff) */
+    float *parts = up + B * F, *own = parts + B * row_parts;          /* (B, chunks, H, D + 2) */
 
-    for (int i = 0; i < d; i++) x[i] = M->embed_type == F32 ? ((const float *)M->embed)[S->token * d + i]
-                                                              : bf16_to_f32(((const uint16_t *)M->embed)[S->token * d + i]);
+    for (int64_t b = 0; b < B; b++)
+        for (int i = 0; i < d; i++) {
+            int64_t at = S->tokens[b] * d + i;
+            x[b * d + i] = M->embed_type == F32 ? ((const float *)M->embed)[at] : bf16_to_f32(((const uint16_t *)M->embed)[at]);
+        }
     #pragma omp parallel num_threads(M->threads)
     {
-        float *h = own + omp_get_thread_num() * (d + (int64_t)(2 * H + Hkv) * D);  /* this thread's (d,) */
-        float *qr = h + d, *kr = qr + (int64_t)H * D, *att = kr + (int64_t)Hkv * D;  /* (H D,), (Hkv D,), (H D,) */
+        float *h = own + omp_get_thread_num() * B * (d + (int64_t)(2 * H + Hkv) * D);  /* this thread's (B, d) */
+        float *qr = h + B * d, *att = qr + B * (int64_t)(H + Hkv) * D;  /* (B, (H + Hkv) D), (B, H D) */
+        int64_t QR = (int64_t)(H + Hkv) * D;
         for (int li = 0; li < M->n_layers; li++) {
             const Layer *L = &M->layers[li];
-            rms_norm(x, L->attn_norm, M->norm_type, h, d, M->eps);
-            matvec_share(&L->q, h, q, 0, NULL, NULL, NULL);  /* q, k and v: each thread its share of each */
-            matvec_share(&L->k, h, k, 0, NULL, NULL, NULL);
-            matvec_share(&L->v, h, v, 0, NULL, NULL, NULL);
+            for (int64_t b = 0; b < B; b++) rms_norm(x + b * d, L->attn_norm, M->norm_type, h + b * d, d, M->eps);
+            /* q, k and v: each thread its share of each */
+            matvec_share(&L->q, h, d, B, qkv, QKV, 0, NULL, NULL, NULL);
+            matvec_share(&L->k, h, d, B, qkv + (int64_t)H * D, QKV, 0, NULL, NULL, NULL);
+            matvec_share(&L->v, h, d, B, qkv + (int64_t)(H + Hkv) * D, QKV, 0, NULL, NULL, NULL);
             #pragma omp barrier
-            memcpy(qr, q, (size_t)(H + Hkv) * D * sizeof(float));  /* queries, then keys (k follows q) */
-            for (int hd = 0; hd < H + Hkv; hd++) rope(qr + (int64_t)hd * D, cos, sin, D);
-            Keys keys = {L->k_cache, L->v_cache, S->block_table, M->cache_type, M->block_size, Hkv, D, group};
+            for (int64_t b = 0; b < B; b++) {  /* queries, then keys (k follows q) */
+                const float *cos = M->rope_cos + S->positions[b] * D, *sin = M->rope_sin + S->positions[b] * D;
+                memcpy(qr + b * QR, qkv + b * QKV, (size_t)QR * sizeof(float));
+                for (int hd = 0; hd < H + Hkv; hd++) rope(qr + b * QR + (int64_t)hd * D, cos, sin, D);
+            }
+            int64_t b = 0;  /* the sequence of this thread's current item (a static schedule: its items ascend) */
             #pragma omp for schedule(static)
-            for (int64_t it = 0; it < items; it++) {  /* item it: key/value head it % Hkv, chunk it / Hkv */
-                int kv = (int)(it % Hkv);
-                int64_t c = it / Hkv, t0 = c * CHUNK, t1 = t0 + CHUNK > S->position + 1 ? S->position + 1 : t0 + CHUNK;
-                if (c == chunks - 1) {  /* the step's own key and value, read by this item only */
-                    cache_store(L->k_cache, M->cache_type, (slot * Hkv + kv) * D, kr + (int64_t)kv * D, D);
-                    cache_store(L->v_cache, M->cache_type, (slot * Hkv + kv) * D, v + (int64_t)kv * D, D);
+            for (int64_t it = 0; it < first[B]; it++) {  /* item: a sequence's chunk c of positions, every KV head */
+                while (it >= first[b + 1]) b++;
+                int64_t c = it - first[b], pos = S->positions[b];
+                int64_t t0 = c * CHUNK, t1 = t0 + CHUNK > pos + 1 ? pos + 1 : t0 + CHUNK;
+                const float *kb = qr + b * QR + (int64_t)H * D, *vb = qkv + b * QKV + (int64_t)(H + Hkv) * D;
+                if (t1 == pos + 1) {  /* the sequence's own keys and values, read by this item only */
+                    cache_store(L->k_cache, M->cache_type, slot[b] * Hkv * D, kb, Hkv * D);
+                    cache_store(L->v_cache, M->cache_type, slot[b] * Hkv * D, vb, Hkv * D);
                 }
-                attend_chunk(&keys, qr + (int64_t)kv * group * D, kv, t0, t1, parts + (c * H + (int64_t)kv * group) * (D + 2));
+                Keys keys = {L->k_cache, L->v_cache, S->block_tables + b * S->table_width, M->cache_type, bs, Hkv, D, group};
+                for (int kv = 0; kv < Hkv; kv++)  /* a position's heads lie side by side: read in turn */
+                    attend_chunk(&keys, qr + b * QR + (int64_t)kv * group * D, kv, t0, t1,
+                                 parts + b * row_parts + (c * H + (int64_t)kv * group) * (D + 2));
             }  /* (the end of an omp for is a barrier) */
-            attend_combine(parts, chunks, H, D, att);
-            matvec_share(&L->o, att, x, 1, tmp, NULL, NULL);  /* x += o att */
+            for (int64_t s = 0; s < B; s++)
+                attend_combine(parts + s * row_parts, S->positions[s] / CHUNK + 1, H, D, att + s * (int64_t)H * D);
+            matvec_share(&L->o, att, (int64_t)H * D, B, x, d, 1, tmp, NULL, NULL);  /* x += o att */
             #pragma omp barrier
-            rms_norm(x, L->ffn_norm, M->norm_type, h, d, M->eps);
+            for (int64_t s = 0; s < B; s++) rms_norm(x + s * d, L->ffn_norm, M->norm_type, h + s * d, d, M->eps);
             /* gate and up: the same rows of each in one thread, so silu(gate) * up needs no barrier */
             int64_t lo, hi;
-            matvec_share(&L->gate, h, a, 0, NULL, &lo, &hi);
-            matvec_share(&L->up, h, up, 0, NULL, NULL, NULL);
-            for (int64_t i = lo; i < hi; i++) a[i] = silu(a[i]) * up[i];
+            matvec_share(&L->gate, h, d, B, a, F, 0, NULL, &lo, &hi);
+            matvec_share(&L->up, h, d, B, up, F, 0, NULL, NULL, NULL);
+            for (int64_t s = 0; s < B; s++)
+                for (int64_t i = lo; i < hi; i++) a[s * F + i] = silu(a[s * F + i]) * up[s * F + i];
             #pragma omp barrier
-            matvec_share(&L->down, a, x, 1, tmp, NULL, NULL);  /* x += down a */
+            matvec_share(&L->down, a, F, B, x, d, 1, tmp, NULL, NULL);  /* x += down a */
             #pragma omp barrier
         }
-        rms_norm(x, M->final_norm, M->norm_type, h, d, M->eps);
-        matvec_share(&M->head, h, S->logits, 0, NULL, NULL, NULL);
-    }
-    return 0;
-}
-
-/* Decode attention of a batch of sequences over the paged cache, for the engine's torch path (a step
- * of decodes only; labsupport.engine.cpu_attention): sequence b's one query (its heads' rows of q,
- * already rotated, its key and value already stored) against its first lens[b] keys. The same work
- * items as decode_step's, over every sequence's chunks, shared by the threads, then each sequence's
- * heads combined. Reads the cache where it is: nothing gathered. */
-typedef struct {
-    int32_t n_seqs, n_heads, n_kv_heads, head_dim, block_size, num_blocks, cache_type, threads, table_width;
-    const float *q;                 /* (B, H, D) float32 */
-    const void *k_cache, *v_cache;  /* one layer's (num_blocks, block_size, Hkv, D) */
-    const int32_t *block_tables;    /* (B, table_width) */
-    const int64_t *lens;            /* (B,): keys each sequence attends to */
-    float *out;                     /* (B, H, D) float32 */
-    float *parts;                   /* attention_work_floats(...) floats */
-} Batch;
-
-/* Floats of workspace paged_decode_attention needs: every chunk of every sequence, every head. */
-int64_t attention_work_floats(const Batch *A) {
-    int64_t chunks = 0;
-    for (int b = 0; b < A->n_seqs; b++) chunks += (A->lens[b] + CHUNK - 1) / CHUNK;
-    return chunks * A->n_heads * (A->head_dim + 2);
-}
-
-/* 0 on success; 1 when a length is below 1 or past the table, 3 when a block it would read is not one
- * of the cache's, 2 for a head shape decode_step refuses too. */
-int paged_decode_attention(const Batch *A) {
-    int B = A->n_seqs, H = A->n_heads, Hkv = A->n_kv_heads, D = A->head_dim, bs = A->block_size;
-    if (D > 512 || D % 8 || H % Hkv || H / Hkv > 16) return 2;
-    int64_t first[B + 1];  /* sequence b's items are first[b] .. first[b+1]-1 */
-    first[0] = 0;
-    for (int b = 0; b < B; b++) {
-        int64_t len = A->lens[b];
-        if (len < 1 || len > (int64_t)A->table_width * bs) return 1;
-        for (int64_t j = 0; j < (len + bs - 1) / bs; j++) {
-            int32_t block = A->block_tables[(int64_t)b * A->table_width + j];
-            if (block < 0 || block >= A->num_blocks) return 3;
-        }
-        first[b + 1] = first[b] + (len + CHUNK - 1) / CHUNK * Hkv;
-    }
-    #pragma omp parallel num_threads(A->threads)
-    {
-        int b = 0;
-        #pragma omp for schedule(static)
-        for (int64_t it = 0; it < first[B]; it++) {
-            while (it >= first[b + 1]) b++;  /* a static schedule: each thread's items ascend */
-            int64_t i = it - first[b], c = i / Hkv;
-            int kv = (int)(i % Hkv);
-            int64_t t0 = c * CHUNK, t1 = t0 + CHUNK > A->lens[b] ? A->lens[b] : t0 + CHUNK;
-            Keys keys = {A->k_cache, A->v_cache, A->block_tables + (int64_t)b * A->table_width, A->cache_type, bs, Hkv, D, H / Hkv};
-            float *parts = A->parts + first[b] / Hkv * H * (D + 2);  /* sequence b's (chunks, H, D + 2) */
-            attend_chunk(&keys, A->q + ((int64_t)b * H + (int64_t)kv * (H / Hkv)) * D, kv, t0, t1,
-                         parts + (c * H + (int64_t)kv * (H / Hkv)) * (D + 2));
-        }
-        #pragma omp for schedule(static)
-        for (int b2 = 0; b2 < B; b2++)
-            attend_combine(A->parts + first[b2] / Hkv * H * (D + 2), (first[b2 + 1] - first[b2]) / Hkv, H, D,
-                           A->out + (int64_t)b2 * H * D);
+        for (int64_t s = 0; s < B; s++) rms_norm(x + s * d, M->final_norm, M->norm_type, h + s * d, d, M->eps);
+        matvec_share(&M->head, h, d, B, S->logits, M->vocab, 0, NULL, NULL, NULL);
     }
     return 0;
 }

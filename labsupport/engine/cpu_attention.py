@@ -46,9 +46,8 @@ class CpuAttentionPlan:
     ``meta`` is the step's :class:`~labsupport.engine.paged_batch.StepMetadata` (on the CPU);
     ``block_size`` the cache's; ``dtype`` the cache's (the additive mask's dtype)."""
 
-    def __init__(self, meta, block_size: int, dtype: torch.dtype, c_decode: bool = False):
+    def __init__(self, meta, block_size: int, dtype: torch.dtype):
         self.decode_only = bool(meta.decode_only)
-        self.c_attention = None  # c_decode: a step of several decodes reads the cache in C (set below)
         self.one_slot = None  # set below for batch-1 decode on consecutive blocks (attend_one)
         slots = meta.slot_mapping.long()
         keep = slots >= 0  # a padded row (slot -1) writes nothing
@@ -62,17 +61,9 @@ class CpuAttentionPlan:
                 # decodes beside prompt chunks: padded to the longest chunk (Q rows) a decode would cost
                 # Q times its arithmetic, so each kind gets its own SDPA call over its own rows
                 seq_of_row = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)
-                self.parts = [(kind[seq_of_row].nonzero().flatten(),
-                               CpuAttentionPlan(_subset(meta, kind, q_lens), block_size, dtype, c_decode))
+                self.parts = [(kind[seq_of_row].nonzero().flatten(), CpuAttentionPlan(_subset(meta, kind, q_lens), block_size, dtype))
                               for kind in (one, ~one)]  # (rows, plan) per kind
                 return
-        if c_decode and self.decode_only and meta.seq_lens.shape[0] > 1 and bool((meta.seq_lens >= 1).all()):
-            from labsupport.cpu_decode import (
-                DecodeAttention,  # the engine's cpu_decode="fused": its C library is built
-            )
-
-            self.c_attention = DecodeAttention(meta.block_tables, meta.seq_lens)  # no gather, no mask
-            return
         lens = meta.seq_lens.long().clamp(min=1)  # (B,): a padded sequence of length 0 reads one key, never used
         b = lens.shape[0]
         t = int(lens.max())  # T: the longest sequence's keys
@@ -121,8 +112,6 @@ class CpuAttentionPlan:
             k, v = k[self.store_rows], v[self.store_rows]
         k_flat.index_copy_(0, self.store_slots, k.to(k_cache.dtype))
         v_flat.index_copy_(0, self.store_slots, v.to(v_cache.dtype))
-        if self.c_attention is not None:
-            return self.c_attention(q, k_cache, v_cache)  # (N, H, D): N = B, one query per sequence
         if self.parts is None:
             return self._read(q, k_cache, v_cache)
         out = q.new_empty((n, h, d))

@@ -98,9 +98,10 @@ class Engine:
     ``"triton"``; ``cuda_graphs`` (default: on a GPU with the Triton kernels) captures decode steps.
     ``speculative`` (a :class:`~labsupport.engine.speculative.SpeculativeConfig`, default None: off)
     drafts tokens by prompt lookup and verifies them in the step's forward pass (:mod:`.speculative`).
-    ``cpu_decode``: ``"torch"`` (default) or ``"fused"``, which runs a step that decodes one sequence
-    on a CPU as one C call (:class:`labsupport.cpu_decode.FusedDecoder`: float32 activations, the
-    same cache; every other step runs torch).
+    ``cpu_decode``: ``"torch"`` (default) or ``"fused"``, which runs a step that only decodes (up to
+    16 sequences, every one sampling, no draft tokens) on a CPU as one C call
+    (:class:`labsupport.cpu_decode.FusedDecoder`: float32 activations, the same cache; every other step
+    runs torch).
 
     After construction ``engine.scheduler`` is the :class:`~labsupport.engine.scheduler.Scheduler`
     (its ``decide`` is the step decision), ``engine.runner`` the

@@ -308,7 +308,7 @@ class ModelRunner:
             self.capture_cudagraphs(graph_batch_sizes(max_graph))
         if cpu_decode not in CPU_DECODE:
             raise ValueError(f"cpu_decode must be one of {CPU_DECODE}, got {cpu_decode!r}")
-        self.fused = None  # cpu_decode="fused": batch-1 decode steps in one C call (labsupport.cpu_decode)
+        self.fused = None  # cpu_decode="fused": decode steps of up to 16 sequences in one C call (labsupport.cpu_decode)
         if cpu_decode == "fused":
             self.fused = FusedDecoder(model, self.store.k, self.store.v, max_model_len)
 
@@ -352,9 +352,9 @@ class ModelRunner:
         drafts = [req.draft_ids for req in sampling]
         if any(drafts):  # every drafted position's logits, not only the last row's
             meta.logits_indices = self.verify_rows(batch)
-        if self.fused is not None and meta.decode_only and len(batch) == 1 and len(sampling) == 1 \
+        if self.fused is not None and meta.decode_only and len(sampling) == len(batch) <= self.fused.max_batch \
                 and not any(drafts) and self.fused_applies():
-            logits = self.fused_step(meta)  # (1, V): the whole step in one C call
+            logits = self.fused_step(meta)  # (B, V): the whole step in one C call
         else:
             hidden = self.forward(meta)  # (N, d) or (R, d): see forward
             logits = self.model.logits(hidden)  # (R, V)
@@ -380,10 +380,9 @@ class ModelRunner:
         return True
 
     def fused_step(self, meta: StepMetadata) -> torch.Tensor:
-        """A one-sequence decode step's logits (1, V) from the C step (:class:`~labsupport.cpu_decode.FusedDecoder`),
-        which stores the token's keys and values in the same cache the torch path uses."""
-        table = meta.block_tables[0]
-        return self.fused.step(int(meta.input_ids[0]), int(meta.positions[0]), table.contiguous())
+        """A decode step's logits (B, V) from the C step (:class:`~labsupport.cpu_decode.FusedDecoder`), which
+        stores each token's keys and values in the same cache the torch path uses."""
+        return self.fused.step_batch(meta.input_ids, meta.positions, meta.block_tables)
 
     def verify_rows(self, batch: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """The flat rows whose logits a speculative step needs: for each request that samples, its
@@ -410,10 +409,7 @@ class ModelRunner:
             self.fill_graph_inputs(meta, size)
             self._graphs[size].replay()
             return self._graph_vars["hidden"][:meta.seq_lens.shape[0]][meta.logits_indices]
-        # cpu_decode="fused": a step of several decodes attends in C over the paged cache (the matrix
-        # products stay torch's), under the same conditions as the fused batch-1 step
-        c_decode = self.fused is not None and meta.decode_only and self.fused_applies()
-        kv = PagedBatch(self.store.k, self.store.v, meta, self.attention, c_decode=c_decode)
+        kv = PagedBatch(self.store.k, self.store.v, meta, self.attention)
         return self.model(meta.input_ids[None], kv)[0][meta.logits_indices]  # (R, d)
 
     # -- 3. CUDA graphs for decode steps ---------------------------------------------------------

@@ -57,12 +57,11 @@ class PagedBatch:
     needs a fixed one); None lets it choose."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, backend: str = "torch",
-                 num_splits: int | None = None, c_decode: bool = False):
+                 num_splits: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.k_cache, self.v_cache = k_cache, v_cache  # (L, num_blocks, block_size, Hkv, D) each
         self.meta, self.backend, self.num_splits = meta, backend, num_splits
-        self.c_decode = c_decode  # the torch path: a step of several decodes attends in C (labsupport.cpu_decode)
         self.positions = meta.positions  # (N,): the model's RoPE reads them
         self.plan: CpuAttentionPlan | None = None  # the torch path's per-step indices and masks (first layer)
         # the plan's batch-1 decode reads the caches through strided views, which needs them contiguous
@@ -73,7 +72,7 @@ class PagedBatch:
         m = self.meta
         if self.backend == "torch":
             if self.plan is None:  # once per step: every layer reads the same positions
-                self.plan = CpuAttentionPlan(m, self.k_cache.shape[2], self.k_cache.dtype, self.c_decode)
+                self.plan = CpuAttentionPlan(m, self.k_cache.shape[2], self.k_cache.dtype)
             if self.plan.one_slot is not None and self._views:  # batch-1 decode on consecutive blocks: views only
                 return self.plan.attend_one(layer, q, k, v, self.k_cache, self.v_cache)  # (1, H, 1, D)
         q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, heads, D) views

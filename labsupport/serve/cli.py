@@ -80,11 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--token-budget", type=int, default=256, help="continuous engine: most tokens per step (256)")
     p.add_argument("--max-running", type=int, default=16, help="continuous engine: most requests per step (16)")
     p.add_argument("--cpu-decode", choices=("torch", "fused"), default="torch",
-                   help="continuous engine on a CPU: torch (default) or fused, which runs a step that decodes one "
-                   "request as one C call compiled on this machine (labsupport.cpu_decode: float32 activations; "
-                   "2.1-3.6x the torch engine's batch-1 tokens/s on the course's 2-core AMD EPYC, "
-                   "results/cpu_engine.json). With bfloat16 or int8 weights a request's text can then depend on "
-                   "whether it decoded alone or beside others")
+                   help="continuous engine on a CPU: torch (default) or fused, which runs a step that only decodes "
+                   "(up to 16 requests) as one C call compiled on this machine (labsupport.cpu_decode: float32 "
+                   "activations; results/cpu_engine.json has its speed on the course's machine). With bfloat16 or "
+                   "int8 weights a request's text can then depend on whether its decode steps ran in C or through "
+                   "torch (beside a prompt chunk, or more than 16 requests)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="continuous engine: speculative decoding with prompt-lookup drafts of up to K tokens (0: off)")
     p.add_argument("--step-delay", type=float, default=0.0,
