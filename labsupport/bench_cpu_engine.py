@@ -1,6 +1,6 @@
 """Chapters 12 and 13 on a CPU with the real model: the engine at its bound, against static batching.
 
-``python -m labsupport.bench_engine --cpu-real-model`` (about 5-9 minutes on a quiet 2-core machine)
+``python -m labsupport.bench_engine --cpu-real-model`` (about 5-11 minutes on a quiet 2-core machine)
 loads SmolLM2-135M-Instruct (:func:`labsupport.checkpoints.load`, the Q4_1 GGUF dequantised to
 float32) and measures, in one process, with torch's threads on every core, greedy, end-of-text
 ignored, each figure the median of :data:`REPEATS` runs taken in turn (run 1 of every
@@ -422,6 +422,12 @@ def same_answers(models: dict, hf, prompt: list[int], tokens: int) -> dict:
             engine = _engine(model, 1, len(prompt) + tokens, clock="steps", cpu_decode="fused")
             (got,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens))
             out[f"fused engine equals generate, {label}"] = got == alone
+            # four requests together: the traces' batched C steps
+            prompts = [prompt] + [_prompt(len(prompt) - 8 * i, 10 + i, model.cfg.vocab_size) for i in (1, 2, 3)]
+            engine = _engine(model, 4, len(prompt) + tokens, clock="steps", cpu_decode="fused")
+            got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens))
+            alone_each = [model.generate(torch.tensor([q]), tokens)[0, len(q):].tolist() for q in prompts]
+            out[f"fused engine, 4 requests together, equals generate, {label}"] = got == alone_each
         logits = model.prefill(torch.tensor([prompt]), model.new_cache(1, len(prompt)))
         out[f"max logit difference, {label}"] = float((logits - want).abs().max())
     if hf is not None:

@@ -26,6 +26,7 @@ def test_quick_run_measures_every_row_and_is_never_shown(smollm2, tmp_path):
     assert results["weight_bytes"]["int8 weight-only"] < 0.3 * results["weight_bytes"]["float32"]  # codes + scales
     assert checks["engine equals generate, int8 weight-only"]
     assert checks["fused engine equals generate, float32 packed"] and checks["fused engine equals generate, float32"]
+    assert checks["fused engine, 4 requests together, equals generate, float32 packed"]
     assert {f"fused engine {f}" for f in BC.FUSED} <= set(results["b1_tokens_per_s"])
     samples = results["read_bandwidth_samples_Bps"]  # before the runs and after each: the best is the bound's
     assert len(samples) == results["repeats"] + 1 and results["read_bandwidth_Bps"] == max(samples)

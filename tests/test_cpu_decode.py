@@ -352,11 +352,23 @@ def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_real_model_fused_greedy_equals_generate(smollm2):
-    """SmolLM2-135M in float32: the fused engine's greedy tokens are generate's."""
+    """SmolLM2-135M in float32: the fused engine's greedy tokens are generate's, for a request alone
+    (one-row steps) and for three together (batched steps, then two, then one)."""
     p = [1, 9690, 42, 2114, 314, 253, 4587, 30]
     model = smollm2.model
     out, _ = engine_tokens(model, [p], "fused", max_tokens=24, block_size=16)
     assert out[0] == model.generate(torch.tensor([p]), 24)[0, len(p):].tolist()
+    prompts = [p, p[:5] + [2114, 314], [1, 4587, 30, 253]]
+    eng = Engine(model, num_blocks=40, block_size=16, cpu_decode="fused", prefix_caching=False)
+    ids = [eng.add_request(q, SamplingParams(temperature=0, max_tokens=n)) for q, n in zip(prompts, (20, 14, 9))]
+    batched = []
+    fused_step = eng.runner.fused_step
+    eng.runner.fused_step = lambda meta: (batched.append(len(meta.positions)), fused_step(meta))[1]
+    while eng.has_unfinished():
+        eng.step()
+    assert max(batched) == 3
+    for rid, q, n in zip(ids, prompts, (20, 14, 9)):
+        assert eng.requests[rid].output_ids == model.generate(torch.tensor([q]), n)[0, len(q):].tolist()
 
 
 def test_a_started_server_with_int8_weights_and_the_fused_step_answers(smollm2):
