@@ -10,13 +10,15 @@ configuration, then run 2, ...):
   (:func:`labsupport.cpu_linear.step_weight_bytes`: a tied embedding once, as the output head reads it;
   int8: the codes and scales) over the fastest read of a buffer of that many bytes, again and again
   (:func:`read_rates`: the faster of ``torch.sum`` and the C library's read loop,
-  :func:`labsupport.cpu_decode.read_floats`, which prefetches further ahead), and the memory's read
-  bandwidth the same way over 1 GiB. Both are measured before the runs and after each, the best
+  :func:`labsupport.cpu_decode.read_floats`, which software-prefetches 8 KiB ahead), and the memory's
+  read bandwidth the same way over 1 GiB. Both are measured before the runs and after each, the best
   taken: a virtual machine's neighbours lower some measurements (on the course's AMD EPYC VM three
   runs of 2026-12-07 measured 33.2, 29.4 and 23.3 GB/s with ``torch.sum``). The size matters where the
-  last-level cache is large: on an Intel Xeon with a 300 MiB L3 (2026-12-07) 135 MB were read at about
-  65 GB/s and 1 GiB at 31-37, so a bound set by the memory's bandwidth alone put the fused bfloat16 and
-  int8 steps above 100% of it;
+  last-level cache is large: in the run of 2026-12-07 03:40 UTC on an Intel Xeon VM with a 300 MiB L3,
+  the 135 MB of int8 weights were read at 66-69 GB/s and 1 GiB at 35-36, so a bound set by the memory's
+  bandwidth alone would have put the fused int8 step at 105% of it. Where the weights about fill the
+  cache (that run's 269 MB of bfloat16, read at 37-44 GB/s) the bound moves with how much of the cache
+  the neighbours leave, and the file keeps every sample (``read_rate_samples_Bps``);
 * **batch-1 decode** (tokens per second after the first token): the course engine
   (:class:`labsupport.engine.Engine`, one request), the course's ``generate`` loop
   (:meth:`~labsupport.transformer.Transformer.prefill`, then one
@@ -592,6 +594,17 @@ def _tps(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
+def _rate_cell(results: dict, key: str | None) -> str:
+    """A bound's read rate in GB/s, the best and the range of the run's measurements ("35.6 (35.2-35.6)");
+    a run before per-size rates: the memory's bandwidth."""
+    if key is None:
+        return "-"
+    if "read_rate_Bps" not in results:
+        return f"{results['read_bandwidth_Bps'] / 1e9:.1f}"
+    seen = [sample[key] / 1e9 for sample in results["read_rate_samples_Bps"]]
+    return f"{results['read_rate_Bps'][key] / 1e9:.1f} ({min(seen):.1f}-{max(seen):.1f})"
+
+
 def results_markdown(results: dict | None) -> str:
     """The table of the issue (batch-1 decode and its bound; the two traces; the profile of a batch-1
     step per packed format, where the run has one), with machine and date, or "not yet measured"."""
@@ -602,23 +615,21 @@ def results_markdown(results: dict | None) -> str:
     vm = ", a virtual machine" if "hypervisor" in m.get("flags", ()) else ""
     samples = results.get("read_bandwidth_samples_Bps") or [results["read_bandwidth_Bps"]]
     best = f", the best of {len(samples)} measurements" if len(samples) > 1 else ""
-    rates = results.get("read_rate_Bps")  # per format (a run before them: the memory's bandwidth for all)
     how = ("; each format's bound: its weights' bytes per token over the fastest read of that many bytes, the "
-           "read rate column" if rates else "; bound: the weights' bytes per token over that bandwidth")
+           "read rate column" if "read_rate_Bps" in results else "; bound: the weights' bytes per token over that bandwidth")
     versions = results["versions"]
     llama = f", llama-cpp-python {versions['llama_cpp_python']}" if versions.get("llama_cpp_python") else ""
     lines = [f"Measured on {m['cpu']} ({m['cores']} cores{vm}, {m['torch_threads']} torch threads, memory read bandwidth "
              f"{results['read_bandwidth_Bps'] / 1e9:.1f} GB/s over 1 GiB{best}{how}), {results['date']}, torch "
              f"{versions['torch']}, transformers {versions['transformers']}{llama}; {results['model']}, greedy, "
              f"end-of-text ignored, medians of {results['repeats']} runs.", "",
-             "| batch-1 decode | tokens/s | read rate (GB/s) | bandwidth bound | share of the bound |",
+             "| batch-1 decode | tokens/s | read rate, GB/s: best (all measurements) | bandwidth bound | share of the bound |",
              "| --- | --- | --- | --- | --- |"]
     size_of = {"transformers float32": "float32", "llama.cpp (the GGUF file)": "the GGUF file"}
     for label, tps in b1.items():
         fmt = next((f for f in bound if label.endswith(f)), None)
         share = f"{tps / bound[fmt]:.0%}" if fmt else "-"
-        rate = rates.get(size_of.get(fmt, fmt)) if rates and fmt else (None if rates else results["read_bandwidth_Bps"])
-        lines.append(f"| {label} | {_tps(tps)} | {'-' if rate is None else f'{rate / 1e9:.1f}'} | "
+        lines.append(f"| {label} | {_tps(tps)} | {_rate_cell(results, size_of.get(fmt, fmt))} | "
                      f"{_tps(bound.get(fmt))} | {share} |")
     lines += ["", "| trace (useful tokens) | engine, float32 packed, fused decode steps (tokens/s) | transformers static batching, "
               "float32 (tokens/s) | engine / static | TTFT p50 engine / static (s) |", "| --- | --- | --- | --- | --- |"]

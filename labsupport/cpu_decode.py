@@ -1,15 +1,18 @@
-"""Batch-1 decode on a CPU in one call: the whole forward pass in C (``labsupport/csrc/cpu_decode.c``).
+"""Decode steps of 1 to 16 sequences on a CPU in one call: the whole forward pass in C
+(``labsupport/csrc/cpu_decode.c``).
 
-A decode step reads every weight once, so its floor is the weights' bytes over the memory's read
-bandwidth (chapter 13). Through torch, a decode step of SmolLM2-135M on a CPU also dispatches
+A decode step reads every weight once, so a step of one sequence is bound by the weights' bytes over
+the rate the machine reads that many bytes (chapter 13: from memory, or from the last-level cache
+where the weights fit). Through torch, a decode step of SmolLM2-135M on a CPU also dispatches
 thousands of small operators from Python (norms, views, rotations, the cache write, attention's
 pieces), which cost about as much as the matrix products, and the products themselves read below
 the bandwidth (``python -m labsupport.bench_engine --cpu-real-model`` profiles both). A GPU engine
 removes the dispatch cost with CUDA graphs (one launch replays the whole step); a CPU has no graphs,
 and runtimes such as llama.cpp run the step in compiled code. :class:`FusedDecoder` does that for the
-course's engine: one C function runs the step (embedding row, every layer, final norm, output
-head), the threads splitting each matrix's rows, and returns the logits; the engine samples them
-as usual.
+course's engine: one C function runs the step (embedding rows, every layer, final norm, output
+head) for up to :data:`MAX_BATCH` sequences at once, every weight read once for all of them, the
+threads splitting each matrix's rows and attention's chunks of positions, and returns the logits; the
+engine samples them as usual.
 
 * **What it reads**: the model's own weight tensors, not copies (float32 and bfloat16 layers,
   plain or packed by :func:`labsupport.cpu_linear.prepack`, and :class:`~labsupport.cpu_linear.Int8Linear`'s
@@ -20,7 +23,8 @@ as usual.
   bfloat16 weights its logits sit closer to the float32 model's than the torch path's, which rounds
   every activation to bfloat16; with int8 weights the weights' own rounding dominates (the bench's
   perplexities put the two int8 paths within a few hundredths of each other).
-* **Its limits**: one sequence decoding and sampling (the engine's other steps run torch), a
+* **Its limits**: steps that only decode, at most :data:`MAX_BATCH` sequences, each sampling, no
+  speculative drafts (the engine's other steps run torch), a
   Llama-style model without per-head query/key norms (Qwen3's), the course's rotation and step
   assembly (the engine takes the torch path while a learner's ``rope`` or ``assemble`` is plugged
   in), weights it knows the layout of. :func:`unsupported` says why a model is refused. The decoder
@@ -66,6 +70,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 MAX_BATCH = 16  # sequences one C step decodes at most (the engine runs larger decode steps through torch)
+_GUARD, _GUARD_VALUE = 16, 12345.0  # floats past the workspace's end, and what they hold
 
 
 class _Matrix(ctypes.Structure):
@@ -91,8 +96,9 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("n", ctypes.c_int64), ("table_width", ctypes.c_int64), ("tokens", ctypes.c_void_p),
-                ("positions", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("logits", ctypes.c_void_p)]
+    _fields_ = [("n", ctypes.c_int64), ("table_width", ctypes.c_int64), ("parts_floats", ctypes.c_int64),
+                ("tokens", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
+                ("logits", ctypes.c_void_p), ("parts", ctypes.c_void_p)]
 
 
 # --- building the library ----------------------------------------------------------------------------
@@ -186,6 +192,7 @@ def build() -> ctypes.CDLL:
         lib.decode_step.restype = ctypes.c_int
         lib.work_floats.argtypes = [ctypes.POINTER(_Model)]
         lib.work_floats.restype = ctypes.c_int64
+        lib.chunk_positions.restype = ctypes.c_int64
         lib.read_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         lib.read_floats.restype = ctypes.c_float
         _library = lib
@@ -246,9 +253,10 @@ def plugged_in(model: Transformer) -> str | None:
 
 
 class FusedDecoder:
-    """Runs a batch-1 decode step of ``model`` on the engine's paged cache ``k_cache``/``v_cache``
-    (``(L, num_blocks, block_size, Hkv, D)``, contiguous) in one C call (module docstring).
-    ``max_len``: the longest sequence it will see (the rotation's table is made that long).
+    """Runs decode steps of ``model`` for 1 to ``max_batch`` sequences on the engine's paged cache
+    ``k_cache``/``v_cache`` (``(L, num_blocks, block_size, Hkv, D)``, contiguous) in one C call each
+    (module docstring): :meth:`step` for one, :meth:`step_batch` for several. ``max_len``: the longest
+    sequence it will see (the rotation's table is made that long).
 
     It reads the model's own tensors in place (an in-place update is read at the next step) and keeps
     them alive: :meth:`stale` says when the model holds other tensors since (``model.to``, ``prepack``,
@@ -314,7 +322,12 @@ class FusedDecoder:
         m.layers = self._layers
         cos, sin = rope_cos_sin(torch.arange(max_len), D, torch.float32, cfg.rope_theta, cfg.rope_scaling)  # (max_len, D)
         m.rope_cos, m.rope_sin, m.rope_len = self._hold(cos).data_ptr(), self._hold(sin).data_ptr(), max_len
-        m.work = self._hold(torch.zeros(self.lib.work_floats(ctypes.byref(m)))).data_ptr()
+        # the workspace, and past its end a few floats the step must never write (a test checks them)
+        self._work = self._hold(torch.zeros(self.lib.work_floats(ctypes.byref(m)) + _GUARD))
+        self._work[-_GUARD:] = _GUARD_VALUE
+        m.work = self._work.data_ptr()
+        self._chunk = self.lib.chunk_positions()
+        self._parts = torch.empty(0)  # attention's partial results, grown to what a step needs
         self._step = _Step()
         self._layout = self._model_layout()
         self._quick = (model.dtype, id(model.packed_head), model.tok_embeddings.weight.data_ptr())
@@ -411,12 +424,14 @@ class FusedDecoder:
             raise ValueError(f"a position of {positions.tolist()} is outside [0, {c.rope_len - 1}], the positions "
                              f"this decoder was made for")
         if bool((positions // c.block_size >= tables.shape[1]).any()):
-            raise ValueError("block_table must be a contiguous 1-D int32 tensor covering the position "
-                             "(each row of block_tables enough blocks for its position)")
+            raise ValueError("each row of block_tables must cover its sequence's position (enough blocks for it)")
         logits = torch.empty(n, self.cfg.vocab_size)  # (B, V): a new tensor each step (the sampler may keep it)
         with self._lock:  # one workspace: one step at a time
             s = self._step
-            s.n, s.table_width = n, tables.shape[1]
+            need = int((positions // self._chunk + 1).sum()) * self.cfg.n_heads * (self.cfg.head_dim + 2)
+            if self._parts.numel() < need:  # grows with the context: (chunks, H, D + 2) of every sequence
+                self._parts = torch.empty(max(need, 2 * self._parts.numel()))
+            s.n, s.table_width, s.parts_floats, s.parts = n, tables.shape[1], self._parts.numel(), self._parts.data_ptr()
             s.tokens, s.positions, s.block_tables, s.logits = (tokens.data_ptr(), positions.data_ptr(),
                                                                tables.data_ptr(), logits.data_ptr())
             rc = self.lib.decode_step(ctypes.byref(self._c), ctypes.byref(s))

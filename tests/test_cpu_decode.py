@@ -1,7 +1,7 @@
-"""The fused CPU decode step (labsupport.cpu_decode): one C call per batch-1 decode step gives the
-torch path's logits (float32: up to the order of sums), writes the same keys and values into the
-paged cache, serves through the engine with greedy tokens equal to ``generate``'s, and refuses,
-with a reason, what it cannot run."""
+"""The fused CPU decode step (labsupport.cpu_decode): one C call per decode step of 1 to 16
+sequences gives the torch path's logits (float32: up to the order of sums), writes the same keys and
+values into the paged cache, serves through the engine with greedy tokens equal to ``generate``'s,
+and refuses, with a reason, what it cannot run."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def small(dtype=torch.float32, seed=0, **shape) -> Transformer:
 
 
 def engine_tokens(model, prompts, cpu_decode_mode, max_tokens=12, **kw):
-    """Greedy outputs of the engine (one request at a time unless ``together``)."""
+    """Greedy outputs of the engine for ``prompts`` (added together, so their decode steps share)."""
     eng = Engine(model, num_blocks=40, block_size=kw.pop("block_size", 4), cpu_decode=cpu_decode_mode,
                  prefix_caching=False, **kw)
     return eng.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens)), eng
@@ -87,6 +87,26 @@ def test_the_engine_serves_generates_tokens_on_scattered_blocks_and_mixed_steps(
         assert eng.requests[rid].output_ids == model.generate(torch.tensor([p]), n)[0, len(p):].tolist()
 
 
+def test_decode_steps_larger_than_the_c_steps_batch_run_torch():
+    """With the decoder's max_batch lowered to 2, steps of three decodes run torch and steps of two or
+    one run C; the outputs are generate's either way."""
+    model = small(seed=4)
+    prompts, lengths = [prompt(n, seed=n + 1) for n in (4, 6, 5)], (8, 12, 5)
+    eng = Engine(model, num_blocks=40, block_size=4, cpu_decode="fused", prefix_caching=False)
+    eng.runner.fused.max_batch = 2
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=n)) for p, n in zip(prompts, lengths)]
+    fused_step, sizes, torch_decodes = eng.runner.fused_step, [], []
+    eng.runner.fused_step = lambda meta: (sizes.append(len(meta.positions)), fused_step(meta))[1]
+    forward = model.forward  # the torch path's forward pass (the runner's own, if replaced, would turn C off)
+    model.forward = lambda ids, kv: (torch_decodes.append(hasattr(kv, "meta") and kv.meta.decode_only
+                                                          and len(kv.meta.positions)), forward(ids, kv))[1]
+    while eng.has_unfinished():
+        eng.step()
+    assert set(sizes) == {1, 2} and 3 in torch_decodes  # three decodes: torch; two and one: C
+    for rid, p, n in zip(ids, prompts, lengths):
+        assert eng.requests[rid].output_ids == model.generate(torch.tensor([p]), n)[0, len(p):].tolist()
+
+
 def lockstep(decoder, seqs, offsets, table_of):
     """Decode ``seqs`` (token lists) together through ``decoder.step_batch``, sequence b starting at
     step ``offsets[b]`` (so the rows of a step sit at different positions): the logits of each (b, pos)."""
@@ -118,6 +138,27 @@ def test_a_batch_of_sequences_at_different_positions_gives_each_its_own_logits()
     for b, seq in enumerate(seqs):
         want = full_logits(model, seq)  # (S, V)
         torch.testing.assert_close(torch.stack([got[b, p] for p in range(len(seq))]), want, atol=2e-5, rtol=1e-4)
+    unused = set(range(60)) - set(blocks[:start])  # the 7 blocks no table holds: never written
+    assert len(unused) == 7 and all(store.k[:, b].abs().sum() == 0 and store.v[:, b].abs().sum() == 0 for b in unused)
+
+
+def test_a_full_batch_of_sixteen_on_odd_widths_to_the_last_position():
+    """16 sequences (three groups of inputs in the batched products, the last one short), widths that
+    leave 8 columns past the last 16-wide step (d_model 104, d_ff 136), 13 query heads on one KV head,
+    max_batch = 16 and positions up to the rotation table's last: every row's logits are the model's,
+    nothing is written past the workspace or outside the sequences' blocks."""
+    model = small(seed=15, vocab_size=301, d_model=104, n_heads=13, n_kv_heads=1, d_ff=136)
+    lengths = [40, 33, 32, 1, 17, 40, 8, 39, 25, 31, 2, 40, 16, 9, 38, 24]
+    seqs = [prompt(n, seed=60 + i, vocab=301) for i, n in enumerate(lengths)]
+    store = PagedKVStore(model.cfg, 170, 4, dtype=torch.float32)  # 160 blocks used, 10 never
+    table_of = [torch.arange(160, dtype=torch.int32).view(16, 10)[b].flip(0) for b in range(16)]  # (10,): 40 positions
+    decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 40, threads=3, max_batch=16)
+    got = lockstep(decoder, seqs, [40 - n for n in lengths], table_of)  # all end together: the last steps hold 16
+    for b, seq in enumerate(seqs):
+        torch.testing.assert_close(torch.stack([got[b, p] for p in range(len(seq))]), full_logits(model, seq),
+                                   atol=2e-5, rtol=1e-4)
+    assert torch.equal(decoder._work[-cpu_decode._GUARD:], torch.full((cpu_decode._GUARD,), cpu_decode._GUARD_VALUE))
+    assert store.k[:, 160:].abs().sum() == 0 and store.v[:, 160:].abs().sum() == 0
 
 
 @pytest.mark.parametrize("dtype,fmt", [(torch.bfloat16, None), (torch.bfloat16, "int8")])
@@ -157,7 +198,7 @@ def test_bad_batches_are_refused_before_the_cache_is_touched():
     tables = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"1 <= B <= 3"):
         decoder.step_batch(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 0, 0, 0]), tables)
-    with pytest.raises(ValueError, match="covering"):
+    with pytest.raises(ValueError, match="must cover its sequence"):
         decoder.step_batch(torch.tensor([1, 2]), torch.tensor([3, 8]), tables[:2])
     bad = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)  # row 1's second block is not one of the 8
     with pytest.raises(ValueError, match="ids of the cache's 8 blocks"):
@@ -192,7 +233,7 @@ def test_bad_positions_blocks_and_caches_are_refused_before_the_cache_is_touched
     decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 16)
     for position, table, says in ((-1, [1], "outside"), (16, [0, 1, 2, 3, 0], "outside"),
                                   (5, [0, 4], "ids of the cache's 4 blocks"), (1, [-1], "ids of the cache's"),
-                                  (9, [0, 1], "covering the position")):
+                                  (9, [0, 1], "must cover its sequence")):
         with pytest.raises(ValueError, match=says):
             decoder.step(3, position, torch.tensor(table, dtype=torch.int32))
     assert store.k.abs().sum() == 0 and store.v.abs().sum() == 0

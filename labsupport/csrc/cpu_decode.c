@@ -2,7 +2,8 @@
  * max_batch sequences, each decoding one token.
  *
  * Decode reads every weight once per step, so a step of one sequence is bound by the weights' bytes
- * over the memory's read bandwidth (chapter 13). Through torch, a step of the course's small model also
+ * over the rate the machine reads that many bytes (chapter 13; from memory, or from the last-level
+ * cache where the weights fit in it). Through torch, a step of the course's small model also
  * runs thousands of small operators, each a dispatch from Python, that cost about as much as the
  * matrix products (bench_cpu_engine's step profile). This file is the same forward pass written
  * as one function: the weights are read by loops over vectors (float32, bfloat16 or weight-only
@@ -27,7 +28,7 @@
 #include <string.h>
 
 #include <omp.h>
-#if defined(__AVX2__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -63,11 +64,13 @@ typedef struct {
 } Model;
 
 typedef struct {                 /* n sequences, each decoding one token */
-    int64_t n, table_width;
+    int64_t n, table_width, parts_floats;
     const int64_t *tokens;           /* (n,): the tokens computed */
     const int64_t *positions;        /* (n,): their positions (sequence b then holds positions[b] + 1) */
     const int32_t *block_tables;     /* (n, table_width): each sequence's blocks, logical block 0 first */
     float *logits;                   /* (n, vocab) out */
+    float *parts;                    /* attention's partial results: parts_floats floats, at least
+                                        (sum over sequences of positions[b] / CHUNK + 1) * n_heads * (head_dim + 2) */
 } Step;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -162,8 +165,9 @@ MATVEC(matvec_i8, int8_t, load_i8)
 /* The same product for B inputs at once (a step of several decodes): Y[b][r] = W[r] . X[b] for rows
  * lo .. hi-1. Each pass holds four rows of weights (converted to float32 once per group of inputs) and
  * BB inputs' sums in registers, so every weight read from memory serves every input: at 16 inputs the
- * product is bound by the multiply-adds, not the bytes, and the wider vectors of AVX-512 (VW = 16)
- * count. A short last pass or group repeats a row or an input whose sums it drops. x: (B, xs), y: (B, ys). */
+ * product is no longer bound by the bytes (on the course's Xeon VM, 2026-12-07, a 16-sequence float32
+ * step of SmolLM2 took 41-43 ms, about 100 GFLOP/s, where reading its 538 MB takes about 15 ms), and the
+ * wider vectors of AVX-512 (VW = 16) count. A short last pass or group repeats a row or an input whose sums it drops. x: (B, xs), y: (B, ys). */
 #if defined(__AVX512F__)
 #define VW 16
 #define BB 6  /* 4 x 6 sums + 4 weights + 1 input: 29 of AVX-512's 32 registers */
@@ -289,9 +293,9 @@ static void cache_store(void *cache, int type, int64_t at, const float *x, int n
 }
 
 /* Attention is split into work items that the threads share: one item is one sequence's chunk of
- * CHUNK consecutive positions (two blocks of 16), every KV head, as flash-decoding splits a long
- * context over a GPU's thread blocks. Splitting over positions keeps both threads busy where a model
- * has fewer KV heads than some multiple of the threads (3 on 2 threads for SmolLM2), and a chunk's
+ * CHUNK consecutive positions (two of the engine's 16-position blocks), every KV head, as Flash-Decoding
+ * splits a long context over a GPU's thread blocks. Splitting over positions keeps the threads evenly
+ * busy where the KV-head count is not a multiple of the threads (3 on 2 threads for SmolLM2), and a chunk's
  * keys and values for all heads lie side by side in the paged cache; the chunks are fixed, not one
  * per thread, so the arithmetic and its rounding do not depend on the number of threads. */
 #define CHUNK 32
@@ -414,24 +418,27 @@ static void attend_combine(const float *parts, int64_t chunks, int H, int D, flo
 static float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Floats of workspace a step of up to max_batch sequences needs: shared, the residual x, a product
- * before it is added to x, q|k|v, the feed-forward's gate and up (each one row per sequence), and
- * attention's partial results (every chunk of the longest sequence, every head, per sequence); per
- * thread, its normed x, its rotated queries and keys, attention's output (one row per sequence). */
+ * before it is added to x, q|k|v, the feed-forward's gate and up (each one row per sequence); per
+ * thread, its normed x, its rotated queries and keys, attention's output (one row per sequence).
+ * Attention's partial results, which grow with the context, come with each step (Step.parts). */
 int64_t work_floats(const Model *M) {
     int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, B = M->max_batch;
-    int64_t chunks = (M->rope_len + CHUNK - 1) / CHUNK;
-    return B * (2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff + chunks * H * (D + 2))
-           + M->threads * B * (d + (2 * H + Hkv) * D);
+    return B * (2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff) + M->threads * B * (d + (2 * H + Hkv) * D);
 }
+
+/* The sequences' attention chunks in all, the unit of Step.parts (CHUNK positions per chunk). */
+int64_t chunk_positions(void) { return CHUNK; }
 
 /* 0 on success; 1 when a position is negative or past the cos/sin table, 3 when a block of a table up
  * to its position is not one of the cache's blocks, 2 when a head is wider than 512 or not a multiple
- * of 8, a group has more than 16 query heads, or the step has no sequence or more than max_batch.
+ * of 8, a group has more than 16 query heads, or the step has no sequence or more than max_batch, 4
+ * when Step.parts is smaller than the step's chunks need.
  *
  * Each layer: every thread norms x itself (d floats a sequence: cheaper than waiting for one thread),
  * computes its rows of q, k and v for every sequence; after a barrier it rotates its own copy of every
  * query and key head, takes its attention items (the item holding a sequence's own position first writes
- * that position's keys and values to the cache: no other item reads them); after a barrier it combines
+ * that position's keys and values to the cache: no other item reads them, since no two sequences of a
+ * step write into one block: the engine copies a shared block before writing it); after a barrier it combines
  * the partial results and computes its rows of o att (added to x); after a barrier its rows of gate and
  * up (and silu(gate) * up, the same rows); after a barrier its rows of down a (added to x); a barrier.
  * Five per layer. */
@@ -450,10 +457,11 @@ int decode_step(const Model *M, const Step *S) {
         slot[b] = (int64_t)table[pos / bs] * bs + pos % bs;
         first[b + 1] = first[b] + pos / CHUNK + 1;
     }
-    int64_t row_parts = (M->rope_len + CHUNK - 1) / CHUNK * H * (D + 2);  /* one sequence's partial results */
+    int64_t chunk_floats = (int64_t)H * (D + 2);  /* one chunk's partial results: (H, D + 2) */
+    if (first[B] * chunk_floats > S->parts_floats) return 4;
     float *x = M->work, *tmp = x + B * d, *qkv = tmp + B * d;        /* (B, d), (B, d), (B, (H + 2 Hkv) D) */
-    float *a = qkv + B * QKV, *up = a + B * F;                        /* (B, d_ff), (B, d_ff) */
-    float *parts = up + B * F, *own = parts + B * row_parts;          /* (B, chunks, H, D + 2) */
+    float *a = qkv + B * QKV, *up = a + B * F, *own = up + B * F;    /* (B, d_ff), (B, d_ff) */
+    float *parts = S->parts;  /* sequence b's chunks: (chunks_b, H, D + 2) from first[b] * chunk_floats */
 
     for (int64_t b = 0; b < B; b++)
         for (int i = 0; i < d; i++) {
@@ -492,10 +500,10 @@ int decode_step(const Model *M, const Step *S) {
                 Keys keys = {L->k_cache, L->v_cache, S->block_tables + b * S->table_width, M->cache_type, bs, Hkv, D, group};
                 for (int kv = 0; kv < Hkv; kv++)  /* a position's heads lie side by side: read in turn */
                     attend_chunk(&keys, qr + b * QR + (int64_t)kv * group * D, kv, t0, t1,
-                                 parts + b * row_parts + (c * H + (int64_t)kv * group) * (D + 2));
+                                 parts + (first[b] + c) * chunk_floats + (int64_t)kv * group * (D + 2));
             }  /* (the end of an omp for is a barrier) */
             for (int64_t s = 0; s < B; s++)
-                attend_combine(parts + s * row_parts, S->positions[s] / CHUNK + 1, H, D, att + s * (int64_t)H * D);
+                attend_combine(parts + first[s] * chunk_floats, first[s + 1] - first[s], H, D, att + s * (int64_t)H * D);
             matvec_share(&L->o, att, (int64_t)H * D, B, x, d, 1, tmp, NULL, NULL);  /* x += o att */
             #pragma omp barrier
             for (int64_t s = 0; s < B; s++) rms_norm(x + s * d, L->ffn_norm, M->norm_type, h + s * d, d, M->eps);
@@ -519,7 +527,9 @@ int decode_step(const Model *M, const Step *S) {
  * vectors per pass and the cache lines 8 KiB ahead asked for: the fastest plain read this file knows
  * how to write, which the bench times to set each format's bound (labsupport.bench_cpu_engine). In a
  * one-off test while this was written (Intel Xeon, 300 MiB L3, 2 threads, 2026-12-07) it read 269 MB
- * at 62 GB/s where torch.sum read 33 (the difference is the prefetch distance: 2 KiB ahead, 42). */
+ * at 62 GB/s where torch.sum, which leaves prefetching to the hardware, read 33, and this loop
+ * prefetching 2 KiB ahead 42; the bench's run the same morning read that size at 37-44 GB/s (the
+ * share of a virtual machine's L3 that holds the buffer varies). */
 float read_floats(const float *x, int64_t n, int threads) {
     float total = 0;
     #pragma omp parallel num_threads(threads) reduction(+:total)

@@ -53,7 +53,7 @@ from .paged_batch import BACKENDS, PagedBatch, StepMetadata
 from .sequence import Request
 from .speculative import verify_drafts
 
-CPU_DECODE = ("torch", "fused")  # how a CPU engine runs a one-sequence decode step
+CPU_DECODE = ("torch", "fused")  # how a CPU engine runs a decode step of up to 16 sequences
 
 
 class Copier:
@@ -369,7 +369,7 @@ class ModelRunner:
         return [[t] if isinstance(t, int) else t for t in sampler(logits, params, generators, histories)]
 
     def fused_applies(self) -> bool:
-        """Whether a one-sequence decode step may run the C step: not while a part it would bypass is
+        """Whether a decode step may run the C step: not while a part it would bypass is
         plugged in after the engine was built (a step assembly, a forward pass, a rotation); a model
         moved to another dtype or packed since gets a new decoder first (in-place weight updates need
         none: the C step reads the model's tensors in place)."""
