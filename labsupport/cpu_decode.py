@@ -323,11 +323,11 @@ class FusedDecoder:
         cos, sin = rope_cos_sin(torch.arange(max_len), D, torch.float32, cfg.rope_theta, cfg.rope_scaling)  # (max_len, D)
         m.rope_cos, m.rope_sin, m.rope_len = self._hold(cos).data_ptr(), self._hold(sin).data_ptr(), max_len
         # the workspace, and past its end a few floats the step must never write (a test checks them)
-        self._work = self._hold(torch.zeros(self.lib.work_floats(ctypes.byref(m)) + _GUARD))
+        self._work = self._hold(torch.zeros(self.lib.work_floats(ctypes.byref(m)) + _GUARD, dtype=torch.float32))
         self._work[-_GUARD:] = _GUARD_VALUE
         m.work = self._work.data_ptr()
         self._chunk = self.lib.chunk_positions()
-        self._parts = torch.empty(0)  # attention's partial results, grown to what a step needs
+        self._parts = torch.empty(0, dtype=torch.float32)  # attention's partial results, grown to what a step needs
         self._step = _Step()
         self._layout = self._model_layout()
         self._quick = (model.dtype, id(model.packed_head), model.tok_embeddings.weight.data_ptr())
@@ -425,12 +425,12 @@ class FusedDecoder:
                              f"this decoder was made for")
         if bool((positions // c.block_size >= tables.shape[1]).any()):
             raise ValueError("each row of block_tables must cover its sequence's position (enough blocks for it)")
-        logits = torch.empty(n, self.cfg.vocab_size)  # (B, V): a new tensor each step (the sampler may keep it)
+        logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32)  # (B, V): a new tensor each step (the sampler may keep it)
         with self._lock:  # one workspace: one step at a time
             s = self._step
             need = int((positions // self._chunk + 1).sum()) * self.cfg.n_heads * (self.cfg.head_dim + 2)
             if self._parts.numel() < need:  # grows with the context: (chunks, H, D + 2) of every sequence
-                self._parts = torch.empty(max(need, 2 * self._parts.numel()))
+                self._parts = torch.empty(max(need, 2 * self._parts.numel()), dtype=torch.float32)
             s.n, s.table_width, s.parts_floats, s.parts = n, tables.shape[1], self._parts.numel(), self._parts.data_ptr()
             s.tokens, s.positions, s.block_tables, s.logits = (tokens.data_ptr(), positions.data_ptr(),
                                                                tables.data_ptr(), logits.data_ptr())

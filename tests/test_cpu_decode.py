@@ -143,8 +143,8 @@ def test_a_batch_of_sequences_at_different_positions_gives_each_its_own_logits()
 
 
 def test_a_full_batch_of_sixteen_on_odd_widths_to_the_last_position():
-    """16 sequences (three groups of inputs in the batched products, the last one short), widths that
-    leave 8 columns past the last 16-wide step (d_model 104, d_ff 136), 13 query heads on one KV head,
+    """16 sequences (with AVX-512, three groups of inputs in the batched products, the last one short),
+    widths that leave 8 columns past the last 16-wide step of AVX-512 (d_model 104, d_ff 136), 13 query heads on one KV head,
     max_batch = 16 and positions up to the rotation table's last: every row's logits are the model's,
     nothing is written past the workspace or outside the sequences' blocks."""
     model = small(seed=15, vocab_size=301, d_model=104, n_heads=13, n_kv_heads=1, d_ff=136)
@@ -153,7 +153,7 @@ def test_a_full_batch_of_sixteen_on_odd_widths_to_the_last_position():
     store = PagedKVStore(model.cfg, 170, 4, dtype=torch.float32)  # 160 blocks used, 10 never
     table_of = [torch.arange(160, dtype=torch.int32).view(16, 10)[b].flip(0) for b in range(16)]  # (10,): 40 positions
     decoder = cpu_decode.FusedDecoder(model, store.k, store.v, 40, threads=3, max_batch=16)
-    got = lockstep(decoder, seqs, [40 - n for n in lengths], table_of)  # all end together: the last steps hold 16
+    got = lockstep(decoder, seqs, [40 - n for n in lengths], table_of)  # all end together: the last step holds 16
     for b, seq in enumerate(seqs):
         torch.testing.assert_close(torch.stack([got[b, p] for p in range(len(seq))]), full_logits(model, seq),
                                    atol=2e-5, rtol=1e-4)

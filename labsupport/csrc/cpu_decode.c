@@ -426,7 +426,7 @@ int64_t work_floats(const Model *M) {
     return B * (2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff) + M->threads * B * (d + (2 * H + Hkv) * D);
 }
 
-/* The sequences' attention chunks in all, the unit of Step.parts (CHUNK positions per chunk). */
+/* Positions per attention chunk (CHUNK): Step.parts holds (chunks, n_heads, head_dim + 2) floats per sequence. */
 int64_t chunk_positions(void) { return CHUNK; }
 
 /* 0 on success; 1 when a position is negative or past the cos/sin table, 3 when a block of a table up
