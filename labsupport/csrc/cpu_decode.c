@@ -123,51 +123,8 @@ static inline v8f load_i8(const int8_t *p) {
 }
 static inline float sum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
-/* y[r] = W[r] . x for rows lo .. hi-1 of W (n columns), four rows per pass. While it reads a pass's
- * four rows it asks for the rows AHEAD passes on (__builtin_prefetch, two cache lines per step of 8
- * columns, so a pass covers the 4n elements of a later one; only rows of the thread's own share).
- * In a one-off microbenchmark while this was written (one core, 100,000 rows of 576, an AMD EPYC
- * with AVX2, 2026-12-06), the hardware's own prefetcher alone read int8 and bfloat16 rows at 7-8 GB/s
- * against 16 GB/s for float32, and 12-17 GB/s with this. */
-#define AHEAD 4
-#define MATVEC(NAME, T, LOAD)                                                                  \
-static void NAME(const T *W, int64_t n, const float *x, float *y, int64_t lo, int64_t hi) {    \
-    int64_t r = lo;                                                                            \
-    const char *first = (const char *)(W + lo * n), *end = first + AHEAD * 4 * n * sizeof(T);  \
-    for (const char *line = first; line < end; line += 64) __builtin_prefetch(line);  /* the first passes */ \
-    for (; r + 4 <= hi; r += 4) {                                                              \
-        const T *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;                     \
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                            \
-        for (int64_t k = 0; k < n; k += 8) {                                                   \
-            v8f xv = load_f32(x + k);                                                          \
-            if (r + 4 * AHEAD < hi) {  /* only rows of this thread's share */                  \
-                const char *later = (const char *)w0 + (AHEAD * 4 * n + 4 * k) * sizeof(T);   \
-                __builtin_prefetch(later);                                                     \
-                __builtin_prefetch(later + 64);                                                \
-            }                                                                                  \
-            a0 += LOAD(w0 + k) * xv;                                                           \
-            a1 += LOAD(w1 + k) * xv;                                                           \
-            a2 += LOAD(w2 + k) * xv;                                                           \
-            a3 += LOAD(w3 + k) * xv;                                                           \
-        }                                                                                      \
-        y[r] = sum8(a0), y[r + 1] = sum8(a1), y[r + 2] = sum8(a2), y[r + 3] = sum8(a3);        \
-    }                                                                                          \
-    for (; r < hi; r++) {                                                                      \
-        v8f a = {0};                                                                           \
-        for (int64_t k = 0; k < n; k += 8) a += LOAD(W + r * n + k) * load_f32(x + k);         \
-        y[r] = sum8(a);                                                                        \
-    }                                                                                          \
-}
-MATVEC(matvec_f32, float, load_f32)
-MATVEC(matvec_bf16, uint16_t, load_bf16)
-MATVEC(matvec_i8, int8_t, load_i8)
-
-/* The same product for B inputs at once (a step of several decodes): Y[b][r] = W[r] . X[b] for rows
- * lo .. hi-1. Each pass holds four rows of weights (converted to float32 once per group of inputs) and
- * BB inputs' sums in registers, so every weight read from memory serves every input: at 16 inputs the
- * product is no longer bound by the bytes (on the course's Xeon VM, 2026-12-07, a 16-sequence float32
- * step of SmolLM2 took 41-43 ms, about 100 GFLOP/s, where reading its 538 MB takes about 15 ms), and the
- * wider vectors of AVX-512 (VW = 16) count. A short last pass or group repeats a row or an input whose sums it drops. x: (B, xs), y: (B, ys). */
+/* Wider vectors where the CPU has AVX-512: VW floats (16; else 8), and BB, the inputs whose sums the
+ * batched products below hold in registers. */
 #if defined(__AVX512F__)
 #define VW 16
 #define BB 6  /* 4 x 6 sums + 4 weights + 1 input: 29 of AVX-512's 32 registers */
@@ -192,6 +149,61 @@ typedef v8f vf;
 #define sumw sum8
 #endif
 
+/* y[r] = W[r] . x for rows lo .. hi-1 of W (n columns), four rows per pass. While it reads a pass's
+ * four rows it asks for the rows AHEAD passes on (__builtin_prefetch, the cache lines holding a later
+ * pass's 4 x WIDTH elements at each step, so a pass covers the 4n elements of a later one; only rows of
+ * the thread's own share).
+ * In a one-off microbenchmark while this was written (one core, 100,000 rows of 576, an AMD EPYC
+ * with AVX2, 2026-12-06), the hardware's own prefetcher alone read int8 and bfloat16 rows at 7-8 GB/s
+ * against 16 GB/s for float32, and 12-17 GB/s with this. */
+#define AHEAD 4
+#define MATVEC(NAME, T, LOAD, V, WIDTH, LOADV, XLOADV, SUMV)                                  \
+static void NAME(const T *W, int64_t n, const float *x, float *y, int64_t lo, int64_t hi) {    \
+    int64_t r = lo, wide = n - n % WIDTH;  /* columns 0 .. wide-1 in WIDTH-wide steps, then 8 */ \
+    const char *first = (const char *)(W + lo * n), *end = first + AHEAD * 4 * n * sizeof(T);  \
+    for (const char *line = first; line < end; line += 64) __builtin_prefetch(line);  /* the first passes */ \
+    for (; r + 4 <= hi; r += 4) {                                                              \
+        const T *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;                     \
+        V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                              \
+        for (int64_t k = 0; k < wide; k += WIDTH) {                                            \
+            V xv = XLOADV(x + k);                                                              \
+            if (r + 4 * AHEAD < hi) {  /* only rows of this thread's share */                  \
+                const char *later = (const char *)w0 + (AHEAD * 4 * n + 4 * k) * sizeof(T);   \
+                for (int64_t c = 0; c < 4 * WIDTH * (int64_t)sizeof(T); c += 64) __builtin_prefetch(later + c); \
+            }                                                                                  \
+            a0 += LOADV(w0 + k) * xv;                                                          \
+            a1 += LOADV(w1 + k) * xv;                                                          \
+            a2 += LOADV(w2 + k) * xv;                                                          \
+            a3 += LOADV(w3 + k) * xv;                                                          \
+        }                                                                                      \
+        float s0 = SUMV(a0), s1 = SUMV(a1), s2 = SUMV(a2), s3 = SUMV(a3);                      \
+        if (wide < n) {  /* the last 8 columns */                                              \
+            v8f xv = load_f32(x + wide);                                                       \
+            s0 += sum8(LOAD(w0 + wide) * xv), s1 += sum8(LOAD(w1 + wide) * xv);               \
+            s2 += sum8(LOAD(w2 + wide) * xv), s3 += sum8(LOAD(w3 + wide) * xv);               \
+        }                                                                                      \
+        y[r] = s0, y[r + 1] = s1, y[r + 2] = s2, y[r + 3] = s3;                                \
+    }                                                                                          \
+    for (; r < hi; r++) {                                                                      \
+        v8f a = {0};                                                                           \
+        for (int64_t k = 0; k < n; k += 8) a += LOAD(W + r * n + k) * load_f32(x + k);         \
+        y[r] = sum8(a);                                                                        \
+    }                                                                                          \
+}
+/* float32 and int8 rows 8 wide; bfloat16 rows VW wide. In interleaved timings of the whole one-row step
+ * on an Intel Xeon VM with AVX-512 (2026-12-07), 512-bit bfloat16 conversions took the bfloat16 step from
+ * 6.4 to 5.6-5.9 ms, while the same for int8 and float32 was no faster (int8 about 10% slower), so those
+ * keep 256 bits. */
+MATVEC(matvec_f32, float, load_f32, v8f, 8, load_f32, load_f32, sum8)
+MATVEC(matvec_bf16, uint16_t, load_bf16, vf, VW, loadw_bf16, loadw_f32, sumw)
+MATVEC(matvec_i8, int8_t, load_i8, v8f, 8, load_i8, load_f32, sum8)
+
+/* The same product for B inputs at once (a step of several decodes): Y[b][r] = W[r] . X[b] for rows
+ * lo .. hi-1. Each pass holds four rows of weights (converted to float32 once per group of inputs) and
+ * BB inputs' sums in registers, so every weight read from memory serves every input: at 16 inputs the
+ * product is no longer bound by the bytes (on the course's Xeon VM, 2026-12-07, a 16-sequence float32
+ * step of SmolLM2 took 41-43 ms, about 100 GFLOP/s, where reading its 538 MB takes about 15 ms), and the
+ * wider vectors of AVX-512 (VW = 16) count. A short last pass or group repeats a row or an input whose sums it drops. x: (B, xs), y: (B, ys). */
 #define MATMUL(NAME, T, LOAD, LOADW)                                                            \
 static void NAME(const T *W, int64_t n, const float *x, int64_t xs, int64_t B, float *y, int64_t ys, \
                  int64_t lo, int64_t hi) {                                                      \
