@@ -164,7 +164,7 @@ class OthersMeter:
 def read_bandwidth(nbytes: int = 2**30, repeats: int = 5, reader: str = "torch") -> float:
     """Bytes per second read from a float32 tensor of ``nbytes`` (median of ``repeats`` after one
     warm-up) by ``torch.sum`` with torch's threads (``reader="torch"``) or by the C library's plain read
-    loop (``"c"``: :func:`labsupport.cpu_decode.read_floats`, same threads, prefetching further ahead)."""
+    loop (``"c"``: :func:`labsupport.cpu_decode.read_floats`, same threads, software-prefetching 8 KiB ahead)."""
     x = torch.ones(nbytes // 256 * 64)
     read = x.sum if reader == "torch" else (lambda: cpu_decode.read_floats(x))
     read()

@@ -201,8 +201,8 @@ def build() -> ctypes.CDLL:
 
 def read_floats(x: torch.Tensor, threads: int | None = None) -> float:
     """The sum of a contiguous float32 CPU tensor whose size is a multiple of 64, read by the C
-    library's plain read loop (``read_floats`` in the C file: torch's threads by default, prefetching
-    ahead): what the bench times as the fastest read of that many bytes."""
+    library's plain read loop (``read_floats`` in the C file: torch's threads by default, software-prefetching
+    8 KiB ahead): what the bench times as the fastest read of that many bytes."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.numel() % 64:
         raise ValueError("read_floats reads a contiguous float32 CPU tensor of a multiple of 64 elements")
     return build().read_floats(x.data_ptr(), x.numel(), threads or torch.get_num_threads())

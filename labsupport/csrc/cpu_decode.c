@@ -92,10 +92,11 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest, ties to even
     return (uint16_t)(u >> 16);
 }
 
-/* Matrix times vector, four rows at a time: each 8-wide load of x serves four rows of weights
- * (four streams from memory at once), and each row keeps its own 8 partial sums in a vector
- * register. GCC's vector extensions, 256 bits wide whatever the CPU (AVX2 instructions where
- * -march=native has them; other CPUs get the compiler's own lowering).
+/* Matrix times vector, four rows at a time: each load of x serves four rows of weights (four
+ * streams from memory at once), and each row keeps its own partial sums in a vector register. GCC's
+ * vector extensions, 256 bits wide (AVX2 instructions where -march=native has them; other CPUs get
+ * the compiler's own lowering), and VW wide for bfloat16 rows and the batched products below (512
+ * bits where the CPU has AVX-512).
  * Every weight matrix has a multiple of 8 columns (cpu_decode.unsupported checks). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int8_t v8b __attribute__((vector_size(8)));
