@@ -25,7 +25,8 @@ configuration, then run 2, ...):
   :meth:`~labsupport.transformer.Transformer.decode_step` per token), each in float32 as loaded,
   in float32 packed for the CPU, in bfloat16 packed (:func:`labsupport.cpu_linear.prepack`) and in chapter 09's
   weight-only int8 (``prepack(model, "int8")``, bfloat16 activations), the engine again with its
-  fused C step (``cpu_decode="fused"``, :mod:`labsupport.cpu_decode`: float32 activations) in the
+  fused C step (``cpu_decode="fused"``, :mod:`labsupport.cpu_decode`: float32 activations, int16
+  into int8 products) in the
   three packed formats, and
   ``transformers``' ``generate`` (float32, the same weights copied into ``LlamaForCausalLM``);
   llama.cpp on the GGUF file only where ``llama_cpp`` is importable (it is not a dependency);
@@ -510,7 +511,7 @@ def measure(quick: bool = False, log=print, lm=None) -> dict:
     ids = lm.tokenizer.encode(perplexity.heldout_text())[:ppl_tokens]
     ppl = {label: perplexity.perplexity(perplexity.token_nll(models[label], ids, window))
            for label in ("float32", "bfloat16 packed", "int8 weight-only")}
-    for label in ("bfloat16 packed", "int8 weight-only"):  # the C step's float32 activations: its own quality
+    for label in ("bfloat16 packed", "int8 weight-only"):  # the C step's own activations (float32; int16 into int8 products): its own quality
         nll = perplexity.token_nll(models[label], ids, window, logits_of=cpu_decode.teacher_forced_logits)
         ppl[f"fused {label}"] = perplexity.perplexity(nll)
     b1 = {key[3:]: statistics.median(v) for key, v in runs.items() if key.startswith("b1 ")}

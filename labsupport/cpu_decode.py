@@ -21,8 +21,11 @@ engine samples them as usual.
 * **Its numbers**: every activation in float32. A float32 model gives the torch path's logits up
   to the order and rounding of float32 sums (so the same greedy tokens, but for near-ties); with
   bfloat16 weights its logits sit closer to the float32 model's than the torch path's, which rounds
-  every activation to bfloat16; with int8 weights the weights' own rounding dominates (the bench's
-  perplexities put the two int8 paths within a few hundredths of each other).
+  every activation to bfloat16. With int8 weights a product's input is first rounded to int16 codes
+  (one scale per row, chosen so that the integer sums cannot overflow; :func:`int8_product`), and the
+  products are exact integer sums: the same bits in a batch as alone, whatever the instruction set; the
+  weights' own rounding dominates (the bench's perplexities put the two int8 paths within a few
+  hundredths of each other).
 * **Its limits**: steps that only decode, at most :data:`MAX_BATCH` sequences, each sampling, no
   speculative drafts (the engine's other steps run torch), a
   Llama-style model without per-head query/key norms (Qwen3's), the course's rotation and step
@@ -64,7 +67,7 @@ from .cpu_linear import Int8Linear, PackedLinear
 from .paged_cache import PagedKVStore
 from .transformer import Transformer, rope_cos_sin
 
-__all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "read_floats", "SOURCE"]
+__all__ = ["FusedDecoder", "unsupported", "build", "teacher_forced_logits", "read_floats", "int8_product", "SOURCE"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -195,6 +198,7 @@ def build() -> ctypes.CDLL:
         lib.chunk_positions.restype = ctypes.c_int64
         lib.read_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         lib.read_floats.restype = ctypes.c_float
+        _declare_int8_product(lib)
         _library = lib
         return lib
 
@@ -206,6 +210,34 @@ def read_floats(x: torch.Tensor, threads: int | None = None) -> float:
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.numel() % 64:
         raise ValueError("read_floats reads a contiguous float32 CPU tensor of a multiple of 64 elements")
     return build().read_floats(x.data_ptr(), x.numel(), threads or torch.get_num_threads())
+
+
+def _declare_int8_product(lib: ctypes.CDLL) -> None:
+    lib.int8_product.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p]
+    lib.int8_product.restype = None
+
+
+def int8_product(codes: torch.Tensor, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ codes.T`` (B, R) float32 as the fused step computes a product with int8 weights, before the
+    rows' scales: each row of ``x`` (B, C) float32 rounded to int16 codes with its own scale, the integer
+    sums exact (the C file's note on int8 rows). ``codes``: (R, C) int8, C a multiple of 8. One row of
+    ``x`` runs the one-row kernel, more the batched one. ``lib``: another build of the C file (tests
+    compare builds for other instruction sets); the machine's own by default."""
+    if codes.dtype != torch.int8 or codes.dim() != 2 or x.dtype != torch.float32 or x.dim() != 2 \
+            or x.shape[1] != codes.shape[1] or codes.shape[1] % 8 or x.shape[0] < 1:
+        raise ValueError(f"int8_product takes int8 codes (R, C) and float32 x (B, C), C a multiple of 8; got "
+                         f"{tuple(codes.shape)} {codes.dtype} and {tuple(x.shape)} {x.dtype}")
+    if lib is None:
+        lib = build()
+    elif lib.int8_product.argtypes is None:
+        _declare_int8_product(lib)
+    codes, x = codes.contiguous(), x.contiguous()
+    (rows, cols), batch = codes.shape, x.shape[0]
+    y = torch.empty(batch, rows, dtype=torch.float32)
+    scratch = torch.empty(1 + batch + (batch * cols + 1) // 2, dtype=torch.float32)
+    lib.int8_product(codes.data_ptr(), rows, cols, x.data_ptr(), batch, y.data_ptr(), scratch.data_ptr())
+    return y
 
 
 # --- what it runs --------------------------------------------------------------------------------
@@ -246,8 +278,9 @@ def unsupported(model: Transformer) -> str | None:
 def plugged_in(model: Transformer) -> str | None:
     """Why the C step would bypass a part plugged into ``model`` (a rotation other than the course's,
     on one layer or on the class), or None. Cheap: the engine asks before every fused step."""
-    for i, block in enumerate(model.layers):
-        if block.attention.rope is not None:
+    # the modules' own dictionaries: through nn.Module's attribute lookup this walk took 21 us a step, 3 so
+    for i, block in enumerate(model.layers._modules.values()):
+        if block._modules["attention"].rope is not None:
             return f"layer {i} rotates with a plugged-in rope function (a learner's part), which the C step would bypass"
     return None
 
@@ -418,17 +451,18 @@ class FusedDecoder:
                              f"{tuple(block_tables.shape)} {block_tables.dtype}")
         tokens, positions = tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         tables = block_tables.contiguous()
-        if bool(((tokens < 0) | (tokens >= self.cfg.vocab_size)).any()):
-            raise ValueError(f"a token id of {tokens.tolist()} is outside the vocabulary [0, {self.cfg.vocab_size - 1}]")
-        if bool(((positions < 0) | (positions >= c.rope_len)).any()):
-            raise ValueError(f"a position of {positions.tolist()} is outside [0, {c.rope_len - 1}], the positions "
+        ids, places = tokens.tolist(), positions.tolist()  # the checks in Python: a few torch ops each would cost more
+        if not all(0 <= t < self.cfg.vocab_size for t in ids):
+            raise ValueError(f"a token id of {ids} is outside the vocabulary [0, {self.cfg.vocab_size - 1}]")
+        if not all(0 <= p < c.rope_len for p in places):
+            raise ValueError(f"a position of {places} is outside [0, {c.rope_len - 1}], the positions "
                              f"this decoder was made for")
-        if bool((positions // c.block_size >= tables.shape[1]).any()):
+        if any(p // c.block_size >= tables.shape[1] for p in places):
             raise ValueError("each row of block_tables must cover its sequence's position (enough blocks for it)")
         logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32)  # (B, V): a new tensor each step (the sampler may keep it)
         with self._lock:  # one workspace: one step at a time
             s = self._step
-            need = int((positions // self._chunk + 1).sum()) * self.cfg.n_heads * (self.cfg.head_dim + 2)
+            need = sum(p // self._chunk + 1 for p in places) * self.cfg.n_heads * (self.cfg.head_dim + 2)
             if self._parts.numel() < need:  # grows with the context: (chunks, H, D + 2) of every sequence
                 self._parts = torch.empty(max(need, 2 * self._parts.numel()), dtype=torch.float32)
             s.n, s.table_width, s.parts_floats, s.parts = n, tables.shape[1], self._parts.numel(), self._parts.data_ptr()

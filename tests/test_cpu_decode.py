@@ -6,6 +6,9 @@ and refuses, with a reason, what it cannot run."""
 from __future__ import annotations
 
 import copy
+import ctypes
+import platform
+import subprocess
 
 import pytest
 import torch
@@ -165,7 +168,8 @@ def test_a_full_batch_of_sixteen_on_odd_widths_to_the_last_position():
 def test_bf16_and_int8_batches_match_their_one_row_steps(dtype, fmt):
     """The batched products (each weight converted once, summed in another order) give bf16 and int8
     models the logits of their one-row steps; the bf16 cache is written the same. Widths of 104 and 136
-    leave 8 columns past the last 16-wide step of both kernels on AVX-512."""
+    leave 8 columns past the last 16-wide step of both kernels on AVX-512 (and past the last 32-wide
+    step of the int8 kernels). Int8 products are exact integer sums: there the batch gives the same bits."""
     base = small(seed=13, d_model=104, n_heads=13, n_kv_heads=1, d_ff=136).to(dtype)
     model = base if fmt is None else cpu_linear.prepack(base, fmt)
     seqs = [prompt(n, seed=40 + n) for n in (20, 36, 27)]
@@ -176,6 +180,10 @@ def test_bf16_and_int8_batches_match_their_one_row_steps(dtype, fmt):
     for b, seq in enumerate(seqs):
         one = torch.cat([alone.step(t, i, tables[b]) for i, t in enumerate(seq)])  # (S, V)
         torch.testing.assert_close(torch.stack([together[b, p] for p in range(len(seq))]), one, atol=1e-4, rtol=1e-4)
+        if fmt == "int8":
+            assert torch.equal(torch.stack([together[b, p] for p in range(len(seq))]), one)
+    if fmt == "int8":
+        assert torch.equal(stores[0].k, stores[1].k) and torch.equal(stores[0].v, stores[1].v)
     torch.testing.assert_close(stores[0].k.float(), stores[1].k.float(), atol=0.02, rtol=0.01)
     assert (stores[0].k != 0).any() and (stores[0].k == stores[1].k).float().mean() > 0.9
 
@@ -502,3 +510,86 @@ def test_changed_weights_get_a_new_decoder_and_prompt_steps_never_reach_it():
     (out,) = one.generate([p], SamplingParams(temperature=0, max_tokens=6))
     assert out == model.generate(torch.tensor([p]), 6)[0, len(p):].tolist()
     assert len(calls) == 6  # the prompt's last token (it samples the first output) and 5 decodes; 4 prompt steps not
+
+
+def _exact(codes, x):
+    return x.double() @ codes.double().T  # (B, R): the product without any rounding of x
+
+
+def _int16_model(codes, x):
+    """What the C file says it computes, step by step in torch: A from the width, each row's scale
+    big / A and codes round(x * (A / big)) in float32 (half to even), exact integer sums, one multiply."""
+    A = min(32767, (2**31 - 1) // (128 * x.shape[1]))
+    big = x.abs().amax(1, keepdim=True)  # (B, 1) float32
+    q = torch.round(x * (torch.tensor(float(A)) / big)).nan_to_num(0.0)  # (B, C): a row of zeros gives 0 / 0
+    sums = (q.to(torch.int64)[:, None, :] * codes.to(torch.int64)[None]).sum(-1)  # (B, R), exact
+    return (big / float(A)) * sums.to(torch.float32)
+
+
+@pytest.mark.parametrize("rows,cols", [(37, 104), (64, 576), (9, 1536), (5, 8), (4, 40)])
+def test_int8_products_round_each_row_to_int16_and_sum_exactly(rows, cols):
+    """cpu_decode.int8_product, the step's int8 product: each row of x rounded to int16 codes within its
+    own largest |x| / (2A), A = min(32767, (2^31 - 1) // (128 cols)), then exact integer sums: the error
+    stays under what that rounding allows, far below int8 weights' own; rows of very different sizes
+    each keep their precision; one row and a batch give the same bits."""
+    g = torch.Generator().manual_seed(rows * cols)
+    codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g)
+    x = torch.randn(7, cols, generator=g) * torch.logspace(-4, 4, 7)[:, None]  # (7, C): sizes from 1e-4 to 1e4
+    got = cpu_decode.int8_product(codes, x)
+    A = min(32767, (2**31 - 1) // (128 * cols))
+    step = x.abs().amax(1, keepdim=True).double() / A  # (7, 1): one code of each row
+    allowed = 0.5 * step * codes.double().abs().sum(1) + 1e-6 * (x.double().abs() @ codes.double().abs().T)
+    err = (got.double() - _exact(codes, x)).abs()
+    assert (err <= allowed).all(), (err / allowed).max()
+    assert (err > 0).any()  # the activations really were rounded (the check can tell)
+    assert torch.equal(got, _int16_model(codes, x))  # and rounded to nearest, as the C file says
+    one_by_one = torch.cat([cpu_decode.int8_product(codes, x[i:i + 1]) for i in range(7)])
+    assert torch.equal(got, one_by_one)
+
+
+@pytest.mark.parametrize("cols", [576, 1536, 8192])
+def test_int8_products_do_not_overflow_int32_at_the_worst_codes(cols):
+    """Every code at its extreme and every activation at the row's largest: the sum of cols products
+    of 128 and A fits int32 by the choice of A, so the result is the exact product (a kernel coding
+    activations to +-32767 whatever the width would wrap past 2^31 here)."""
+    for w, v in ((127, 1.0), (-128, -2.5), (-127, 3.0)):
+        codes = torch.full((6, cols), w, dtype=torch.int8)
+        x = torch.full((3, cols), v)
+        got = cpu_decode.int8_product(codes, x)
+        torch.testing.assert_close(got, torch.full((3, 6), float(w * v * cols)), rtol=1e-6, atol=0)
+
+
+def test_int8_products_of_zero_and_non_finite_rows():
+    """A row of zeros gives zeros; a NaN or an infinity in a row makes that row's products NaN (as float
+    products would not be finite either), the other rows untouched."""
+    codes = torch.randint(-127, 128, (12, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    x[0] = 0
+    x[1, 5] = float("nan")
+    x[2, 9] = float("inf")
+    got = cpu_decode.int8_product(codes, x)
+    assert torch.equal(got[0], torch.zeros(12))
+    assert got[1].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[3], cpu_decode.int8_product(codes, x[3:4])[0]) and got[3].isfinite().all()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cpu_decode.int8_product(codes[:, :60], x[:, :60])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or cpu_decode._compiler() is None,
+                    reason="x86 instruction-set flags and a C compiler")
+def test_int8_products_have_the_same_bits_on_every_instruction_set(tmp_path):
+    """The C file built for AVX2 without VNNI (vpmaddwd) and for no AVX at all (GCC's generic vectors)
+    gives the machine's own build's int8 products bit for bit: the sums are exact integers and the
+    activations' codes involve no add that FMA could fuse."""
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(-127, 128, (45, 1544), dtype=torch.int8, generator=g)
+    x = torch.randn(5, 1544, generator=g)
+    want = cpu_decode.int8_product(codes, x), cpu_decode.int8_product(codes, x[:1])
+    for i, flags in enumerate((["-mno-avx512f", "-mno-avxvnni"], ["-mno-avx", "-mno-avx2", "-mno-avx512f", "-mno-fma"])):
+        out = tmp_path / f"variant{i}.so"
+        subprocess.run([*cpu_decode._compiler(), *cpu_decode.FLAGS, *flags, "-o", str(out), str(cpu_decode.SOURCE), "-lm"],
+                       check=True, capture_output=True)
+        lib = ctypes.CDLL(str(out))
+        assert torch.equal(cpu_decode.int8_product(codes, x, lib), want[0]), flags
+        assert torch.equal(cpu_decode.int8_product(codes, x[:1], lib), want[1]), flags
+

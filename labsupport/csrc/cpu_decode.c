@@ -9,15 +9,17 @@
  * as one function: the weights are read by loops over vectors (float32, bfloat16 or weight-only
  * int8 with one scale per output row), each weight read once for every sequence of the step,
  * everything else is a few loops over vectors of the model's width, and the threads split each
- * matrix's rows and attention's chunks of positions. It is what CUDA graphs are to a GPU step (one
- * launch instead of hundreds).
+ * matrix's rows and attention's chunks of positions, head by head. It is what CUDA graphs are to a
+ * GPU step (one launch instead of hundreds).
  *
  * Every activation is float32 (the residual stream, the norms, attention's sums); only the
  * weights and the paged KV cache keep their own type (the cache: float32 or bfloat16, rounded to
- * nearest even as torch rounds). The arithmetic is the model's (labsupport.transformer):
- * RMSNorm, rotary embedding in the halves layout from a cos/sin table, grouped-query attention
- * over the paged cache (the softmax taken in chunks and combined online: a running maximum and sum,
- * Milakov and Gimelshein's online softmax as FlashAttention uses it), SwiGLU, a final norm and the
+ * nearest even as torch rounds), and a product with int8 weights first rounds its input to int16
+ * codes with one scale per input row, so that it sums integers exactly (the note on int8 rows below).
+ * The arithmetic is the model's (labsupport.transformer): RMSNorm, rotary embedding in the halves
+ * layout from a cos/sin table, grouped-query attention over the paged cache (the softmax taken in
+ * chunks and combined online: a running maximum and sum, Milakov and Gimelshein's online softmax as
+ * FlashAttention uses it), SwiGLU (its exponential from a polynomial, exp8), a final norm and the
  * output head. -O3 lets the compiler fuse multiplies and adds (FMA) where the CPU has them: float32
  * logits equal torch's up to the order and rounding of the sums, which can differ a little from
  * machine to machine (and between a step of one sequence and a step of several, whose products sum
@@ -106,23 +108,25 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8f load_f32(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
 static inline v8f load_bf16(const uint16_t *p) {  /* bfloat16 is float32's upper half */
+#if defined(__AVX2__)  /* GCC 12 lowers the generic widening below to two halves and an insert: say it in x86's words */
+    return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
     v8h h;
     memcpy(&h, p, sizeof h);
     v8u u = __builtin_convertvector(h, v8u) << 16;
     v8f f;
     memcpy(&f, &u, sizeof f);
     return f;
-}
-static inline v8f load_i8(const int8_t *p) {
-#if defined(__AVX2__)  /* GCC 12 lowers the generic conversion below to scalar code: say it in x86's words */
-    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    v8b b;
-    memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(__builtin_convertvector(b, v8i), v8f);
 #endif
 }
 static inline float sum8(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+static inline v8f select8(v8i mask, v8f a, v8f b) {  /* a where mask is set (-1), else b */
+    v8i ai, bi, r;
+    memcpy(&ai, &a, sizeof ai), memcpy(&bi, &b, sizeof bi);
+    r = (ai & mask) | (bi & ~mask);
+    memcpy(&a, &r, sizeof a);
+    return a;
+}
 
 /* Wider vectors where the CPU has AVX-512: VW floats (16; else 8), and BB, the inputs whose sums the
  * batched products below hold in registers. */
@@ -134,7 +138,6 @@ static inline vf loadw_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); retu
 static inline vf loadw_bf16(const uint16_t *p) {
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
-static inline vf loadw_i8(const int8_t *p) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline float sumw(vf v) {
     v8f lo, hi;
     memcpy(&lo, &v, sizeof lo), memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
@@ -146,7 +149,6 @@ static inline float sumw(vf v) {
 typedef v8f vf;
 #define loadw_f32 load_f32
 #define loadw_bf16 load_bf16
-#define loadw_i8 load_i8
 #define sumw sum8
 #endif
 
@@ -191,13 +193,12 @@ static void NAME(const T *W, int64_t n, const float *x, float *y, int64_t lo, in
         y[r] = sum8(a);                                                                        \
     }                                                                                          \
 }
-/* float32 and int8 rows 8 wide; bfloat16 rows VW wide. In interleaved timings of the whole one-row step
- * on an Intel Xeon VM with AVX-512 (2026-12-07), 512-bit bfloat16 conversions took the bfloat16 step from
- * 6.4 to 5.6-5.9 ms, while the same for int8 and float32 was no faster (int8 about 10% slower), so those
- * keep 256 bits. */
+/* float32 rows 8 wide; bfloat16 rows VW wide (int8 rows: integer products, below). In interleaved timings
+ * of the whole one-row step on an Intel Xeon VM with AVX-512 (2026-12-07), 512-bit bfloat16 conversions
+ * took the bfloat16 step from 6.4 to 5.6-5.9 ms, while the same for float32 was no faster, so it keeps
+ * 256 bits. */
 MATVEC(matvec_f32, float, load_f32, v8f, 8, load_f32, load_f32, sum8)
 MATVEC(matvec_bf16, uint16_t, load_bf16, vf, VW, loadw_bf16, loadw_f32, sumw)
-MATVEC(matvec_i8, int8_t, load_i8, v8f, 8, load_i8, load_f32, sum8)
 
 /* The same product for B inputs at once (a step of several decodes): Y[b][r] = W[r] . X[b] for rows
  * lo .. hi-1. Each pass holds four rows of weights (converted to float32 once per group of inputs) and
@@ -241,7 +242,169 @@ static void NAME(const T *W, int64_t n, const float *x, int64_t xs, int64_t B, f
 }
 MATMUL(matmul_f32, float, load_f32, loadw_f32)
 MATMUL(matmul_bf16, uint16_t, load_bf16, loadw_bf16)
-MATMUL(matmul_i8, int8_t, load_i8, loadw_i8)
+
+/* Int8 rows: integer dot products. Each input row x is first rounded to nearest int16 codes, x ~ sx q
+ * with |q| <= A = min(32767, floor((2^31 - 1) / (128 n))) for n columns, so that a row's n products of an
+ * int8 code and an int16 code sum within int32 whatever the codes: the integer sums are exact, in any
+ * order (one sequence or a batch, AVX-512, AVX2 or plain C: the same bits), and y[r] = sx * sum(code * q)
+ * (times the row's scale, after). For SmolLM2's widths A is 29,127 (576 columns) and 10,922 (1536): an
+ * activation's rounding error is at most 1/(2A) of its row's largest |x|, far below the weights' own
+ * (half a code in 127). Per 32 weights one instruction widens the codes to int16 and one multiplies them
+ * by 32 activations and adds the pairs into 16 sums (vpdpwssd with AVX512-VNNI; vpmaddwd and vpaddd
+ * without it), where converting the codes to float32 took a widening, a conversion and a multiply-add
+ * per 8 weights. The conversions were what held int8 rows back (about 46 GB/s from L2 against 153 for
+ * float32 rows, in a one-off microbenchmark on the course's Xeon VM, 2026-12-07); in interleaved timings
+ * there the whole one-row int8 step went from 3.3 to 2.9 ms. IW: int16 lanes per vector. */
+#if defined(__AVX512BW__)
+#define IW 32
+typedef __m512i vi;
+static inline vi izero(void) { return _mm512_setzero_si512(); }
+static inline vi load_codes(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi load_q(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi idot(vi acc, vi a, vi b) {  /* acc[i] += a[2i] b[2i] + a[2i+1] b[2i+1] */
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+static inline int32_t isum(vi v) { return _mm512_reduce_add_epi32(v); }
+#elif defined(__AVX2__)
+#define IW 16
+typedef __m256i vi;
+static inline vi izero(void) { return _mm256_setzero_si256(); }
+static inline vi load_codes(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi load_q(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi idot(vi acc, vi a, vi b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+static inline int32_t isum(vi v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+#else
+#define IW 8
+typedef v8i vi;
+typedef int16_t v8s __attribute__((vector_size(16)));
+static inline vi izero(void) { return (vi){0}; }
+static inline vi load_codes(const int8_t *p) { v8b b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, v8i); }
+static inline vi load_q(const int16_t *p) { v8s s; memcpy(&s, p, sizeof s); return __builtin_convertvector(s, v8i); }
+static inline vi idot(vi acc, vi a, vi b) { return acc + a * b; }
+static inline int32_t isum(vi v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+#endif
+
+/* x (n floats) as int16 codes q, x ~ s q with |q| <= A(n) (above); returns s: 0 for a row of zeros, NaN
+ * when x holds a NaN or an infinity (so that the products do too, as float products would). */
+static float quantize_row(const float *x, int64_t n, int16_t *q) {  /* n: a multiple of 8 */
+    v8f big8 = {0};
+    v8i bad8 = {0};
+    for (int64_t i = 0; i < n; i += 8) {
+        v8i bits;
+        v8f v = load_f32(x + i), a;
+        memcpy(&bits, &v, sizeof bits);
+        bits &= 0x7fffffff;  /* |v| */
+        memcpy(&a, &bits, sizeof a);
+        big8 = select8(a > big8, a, big8);
+        bad8 |= ~(a < INFINITY);  /* NaN or infinity */
+    }
+    float big = 0;
+    int bad = 0;
+    for (int i = 0; i < 8; i++) big = big8[i] > big ? big8[i] : big, bad |= bad8[i];
+    if (bad || big == 0) {
+        memset(q, 0, (size_t)n * sizeof *q);
+        return bad ? NAN : 0.0f;
+    }
+    int64_t A = INT32_MAX / (128 * n);
+    A = A > 32767 ? 32767 : A < 1 ? 1 : A;
+    float inv = (float)A / big;
+    for (int64_t i = 0; i < n; i++)  /* |x[i] inv| <= A up to a rounding, so |q| <= A; no add to fuse with the */
+        q[i] = (int16_t)nearbyintf(x[i] * inv);  /* multiply: the same codes with or without FMA */
+    return big / (float)A;
+}
+
+static inline int32_t tail_dot(const int8_t *w, const int16_t *q, int64_t from, int64_t n) {  /* the last n % IW columns */
+    int32_t s = 0;
+    for (int64_t k = from; k < n; k++) s += (int32_t)w[k] * q[k];
+    return s;
+}
+
+/* y[r] = s (W[r] . q) for rows lo .. hi-1, four rows a pass, prefetching AHEAD passes on as MATVEC does. */
+static void matvec_i8(const int8_t *W, int64_t n, const int16_t *q, float s, float *y, int64_t lo, int64_t hi) {
+    int64_t r = lo, wide = n - n % IW;
+    for (const int8_t *line = W + lo * n, *end = line + AHEAD * 4 * n; line < end; line += 64) __builtin_prefetch(line);
+    for (; r + 4 <= hi; r += 4) {
+        const int8_t *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+        vi a0 = izero(), a1 = izero(), a2 = izero(), a3 = izero();
+        for (int64_t k = 0; k < wide; k += IW) {
+            vi xv = load_q(q + k);
+            if (r + 4 * AHEAD < hi)
+                for (int64_t c = 0; c < 4 * IW; c += 64) __builtin_prefetch(w0 + AHEAD * 4 * n + 4 * k + c);
+            a0 = idot(a0, load_codes(w0 + k), xv);
+            a1 = idot(a1, load_codes(w1 + k), xv);
+            a2 = idot(a2, load_codes(w2 + k), xv);
+            a3 = idot(a3, load_codes(w3 + k), xv);
+        }
+        y[r] = s * (float)(isum(a0) + tail_dot(w0, q, wide, n));
+        y[r + 1] = s * (float)(isum(a1) + tail_dot(w1, q, wide, n));
+        y[r + 2] = s * (float)(isum(a2) + tail_dot(w2, q, wide, n));
+        y[r + 3] = s * (float)(isum(a3) + tail_dot(w3, q, wide, n));
+    }
+    for (; r < hi; r++) {
+        vi a = izero();
+        for (int64_t k = 0; k < wide; k += IW) a = idot(a, load_codes(W + r * n + k), load_q(q + k));
+        y[r] = s * (float)(isum(a) + tail_dot(W + r * n, q, wide, n));
+    }
+}
+
+/* The same for B inputs at once, as MATMUL: four rows of codes widened once per group of BB inputs.
+ * q: (B, n) codes, s: (B,) their scales, y: (B, ys). */
+static void matmul_i8(const int8_t *W, int64_t n, const int16_t *q, const float *s, int64_t B, float *y, int64_t ys,
+                      int64_t lo, int64_t hi) {
+    int64_t wide = n - n % IW;
+    for (int64_t r = lo; r < hi; r += 4) {
+        const int8_t *w[4];
+        for (int j = 0; j < 4; j++) w[j] = W + (r + j < hi ? r + j : r) * n;
+        for (int64_t b0 = 0; b0 < B; b0 += BB) {
+            const int16_t *qb[BB];
+            for (int i = 0; i < BB; i++) qb[i] = q + (b0 + i < B ? b0 + i : b0) * n;
+            vi acc[4][BB];
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < BB; i++) acc[j][i] = izero();
+            for (int64_t k = 0; k < wide; k += IW) {
+                if (b0 == 0 && r + 4 * AHEAD < hi)
+                    for (int64_t c = 0; c < 4 * IW; c += 64) __builtin_prefetch(w[0] + AHEAD * 4 * n + 4 * k + c);
+                vi wv[4];
+                for (int j = 0; j < 4; j++) wv[j] = load_codes(w[j] + k);
+                for (int i = 0; i < BB; i++) {
+                    vi xv = load_q(qb[i] + k);
+                    for (int j = 0; j < 4; j++) acc[j][i] = idot(acc[j][i], wv[j], xv);
+                }
+            }
+            for (int j = 0; j < 4 && r + j < hi; j++)
+                for (int i = 0; i < BB && b0 + i < B; i++)
+                    y[(b0 + i) * ys + r + j] = s[b0 + i] * (float)(isum(acc[j][i]) + tail_dot(w[j], qb[i], wide, n));
+        }
+    }
+}
+
+/* o[r] *= v[r] (add: o[r] += v[r]) for r in lo .. hi-1, v float32 or bfloat16: a loop per type, which the
+ * compiler vectorises. */
+static void rows_apply(float *o, const void *v, int type, int64_t lo, int64_t hi, int add) {
+    if (type == F32) {
+        const float *f = v;
+        if (add) for (int64_t r = lo; r < hi; r++) o[r] += f[r];
+        else for (int64_t r = lo; r < hi; r++) o[r] *= f[r];
+    } else {
+        const uint16_t *h = v;
+        if (add) for (int64_t r = lo; r < hi; r++) o[r] += bf16_to_f32(h[r]);
+        else for (int64_t r = lo; r < hi; r++) o[r] *= bf16_to_f32(h[r]);
+    }
+}
 
 /* This thread's share of n rows: a contiguous range, cut at multiples of 4. */
 static void share(int64_t n, int64_t *lo, int64_t *hi) {
@@ -254,34 +417,45 @@ static void share(int64_t n, int64_t *lo, int64_t *hi) {
 
 /* This thread's share of Y = X m^T (+ bias), or of Y += X m^T (+ bias) with accumulate, for B rows
  * of X (stride xs) and of Y and tmp (stride ys); returns the share's rows of m through lo, hi. One
- * row: the one-row kernels above; more: the batched ones. */
+ * row: the one-row kernels above; more: the batched ones. Int8 rows first round X to int16 codes, kept
+ * in the thread's scratch (the number of columns they hold, B scales, then (B, n) codes) for the next
+ * product of the same X: fresh says X is new (q and gate; k, v and up read the X before them). */
 static void matvec_share(const Matrix *m, const float *x, int64_t xs, int64_t B, float *y, int64_t ys, int accumulate,
-                         float *tmp, int64_t *lo_out, int64_t *hi_out) {
-    int64_t lo, hi;
+                         float *tmp, float *scratch, int fresh, int64_t *lo_out, int64_t *hi_out) {
+    int64_t lo, hi, n = m->cols;
     share(m->rows, &lo, &hi);
     float *out = accumulate ? tmp : y;
-    if (B == 1) {
-        if (m->type == F32) matvec_f32((const float *)m->w, m->cols, x, out, lo, hi);
-        else if (m->type == BF16) matvec_bf16((const uint16_t *)m->w, m->cols, x, out, lo, hi);
-        else matvec_i8((const int8_t *)m->w, m->cols, x, out, lo, hi);
-    } else {
-        if (m->type == F32) matmul_f32((const float *)m->w, m->cols, x, xs, B, out, ys, lo, hi);
-        else if (m->type == BF16) matmul_bf16((const uint16_t *)m->w, m->cols, x, xs, B, out, ys, lo, hi);
-        else matmul_i8((const int8_t *)m->w, m->cols, x, xs, B, out, ys, lo, hi);
-    }
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t r = lo; r < hi; r++) {
-            float v = out[b * ys + r];
-            if (m->scale) v *= vec_at(m->scale, m->vec_type, r);
-            if (m->bias) v += vec_at(m->bias, m->vec_type, r);
-            y[b * ys + r] = accumulate ? y[b * ys + r] + v : v;
+    if (fresh) scratch[0] = 0;  /* the codes held, if any, are another X's */
+    if (m->type == I8) {
+        float *scales = scratch + 1;
+        int16_t *q = (int16_t *)(scales + B);
+        if (scratch[0] != (float)n) {
+            for (int64_t b = 0; b < B; b++) scales[b] = quantize_row(x + b * xs, n, q + b * n);
+            scratch[0] = (float)n;
         }
+        if (B == 1) matvec_i8((const int8_t *)m->w, n, q, scales[0], out, lo, hi);
+        else matmul_i8((const int8_t *)m->w, n, q, scales, B, out, ys, lo, hi);
+    } else if (B == 1) {
+        if (m->type == F32) matvec_f32((const float *)m->w, n, x, out, lo, hi);
+        else matvec_bf16((const uint16_t *)m->w, n, x, out, lo, hi);
+    } else {
+        if (m->type == F32) matmul_f32((const float *)m->w, n, x, xs, B, out, ys, lo, hi);
+        else matmul_bf16((const uint16_t *)m->w, n, x, xs, B, out, ys, lo, hi);
+    }
+    for (int64_t b = 0; b < B; b++) {  /* then the rows' scales, biases, and the sum into y: loops of one kind each */
+        float *o = out + b * ys, *yb = y + b * ys;
+        if (m->scale) rows_apply(o, m->scale, m->vec_type, lo, hi, 0);
+        if (m->bias) rows_apply(o, m->bias, m->vec_type, lo, hi, 1);
+        if (accumulate)
+            for (int64_t r = lo; r < hi; r++) yb[r] += o[r];
+    }
     if (lo_out) *lo_out = lo, *hi_out = hi;
 }
 
-static void rms_norm(const float *x, const void *weight, int type, float *out, int n, float eps) {
-    float ss = 0;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+static void rms_norm(const float *x, const void *weight, int type, float *out, int n, float eps) {  /* n: a multiple of 8 */
+    v8f sq = {0};
+    for (int i = 0; i < n; i += 8) sq += load_f32(x + i) * load_f32(x + i);
+    float ss = sum8(sq);
     float inv = 1.0f / sqrtf(ss / n + eps);
     for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * vec_at(weight, type, i);
 }
@@ -306,11 +480,12 @@ static void cache_store(void *cache, int type, int64_t at, const float *x, int n
 }
 
 /* Attention is split into work items that the threads share: one item is one sequence's chunk of
- * CHUNK consecutive positions (two of the engine's 16-position blocks), every KV head, as Flash-Decoding
- * splits a long context over a GPU's thread blocks. Splitting over positions keeps the threads evenly
- * busy where the KV-head count is not a multiple of the threads (3 on 2 threads for SmolLM2), and a chunk's
- * keys and values for all heads lie side by side in the paged cache; the chunks are fixed, not one
- * per thread, so the arithmetic and its rounding do not depend on the number of threads. */
+ * CHUNK consecutive positions (two of the engine's 16-position blocks) for one KV head and its group of
+ * query heads, as Flash-Decoding splits a long context over a GPU's thread blocks. The items are dealt
+ * round-robin (chunk by chunk, head by head), so the threads stay evenly busy whatever the number of
+ * chunks or of KV heads (3 on 2 threads for SmolLM2; dealing whole chunks in two halves left one thread
+ * twice the other's positions at some lengths). The chunks are fixed, not one per thread, so the
+ * arithmetic and its rounding do not depend on the number of threads. */
 #define CHUNK 32
 
 /* Where one sequence's keys and values are: a layer's paged caches, the sequence's block table. */
@@ -323,13 +498,6 @@ typedef struct {
 /* exp of 8 floats at once: e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln(2)/2, e^r from its
  * Taylor polynomial to degree 7 (relative error under 2e-7, about expf's), 2^n put into the exponent
  * bits. x below -87 gives 0 (as exp underflows), so e^(-inf) = 0 for a masked score. */
-static inline v8f select8(v8i mask, v8f a, v8f b) {  /* a where mask is set (-1), else b */
-    v8i ai, bi, r;
-    memcpy(&ai, &a, sizeof ai), memcpy(&bi, &b, sizeof bi);
-    r = (ai & mask) | (bi & ~mask);
-    memcpy(&a, &r, sizeof a);
-    return a;
-}
 
 static inline v8f exp8(v8f x) {
     const v8f lo = (v8f){0} - 87.0f, hi = (v8f){0} + 88.0f, half = (v8f){0} + 0.5f;
@@ -362,34 +530,48 @@ static inline v8f sum8x8(const v8f *a) {
 
 /* One item: for each query head g of kv's group, over positions t0 .. t1-1 (at most CHUNK) of the
  * paged cache, the scores s = q k / sqrt(D), their maximum m, l = sum exp(s - m) and the unnormalised
- * acc = sum exp(s - m) v, written to part (for each head of the group: m, l, then D floats). Scores
- * are taken eight positions at a time (eight dot products summed across in one go), exponentials
- * eight at a time; each value is read once for the whole group. D is a multiple of 8, at most 512;
- * a group at most 16 heads. */
+ * acc = sum exp(s - m) v, written to part (for each head of the group: m, l, then D floats). The
+ * chunk's keys and values of head kv are first gathered from their blocks into float32 rows (each
+ * converted once, not once per query head); scores are then taken eight positions at a time (eight
+ * dot products summed across in one go), exponentials eight at a time, and each head's sum of values
+ * 32 columns at a time in registers. D is a multiple of 8, at most 512; a group at most 16 heads. */
 static void attend_chunk(const Keys *c, const float *q, int kv, int64_t t0, int64_t t1, float *part) {
-    int D = c->head_dim, V = D / 8, G = c->group, Hkv = c->n_kv_heads, bs = c->block_size, type = c->type;
-    int n = (int)(t1 - t0);
+    int D = c->head_dim, G = c->group, Hkv = c->n_kv_heads, bs = c->block_size, type = c->type;
+    int n = (int)(t1 - t0), blocks = (n + 7) / 8;
     float scale = 1.0f / sqrtf((float)D);
-    v8f s[16][CHUNK / 8];  /* scores, then their exponentials; positions past n: -inf, then 0 */
+    float keys[blocks * 8 * D], values[n * D];  /* (8 blocks, D), rows past n zero; (n, D) */
     int64_t at[CHUNK];
-    for (int i = 0; i < n; i++) {  /* where each position's key and value of head kv are */
+    int esize = type == F32 ? 4 : 2;
+    for (int i = 0; i < n; i++) {  /* where each position's key and value are; ask for them all first */
         int64_t t = t0 + i, slot = (int64_t)c->table[t / bs] * bs + t % bs;
         at[i] = (slot * Hkv + kv) * D;
-    }
-    for (int i0 = 0; i0 < n; i0 += 8) {
-        int m = n - i0 < 8 ? n - i0 : 8;
-        for (int g = 0; g < G; g++) {
-            const float *qg = q + (int64_t)g * D;
-            v8f dots[8];
-            for (int i = 0; i < 8; i++) dots[i] = (v8f){0};
-            for (int i = 0; i < m; i++)
-                for (int j = 0; j < V; j++) dots[i] += load_f32(qg + 8 * j) * cache_load(c->k_cache, type, at[i0 + i] + 8 * j);
-            v8f sc = sum8x8(dots) * scale;
-            for (int i = m; i < 8; i++) sc[i] = -INFINITY;
-            s[g][i0 / 8] = sc;
+        for (int64_t b = 0; b < (int64_t)D * esize; b += 64) {
+            __builtin_prefetch((const char *)c->k_cache + at[i] * esize + b);
+            __builtin_prefetch((const char *)c->v_cache + at[i] * esize + b);
         }
     }
-    int blocks = (n + 7) / 8;
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < D; j += 8) {
+            v8f kv8 = cache_load(c->k_cache, type, at[i] + j), vv8 = cache_load(c->v_cache, type, at[i] + j);
+            memcpy(keys + i * D + j, &kv8, sizeof kv8), memcpy(values + i * D + j, &vv8, sizeof vv8);
+        }
+    }
+    memset(keys + n * D, 0, (size_t)(blocks * 8 - n) * D * sizeof(float));
+    v8f s[16][CHUNK / 8];  /* scores, then their exponentials; positions past n: -inf, then 0 */
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + (int64_t)g * D;
+        for (int b = 0; b < blocks; b++) {
+            const float *kb = keys + b * 8 * D;
+            v8f dots[8] = {{0}};
+            for (int j = 0; j < D; j += 8) {
+                v8f qv = load_f32(qg + j);
+                for (int i = 0; i < 8; i++) dots[i] += qv * load_f32(kb + i * D + j);
+            }
+            v8f sc = sum8x8(dots) * scale;
+            for (int i = n - 8 * b; i < 8; i++) sc[i] = -INFINITY;
+            s[g][b] = sc;
+        }
+    }
     for (int g = 0; g < G; g++) {  /* s becomes exp(s - m) */
         v8f big = s[g][0];
         for (int b = 1; b < blocks; b++) big = select8(big > s[g][b], big, s[g][b]);
@@ -399,16 +581,26 @@ static void attend_chunk(const Keys *c, const float *q, int kv, int64_t t0, int6
         for (int b = 0; b < blocks; b++) s[g][b] = exp8(s[g][b] - m), l += s[g][b];
         part[(int64_t)g * (D + 2)] = m, part[(int64_t)g * (D + 2) + 1] = sum8(l);
     }
-    v8f acc[16][64];
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < V; j++) acc[g][j] = (v8f){0};
-    for (int i = 0; i < n; i++) {  /* the values: each read once */
-        for (int j = 0; j < V; j++) {
-            v8f val = cache_load(c->v_cache, type, at[i] + 8 * j);
-            for (int g = 0; g < G; g++) acc[g][j] += s[g][i / 8][i % 8] * val;
+    for (int g = 0; g < G; g++) {  /* acc = sum of p v, the values read from the float32 rows */
+        float p[CHUNK], *out = part + (int64_t)g * (D + 2) + 2;
+        memcpy(p, s[g], sizeof p);
+        int j = 0;
+        for (; j + 32 <= D; j += 32) {
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int i = 0; i < n; i++) {
+                const float *v = values + i * D + j;
+                v8f w = (v8f){0} + p[i];
+                a0 += w * load_f32(v), a1 += w * load_f32(v + 8), a2 += w * load_f32(v + 16), a3 += w * load_f32(v + 24);
+            }
+            memcpy(out + j, &a0, sizeof a0), memcpy(out + j + 8, &a1, sizeof a1);
+            memcpy(out + j + 16, &a2, sizeof a2), memcpy(out + j + 24, &a3, sizeof a3);
+        }
+        for (; j < D; j += 8) {
+            v8f a = {0};
+            for (int i = 0; i < n; i++) a += ((v8f){0} + p[i]) * load_f32(values + i * D + j);
+            memcpy(out + j, &a, sizeof a);
         }
     }
-    for (int g = 0; g < G; g++) memcpy(part + (int64_t)g * (D + 2) + 2, acc[g], D * sizeof(float));
 }
 
 /* Every query head's output from the items' partial results, chunk by chunk in order: the running
@@ -428,15 +620,36 @@ static void attend_combine(const float *parts, int64_t chunks, int H, int D, flo
     }
 }
 
-static float silu(float g) { return g / (1.0f + expf(-g)); }
+/* a[i] = silu(a[i]) up[i] = a[i] / (1 + e^-a[i]) up[i] for i in lo .. hi-1, eight at a time (exp8; a short
+ * last group padded), so each element's bits do not depend on where a thread's share starts. */
+static void silu_times(float *a, const float *up, int64_t lo, int64_t hi) {
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        v8f g = load_f32(a + i), y = g / (1.0f + exp8(-g)) * load_f32(up + i);
+        memcpy(a + i, &y, sizeof y);
+    }
+    if (i < hi) {
+        v8f g = {0}, u = {0};
+        memcpy(&g, a + i, (hi - i) * sizeof(float)), memcpy(&u, up + i, (hi - i) * sizeof(float));
+        v8f y = g / (1.0f + exp8(-g)) * u;
+        memcpy(a + i, &y, (hi - i) * sizeof(float));
+    }
+}
 
 /* Floats of workspace a step of up to max_batch sequences needs: shared, the residual x, a product
  * before it is added to x, q|k|v, the feed-forward's gate and up (each one row per sequence); per
  * thread, its normed x, its rotated queries and keys, attention's output (one row per sequence).
  * Attention's partial results, which grow with the context, come with each step (Step.parts). */
+static int64_t thread_floats(const Model *M, int64_t B) {  /* one thread's share for a step of B sequences */
+    int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, widest = d;
+    widest = M->d_ff > widest ? M->d_ff : widest;
+    widest = H * D > widest ? H * D : widest;
+    return B * (d + (2 * H + Hkv) * D) + 1 + B + (B * widest + 1) / 2;  /* ..., and int8 products' scratch */
+}
+
 int64_t work_floats(const Model *M) {
     int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, B = M->max_batch;
-    return B * (2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff) + M->threads * B * (d + (2 * H + Hkv) * D);
+    return B * (2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff) + M->threads * thread_floats(M, B);
 }
 
 /* Positions per attention chunk (CHUNK): Step.parts holds (chunks, n_heads, head_dim + 2) floats per sequence. */
@@ -450,8 +663,8 @@ int64_t chunk_positions(void) { return CHUNK; }
  * Each layer: every thread norms x itself (d floats a sequence: cheaper than waiting for one thread),
  * computes its rows of q, k and v for every sequence; after a barrier it rotates its own copy of every
  * query and key head, takes its attention items (the item holding a sequence's own position first writes
- * that position's keys and values to the cache: no other item reads them, since no two sequences of a
- * step write into one block: the engine copies a shared block before writing it); after a barrier it combines
+ * that position's key and value of its head to the cache: no other item reads them, since no two sequences
+ * of a step write into one block: the engine copies a shared block before writing it); after a barrier it combines
  * the partial results and computes its rows of o att (added to x); after a barrier its rows of gate and
  * up (and silu(gate) * up, the same rows); after a barrier its rows of down a (added to x); a barrier.
  * Five per layer. */
@@ -483,55 +696,57 @@ int decode_step(const Model *M, const Step *S) {
         }
     #pragma omp parallel num_threads(M->threads)
     {
-        float *h = own + omp_get_thread_num() * B * (d + (int64_t)(2 * H + Hkv) * D);  /* this thread's (B, d) */
+        float *h = own + omp_get_thread_num() * thread_floats(M, B);  /* this thread's (B, d) */
         float *qr = h + B * d, *att = qr + B * (int64_t)(H + Hkv) * D;  /* (B, (H + Hkv) D), (B, H D) */
+        float *scr = att + B * (int64_t)H * D;  /* the int8 products' scratch */
         int64_t QR = (int64_t)(H + Hkv) * D;
         for (int li = 0; li < M->n_layers; li++) {
             const Layer *L = &M->layers[li];
             for (int64_t b = 0; b < B; b++) rms_norm(x + b * d, L->attn_norm, M->norm_type, h + b * d, d, M->eps);
             /* q, k and v: each thread its share of each */
-            matvec_share(&L->q, h, d, B, qkv, QKV, 0, NULL, NULL, NULL);
-            matvec_share(&L->k, h, d, B, qkv + (int64_t)H * D, QKV, 0, NULL, NULL, NULL);
-            matvec_share(&L->v, h, d, B, qkv + (int64_t)(H + Hkv) * D, QKV, 0, NULL, NULL, NULL);
+            matvec_share(&L->q, h, d, B, qkv, QKV, 0, NULL, scr, 1, NULL, NULL);
+            matvec_share(&L->k, h, d, B, qkv + (int64_t)H * D, QKV, 0, NULL, scr, 0, NULL, NULL);
+            matvec_share(&L->v, h, d, B, qkv + (int64_t)(H + Hkv) * D, QKV, 0, NULL, scr, 0, NULL, NULL);
             #pragma omp barrier
             for (int64_t b = 0; b < B; b++) {  /* queries, then keys (k follows q) */
                 const float *cos = M->rope_cos + S->positions[b] * D, *sin = M->rope_sin + S->positions[b] * D;
                 memcpy(qr + b * QR, qkv + b * QKV, (size_t)QR * sizeof(float));
                 for (int hd = 0; hd < H + Hkv; hd++) rope(qr + b * QR + (int64_t)hd * D, cos, sin, D);
             }
-            int64_t b = 0;  /* the sequence of this thread's current item (a static schedule: its items ascend) */
-            #pragma omp for schedule(static)
-            for (int64_t it = 0; it < first[B]; it++) {  /* item: a sequence's chunk c of positions, every KV head */
-                while (it >= first[b + 1]) b++;
-                int64_t c = it - first[b], pos = S->positions[b];
+            int64_t b = 0;  /* the sequence of this thread's current item (its items ascend) */
+            #pragma omp for schedule(static, 1)
+            for (int64_t it = 0; it < first[B] * Hkv; it++) {  /* item: a sequence's chunk c of positions, KV head kv */
+                int64_t ci = it / Hkv;
+                int kv = (int)(it % Hkv);
+                while (ci >= first[b + 1]) b++;
+                int64_t c = ci - first[b], pos = S->positions[b];
                 int64_t t0 = c * CHUNK, t1 = t0 + CHUNK > pos + 1 ? pos + 1 : t0 + CHUNK;
-                const float *kb = qr + b * QR + (int64_t)H * D, *vb = qkv + b * QKV + (int64_t)(H + Hkv) * D;
-                if (t1 == pos + 1) {  /* the sequence's own keys and values, read by this item only */
-                    cache_store(L->k_cache, M->cache_type, slot[b] * Hkv * D, kb, Hkv * D);
-                    cache_store(L->v_cache, M->cache_type, slot[b] * Hkv * D, vb, Hkv * D);
+                const float *kb = qr + b * QR + (int64_t)(H + kv) * D, *vb = qkv + b * QKV + (int64_t)(H + Hkv + kv) * D;
+                if (t1 == pos + 1) {  /* the sequence's own key and value of head kv, read by this item only */
+                    cache_store(L->k_cache, M->cache_type, (slot[b] * Hkv + kv) * D, kb, D);
+                    cache_store(L->v_cache, M->cache_type, (slot[b] * Hkv + kv) * D, vb, D);
                 }
                 Keys keys = {L->k_cache, L->v_cache, S->block_tables + b * S->table_width, M->cache_type, bs, Hkv, D, group};
-                for (int kv = 0; kv < Hkv; kv++)  /* a position's heads lie side by side: read in turn */
-                    attend_chunk(&keys, qr + b * QR + (int64_t)kv * group * D, kv, t0, t1,
-                                 parts + (first[b] + c) * chunk_floats + (int64_t)kv * group * (D + 2));
+                attend_chunk(&keys, qr + b * QR + (int64_t)kv * group * D, kv, t0, t1,
+                             parts + (first[b] + c) * chunk_floats + (int64_t)kv * group * (D + 2));
             }  /* (the end of an omp for is a barrier) */
             for (int64_t s = 0; s < B; s++)
                 attend_combine(parts + first[s] * chunk_floats, first[s + 1] - first[s], H, D, att + s * (int64_t)H * D);
-            matvec_share(&L->o, att, (int64_t)H * D, B, x, d, 1, tmp, NULL, NULL);  /* x += o att */
+            matvec_share(&L->o, att, (int64_t)H * D, B, x, d, 1, tmp, scr, 1, NULL, NULL);  /* x += o att */
             #pragma omp barrier
             for (int64_t s = 0; s < B; s++) rms_norm(x + s * d, L->ffn_norm, M->norm_type, h + s * d, d, M->eps);
             /* gate and up: the same rows of each in one thread, so silu(gate) * up needs no barrier */
             int64_t lo, hi;
-            matvec_share(&L->gate, h, d, B, a, F, 0, NULL, &lo, &hi);
-            matvec_share(&L->up, h, d, B, up, F, 0, NULL, NULL, NULL);
+            matvec_share(&L->gate, h, d, B, a, F, 0, NULL, scr, 1, &lo, &hi);
+            matvec_share(&L->up, h, d, B, up, F, 0, NULL, scr, 0, NULL, NULL);
             for (int64_t s = 0; s < B; s++)
-                for (int64_t i = lo; i < hi; i++) a[s * F + i] = silu(a[s * F + i]) * up[s * F + i];
+                silu_times(a + s * F, up + s * F, lo, hi);
             #pragma omp barrier
-            matvec_share(&L->down, a, F, B, x, d, 1, tmp, NULL, NULL);  /* x += down a */
+            matvec_share(&L->down, a, F, B, x, d, 1, tmp, scr, 1, NULL, NULL);  /* x += down a */
             #pragma omp barrier
         }
         for (int64_t s = 0; s < B; s++) rms_norm(x + s * d, M->final_norm, M->norm_type, h + s * d, d, M->eps);
-        matvec_share(&M->head, h, d, B, S->logits, M->vocab, 0, NULL, NULL, NULL);
+        matvec_share(&M->head, h, d, B, S->logits, M->vocab, 0, NULL, scr, 1, NULL, NULL);
     }
     return 0;
 }
@@ -560,4 +775,12 @@ float read_floats(const float *x, int64_t n, int threads) {
         total += sum8(((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)));
     }
     return total;
+}
+
+/* The int8 product as the step computes it, on one thread, for tests: y (B, rows) = sx (x's codes) W^T
+ * before the rows' scales, x (B, cols), scratch at least 1 + B + (B cols + 1) / 2 floats. One input runs the
+ * one-row kernel, more the batched one. */
+void int8_product(const int8_t *W, int64_t rows, int64_t cols, const float *x, int64_t B, float *y, float *scratch) {
+    Matrix m = {W, NULL, NULL, rows, cols, I8, F32};
+    matvec_share(&m, x, cols, B, y, rows, 0, NULL, scratch, 1, NULL, NULL);
 }
