@@ -657,8 +657,8 @@ def results_markdown(results: dict | None) -> str:
                     for label in ("bfloat16 packed", "int8 weight-only") if f"fused {label}" in ppl)
     lines += ["", f"Perplexity on the held-out text ({results['perplexity']['tokens']:,} tokens, windows of "
               f"{results['perplexity']['window']}): float32 {ppl['float32']:.3f}, bfloat16 {ppl['bfloat16 packed']:.3f}"
-              f"{int8}{fused} (the fused step computes in float32 between the weights; torch's bfloat16 and int8 "
-              f"paths in bfloat16)."]
+              f"{int8}{fused} (the fused step computes in float32 between the weights, an int8 product's input "
+              f"rounded to int16; torch's bfloat16 and int8 paths in bfloat16)."]
     return "\n".join(lines)
 
 
