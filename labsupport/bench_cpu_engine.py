@@ -14,11 +14,12 @@ configuration, then run 2, ...):
   read bandwidth the same way over 1 GiB. Both are measured before the runs and after each, the best
   taken: a virtual machine's neighbours lower some measurements (on the course's AMD EPYC VM three
   runs of 2026-12-07 measured 33.2, 29.4 and 23.3 GB/s with ``torch.sum``). The size matters where the
-  last-level cache is large: on an Intel Xeon VM with a 300 MiB L3 (the committed run, 2026-12-07 04:42
-  UTC), the 135 MB of int8 weights were read at 67-69 GB/s and 1 GiB at 36-38, so a bound set by the
-  memory's bandwidth alone would have put the fused bfloat16 step at 124% of it. Where the weights about
-  fill the cache (that run's 269 MB of bfloat16, read at 49-65 GB/s) the bound moves with how much of the
-  cache the neighbours leave, and the file keeps every sample (``read_rate_samples_Bps``);
+  last-level cache is large: on an Intel Xeon VM with a 300 MiB L3 (a run of 2026-12-07 04:42 UTC), the
+  135 MB of int8 weights were read at 67-69 GB/s and 1 GiB at 36-38, so a bound set by the memory's
+  bandwidth alone would have put the fused bfloat16 step at 124% of it. Where the weights about fill the
+  cache (269 MB of bfloat16: read at 49-65 GB/s in that run, at 36-38 in the committed one of 06:08 UTC)
+  the bound moves with how much of the cache the neighbours leave, and the file keeps every sample
+  (``read_rate_samples_Bps``);
 * **batch-1 decode** (tokens per second after the first token): the course engine
   (:class:`labsupport.engine.Engine`, one request), the course's ``generate`` loop
   (:meth:`~labsupport.transformer.Transformer.prefill`, then one
