@@ -22,9 +22,9 @@ engine samples them as usual.
   to the order and rounding of float32 sums (so the same greedy tokens, but for near-ties); with
   bfloat16 weights its logits sit closer to the float32 model's than the torch path's, which rounds
   every activation to bfloat16. With int8 weights a product's input is first rounded to int16 codes
-  (one scale per row, chosen so that the integer sums cannot overflow; :func:`int8_product`), and the
-  products are exact integer sums: the same bits in a batch as alone, whatever the instruction set; the
-  weights' own rounding dominates (the bench's perplexities put the two int8 paths within a few
+  (one scale per row: :func:`int8_product`), and the products are exact integer sums, so an int8 step
+  gives the same bits in a batch as alone, and its products the same bits whatever the instruction set;
+  the weights' own rounding dominates (the bench's perplexities put the two int8 paths within a few
   hundredths of each other).
 * **Its limits**: steps that only decode, at most :data:`MAX_BATCH` sequences, each sampling, no
   speculative drafts (the engine's other steps run torch), a
@@ -216,12 +216,15 @@ def _declare_int8_product(lib: ctypes.CDLL) -> None:
     lib.int8_product.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p]
     lib.int8_product.restype = None
+    lib.int8_scratch_floats.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.int8_scratch_floats.restype = ctypes.c_int64
 
 
 def int8_product(codes: torch.Tensor, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x @ codes.T`` (B, R) float32 as the fused step computes a product with int8 weights, before the
-    rows' scales: each row of ``x`` (B, C) float32 rounded to int16 codes with its own scale, the integer
-    sums exact (the C file's note on int8 rows). ``codes``: (R, C) int8, C a multiple of 8. One row of
+    rows' scales: each row of ``x`` (B, C) float32 rounded to int16 codes, ``x ~ s q`` with ``|q| <= 32767``
+    and ``s = max|x| / 32767``, then ``s`` times the exact integer sums (the C file's note on int8 rows).
+    ``codes``: (R, C) int8, C a multiple of 8. One row of
     ``x`` runs the one-row kernel, more the batched one. ``lib``: another build of the C file (tests
     compare builds for other instruction sets); the machine's own by default."""
     if codes.dtype != torch.int8 or codes.dim() != 2 or x.dtype != torch.float32 or x.dim() != 2 \
@@ -235,7 +238,7 @@ def int8_product(codes: torch.Tensor, x: torch.Tensor, lib: ctypes.CDLL | None =
     codes, x = codes.contiguous(), x.contiguous()
     (rows, cols), batch = codes.shape, x.shape[0]
     y = torch.empty(batch, rows, dtype=torch.float32)
-    scratch = torch.empty(1 + batch + (batch * cols + 1) // 2, dtype=torch.float32)
+    scratch = torch.empty(lib.int8_scratch_floats(batch, cols), dtype=torch.float32)
     lib.int8_product(codes.data_ptr(), rows, cols, x.data_ptr(), batch, y.data_ptr(), scratch.data_ptr())
     return y
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labsupport._answers import unguarded
-from labsupport.engine.sampler import BatchedSampler, batched_sampling_probs, row_settings
+from labsupport.engine.sampler import BatchedSampler, batched_sampling_probs, greedy_ids, row_settings
 from labsupport.sampling import SamplingParams, min_p_filter, request_generator, sample, sampling_probs
 
 probs_of = unguarded(sampling_probs)
@@ -83,13 +83,12 @@ def test_min_p_keeps_the_most_likely_token_whatever_the_logits():
 
 def test_greedy_ids_take_torch_argmax_rule_on_ties_nan_and_infinities():
     """The all-greedy path's argmax (numpy on the CPU) gives torch's index: the first maximum, a NaN
-    counting as the largest, a row of -inf its first index; float32, float64 and a strided view alike."""
-    from labsupport.engine.sampler import greedy_ids
-
+    counting as the largest, a row of -inf its first index; float32, float64, a strided view and a
+    negated view (whose numpy() needs resolving first) alike."""
     nan, inf = float("nan"), float("inf")
     rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, nan, 5.0, nan], [-inf, -inf, -inf, -inf],
                          [0.0, inf, inf, 1.0], [-1.0, -2.0, -0.5, -0.5]])
-    for logits in (rows, rows.double(), rows.t().contiguous().t(), torch.randn(7, 49152)):
+    for logits in (rows, rows.double(), rows.t().contiguous().t(), torch._neg_view(rows), torch.randn(7, 49152)):
         assert greedy_ids(logits) == logits.argmax(-1).tolist()
     assert greedy_ids(rows) == [1, 1, 0, 1, 2]
     assert greedy_ids(rows.bfloat16()) == [1, 1, 0, 1, 2]  # not float32: torch's own argmax

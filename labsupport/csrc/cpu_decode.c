@@ -158,7 +158,8 @@ typedef v8f vf;
  * the thread's own share).
  * In a one-off microbenchmark while this was written (one core, 100,000 rows of 576, an AMD EPYC
  * with AVX2, 2026-12-06), the hardware's own prefetcher alone read int8 and bfloat16 rows at 7-8 GB/s
- * against 16 GB/s for float32, and 12-17 GB/s with this. */
+ * against 16 GB/s for float32, and 12-17 GB/s with this (int8 rows were then converted to float32 here;
+ * the integer kernels below prefetch the same way). */
 #define AHEAD 4
 #define MATVEC(NAME, T, LOAD, V, WIDTH, LOADV, XLOADV, SUMV)                                  \
 static void NAME(const T *W, int64_t n, const float *x, float *y, int64_t lo, int64_t hi) {    \
@@ -243,18 +244,22 @@ static void NAME(const T *W, int64_t n, const float *x, int64_t xs, int64_t B, f
 MATMUL(matmul_f32, float, load_f32, loadw_f32)
 MATMUL(matmul_bf16, uint16_t, load_bf16, loadw_bf16)
 
-/* Int8 rows: integer dot products. Each input row x is first rounded to nearest int16 codes, x ~ sx q
- * with |q| <= A = min(32767, floor((2^31 - 1) / (128 n))) for n columns, so that a row's n products of an
- * int8 code and an int16 code sum within int32 whatever the codes: the integer sums are exact, in any
- * order (one sequence or a batch, AVX-512, AVX2 or plain C: the same bits), and y[r] = sx * sum(code * q)
- * (times the row's scale, after). For SmolLM2's widths A is 29,127 (576 columns) and 10,922 (1536): an
- * activation's rounding error is at most 1/(2A) of its row's largest |x|, far below the weights' own
- * (half a code in 127). Per 32 weights one instruction widens the codes to int16 and one multiplies them
- * by 32 activations and adds the pairs into 16 sums (vpdpwssd with AVX512-VNNI; vpmaddwd and vpaddd
- * without it), where converting the codes to float32 took a widening, a conversion and a multiply-add
- * per 8 weights. The conversions were what held int8 rows back (about 46 GB/s from L2 against 153 for
- * float32 rows, in a one-off microbenchmark on the course's Xeon VM, 2026-12-07); in interleaved timings
- * there the whole one-row int8 step went from 3.3 to 2.9 ms. IW: int16 lanes per vector. */
+/* Int8 rows: integer dot products. Each input row x is first rounded to nearest int16 codes with its own
+ * scale, x ~ sx q with |q| <= 32767 (sx = max |x| / 32767): an activation's rounding error is at most
+ * 1/65534 of its row's largest |x|, whatever the width, far below the weights' own (half a code in 127).
+ * Then y[r] = sx * sum(code * q) (times the row's scale, after), the sum taken in integers: each vector
+ * lane adds products of at most 128 * 32767 in int32 over a block of at most BLOCK columns (at most 256
+ * products a lane, under 2^31), and the blocks' lanes are added in int64. The sums are exact, so in any
+ * order (one sequence or a batch, AVX-512, AVX2 or plain C) the products have the same bits. Per 32
+ * weights (16 with AVX2) one instruction widens the codes to int16 and one multiplies them by as many
+ * activations and adds the products in pairs into 16 (8) int32 sums: vpdpwssd with AVX512-VNNI or
+ * AVX-VNNI, vpmaddwd and vpaddd without. Converting the codes to float32 instead took a widening, a
+ * conversion and a multiply-add per 8 weights, and those conversions held int8 rows back (about 46 GB/s
+ * from L2 against 153 for float32 rows, in a one-off microbenchmark on the course's Xeon VM, 2026-12-07;
+ * in interleaved timings there of the whole one-row int8 step at positions 64 to 192, before the other
+ * changes of that day, 3.3 ms with conversions and 2.9 ms with the first integer kernel).
+ * IW: int16 lanes per vector. */
+#define BLOCK 2048
 #if defined(__AVX512BW__)
 #define IW 32
 typedef __m512i vi;
@@ -268,7 +273,10 @@ static inline vi idot(vi acc, vi a, vi b) {  /* acc[i] += a[2i] b[2i] + a[2i+1] 
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
-static inline int32_t isum(vi v) { return _mm512_reduce_add_epi32(v); }
+static inline int64_t isum(vi v) {  /* the lanes' sum, in int64 */
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+                                                    _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
 #elif defined(__AVX2__)
 #define IW 16
 typedef __m256i vi;
@@ -282,10 +290,11 @@ static inline vi idot(vi acc, vi a, vi b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
-static inline int32_t isum(vi v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+static inline int64_t isum(vi v) {
+    __m256i w = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                                 _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+    __m128i s = _mm_add_epi64(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    return _mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1);
 }
 #else
 #define IW 8
@@ -295,11 +304,17 @@ static inline vi izero(void) { return (vi){0}; }
 static inline vi load_codes(const int8_t *p) { v8b b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, v8i); }
 static inline vi load_q(const int16_t *p) { v8s s; memcpy(&s, p, sizeof s); return __builtin_convertvector(s, v8i); }
 static inline vi idot(vi acc, vi a, vi b) { return acc + a * b; }
-static inline int32_t isum(vi v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+static inline int64_t isum(vi v) {
+    int64_t s = 0;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
 #endif
 
-/* x (n floats) as int16 codes q, x ~ s q with |q| <= A(n) (above); returns s: 0 for a row of zeros, NaN
- * when x holds a NaN or an infinity (so that the products do too, as float products would). */
+/* x (n floats) as int16 codes q, x ~ s q with |q| <= 32767; returns s: 0 for a row of zeros, NaN when x
+ * holds a NaN or an infinity (so that the products do too, as float products would). The codes follow the
+ * thread's rounding mode (to nearest unless a program changed it). A row whose largest |x| is below about
+ * 1e-33 gets a subnormal s (fewer bits), below about 2e-41 an s of 0: zeros for its products. */
 static float quantize_row(const float *x, int64_t n, int16_t *q) {  /* n: a multiple of 8 */
     v8f big8 = {0};
     v8i bad8 = {0};
@@ -319,45 +334,54 @@ static float quantize_row(const float *x, int64_t n, int16_t *q) {  /* n: a mult
         memset(q, 0, (size_t)n * sizeof *q);
         return bad ? NAN : 0.0f;
     }
-    int64_t A = INT32_MAX / (128 * n);
-    A = A > 32767 ? 32767 : A < 1 ? 1 : A;
-    float inv = (float)A / big;
-    for (int64_t i = 0; i < n; i++)  /* |x[i] inv| <= A up to a rounding, so |q| <= A; no add to fuse with the */
-        q[i] = (int16_t)nearbyintf(x[i] * inv);  /* multiply: the same codes with or without FMA */
-    return big / (float)A;
+    /* 32767 / big overflows for rows below about 1e-34: scale those by 2^64 first (exact, a power of two) */
+    float k = big < 0x1p-60f ? 0x1p64f : 1.0f, inv = 32767.0f / (big * k);
+    for (int64_t i = 0; i < n; i++)  /* |x k inv| <= 32767 (1 + 2^-24)^2 < 32767.5, so |q| <= 32767; no add */
+        q[i] = (int16_t)nearbyintf((x[i] * k) * inv);  /* to fuse with a multiply: the same codes with or without FMA */
+    return big / 32767.0f;
 }
 
-static inline int32_t tail_dot(const int8_t *w, const int16_t *q, int64_t from, int64_t n) {  /* the last n % IW columns */
+/* sum(w[k] q[k]) for k in lo .. hi-1, hi - lo < BLOCK (the columns past the last whole vector) */
+static inline int64_t tail_dot(const int8_t *w, const int16_t *q, int64_t lo, int64_t hi) {
     int32_t s = 0;
-    for (int64_t k = from; k < n; k++) s += (int32_t)w[k] * q[k];
+    for (int64_t k = lo; k < hi; k++) s += (int32_t)w[k] * q[k];
     return s;
 }
 
-/* y[r] = s (W[r] . q) for rows lo .. hi-1, four rows a pass, prefetching AHEAD passes on as MATVEC does. */
+/* y[r] = s (W[r] . q) for rows lo .. hi-1, four rows a pass, prefetching AHEAD passes on as MATVEC does;
+ * the int32 lanes added into int64 every BLOCK columns. */
 static void matvec_i8(const int8_t *W, int64_t n, const int16_t *q, float s, float *y, int64_t lo, int64_t hi) {
     int64_t r = lo, wide = n - n % IW;
     for (const int8_t *line = W + lo * n, *end = line + AHEAD * 4 * n; line < end; line += 64) __builtin_prefetch(line);
     for (; r + 4 <= hi; r += 4) {
         const int8_t *w0 = W + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-        vi a0 = izero(), a1 = izero(), a2 = izero(), a3 = izero();
-        for (int64_t k = 0; k < wide; k += IW) {
-            vi xv = load_q(q + k);
-            if (r + 4 * AHEAD < hi)
-                for (int64_t c = 0; c < 4 * IW; c += 64) __builtin_prefetch(w0 + AHEAD * 4 * n + 4 * k + c);
-            a0 = idot(a0, load_codes(w0 + k), xv);
-            a1 = idot(a1, load_codes(w1 + k), xv);
-            a2 = idot(a2, load_codes(w2 + k), xv);
-            a3 = idot(a3, load_codes(w3 + k), xv);
+        int64_t t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+        for (int64_t k0 = 0; k0 < wide; k0 += BLOCK) {
+            vi a0 = izero(), a1 = izero(), a2 = izero(), a3 = izero();
+            for (int64_t k = k0; k < wide && k < k0 + BLOCK; k += IW) {
+                vi xv = load_q(q + k);
+                if (r + 4 * AHEAD < hi)
+                    for (int64_t c = 0; c < 4 * IW; c += 64) __builtin_prefetch(w0 + AHEAD * 4 * n + 4 * k + c);
+                a0 = idot(a0, load_codes(w0 + k), xv);
+                a1 = idot(a1, load_codes(w1 + k), xv);
+                a2 = idot(a2, load_codes(w2 + k), xv);
+                a3 = idot(a3, load_codes(w3 + k), xv);
+            }
+            t0 += isum(a0), t1 += isum(a1), t2 += isum(a2), t3 += isum(a3);
         }
-        y[r] = s * (float)(isum(a0) + tail_dot(w0, q, wide, n));
-        y[r + 1] = s * (float)(isum(a1) + tail_dot(w1, q, wide, n));
-        y[r + 2] = s * (float)(isum(a2) + tail_dot(w2, q, wide, n));
-        y[r + 3] = s * (float)(isum(a3) + tail_dot(w3, q, wide, n));
+        y[r] = s * (float)(t0 + tail_dot(w0, q, wide, n));
+        y[r + 1] = s * (float)(t1 + tail_dot(w1, q, wide, n));
+        y[r + 2] = s * (float)(t2 + tail_dot(w2, q, wide, n));
+        y[r + 3] = s * (float)(t3 + tail_dot(w3, q, wide, n));
     }
     for (; r < hi; r++) {
-        vi a = izero();
-        for (int64_t k = 0; k < wide; k += IW) a = idot(a, load_codes(W + r * n + k), load_q(q + k));
-        y[r] = s * (float)(isum(a) + tail_dot(W + r * n, q, wide, n));
+        int64_t t = tail_dot(W + r * n, q, wide, n);
+        for (int64_t k0 = 0; k0 < wide; k0 += BLOCK) {
+            vi a = izero();
+            for (int64_t k = k0; k < wide && k < k0 + BLOCK; k += IW) a = idot(a, load_codes(W + r * n + k), load_q(q + k));
+            t += isum(a);
+        }
+        y[r] = s * (float)t;
     }
 }
 
@@ -372,22 +396,27 @@ static void matmul_i8(const int8_t *W, int64_t n, const int16_t *q, const float 
         for (int64_t b0 = 0; b0 < B; b0 += BB) {
             const int16_t *qb[BB];
             for (int i = 0; i < BB; i++) qb[i] = q + (b0 + i < B ? b0 + i : b0) * n;
-            vi acc[4][BB];
-            for (int j = 0; j < 4; j++)
-                for (int i = 0; i < BB; i++) acc[j][i] = izero();
-            for (int64_t k = 0; k < wide; k += IW) {
-                if (b0 == 0 && r + 4 * AHEAD < hi)
-                    for (int64_t c = 0; c < 4 * IW; c += 64) __builtin_prefetch(w[0] + AHEAD * 4 * n + 4 * k + c);
-                vi wv[4];
-                for (int j = 0; j < 4; j++) wv[j] = load_codes(w[j] + k);
-                for (int i = 0; i < BB; i++) {
-                    vi xv = load_q(qb[i] + k);
-                    for (int j = 0; j < 4; j++) acc[j][i] = idot(acc[j][i], wv[j], xv);
+            int64_t t[4][BB] = {{0}};
+            for (int64_t k0 = 0; k0 < wide; k0 += BLOCK) {
+                vi acc[4][BB];
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < BB; i++) acc[j][i] = izero();
+                for (int64_t k = k0; k < wide && k < k0 + BLOCK; k += IW) {
+                    if (b0 == 0 && r + 4 * AHEAD < hi)
+                        for (int64_t c = 0; c < 4 * IW; c += 64) __builtin_prefetch(w[0] + AHEAD * 4 * n + 4 * k + c);
+                    vi wv[4];
+                    for (int j = 0; j < 4; j++) wv[j] = load_codes(w[j] + k);
+                    for (int i = 0; i < BB; i++) {
+                        vi xv = load_q(qb[i] + k);
+                        for (int j = 0; j < 4; j++) acc[j][i] = idot(acc[j][i], wv[j], xv);
+                    }
                 }
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < BB; i++) t[j][i] += isum(acc[j][i]);
             }
             for (int j = 0; j < 4 && r + j < hi; j++)
                 for (int i = 0; i < BB && b0 + i < B; i++)
-                    y[(b0 + i) * ys + r + j] = s[b0 + i] * (float)(isum(acc[j][i]) + tail_dot(w[j], qb[i], wide, n));
+                    y[(b0 + i) * ys + r + j] = s[b0 + i] * (float)(t[j][i] + tail_dot(w[j], qb[i], wide, n));
         }
     }
 }
@@ -415,23 +444,32 @@ static void share(int64_t n, int64_t *lo, int64_t *hi) {
     if (*hi > n) *hi = n;
 }
 
+static inline int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }  /* floats to a whole 64 bytes */
+
+/* Floats of scratch an int8 product of B inputs of n columns needs: the number of columns of the codes
+ * it holds (0 for none) and B scales in the first 64 bytes' worth, then the (B, n) int16 codes. */
+static int64_t scratch_floats(int64_t B, int64_t n) { return up16(1 + B) + (B * n + 1) / 2; }
+
 /* This thread's share of Y = X m^T (+ bias), or of Y += X m^T (+ bias) with accumulate, for B rows
  * of X (stride xs) and of Y and tmp (stride ys); returns the share's rows of m through lo, hi. One
  * row: the one-row kernels above; more: the batched ones. Int8 rows first round X to int16 codes, kept
- * in the thread's scratch (the number of columns they hold, B scales, then (B, n) codes) for the next
- * product of the same X: fresh says X is new (q and gate; k, v and up read the X before them). */
+ * in the thread's scratch (scratch_floats) for the next product of the same X: fresh says X is new
+ * (false only for k, v and up, which read the X of the product before them). */
 static void matvec_share(const Matrix *m, const float *x, int64_t xs, int64_t B, float *y, int64_t ys, int accumulate,
                          float *tmp, float *scratch, int fresh, int64_t *lo_out, int64_t *hi_out) {
     int64_t lo, hi, n = m->cols;
     share(m->rows, &lo, &hi);
     float *out = accumulate ? tmp : y;
-    if (fresh) scratch[0] = 0;  /* the codes held, if any, are another X's */
+    int32_t held = 0;  /* the number of columns of the codes in scratch, 0 for none */
+    if (fresh) memcpy(scratch, &held, sizeof held);  /* the codes held, if any, are another X's */
     if (m->type == I8) {
         float *scales = scratch + 1;
-        int16_t *q = (int16_t *)(scales + B);
-        if (scratch[0] != (float)n) {
+        int16_t *q = (int16_t *)(scratch + up16(1 + B));
+        memcpy(&held, scratch, sizeof held);
+        if (held != n) {
             for (int64_t b = 0; b < B; b++) scales[b] = quantize_row(x + b * xs, n, q + b * n);
-            scratch[0] = (float)n;
+            held = (int32_t)n;
+            memcpy(scratch, &held, sizeof held);
         }
         if (B == 1) matvec_i8((const int8_t *)m->w, n, q, scales[0], out, lo, hi);
         else matmul_i8((const int8_t *)m->w, n, q, scales, B, out, ys, lo, hi);
@@ -482,10 +520,11 @@ static void cache_store(void *cache, int type, int64_t at, const float *x, int n
 /* Attention is split into work items that the threads share: one item is one sequence's chunk of
  * CHUNK consecutive positions (two of the engine's 16-position blocks) for one KV head and its group of
  * query heads, as Flash-Decoding splits a long context over a GPU's thread blocks. The items are dealt
- * round-robin (chunk by chunk, head by head), so the threads stay evenly busy whatever the number of
- * chunks or of KV heads (3 on 2 threads for SmolLM2; dealing whole chunks in two halves left one thread
- * twice the other's positions at some lengths). The chunks are fixed, not one per thread, so the
- * arithmetic and its rounding do not depend on the number of threads. */
+ * round-robin (chunk by chunk, head by head), so the threads' shares differ by at most one item (and a
+ * sequence's last chunk is short) whatever the number of chunks or of KV heads (3 on 2 threads for
+ * SmolLM2; dealing whole chunks in two halves left one thread twice the other's positions at some
+ * lengths). The chunks are fixed, not one per thread, so the arithmetic and its rounding do not depend
+ * on the number of threads. */
 #define CHUNK 32
 
 /* Where one sequence's keys and values are: a layer's paged caches, the sequence's block table. */
@@ -498,7 +537,6 @@ typedef struct {
 /* exp of 8 floats at once: e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln(2)/2, e^r from its
  * Taylor polynomial to degree 7 (relative error under 2e-7, about expf's), 2^n put into the exponent
  * bits. x below -87 gives 0 (as exp underflows), so e^(-inf) = 0 for a masked score. */
-
 static inline v8f exp8(v8f x) {
     const v8f lo = (v8f){0} - 87.0f, hi = (v8f){0} + 88.0f, half = (v8f){0} + 0.5f;
     v8i under = x < lo;
@@ -535,11 +573,11 @@ static inline v8f sum8x8(const v8f *a) {
  * converted once, not once per query head); scores are then taken eight positions at a time (eight
  * dot products summed across in one go), exponentials eight at a time, and each head's sum of values
  * 32 columns at a time in registers. D is a multiple of 8, at most 512; a group at most 16 heads. */
-static void attend_chunk(const Keys *c, const float *q, int kv, int64_t t0, int64_t t1, float *part) {
+static void attend_chunk(const Keys *c, const float *q, int kv, int64_t t0, int64_t t1, float *part, float *rows) {
     int D = c->head_dim, G = c->group, Hkv = c->n_kv_heads, bs = c->block_size, type = c->type;
     int n = (int)(t1 - t0), blocks = (n + 7) / 8;
     float scale = 1.0f / sqrtf((float)D);
-    float keys[blocks * 8 * D], values[n * D];  /* (8 blocks, D), rows past n zero; (n, D) */
+    float *keys = rows, *values = rows + CHUNK * D;  /* (blocks * 8, D) and (n, D): the thread's 2 CHUNK D */
     int64_t at[CHUNK];
     int esize = type == F32 ? 4 : 2;
     for (int i = 0; i < n; i++) {  /* where each position's key and value are; ask for them all first */
@@ -556,7 +594,7 @@ static void attend_chunk(const Keys *c, const float *q, int kv, int64_t t0, int6
             memcpy(keys + i * D + j, &kv8, sizeof kv8), memcpy(values + i * D + j, &vv8, sizeof vv8);
         }
     }
-    memset(keys + n * D, 0, (size_t)(blocks * 8 - n) * D * sizeof(float));
+    memset(keys + n * D, 0, (size_t)(blocks * 8 - n) * D * sizeof(float));  /* their scores are set to -inf; no garbage read */
     v8f s[16][CHUNK / 8];  /* scores, then their exponentials; positions past n: -inf, then 0 */
     for (int g = 0; g < G; g++) {
         const float *qg = q + (int64_t)g * D;
@@ -637,19 +675,25 @@ static void silu_times(float *a, const float *up, int64_t lo, int64_t hi) {
 }
 
 /* Floats of workspace a step of up to max_batch sequences needs: shared, the residual x, a product
- * before it is added to x, q|k|v, the feed-forward's gate and up (each one row per sequence); per
- * thread, its normed x, its rotated queries and keys, attention's output (one row per sequence).
- * Attention's partial results, which grow with the context, come with each step (Step.parts). */
-static int64_t thread_floats(const Model *M, int64_t B) {  /* one thread's share for a step of B sequences */
+ * before it is added to x, q|k|v, the feed-forward's gate and up (each one row per sequence); then each
+ * thread's share (thread_floats). Attention's partial results, which grow with the context, come with
+ * each step (Step.parts). The workspace's start is taken to be 64-byte aligned (torch's allocations are). */
+static int64_t shared_floats(const Model *M, int64_t B) {  /* x, tmp, qkv, gate and up: (B, ...) each */
+    return up16(B * (2 * M->d + (int64_t)(M->n_heads + 2 * M->n_kv_heads) * M->head_dim + 2 * (int64_t)M->d_ff));
+}
+
+/* One thread's share for a step of B sequences, each part from a whole 64 bytes: its normed x (B, d), its
+ * rotated queries and keys (B, (H + Hkv) D), attention's output (B, H D), an attention item's keys and
+ * values as float32 (2 CHUNK D), and the int8 products' scratch for the widest input. */
+static int64_t thread_floats(const Model *M, int64_t B) {
     int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, widest = d;
     widest = M->d_ff > widest ? M->d_ff : widest;
     widest = H * D > widest ? H * D : widest;
-    return B * (d + (2 * H + Hkv) * D) + 1 + B + (B * widest + 1) / 2;  /* ..., and int8 products' scratch */
+    return up16(B * d) + up16(B * (H + Hkv) * D) + up16(B * H * D) + 2 * CHUNK * D + scratch_floats(B, widest);
 }
 
 int64_t work_floats(const Model *M) {
-    int64_t d = M->d, D = M->head_dim, H = M->n_heads, Hkv = M->n_kv_heads, B = M->max_batch;
-    return B * (2 * d + (H + 2 * Hkv) * D + 2 * (int64_t)M->d_ff) + M->threads * thread_floats(M, B);
+    return shared_floats(M, M->max_batch) + M->threads * thread_floats(M, M->max_batch);
 }
 
 /* Positions per attention chunk (CHUNK): Step.parts holds (chunks, n_heads, head_dim + 2) floats per sequence. */
@@ -686,7 +730,8 @@ int decode_step(const Model *M, const Step *S) {
     int64_t chunk_floats = (int64_t)H * (D + 2);  /* one chunk's partial results: (H, D + 2) */
     if (first[B] * chunk_floats > S->parts_floats) return 4;
     float *x = M->work, *tmp = x + B * d, *qkv = tmp + B * d;        /* (B, d), (B, d), (B, (H + 2 Hkv) D) */
-    float *a = qkv + B * QKV, *up = a + B * F, *own = up + B * F;    /* (B, d_ff), (B, d_ff) */
+    float *a = qkv + B * QKV, *up = a + B * F;                       /* (B, d_ff), (B, d_ff) */
+    float *own = M->work + shared_floats(M, B);                      /* then each thread's share */
     float *parts = S->parts;  /* sequence b's chunks: (chunks_b, H, D + 2) from first[b] * chunk_floats */
 
     for (int64_t b = 0; b < B; b++)
@@ -696,9 +741,9 @@ int decode_step(const Model *M, const Step *S) {
         }
     #pragma omp parallel num_threads(M->threads)
     {
-        float *h = own + omp_get_thread_num() * thread_floats(M, B);  /* this thread's (B, d) */
-        float *qr = h + B * d, *att = qr + B * (int64_t)(H + Hkv) * D;  /* (B, (H + Hkv) D), (B, H D) */
-        float *scr = att + B * (int64_t)H * D;  /* the int8 products' scratch */
+        float *h = own + omp_get_thread_num() * thread_floats(M, B);  /* this thread's share: thread_floats */
+        float *qr = h + up16(B * d), *att = qr + up16(B * (int64_t)(H + Hkv) * D);
+        float *rows = att + up16(B * (int64_t)H * D), *scr = rows + 2 * CHUNK * D;
         int64_t QR = (int64_t)(H + Hkv) * D;
         for (int li = 0; li < M->n_layers; li++) {
             const Layer *L = &M->layers[li];
@@ -713,11 +758,12 @@ int decode_step(const Model *M, const Step *S) {
                 memcpy(qr + b * QR, qkv + b * QKV, (size_t)QR * sizeof(float));
                 for (int hd = 0; hd < H + Hkv; hd++) rope(qr + b * QR + (int64_t)hd * D, cos, sin, D);
             }
-            int64_t b = 0;  /* the sequence of this thread's current item (its items ascend) */
+            int64_t b = 0;  /* the sequence of this thread's current item */
             #pragma omp for schedule(static, 1)
             for (int64_t it = 0; it < first[B] * Hkv; it++) {  /* item: a sequence's chunk c of positions, KV head kv */
                 int64_t ci = it / Hkv;
                 int kv = (int)(it % Hkv);
+                if (ci < first[b]) b = 0;  /* (OpenMP does not promise a thread its items in order) */
                 while (ci >= first[b + 1]) b++;
                 int64_t c = ci - first[b], pos = S->positions[b];
                 int64_t t0 = c * CHUNK, t1 = t0 + CHUNK > pos + 1 ? pos + 1 : t0 + CHUNK;
@@ -728,7 +774,7 @@ int decode_step(const Model *M, const Step *S) {
                 }
                 Keys keys = {L->k_cache, L->v_cache, S->block_tables + b * S->table_width, M->cache_type, bs, Hkv, D, group};
                 attend_chunk(&keys, qr + b * QR + (int64_t)kv * group * D, kv, t0, t1,
-                             parts + (first[b] + c) * chunk_floats + (int64_t)kv * group * (D + 2));
+                             parts + (first[b] + c) * chunk_floats + (int64_t)kv * group * (D + 2), rows);
             }  /* (the end of an omp for is a barrier) */
             for (int64_t s = 0; s < B; s++)
                 attend_combine(parts + first[s] * chunk_floats, first[s + 1] - first[s], H, D, att + s * (int64_t)H * D);
@@ -778,8 +824,10 @@ float read_floats(const float *x, int64_t n, int threads) {
 }
 
 /* The int8 product as the step computes it, on one thread, for tests: y (B, rows) = sx (x's codes) W^T
- * before the rows' scales, x (B, cols), scratch at least 1 + B + (B cols + 1) / 2 floats. One input runs the
+ * before the rows' scales, x (B, cols), scratch int8_scratch_floats(B, cols) floats. One input runs the
  * one-row kernel, more the batched one. */
+int64_t int8_scratch_floats(int64_t B, int64_t cols) { return scratch_floats(B, cols); }
+
 void int8_product(const int8_t *W, int64_t rows, int64_t cols, const float *x, int64_t B, float *y, float *scratch) {
     Matrix m = {W, NULL, NULL, rows, cols, I8, F32};
     matvec_share(&m, x, cols, B, y, rows, 0, NULL, scratch, 1, NULL, NULL);

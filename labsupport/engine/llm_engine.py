@@ -101,8 +101,7 @@ class Engine:
     ``cpu_decode``: ``"torch"`` (default) or ``"fused"``, which runs a step that only decodes (up to
     16 sequences, every one sampling, no draft tokens) on a CPU as one C call
     (:class:`labsupport.cpu_decode.FusedDecoder`: float32 activations, rounded to int16 for int8
-    weights' products, the same cache; every other step
-    runs torch).
+    weights' products, the same cache; every other step runs torch).
 
     After construction ``engine.scheduler`` is the :class:`~labsupport.engine.scheduler.Scheduler`
     (its ``decide`` is the step decision), ``engine.runner`` the

@@ -82,8 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-decode", choices=("torch", "fused"), default="torch",
                    help="continuous engine on a CPU: torch (default) or fused, which runs a step that only decodes "
                    "(up to 16 requests, no speculative drafts) as one C call compiled on this machine "
-                   "(labsupport.cpu_decode: float32 activations, int16 into int8 products; results/cpu_engine.json has its speed on the "
-                   "machine named there). With bfloat16 or "
+                   "(labsupport.cpu_decode: float32 activations, int16 into int8 products; "
+                   "results/cpu_engine.json has its speed on the machine named there). With bfloat16 or "
                    "int8 weights a request's text can then depend on whether its decode steps ran in C or through "
                    "torch (beside a prompt chunk, or more than 16 requests)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
