@@ -17,9 +17,9 @@ configuration, then run 2, ...):
   last-level cache is large: on an Intel Xeon VM with a 300 MiB L3 (a run of 2026-12-07 04:42 UTC), the
   135 MB of int8 weights were read at 67-69 GB/s and 1 GiB at 36-38, so a bound set by the memory's
   bandwidth alone would have put the fused bfloat16 step at 124% of it. Where the weights about fill the
-  cache (269 MB of bfloat16: read at 49-65 GB/s in that run, at 36-38 in the committed one of 06:08 UTC)
-  the bound moves with how much of the cache the neighbours leave, and the file keeps every sample
-  (``read_rate_samples_Bps``);
+  cache (269 MB of bfloat16: read at 49-65 GB/s in that run, at 36-38 in one of 06:08 UTC and 41-48 in
+  the committed one of 06:31 UTC) the bound moves with how much of the cache the neighbours leave, and
+  the file keeps every sample (``read_rate_samples_Bps``);
 * **batch-1 decode** (tokens per second after the first token): the course engine
   (:class:`labsupport.engine.Engine`, one request), the course's ``generate`` loop
   (:meth:`~labsupport.transformer.Transformer.prefill`, then one
