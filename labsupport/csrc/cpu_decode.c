@@ -341,7 +341,7 @@ static float quantize_row(const float *x, int64_t n, int16_t *q) {  /* n: a mult
     return big / 32767.0f;
 }
 
-/* sum(w[k] q[k]) for k in lo .. hi-1, hi - lo < BLOCK (the columns past the last whole vector) */
+/* sum(w[k] q[k]) for k in lo .. hi-1: the fewer than IW columns past the last whole vector */
 static inline int64_t tail_dot(const int8_t *w, const int16_t *q, int64_t lo, int64_t hi) {
     int32_t s = 0;
     for (int64_t k = lo; k < hi; k++) s += (int32_t)w[k] * q[k];
