@@ -224,9 +224,9 @@ def int8_product(codes: torch.Tensor, x: torch.Tensor, lib: ctypes.CDLL | None =
     """``x @ codes.T`` (B, R) float32 as the fused step computes a product with int8 weights, before the
     rows' scales: each row of ``x`` (B, C) float32 rounded to int16 codes, ``x ~ s q`` with ``|q| <= 32767``
     and ``s = max|x| / 32767``, then ``s`` times the exact integer sums (the C file's note on int8 rows).
-    ``codes``: (R, C) int8, C a multiple of 8. One row of
-    ``x`` runs the one-row kernel, more the batched one. ``lib``: another build of the C file (tests
-    compare builds for other instruction sets); the machine's own by default."""
+    ``codes``: (R, C) int8, C a multiple of 8. One row of ``x`` runs the one-row kernel, more the batched
+    one. ``lib``: another build of the C file (tests compare builds for other instruction sets); the
+    machine's own by default."""
     if codes.dtype != torch.int8 or codes.dim() != 2 or x.dtype != torch.float32 or x.dim() != 2 \
             or x.shape[1] != codes.shape[1] or codes.shape[1] % 8 or x.shape[0] < 1:
         raise ValueError(f"int8_product takes int8 codes (R, C) and float32 x (B, C), C a multiple of 8; got "
